@@ -1,0 +1,130 @@
+#include "core/allocator.hpp"
+
+#include <cstdlib>
+
+#include "core/error.hpp"
+
+namespace loom {
+
+std::string_view device_name(Device d) {
+  switch (d) {
+    case Device::cpu:
+      return "cpu";
+    case Device::cuda:
+      return "cuda";
+    case Device::meta:
+      return "meta";
+  }
+  return "?";
+}
+
+Allocator& Allocator::get(Device device) {
+  // The per-device allocators are the one piece of process-wide state (DESIGN.md, decision 9).
+  static Allocator cpu(Device::cpu);
+  static Allocator meta(Device::meta);
+  switch (device) {
+    case Device::cpu:
+      return cpu;
+    case Device::meta:
+      return meta;
+    case Device::cuda:
+      break;
+  }
+  fail("no allocator for device ", device_name(device), " in this build");
+}
+
+Allocator::~Allocator() {
+  empty_cache();
+}
+
+size_t Allocator::round_size(size_t bytes) {
+  // Small blocks round to 512 bytes, large ones to 2 MiB pages' 1/16 so that reuse is likely
+  // while internal waste stays under ~6%.
+  if (bytes == 0) bytes = 1;
+  if (bytes <= (1u << 20)) return (bytes + 511) & ~size_t(511);
+  size_t step = size_t(1) << 16;
+  return (bytes + step - 1) & ~(step - 1);
+}
+
+void* Allocator::os_alloc(size_t bytes) {
+  if (device_ == Device::meta) {
+    void* p = reinterpret_cast<void*>(next_meta_);
+    next_meta_ += bytes;
+    return p;
+  }
+  void* p = std::aligned_alloc(64, bytes);
+  if (!p) fail("out of host memory: could not allocate ", bytes, " bytes");
+  return p;
+}
+
+void Allocator::os_free(void* ptr, size_t) {
+  if (device_ != Device::meta) std::free(ptr);
+}
+
+Allocator::Block Allocator::allocate(size_t bytes) {
+  size_t size = round_size(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.num_allocs++;
+  void* p = nullptr;
+  // Reuse a cached block no more than 25% larger than asked for.
+  auto it = cache_.lower_bound(size);
+  if (it != cache_.end() && it->first <= size + size / 4) {
+    size = it->first;
+    p = it->second;
+    cache_.erase(it);
+  } else {
+    if (limit_ && stats_.reserved + size > limit_) {
+      // Give back the cache before declaring out-of-memory.
+      for (auto& [s, q] : cache_) {
+        os_free(q, s);
+        stats_.reserved -= s;
+      }
+      cache_.clear();
+      if (stats_.reserved + size > limit_)
+        fail("out of memory on ", device_name(device_), ": allocating ", size, " bytes with ",
+             stats_.allocated, " allocated and ", stats_.reserved,
+             " reserved exceeds the limit of ", limit_, " bytes");
+    }
+    p = os_alloc(size);
+    stats_.num_os_allocs++;
+    stats_.reserved += size;
+    if (stats_.reserved > stats_.peak_reserved) stats_.peak_reserved = stats_.reserved;
+  }
+  stats_.allocated += size;
+  if (stats_.allocated > stats_.peak_allocated) stats_.peak_allocated = stats_.allocated;
+  return Block{p, size};
+}
+
+void Allocator::deallocate(Block block) {
+  if (!block.ptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.allocated -= block.size;
+  cache_.emplace(block.size, block.ptr);
+}
+
+AllocatorStats Allocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Allocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_allocated = stats_.allocated;
+  stats_.peak_reserved = stats_.reserved;
+}
+
+void Allocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [s, q] : cache_) {
+    os_free(q, s);
+    stats_.reserved -= s;
+  }
+  cache_.clear();
+}
+
+void Allocator::set_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  limit_ = bytes;
+}
+
+}  // namespace loom

@@ -1,0 +1,18 @@
+#pragma once
+#include <cstdint>
+
+#include "core/dtype.hpp"
+
+namespace loom::cpu {
+
+struct AdamWArgs {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+// Fused AdamW (decoupled weight decay, PyTorch's formula) on fp32 master weights and moments.
+// If param_bf16 is not null, also writes the updated weights rounded to bf16 there.
+void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
+                bf16* param_bf16 = nullptr);
+
+}  // namespace loom::cpu

@@ -1,0 +1,59 @@
+#pragma once
+// Shared helpers of the unit tests: random inputs (never zeros), error measures, and fp64
+// central finite differences.
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+namespace loom::test {
+
+inline std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+inline std::vector<double> to_double(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// ||a - b|| / ||b|| (relative L2 error against the reference b).
+template <class A, class B>
+double rel_l2(const A& a, const B& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / (den > 0 ? den : 1e-300));
+}
+
+template <class A, class B>
+double max_abs_diff(const A& a, const B& b) {
+  double m = 0;
+  for (size_t i = 0; i < b.size(); ++i) m = std::max(m, std::abs(double(a[i]) - double(b[i])));
+  return m;
+}
+
+// Gradient of f at x by central differences in fp64.
+inline std::vector<double> numeric_grad(const std::function<double(const std::vector<double>&)>& f,
+                                        std::vector<double> x, double h = 1e-6) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    double x0 = x[i];
+    x[i] = x0 + h;
+    double fp = f(x);
+    x[i] = x0 - h;
+    double fm = f(x);
+    x[i] = x0;
+    g[i] = (fp - fm) / (2 * h);
+  }
+  return g;
+}
+
+}  // namespace loom::test
