@@ -3,13 +3,35 @@
 #include <exception>
 #include <string>
 
+#include "apps/commands.hpp"
 #include "core/error.hpp"
 
+namespace {
+
+const char* kUsage =
+    "usage: loom <command> [args]\n"
+    "commands:\n"
+    "  bench step --config FILE [--json] [--section.key=value ...]\n"
+    "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n";
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: loom <train|bench|generate|tokenize|convert|plan> ...\n");
-    return 2;
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
   }
-  std::fprintf(stderr, "loom: unknown command '%s'\n", argv[1]);
-  return 2;
+  const std::string cmd = argv[1];
+  loom::Args args(argv + 2, argv + argc);
+  try {
+    if (cmd == "bench") return loom::bench_command(args);
+    std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
+    return 2;
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom %s: internal error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  }
 }

@@ -1,0 +1,12 @@
+#pragma once
+// The subcommands of the `loom` command line. Each takes the arguments after its name.
+#include <string>
+#include <vector>
+
+namespace loom {
+
+using Args = std::vector<std::string>;
+
+int bench_command(const Args& args);
+
+}  // namespace loom

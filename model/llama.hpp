@@ -1,0 +1,96 @@
+#pragma once
+// The Llama model as explicit modules (DESIGN.md decision 1): each forward saves exactly what its
+// backward needs in the micro-batch's activation store, each backward returns the input gradient
+// and accumulates parameter gradients. The saved tensors are the activation memory.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "kernels/cpu/rope.hpp"
+#include "model/llama_config.hpp"
+#include "model/param_unit.hpp"
+
+namespace loom {
+
+class SafetensorsDir;
+
+// What one forward/backward of a micro-batch needs to know.
+struct StepContext {
+  int64_t B = 0, T = 0;
+  DType compute = DType::f32;      // what GEMMs read: f32, or bf16 (fp32 accumulation)
+  std::vector<int32_t> positions;  // global position of each of the T tokens
+  const cpu::RopeTable* rope = nullptr;
+  int64_t tokens() const { return B * T; }
+};
+
+// Saved activations of one transformer block.
+struct BlockActs {
+  Tensor x;          // block input [M, d]
+  Tensor rstd1;      // [M]
+  Tensor xn1;        // attention norm output, as the GEMM reads it [M, d]
+  Tensor qkv;        // after RoPE [M, (Hq + 2 Hkv) hd]
+  Tensor attn;       // attention output [M, Hq hd] (f32)
+  Tensor lse;        // [B, Hq, T]
+  Tensor h;          // after the attention residual [M, d]
+  Tensor rstd2;      // [M]
+  Tensor xn2;        // MLP norm output, as the GEMM reads it [M, d]
+  Tensor gu;         // gate and up projections [M, 2F]
+  Tensor act;        // silu(gate) * up, as the GEMM reads it [M, F]
+  size_t bytes() const;
+};
+
+class TransformerBlock {
+ public:
+  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device);
+  ParamUnit& unit() { return unit_; }
+  const ParamUnit& unit() const { return unit_; }
+
+  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`.
+  Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
+  // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
+  // the block's input; parameter gradients accumulate. Frees `acts`.
+  void backward(const StepContext& ctx, Tensor& dy, BlockActs& acts);
+
+ private:
+  const LlamaConfig& c_;
+  ParamUnit unit_;
+};
+
+// The whole model: embedding unit, blocks, head unit (final norm + lm_head, or the embedding
+// when tied).
+class LlamaModel {
+ public:
+  LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu);
+
+  const LlamaConfig& config() const { return config_; }
+  DType compute_dtype() const { return compute_; }
+  std::vector<ParamUnit*> units();
+  int64_t num_params() const;
+
+  void init_weights(uint64_t seed);
+  void load_hf(const SafetensorsDir& dir);  // every parameter, shapes checked
+  void zero_grad();
+
+  // Forward and backward of one micro-batch: inputs/targets [B, T]. Returns the sum of the
+  // per-token losses; gradients of (grad_scale * that sum) accumulate into the units.
+  double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          float grad_scale);
+
+  // Bytes of activations one micro-batch saves (the analytic figure of the memory model).
+  static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
+
+ private:
+  const cpu::RopeTable& rope_for(int64_t T);
+
+  LlamaConfig config_;
+  DType compute_;
+  Device device_;
+  std::unique_ptr<ParamUnit> embed_;
+  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
+  std::unique_ptr<ParamUnit> head_;
+  cpu::RopeTable rope_;
+};
+
+}  // namespace loom

@@ -1,0 +1,38 @@
+#pragma once
+// AdamW over the model's parameter units: fp32 master weights and moments (one flat buffer per
+// unit, like the weights), weight decay only on parameters marked for it, and the bf16 mirrors
+// refreshed in the same pass.
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "model/param_unit.hpp"
+
+namespace loom {
+
+struct AdamWConfig {
+  float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<ParamUnit*> units, const AdamWConfig& config);
+  // One update at learning rate `lr` (the schedule's value for this step).
+  void step(float lr);
+  int64_t steps_taken() const { return step_; }
+  size_t state_bytes() const;
+  std::vector<Tensor>& exp_avg() { return m_; }
+  std::vector<Tensor>& exp_avg_sq() { return v_; }
+
+ private:
+  std::vector<ParamUnit*> units_;
+  AdamWConfig config_;
+  std::vector<Tensor> m_, v_;  // per unit, flat
+  int64_t step_ = 0;
+};
+
+// Global L2 norm of all gradients; if max_norm > 0 and the norm exceeds it, scales the gradients
+// by max_norm / norm (PyTorch's clip_grad_norm_). Returns the norm before clipping.
+double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm);
+
+}  // namespace loom
