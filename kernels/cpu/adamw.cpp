@@ -1,0 +1,67 @@
+#include "kernels/cpu/adamw.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+
+namespace loom::cpu {
+
+namespace {
+
+constexpr int64_t kParallelMin = int64_t{1} << 15;
+
+// One pass over the five (six with bf16) streams. The scalars are formed in double and rounded
+// once, and the per-element steps follow torch.optim.AdamW's single-tensor path op by op
+// (param.mul_, exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, denom = sqrt(v) / sqrt(bc2) + eps,
+// param.addcdiv_) so that results agree with PyTorch to rounding.
+template <bool kBf16>
+void adamw_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
+                float* __restrict v, bf16* __restrict pb, int64_t n, float decay, float w1,
+                bool lerp_from_end, float b2, float one_minus_b2, float step_size, float bc2_sqrt,
+                float eps) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float pi = p[i] * decay;
+    // torch.lerp(m, g, w1) switches form at weight 0.5 for accuracy; so do we.
+    const float mi = lerp_from_end ? gi - (gi - m[i]) * (1.0f - w1) : m[i] + w1 * (gi - m[i]);
+    const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    const float pn = pi - step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pn;
+    if constexpr (kBf16) pb[i] = float_to_bf16(pn);
+  }
+}
+
+}  // namespace
+
+void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
+                bf16* param_bf16) {
+  LOOM_CHECK(n >= 0, "adamw_step: element count must be >= 0, got ", n);
+  LOOM_CHECK(a.step >= 1, "adamw_step: step must be >= 1 (1-based for bias correction), got ",
+             a.step);
+  LOOM_CHECK(a.beta1 >= 0 && a.beta1 < 1, "adamw_step: beta1 must be in [0, 1), got ", a.beta1);
+  LOOM_CHECK(a.beta2 >= 0 && a.beta2 < 1, "adamw_step: beta2 must be in [0, 1), got ", a.beta2);
+  LOOM_CHECK(a.eps > 0, "adamw_step: eps must be > 0, got ", a.eps);
+  LOOM_CHECK(a.lr >= 0 && a.weight_decay >= 0,
+             "adamw_step: lr and weight_decay must be >= 0, got lr ", a.lr, " and weight_decay ",
+             a.weight_decay);
+  const double lr = a.lr, wd = a.weight_decay, b1 = a.beta1, b2 = a.beta2;
+  const double bc1 = 1.0 - std::pow(b1, double(a.step));
+  const double bc2 = 1.0 - std::pow(b2, double(a.step));
+  const float decay = float(1.0 - lr * wd);
+  const float w1 = float(1.0 - b1);
+  const float step_size = float(lr / bc1);
+  const float bc2_sqrt = float(std::sqrt(bc2));
+  if (param_bf16 != nullptr) {
+    adamw_loop<true>(param, grad, m, v, param_bf16, n, decay, w1, w1 >= 0.5f, a.beta2,
+                     float(1.0 - b2), step_size, bc2_sqrt, a.eps);
+  } else {
+    adamw_loop<false>(param, grad, m, v, nullptr, n, decay, w1, w1 >= 0.5f, a.beta2,
+                      float(1.0 - b2), step_size, bc2_sqrt, a.eps);
+  }
+}
+
+}  // namespace loom::cpu
