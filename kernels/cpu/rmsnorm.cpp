@@ -1,0 +1,109 @@
+#include "kernels/cpu/rmsnorm.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace loom::cpu {
+
+namespace {
+
+// Rows are parallel work; below this many elements the thread team costs more than it saves.
+constexpr int64_t kParallelMin = int64_t{1} << 14;
+
+// dw is summed per chunk of rows, then the chunk partials are added in chunk order. The chunking
+// depends only on `rows`, so dw has the same bits for any thread count. 64 chunks keep every
+// thread of a large socket busy while the partials (64 x dim floats) stay small next to the
+// inputs (3 x rows x dim floats).
+constexpr int64_t kMaxChunks = 64;
+
+void check_args(const char* what, int64_t rows, int64_t dim) {
+  LOOM_CHECK(rows >= 0, what, ": rows must be >= 0, got ", rows);
+  LOOM_CHECK(dim > 0, what, ": dim must be > 0, got ", dim);
+}
+
+}  // namespace
+
+void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
+                     float* rstd) {
+  check_args("rmsnorm_forward", rows, dim);
+  LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
+  const float inv_dim = 1.0f / float(dim);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = x + r * dim;
+    const float* __restrict wr = w;
+    float* __restrict yr = y + r * dim;
+    float ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float rs = 1.0f / std::sqrt(ss * inv_dim + eps);
+    rstd[r] = rs;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * rs * wr[i];
+  }
+}
+
+// With xhat = x * rstd and g = dy * w:
+//   dx = rstd * (g - xhat * mean(g * xhat)),  dw = sum over rows of dy * xhat.
+void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
+                      int64_t rows, int64_t dim, float* dx, float* dw) {
+  check_args("rmsnorm_backward", rows, dim);
+  if (rows == 0) return;
+  const int64_t chunk_rows = (rows + kMaxChunks - 1) / kMaxChunks;
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  std::vector<float> partial(size_t(chunks * dim));
+  const float inv_dim = 1.0f / float(dim);
+  const bool parallel = rows * dim >= kParallelMin;
+
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t c = 0; c < chunks; ++c) {
+    float* __restrict pw = partial.data() + c * dim;
+    const float* __restrict wr = w;
+    const int64_t r_end = std::min(rows, (c + 1) * chunk_rows);
+    for (int64_t r = c * chunk_rows; r < r_end; ++r) {
+      const float* __restrict dyr = dy + r * dim;
+      const float* __restrict xr = x + r * dim;
+      float* __restrict dxr = dx + r * dim;
+      const float rs = rstd[r];
+      float dot = 0;  // sum(g * x); times rstd it is sum(g * xhat)
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < dim; ++i) dot += dyr[i] * wr[i] * xr[i];
+      const float k = dot * rs * rs * inv_dim;
+      if (r == c * chunk_rows) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+          dxr[i] += rs * (dyr[i] * wr[i] - xr[i] * k);
+          pw[i] = dyr[i] * xr[i] * rs;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+          dxr[i] += rs * (dyr[i] * wr[i] - xr[i] * k);
+          pw[i] += dyr[i] * xr[i] * rs;
+        }
+      }
+    }
+  }
+
+  // Column blocks so that the chunk loop is outside and the column loop vectorizes.
+  constexpr int64_t kCols = 256;
+  const int64_t col_blocks = (dim + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static) if (parallel && col_blocks > 1)
+  for (int64_t b = 0; b < col_blocks; ++b) {
+    const int64_t lo = b * kCols, len = std::min(kCols, dim - lo);
+    float acc[kCols];
+    std::copy_n(partial.data() + lo, len, acc);
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float* __restrict pc = partial.data() + c * dim + lo;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) acc[i] += pc[i];
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) dw[lo + i] += acc[i];
+  }
+}
+
+}  // namespace loom::cpu
