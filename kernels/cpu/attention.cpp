@@ -1,0 +1,520 @@
+#include "kernels/cpu/attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <utility>
+
+#include "core/error.hpp"
+
+// The 64-byte vector type below is handled as two or four registers when AVX-512 is off
+// (LOOM_NATIVE=OFF); GCC then warns that the ABI of such functions differs, which does not matter
+// for functions internal to this file.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace loom::cpu {
+namespace {
+
+// GCC vector extensions rather than intrinsics: one zmm register with AVX-512, split by the
+// compiler into narrower registers elsewhere, so the file builds on any x86 (or other) target.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+constexpr int64_t kW = 16;  // floats per vector
+
+inline v16 load(const float* p) {
+  return *reinterpret_cast<const v16u*>(p);
+}
+inline void store(float* p, v16 x) {
+  *reinterpret_cast<v16u*>(p) = x;
+}
+inline v16 splat(float x) {
+  return v16{} + x;
+}
+inline v16 vmax(v16 a, v16 b) {
+  return a > b ? a : b;
+}
+
+// 2^x. Round-to-nearest split x = n + f, |f| <= 1/2, and a degree-7 Taylor polynomial of 2^f
+// (truncation error < 6e-9, below float rounding). Inputs at or below -127 give exactly 0, so
+// masked scores (-inf) vanish without a separate select.
+inline v16 exp2v(v16 x) {
+  const v16 lo = splat(-127.0f), hi = splat(127.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 t = x + magic;
+  const v16 n = t - magic;
+  const v16 f = x - n;
+  const v16i ni = __builtin_bit_cast(v16i, t) - __builtin_bit_cast(v16i, magic);
+  v16 p = splat(1.525273380405984e-05f);
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const v16i bits = (ni + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
+  return p * __builtin_bit_cast(v16, bits);
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Query and key tile sizes. The score kernels dispatch on up to 4 vectors of a tile row.
+constexpr int64_t kBq = 64, kBk = 64;
+static_assert(kBq % kW == 0 && kBk % kW == 0 && kBq <= 4 * kW && kBk <= 4 * kW);
+
+// ---- "score" products: C[r][16v + c] = sum_d A[r*lda + d] * BT[d*ldb + 16v + c] -------------
+// Rows of A are read as scalars (broadcast), BT is a transposed tile whose rows are vectors; the
+// reduction runs over the head dim, whatever it is.
+struct Score {
+  const float* A;
+  int64_t lda;
+  const float* BT;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  int64_t D;
+};
+
+template <int R, int NV>
+inline void score_kernel(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t D,
+                         float* C, int64_t ldc) {
+  v16 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = load(BT + d * ldb + v * kW);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float a = A[r * lda + d];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kW, acc[r][v]);
+}
+
+template <int R>
+inline void score_block(const Score& s, int64_t r, int64_t v0, int64_t v1) {
+  const float* A = s.A + r * s.lda;
+  const float* BT = s.BT + v0 * kW;
+  float* C = s.C + r * s.ldc + v0 * kW;
+  switch (v1 - v0) {
+    case 1:
+      score_kernel<R, 1>(A, s.lda, BT, s.ldb, s.D, C, s.ldc);
+      break;
+    case 2:
+      score_kernel<R, 2>(A, s.lda, BT, s.ldb, s.D, C, s.ldc);
+      break;
+    case 3:
+      score_kernel<R, 3>(A, s.lda, BT, s.ldb, s.D, C, s.ldc);
+      break;
+    case 4:
+      score_kernel<R, 4>(A, s.lda, BT, s.ldb, s.D, C, s.ldc);
+      break;
+    default:
+      break;
+  }
+}
+
+// Rows [0, rows) in blocks of 4; vrange(r0, r1) gives the vectors [v0, v1) that rows r0..r1-1
+// need (the causal mask lets the kernel skip the rest).
+template <class VRange>
+void scores(const Score& s, int64_t rows, VRange vrange) {
+  constexpr int R = 4;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    const auto [v0, v1] = vrange(r, r + R);
+    if (v0 < v1) score_block<R>(s, r, v0, v1);
+  }
+  for (; r < rows; ++r) {
+    const auto [v0, v1] = vrange(r, r + 1);
+    if (v0 < v1) score_block<1>(s, r, v0, v1);
+  }
+}
+
+// ---- "accumulate" products: C[r][:D] += sum_k A[r*sr + k*sk] * B[k*ldb + :D] ----------------
+// The coefficient is broadcast from any layout (sr, sk), rows of B and C are vectors over the
+// head dim. ND = D/16 selects the unrolled kernel; ND = 0 is the generic path for other D.
+struct Accum {
+  const float* A;
+  int64_t sr, sk;
+  const float* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  int64_t D;
+};
+
+template <int R, int ND>
+inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B, int64_t ldb,
+                         int64_t lo, int64_t hi, float* C, int64_t ldc) {
+  v16 acc[R][ND];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < ND; ++v) acc[r][v] = load(C + r * ldc + v * kW);
+  for (int64_t k = lo; k < hi; ++k) {
+    v16 b[ND];
+#pragma GCC unroll 8
+    for (int v = 0; v < ND; ++v) b[v] = load(B + k * ldb + v * kW);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float a = A[r * sr + k * sk];
+#pragma GCC unroll 8
+      for (int v = 0; v < ND; ++v) acc[r][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < ND; ++v) store(C + r * ldc + v * kW, acc[r][v]);
+}
+
+inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
+  float* c = a.C + r * a.ldc;
+  for (int64_t k = lo; k < hi; ++k) {
+    const float coef = a.A[r * a.sr + k * a.sk];
+    const float* b = a.B + k * a.ldb;
+    for (int64_t d = 0; d < a.D; ++d) c[d] += coef * b[d];
+  }
+}
+
+// Rows [0, rows); krange(r0, r1) gives the reduction range [lo, hi) that rows r0..r1-1 need.
+// Row blocks keep R*ND accumulators near 16..24 of the 32 vector registers.
+template <int ND, class KRange>
+void accumulate(const Accum& a, int64_t rows, KRange krange) {
+  if constexpr (ND == 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto [lo, hi] = krange(r, r + 1);
+      accum_generic(a, r, lo, hi);
+    }
+  } else {
+    constexpr int R = ND <= 3 ? 8 : ND <= 6 ? 4 : 2;
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) {
+      const auto [lo, hi] = krange(r, r + R);
+      if (lo < hi)
+        accum_kernel<R, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+    }
+    for (; r < rows; ++r) {
+      const auto [lo, hi] = krange(r, r + 1);
+      if (lo < hi)
+        accum_kernel<1, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+    }
+  }
+}
+
+// Per-thread scratch, allocated once per call and 64-byte aligned.
+struct alignas(64) Line {
+  float f[kW];
+};
+class Scratch {
+ public:
+  explicit Scratch(int64_t floats) : buf_(std::make_unique<Line[]>((floats + kW - 1) / kW)) {}
+  float* take(int64_t floats) {  // consecutive pieces, each starting on a cache line
+    float* p = buf_[used_].f;
+    used_ += (floats + kW - 1) / kW;
+    return p;
+  }
+
+ private:
+  std::unique_ptr<Line[]> buf_;
+  int64_t used_ = 0;
+};
+inline int64_t lines(int64_t floats) {
+  return (floats + kW - 1) / kW * kW;
+}
+
+void check_shape(const AttentionShape& s, const char* who) {
+  LOOM_CHECK(s.B > 0 && s.T > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
+             ": B, T, Hq, Hkv, D must be positive, got B=", s.B, " T=", s.T, " Hq=", s.Hq,
+             " Hkv=", s.Hkv, " D=", s.D);
+  LOOM_CHECK(s.Hq % s.Hkv == 0, who, ": Hq (", s.Hq, ") must be a multiple of Hkv (", s.Hkv, ")");
+  LOOM_CHECK(s.q_stride >= s.Hq * s.D, who, ": q_stride (", s.q_stride, ") must be >= Hq*D (",
+             s.Hq * s.D, ")");
+  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, who, ": kv_stride (", s.kv_stride, ") must be >= Hkv*D (",
+             s.Hkv * s.D, ")");
+  LOOM_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale must be finite and > 0, got ",
+             s.scale);
+}
+
+template <int ND>
+void forward_impl(const AttentionShape& s, const float* q, const float* k, const float* v,
+                  float* out, float* lse) {
+  const int64_t B = s.B, T = s.T, Hq = s.Hq, D = s.D, G = s.Hq / s.Hkv;
+  const int64_t qs = s.q_stride, kvs = s.kv_stride;
+  const int64_t nqt = (T + kBq - 1) / kBq;
+  const int64_t units = B * Hq * nqt;
+  // Scores live in base-2 units: q is pre-scaled by scale*log2(e) so that exp becomes exp2.
+  const float c = s.scale * kLog2e;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel
+  {
+    Scratch scratch(lines(D * kBq) + lines(kBk * kBq) + lines(kBq * D) + 3 * kBq);
+    float* qt = scratch.take(D * kBq);    // Q^T of the tile, [D][kBq]
+    float* st = scratch.take(kBk * kBq);  // S^T then P^T of a tile pair, [kBk][kBq]
+    float* o = scratch.take(kBq * D);     // unnormalized output rows, [kBq][D]
+    float* m = scratch.take(kBq);         // running max (base 2)
+    float* l = scratch.take(kBq);         // running sum
+    float* alpha = scratch.take(kBq);     // rescale factor of the current key tile
+    // The last query tiles have the most key tiles: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t qi = nqt - 1 - u / (B * Hq);
+      const int64_t b = (u % (B * Hq)) / Hq, h = u % Hq, g = h / G;
+      const int64_t q0 = qi * kBq, nq = std::min(kBq, T - q0);
+      const int64_t nvq = (nq + kW - 1) / kW;
+      const float* qb = q + (b * T + q0) * qs + h * D;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = qb[i * qs + d] * c;
+      for (int64_t i = nq; i < nvq * kW; ++i)
+        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = 0.0f;
+      std::fill(m, m + kBq, neg_inf);
+      std::fill(l, l + kBq, 0.0f);
+      std::fill(o, o + nq * D, 0.0f);
+      for (int64_t k0 = 0; k0 < q0 + nq; k0 += kBk) {
+        const int64_t nk = std::min(kBk, T - k0);
+        const int64_t off = k0 - q0;  // key j sees query i iff j + off <= i
+        const float* kb = k + (b * T + k0) * kvs + g * D;
+        const float* vb = v + (b * T + k0) * kvs + g * D;
+        scores(Score{kb, kvs, qt, kBq, st, kBq, D}, nk, [&](int64_t r0, int64_t) {
+          const int64_t v0 = std::min(std::max<int64_t>(0, r0 + off) / kW, nvq);
+          return std::pair<int64_t, int64_t>(v0, nvq);
+        });
+        if (nk - 1 + off > 0) {
+          for (int64_t j = 0; j < nk; ++j) {
+            const int64_t lim = std::min(j + off, nvq * kW);
+            for (int64_t i = 0; i < lim; ++i) st[j * kBq + i] = neg_inf;
+          }
+        }
+        // Online softmax, vectorized over 16 queries at a time. Key 0 is in the first key tile
+        // and visible to every query, so the running max is finite from then on.
+        for (int64_t vq = 0; vq < nvq; ++vq) {
+          float* col = st + vq * kW;
+          v16 mt = load(col);
+          for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
+          const v16 mo = load(m + vq * kW);
+          const v16 mn = vmax(mo, mt);
+          const v16 al = exp2v(mo - mn);
+          v16 sum{};
+          for (int64_t j = 0; j < nk; ++j) {
+            const v16 p = exp2v(load(col + j * kBq) - mn);
+            store(col + j * kBq, p);
+            sum += p;
+          }
+          store(l + vq * kW, load(l + vq * kW) * al + sum);
+          store(m + vq * kW, mn);
+          store(alpha + vq * kW, al);
+        }
+        if (k0 > 0) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const float a = alpha[i];
+            for (int64_t d = 0; d < D; ++d) o[i * D + d] *= a;
+          }
+        }
+        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D}, nq, [&](int64_t, int64_t r1) {
+          return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
+        });
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        const float inv = 1.0f / l[i];
+        float* orow = out + ((b * T + q0 + i) * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = o[i * D + d] * inv;
+        lse[(b * Hq + h) * T + q0 + i] = (m[i] + std::log2(l[i])) * kLn2;
+      }
+    }
+  }
+}
+
+// One work unit is a (batch, kv group): it owns dk/dv of the group and dq of the group's heads,
+// so no two threads write the same memory and the summation order is fixed (deterministic for
+// any thread count).
+template <int ND>
+void backward_impl(const AttentionShape& s, const float* q, const float* k, const float* v,
+                   const float* out, const float* lse, const float* dout, float* dq, float* dk,
+                   float* dv) {
+  const int64_t B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv, D = s.D, G = s.Hq / s.Hkv;
+  const int64_t qs = s.q_stride, kvs = s.kv_stride, os = Hq * D;
+  const int64_t units = B * Hkv;
+  const float c = s.scale * kLog2e;
+  const float scale = s.scale;
+  v16i iota;
+  for (int i = 0; i < kW; ++i) iota[i] = i;
+#pragma omp parallel
+  {
+    Scratch scratch(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D) +
+                    2 * lines(G * T));
+    float* kt = scratch.take(D * kBk);    // K^T of the key tile, [D][kBk]
+    float* vt = scratch.take(D * kBk);    // V^T
+    float* p = scratch.take(kBq * kBk);   // S then P, [kBq][kBk]
+    float* ds = scratch.take(kBq * kBk);  // dP then dS (times scale)
+    float* dkacc = scratch.take(kBk * D);
+    float* dvacc = scratch.take(kBk * D);
+    float* di = scratch.take(G * T);  // rowsum(dO * O) of the group's heads, [G][T]
+    float* l2 = scratch.take(G * T);  // lse in base-2 units
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t b = u / Hkv, g = u % Hkv;
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const int64_t h = g * G + hh;
+        for (int64_t t = 0; t < T; ++t) {
+          float* dqrow = dq + (b * T + t) * qs + h * D;
+          const float* orow = out + (b * T + t) * os + h * D;
+          const float* dorow = dout + (b * T + t) * os + h * D;
+          float acc = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            acc += orow[d] * dorow[d];
+            dqrow[d] = 0.0f;
+          }
+          di[hh * T + t] = acc;
+          l2[hh * T + t] = lse[(b * Hq + h) * T + t] * kLog2e;
+        }
+      }
+      for (int64_t k0 = 0; k0 < T; k0 += kBk) {
+        const int64_t nk = std::min(kBk, T - k0);
+        const float* kb = k + (b * T + k0) * kvs + g * D;
+        const float* vb = v + (b * T + k0) * kvs + g * D;
+        for (int64_t d = 0; d < D; ++d) {
+          for (int64_t j = 0; j < nk; ++j) {
+            kt[d * kBk + j] = kb[j * kvs + d];
+            vt[d * kBk + j] = vb[j * kvs + d];
+          }
+          for (int64_t j = nk; j < kBk; ++j) kt[d * kBk + j] = vt[d * kBk + j] = 0.0f;
+        }
+        std::fill(dkacc, dkacc + nk * D, 0.0f);
+        std::fill(dvacc, dvacc + nk * D, 0.0f);
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const int64_t h = g * G + hh;
+          for (int64_t q0 = k0 / kBq * kBq; q0 < T; q0 += kBq) {
+            const int64_t nq = std::min(kBq, T - q0);
+            const int64_t off = k0 - q0;  // key j sees query i iff j + off <= i
+            const float* qb = q + (b * T + q0) * qs + h * D;
+            const float* dob = dout + (b * T + q0) * os + h * D;
+            float* dqb = dq + (b * T + q0) * qs + h * D;
+            // Keys [0, min(nk, i - off + 1)) are visible to query i.
+            const auto key_vectors = [&](int64_t, int64_t r1) {
+              const int64_t hi = std::min(nk, r1 - off);
+              return std::pair<int64_t, int64_t>(0, hi > 0 ? (hi + kW - 1) / kW : 0);
+            };
+            scores(Score{qb, qs, kt, kBk, p, kBk, D}, nq, key_vectors);
+            scores(Score{dob, os, vt, kBk, ds, kBk, D}, nq, key_vectors);
+            for (int64_t i = 0; i < nq; ++i) {
+              const int64_t lim = std::min(nk, i - off + 1);
+              const int64_t nv = lim > 0 ? (lim + kW - 1) / kW : 0;
+              const float lrow = l2[hh * T + q0 + i], drow = di[hh * T + q0 + i];
+              float* prow = p + i * kBk;
+              float* dsrow = ds + i * kBk;
+              for (int64_t vk = 0; vk < nv; ++vk) {
+                const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
+                v16 pv = exp2v(load(prow + vk * kW) * c - lrow);
+                pv = visible ? pv : v16{};
+                store(prow + vk * kW, pv);
+                store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - drow) * scale);
+              }
+              for (int64_t vk = nv; vk < kBk / kW; ++vk) {
+                store(prow + vk * kW, v16{});
+                store(dsrow + vk * kW, v16{});
+              }
+            }
+            // Key j is seen by queries [max(0, j + off), nq).
+            const auto query_range = [&](int64_t r0, int64_t) {
+              return std::pair<int64_t, int64_t>(std::max<int64_t>(0, r0 + off), nq);
+            };
+            accumulate<ND>(Accum{p, 1, kBk, dob, os, dvacc, D, D}, nk, query_range);
+            accumulate<ND>(Accum{ds, 1, kBk, qb, qs, dkacc, D, D}, nk, query_range);
+            accumulate<ND>(Accum{ds, kBk, 1, kb, kvs, dqb, qs, D}, nq, [&](int64_t, int64_t r1) {
+              return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
+            });
+          }
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          float* dkrow = dk + (b * T + k0 + j) * kvs + g * D;
+          float* dvrow = dv + (b * T + k0 + j) * kvs + g * D;
+          for (int64_t d = 0; d < D; ++d) {
+            dkrow[d] = dkacc[j * D + d];
+            dvrow[d] = dvacc[j * D + d];
+          }
+        }
+      }
+    }
+  }
+}
+
+template <template <int> class F, class... Args>
+void dispatch_head_dim(int64_t D, Args&&... args) {
+  switch (D % kW == 0 ? D / kW : 0) {
+    case 1:
+      F<1>::run(args...);
+      break;
+    case 2:
+      F<2>::run(args...);
+      break;
+    case 3:
+      F<3>::run(args...);
+      break;
+    case 4:
+      F<4>::run(args...);
+      break;
+    case 5:
+      F<5>::run(args...);
+      break;
+    case 6:
+      F<6>::run(args...);
+      break;
+    case 7:
+      F<7>::run(args...);
+      break;
+    case 8:
+      F<8>::run(args...);
+      break;
+    default:
+      F<0>::run(args...);
+      break;
+  }
+}
+template <int ND>
+struct Forward {
+  template <class... Args>
+  static void run(Args... args) {
+    forward_impl<ND>(args...);
+  }
+};
+template <int ND>
+struct Backward {
+  template <class... Args>
+  static void run(Args... args) {
+    backward_impl<ND>(args...);
+  }
+};
+
+}  // namespace
+
+void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                       float* out, float* lse) {
+  check_shape(s, "attention_forward");
+  LOOM_CHECK(q && k && v && out && lse, "attention_forward: null pointer among q, k, v, out, lse");
+  dispatch_head_dim<Forward>(s.D, s, q, k, v, out, lse);
+}
+
+void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                        const float* out, const float* lse, const float* dout, float* dq, float* dk,
+                        float* dv) {
+  check_shape(s, "attention_backward");
+  LOOM_CHECK(q && k && v && out && lse && dout && dq && dk && dv,
+             "attention_backward: null pointer among q, k, v, out, lse, dout, dq, dk, dv");
+  dispatch_head_dim<Backward>(s.D, s, q, k, v, out, lse, dout, dq, dk, dv);
+}
+
+}  // namespace loom::cpu
