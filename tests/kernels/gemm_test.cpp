@@ -1,0 +1,256 @@
+#include "kernels/cpu/gemm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.hpp"
+#include "tests/test_util.hpp"
+
+namespace loom::cpu {
+namespace {
+
+using test::randn;
+
+struct Case {
+  Trans ta, tb;
+  int64_t M, N, K;
+  int64_t pad_a = 0, pad_b = 0, pad_c = 0;  // leading dimension = stored width + pad
+};
+
+// Inputs are stored with their leading dimensions; elements in the padding are filled with large
+// values so that reading them would show up in the result.
+struct Problem {
+  Case c;
+  int64_t lda, ldb, ldc, rows_a, rows_b;
+  std::vector<float> a, b, c0;  // f32 storage (bf16 cases round these first)
+
+  explicit Problem(const Case& cs, uint64_t seed) : c(cs) {
+    const bool ta = c.ta == Trans::T, tb = c.tb == Trans::T;
+    rows_a = ta ? c.K : c.M;
+    rows_b = tb ? c.N : c.K;
+    lda = (ta ? c.M : c.K) + c.pad_a;
+    ldb = (tb ? c.K : c.N) + c.pad_b;
+    ldc = c.N + c.pad_c;
+    a = randn(rows_a * lda, seed);
+    b = randn(rows_b * ldb, seed + 1);
+    c0 = randn(c.M * ldc, seed + 2);
+    for (int64_t i = 0; i < rows_a; ++i)
+      for (int64_t j = ta ? c.M : c.K; j < lda; ++j) a[i * lda + j] = 1e6f;
+    for (int64_t i = 0; i < rows_b; ++i)
+      for (int64_t j = tb ? c.K : c.N; j < ldb; ++j) b[i * ldb + j] = 1e6f;
+  }
+  double A(int64_t m, int64_t k) const {
+    return c.ta == Trans::T ? a[k * lda + m] : a[m * lda + k];
+  }
+  double B(int64_t k, int64_t n) const {
+    return c.tb == Trans::T ? b[n * ldb + k] : b[k * ldb + n];
+  }
+  // Naive double reference of the full C buffer (padding unchanged).
+  std::vector<double> reference(bool accumulate) const {
+    std::vector<double> r(c0.begin(), c0.end());
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t n = 0; n < c.N; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < c.K; ++k) s += A(m, k) * B(k, n);
+        r[m * ldc + n] = (accumulate ? r[m * ldc + n] : 0.0) + s;
+      }
+    return r;
+  }
+  // Worst-case scale of the rounding error of element (m, n): sum_k |a_mk b_kn| (+ |c|).
+  double magnitude(int64_t m, int64_t n, bool accumulate) const {
+    double s = accumulate ? std::abs(double(c0[m * ldc + n])) : 0.0;
+    for (int64_t k = 0; k < c.K; ++k) s += std::abs(A(m, k) * B(k, n));
+    return s;
+  }
+};
+
+std::vector<bf16> round_to_bf16(std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = float_to_bf16(v[i]);
+    v[i] = bf16_to_float(out[i]);  // so the reference sees exactly what the kernel sees
+  }
+  return out;
+}
+
+// Runs the kernel and checks every element against the fp64 reference: within `tol` of the
+// worst-case error scale sum_k |a b| (f32 accumulation over K <= 1000 terms stays well under
+// 1e-5 of it; a wrong transpose, stride or a missing accumulate is off by O(1) of it), and the
+// padding of C untouched.
+void check(const Case& cs, DType dt, bool accumulate, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "M=" << cs.M << " N=" << cs.N << " K=" << cs.K
+                                  << " ta=" << int(cs.ta) << " tb=" << int(cs.tb)
+                                  << " pads=" << cs.pad_a << "," << cs.pad_b << "," << cs.pad_c
+                                  << " dtype=" << dtype_name(dt) << " acc=" << accumulate);
+  Problem p(cs, seed);
+  std::vector<bf16> a16, b16;
+  const void *A = p.a.data(), *B = p.b.data();
+  if (dt == DType::bf16) {
+    a16 = round_to_bf16(p.a);
+    b16 = round_to_bf16(p.b);
+    A = a16.data();
+    B = b16.data();
+  }
+  std::vector<float> c = p.c0;
+  gemm({.ta = cs.ta,
+        .tb = cs.tb,
+        .M = cs.M,
+        .N = cs.N,
+        .K = cs.K,
+        .A = A,
+        .lda = p.lda,
+        .B = B,
+        .ldb = p.ldb,
+        .C = c.data(),
+        .ldc = p.ldc,
+        .ab = dt,
+        .accumulate = accumulate});
+  const auto ref = p.reference(accumulate);
+  int bad = 0;
+  for (int64_t m = 0; m < cs.M; ++m) {
+    for (int64_t n = 0; n < p.ldc; ++n) {
+      const double got = c[m * p.ldc + n], want = ref[m * p.ldc + n];
+      if (n >= cs.N) {
+        if (got != want && ++bad < 5) ADD_FAILURE() << "padding of C changed at " << m << "," << n;
+        continue;
+      }
+      const double tol = 1e-5 * p.magnitude(m, n, accumulate) + 1e-30;
+      if (std::abs(got - want) > tol && ++bad < 5)
+        ADD_FAILURE() << "C[" << m << "," << n << "] = " << got << ", expected " << want;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_LT(test::rel_l2(c, ref), 1e-5);
+}
+
+const Trans kTrans[] = {Trans::N, Trans::T};
+
+TEST(Gemm, AllTransposesAwkwardSizesF32) {
+  for (Trans ta : kTrans)
+    for (Trans tb : kTrans)
+      for (bool acc : {false, true}) {
+        check({ta, tb, 37, 29, 53}, DType::f32, acc, 10);
+        check({ta, tb, 37, 29, 53, 3, 5, 7}, DType::f32, acc, 20);
+      }
+}
+
+TEST(Gemm, AllTransposesAwkwardSizesBf16) {
+  for (Trans ta : kTrans)
+    for (Trans tb : kTrans)
+      for (bool acc : {false, true}) {
+        check({ta, tb, 37, 29, 53}, DType::bf16, acc, 30);
+        check({ta, tb, 37, 29, 53, 3, 5, 7}, DType::bf16, acc, 40);
+      }
+}
+
+// Sizes past oneDNN's blocking (several blocks in every dimension, with remainders).
+TEST(Gemm, LargerBlockedSizes) {
+  for (DType dt : {DType::f32, DType::bf16})
+    for (Trans ta : kTrans)
+      for (Trans tb : kTrans) check({ta, tb, 131, 97, 301, 1, 0, 4}, dt, true, 50);
+}
+
+TEST(Gemm, DegenerateSizes) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    check({Trans::N, Trans::T, 1, 1, 1}, dt, false, 60);
+    check({Trans::T, Trans::N, 1, 17, 5}, dt, true, 61);
+    check({Trans::N, Trans::N, 13, 1, 300}, dt, false, 62);
+  }
+  // K = 0 is an empty sum: C is zeroed, or kept when accumulating.
+  std::vector<float> c = {1, 2, 3, 4};
+  gemm({.M = 2, .N = 2, .K = 0, .lda = 1, .ldb = 2, .C = c.data(), .ldc = 2, .accumulate = true});
+  EXPECT_EQ(c, (std::vector<float>{1, 2, 3, 4}));
+  gemm({.M = 2, .N = 2, .K = 0, .lda = 1, .ldb = 2, .C = c.data(), .ldc = 2});
+  EXPECT_EQ(c, (std::vector<float>{0, 0, 0, 0}));
+}
+
+// The primitive cache must tell apart problems that differ only in one key field.
+TEST(Gemm, CacheDistinguishesKeys) {
+  check({Trans::N, Trans::N, 37, 29, 53}, DType::f32, false, 70);
+  check({Trans::N, Trans::N, 37, 29, 53}, DType::f32, true, 71);
+  check({Trans::N, Trans::N, 37, 29, 53, 0, 0, 1}, DType::f32, true, 72);
+  check({Trans::N, Trans::N, 37, 29, 53}, DType::bf16, true, 73);
+  check({Trans::N, Trans::N, 37, 29, 53}, DType::f32, false, 74);
+}
+
+TEST(Gemm, LinearForms) {
+  const int64_t M = 23, N = 19, K = 31;
+  auto x = randn(M * K, 1), w = randn(N * K, 2), dy = randn(M * N, 3);
+  auto dx = randn(M * K, 4), dw = randn(N * K, 5);
+  const auto dx0 = dx, dw0 = dw;
+  std::vector<float> y(M * N);
+  linear_forward(x.data(), w.data(), y.data(), M, N, K, DType::f32);
+  linear_backward_input(dy.data(), w.data(), dx.data(), M, N, K, DType::f32, true);
+  linear_backward_weight(dy.data(), x.data(), dw.data(), M, N, K, DType::f32);
+  std::vector<double> ry(M * N, 0), rdx(dx0.begin(), dx0.end()), rdw(dw0.begin(), dw0.end());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        ry[m * N + n] += double(x[m * K + k]) * w[n * K + k];
+        rdx[m * K + k] += double(dy[m * N + n]) * w[n * K + k];
+        rdw[n * K + k] += double(dy[m * N + n]) * x[m * K + k];
+      }
+  EXPECT_LT(test::rel_l2(y, ry), 1e-6);
+  EXPECT_LT(test::rel_l2(dx, rdx), 1e-6);
+  EXPECT_LT(test::rel_l2(dw, rdw), 1e-6);
+  // Without accumulate, dx is overwritten.
+  linear_backward_input(dy.data(), w.data(), dx.data(), M, N, K, DType::f32, false);
+  for (int64_t i = 0; i < M * K; ++i) rdx[i] -= dx0[i];
+  EXPECT_LT(test::rel_l2(dx, rdx), 1e-6);
+}
+
+TEST(Gemm, BadArgumentsThrow) {
+  std::vector<float> a(100), b(100), c(100);
+  auto args = [&] {
+    return GemmArgs{.M = 4,
+                    .N = 5,
+                    .K = 6,
+                    .A = a.data(),
+                    .lda = 6,
+                    .B = b.data(),
+                    .ldb = 5,
+                    .C = c.data(),
+                    .ldc = 5};
+  };
+  EXPECT_NO_THROW(gemm(args()));
+  auto g = args();
+  g.lda = 5;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.ta = Trans::T;  // A stored [K, M]: lda must be >= M = 4; 6 is fine
+  EXPECT_NO_THROW(gemm(g));
+  g.lda = 3;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.ldb = 4;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.ldc = 4;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.ab = DType::i32;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.M = -1;
+  EXPECT_THROW(gemm(g), Error);
+  g = args();
+  g.C = nullptr;
+  EXPECT_THROW(gemm(g), Error);
+  try {
+    g = args();
+    g.ldb = 4;
+    gemm(g);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ldb=4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Gemm, PeakIsPositive) {
+  const double p = measure_gemm_peak(DType::f32, 0.05);
+  EXPECT_GT(p, 1e9);  // any machine that runs this does over 1 GFLOP/s
+}
+
+}  // namespace
+}  // namespace loom::cpu
