@@ -1,0 +1,119 @@
+#pragma once
+// The job configuration: a TOML file plus `--section.key=value` command-line overrides, resolved
+// into a typed struct. Every key has a default. Unknown sections or keys, wrong types and
+// out-of-range values are errors naming the key (`training.seq_len`) and where its value came
+// from (the file, or "command line").
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom {
+
+struct JobConfig {
+  struct Job {
+    std::string name = "loom";
+    std::string dump_dir = "runs";
+    bool operator==(const Job&) const = default;
+  } job;
+  struct Model {
+    std::string config;     // a config.json path or a name from configs/ (resolve_model_config)
+    std::string init_from;  // a Hugging Face directory to load weights from ("" = seeded init)
+    int64_t seed = 1234;
+    bool operator==(const Model&) const = default;
+  } model;
+  struct Data {
+    std::string path;  // directory of token shards
+    std::string tokenizer;
+    bool shuffle = false;
+    bool operator==(const Data&) const = default;
+  } data;
+  struct Training {
+    int64_t steps = 100;
+    int64_t local_batch_size = 8;
+    int64_t seq_len = 256;
+    int64_t grad_accum_steps = 1;
+    double max_norm = 1.0;
+    std::string mixed_precision_param = "float32";   // float32 | bfloat16
+    std::string mixed_precision_reduce = "float32";  // float32 | bfloat16
+    bool operator==(const Training&) const = default;
+  } training;
+  struct Optimizer {
+    std::string name = "adamw";  // adamw
+    double lr = 3e-4;
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+    bool operator==(const Optimizer&) const = default;
+  } optimizer;
+  struct LrScheduler {
+    int64_t warmup_steps = 0;
+    std::string decay_type = "cosine";  // cosine | linear | wsd | none
+    double min_lr_ratio = 0.1;          // the final lr as a fraction of lr
+    double decay_ratio = 0.1;           // wsd: the fraction of the steps spent decaying
+    bool operator==(const LrScheduler&) const = default;
+  } lr_scheduler;
+  struct Parallelism {
+    int64_t dp_replicate = 1;
+    int64_t dp_shard = -1;  // -1: whatever the other dims leave of the world size
+    int64_t tp = 1;
+    int64_t cp = 1;
+    int64_t pp = 1;
+    std::string fsdp_reshard_after_forward = "default";  // default | always | never
+    bool tp_sequence_parallel = true;
+    bool tp_recompute_allgather = false;
+    std::string cp_rotate_method = "p2p";  // p2p | allgather
+    std::string pp_schedule = "1f1b";      // 1f1b | gpipe | interleaved_1f1b
+    bool operator==(const Parallelism&) const = default;
+  } parallelism;
+  struct ActivationCheckpoint {
+    std::string mode = "none";            // none | full | selective
+    std::string selective_option = "op";  // "op", or N: every N-th block fully checkpointed
+    bool operator==(const ActivationCheckpoint&) const = default;
+  } activation_checkpoint;
+  struct Checkpoint {
+    std::string dir;
+    int64_t interval = 0;  // steps between saves; 0 = never
+    int64_t keep = 3;      // how many recent checkpoints to keep; 0 = all
+    bool resume = false;
+    bool operator==(const Checkpoint&) const = default;
+  } checkpoint;
+  struct Metrics {
+    std::string jsonl;  // "" = no JSONL file
+    int64_t log_every = 1;
+    bool operator==(const Metrics&) const = default;
+  } metrics;
+  struct Bench {
+    int64_t warmup_steps = 2;
+    int64_t steps = 5;
+    bool operator==(const Bench&) const = default;
+  } bench;
+  struct Memory {
+    double limit_gb = 0;  // 0 = no limit
+    bool operator==(const Memory&) const = default;
+  } memory;
+
+  // Not a key: the directory of the TOML file ("." for a bare file name, "" when parsed from
+  // text), against which relative paths such as model.config are resolved.
+  std::string base_dir;
+
+  // Compares the keys (base_dir is where the file was, not part of the configuration).
+  bool operator==(const JobConfig& o) const;
+};
+
+// Reads a TOML file, then applies `overrides` (`--section.key=value`, in order, later ones win).
+JobConfig load_job_config(const std::string& toml_path, const std::vector<std::string>& overrides);
+// The same from TOML text; `source` names it in error messages.
+JobConfig parse_job_config(const std::string& toml_text, const std::string& source,
+                           const std::vector<std::string>& overrides = {});
+// The resolved configuration as TOML, every key written (for --print-config); parsing it gives
+// back the same configuration.
+std::string to_toml(const JobConfig& c);
+
+// Finds the model config.json named by [model] config: a path (absolute, or relative to the TOML
+// file's directory or the current directory), or a bare NAME meaning configs/NAME.json, searched
+// in <toml_dir>/../configs, ./configs, $LOOM_SOURCE_DIR/configs, <exe dir>/../configs and
+// <exe dir>/../share/loom/configs. Returns an absolute path; the error lists every place tried.
+std::string resolve_model_config(const std::string& value, const std::string& toml_dir);
+
+}  // namespace loom
