@@ -150,6 +150,9 @@ void set_from_toml(const Key& k, const toml::node& v, const std::string& where) 
   auto wrong = [&]() {
     std::ostringstream os;
     os << v.type();
+    v.visit([&](auto&& x) {
+      if constexpr (toml::is_value<decltype(x)>) os << " " << x;
+    });
     fail(where, ": ", key_path(k), ": expected ", type_word(k.ptr), ", found ", os.str());
   };
   if (auto* p = std::get_if<int64_t*>(&k.ptr)) {
