@@ -35,6 +35,16 @@ inline v16 splat(float x) {
 inline v16 vmax(v16 a, v16 b) {
   return a > b ? a : b;
 }
+// Loads a vector that several FMAs reuse. Without the empty asm GCC folds the load into every
+// FMA as a memory operand, so the kernels below would issue R loads per vector instead of one
+// and become load-bound.
+inline v16 load_reg(const float* p) {
+  v16 x = load(p);
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
 
 // 2^x. Round-to-nearest split x = n + f, |f| <= 1/2, and a degree-7 Taylor polynomial of 2^f
 // (truncation error < 6e-9, below float rounding). Inputs at or below -127 give exactly 0, so
@@ -58,6 +68,61 @@ inline v16 exp2v(v16 x) {
   p = p * f + 1.0f;
   const v16i bits = (ni + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
   return p * __builtin_bit_cast(v16, bits);
+}
+
+// Sum of a[i]*b[i], vectorized (a plain loop would be summed in order, one add at a time).
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc{};
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) acc += load(a + i) * load(b + i);
+  float sum = 0;
+  for (int l = 0; l < kW; ++l) sum += acc[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// 16x16 transpose in registers: stage K swaps bit K of the row index with bit K of the column
+// index, one two-source shuffle per row.
+constexpr int transpose_index(int k, bool upper, int c) {
+  const bool hi = (c >> k) & 1;
+  return upper ? (hi ? kW + c : c + (1 << k)) : (hi ? kW + c - (1 << k) : c);
+}
+template <int K, bool Upper, int... C>
+constexpr v16i transpose_mask(std::integer_sequence<int, C...>) {
+  return v16i{transpose_index(K, Upper, C)...};
+}
+template <int K>
+inline void transpose_stage(v16* x) {
+  constexpr v16i lo = transpose_mask<K, false>(std::make_integer_sequence<int, kW>());
+  constexpr v16i hi = transpose_mask<K, true>(std::make_integer_sequence<int, kW>());
+  for (int r = 0; r < kW; ++r) {
+    if ((r >> K) & 1) continue;
+    const v16 a = x[r], b = x[r + (1 << K)];
+    x[r] = __builtin_shuffle(a, b, lo);
+    x[r + (1 << K)] = __builtin_shuffle(a, b, hi);
+  }
+}
+
+// dst[c*ldd + r] = src[r*lds + c] * mul for r < rows, c < cols; columns [rows, rpad) of dst are
+// zero (rpad a multiple of 16).
+void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t rpad, int64_t cols,
+                    float* dst, int64_t ldd, float mul) {
+  for (int64_t r0 = 0; r0 < rpad; r0 += kW) {
+    int64_t c0 = 0;
+    for (; c0 + kW <= cols; c0 += kW) {
+      v16 x[kW];
+      for (int i = 0; i < kW; ++i)
+        x[i] = r0 + i < rows ? load(src + (r0 + i) * lds + c0) * mul : v16{};
+      transpose_stage<0>(x);
+      transpose_stage<1>(x);
+      transpose_stage<2>(x);
+      transpose_stage<3>(x);
+      for (int i = 0; i < kW; ++i) store(dst + (c0 + i) * ldd + r0, x[i]);
+    }
+    for (; c0 < cols; ++c0)
+      for (int64_t i = 0; i < kW; ++i)
+        dst[c0 * ldd + r0 + i] = r0 + i < rows ? src[(r0 + i) * lds + c0] * mul : 0.0f;
+  }
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -91,7 +156,7 @@ inline void score_kernel(const float* A, int64_t lda, const float* BT, int64_t l
   for (int64_t d = 0; d < D; ++d) {
     v16 b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = load(BT + d * ldb + v * kW);
+    for (int v = 0; v < NV; ++v) b[v] = load_reg(BT + d * ldb + v * kW);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = A[r * lda + d];
@@ -168,7 +233,7 @@ inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B,
   for (int64_t k = lo; k < hi; ++k) {
     v16 b[ND];
 #pragma GCC unroll 8
-    for (int v = 0; v < ND; ++v) b[v] = load(B + k * ldb + v * kW);
+    for (int v = 0; v < ND; ++v) b[v] = load_reg(B + k * ldb + v * kW);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = A[r * sr + k * sk];
@@ -277,10 +342,7 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
       const int64_t q0 = qi * kBq, nq = std::min(kBq, T - q0);
       const int64_t nvq = (nq + kW - 1) / kW;
       const float* qb = q + (b * T + q0) * qs + h * D;
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = qb[i * qs + d] * c;
-      for (int64_t i = nq; i < nvq * kW; ++i)
-        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = 0.0f;
+      transpose_tile(qb, qs, nq, nvq * kW, D, qt, kBq, c);
       std::fill(m, m + kBq, neg_inf);
       std::fill(l, l + kBq, 0.0f);
       std::fill(o, o + nq * D, 0.0f);
@@ -373,12 +435,8 @@ void backward_impl(const AttentionShape& s, const float* q, const float* k, cons
           float* dqrow = dq + (b * T + t) * qs + h * D;
           const float* orow = out + (b * T + t) * os + h * D;
           const float* dorow = dout + (b * T + t) * os + h * D;
-          float acc = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            acc += orow[d] * dorow[d];
-            dqrow[d] = 0.0f;
-          }
-          di[hh * T + t] = acc;
+          std::fill(dqrow, dqrow + D, 0.0f);
+          di[hh * T + t] = dot(orow, dorow, D);
           l2[hh * T + t] = lse[(b * Hq + h) * T + t] * kLog2e;
         }
       }
@@ -386,13 +444,8 @@ void backward_impl(const AttentionShape& s, const float* q, const float* k, cons
         const int64_t nk = std::min(kBk, T - k0);
         const float* kb = k + (b * T + k0) * kvs + g * D;
         const float* vb = v + (b * T + k0) * kvs + g * D;
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t j = 0; j < nk; ++j) {
-            kt[d * kBk + j] = kb[j * kvs + d];
-            vt[d * kBk + j] = vb[j * kvs + d];
-          }
-          for (int64_t j = nk; j < kBk; ++j) kt[d * kBk + j] = vt[d * kBk + j] = 0.0f;
-        }
+        transpose_tile(kb, kvs, nk, kBk, D, kt, kBk, 1.0f);
+        transpose_tile(vb, kvs, nk, kBk, D, vt, kBk, 1.0f);
         std::fill(dkacc, dkacc + nk * D, 0.0f);
         std::fill(dvacc, dvacc + nk * D, 0.0f);
         for (int64_t hh = 0; hh < G; ++hh) {
