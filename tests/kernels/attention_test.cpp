@@ -345,21 +345,30 @@ TEST(Attention, StridedFusedLayoutMatchesContiguous) {
 }
 
 // Work is split so that each output element has one writer and a fixed summation order: results
-// are bit-identical for any thread count.
-TEST(Attention, DeterministicAcrossThreadCounts) {
-  const Dims d{2, 130, 6, 2, 64};
-  Case c(d, 500);
+// are bit-identical for any thread count. With few (batch, kv group) units per thread the
+// backward switches to its split scheme (dk/dv per key tile, dq per query tile), which must
+// agree bit for bit with the fused one and with the fp64 reference.
+TEST(Attention, DeterministicAcrossThreadCountsAndSchemes) {
   const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  Result one = run_kernel(c, true);
-  omp_set_num_threads(3);
-  Result three = run_kernel(c, true);
-  omp_set_num_threads(saved);
-  EXPECT_EQ(one.out, three.out);
-  EXPECT_EQ(one.lse, three.lse);
-  EXPECT_EQ(one.dq, three.dq);
-  EXPECT_EQ(one.dk, three.dk);
-  EXPECT_EQ(one.dv, three.dv);
+  // B*Hkv = 12, 1, 2, 1: with 4 threads the last three take the split scheme, with 1 the fused.
+  for (const Dims& d : {Dims{2, 130, 6, 6, 64}, Dims{1, 200, 4, 1, 48}, Dims{2, 150, 2, 1, 64},
+                        Dims{1, 70, 3, 1, 20}}) {
+    Case c(d, 500 + d.T);
+    omp_set_num_threads(1);
+    Result one = run_kernel(c, true);
+    omp_set_num_threads(4);
+    Result four = run_kernel(c, true);
+    omp_set_num_threads(saved);
+    EXPECT_EQ(one.out, four.out) << name(d);
+    EXPECT_EQ(one.lse, four.lse) << name(d);
+    EXPECT_EQ(one.dq, four.dq) << name(d);
+    EXPECT_EQ(one.dk, four.dk) << name(d);
+    EXPECT_EQ(one.dv, four.dv) << name(d);
+    const Dense g = naive_backward(d, c.dense(), test::to_double(c.dout), c.scale);
+    EXPECT_LT(test::rel_l2(four.dq, g.q), kBwdTol) << name(d);
+    EXPECT_LT(test::rel_l2(four.dk, g.k), kBwdTol) << name(d);
+    EXPECT_LT(test::rel_l2(four.dv, g.v), kBwdTol) << name(d);
+  }
 }
 
 TEST(Attention, RejectsBadShapes) {
