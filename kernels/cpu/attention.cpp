@@ -223,16 +223,19 @@ struct Accum {
   float* C;
   int64_t ldc;
   int64_t D;
+  const float* row_scale = nullptr;  // if set, C[r] *= row_scale[r] first (online softmax)
 };
 
 template <int R, int ND>
 inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B, int64_t ldb,
-                         int64_t lo, int64_t hi, float* C, int64_t ldc) {
+                         int64_t lo, int64_t hi, float* C, int64_t ldc, const float* row_scale) {
   v16 acc[R][ND];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    const float rs = row_scale ? row_scale[r] : 1.0f;
 #pragma GCC unroll 8
-    for (int v = 0; v < ND; ++v) acc[r][v] = load(C + r * ldc + v * kW);
+    for (int v = 0; v < ND; ++v) acc[r][v] = load(C + r * ldc + v * kW) * rs;
+  }
   for (int64_t k = lo; k < hi; ++k) {
     v16 b[ND];
 #pragma GCC unroll 8
@@ -252,6 +255,8 @@ inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B,
 
 inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
   float* c = a.C + r * a.ldc;
+  if (a.row_scale)
+    for (int64_t d = 0; d < a.D; ++d) c[d] *= a.row_scale[r];
   for (int64_t k = lo; k < hi; ++k) {
     const float coef = a.A[r * a.sr + k * a.sk];
     const float* b = a.B + k * a.ldb;
@@ -273,13 +278,15 @@ void accumulate(const Accum& a, int64_t rows, KRange krange) {
     int64_t r = 0;
     for (; r + R <= rows; r += R) {
       const auto [lo, hi] = krange(r, r + R);
-      if (lo < hi)
-        accum_kernel<R, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+      if (lo < hi || a.row_scale)
+        accum_kernel<R, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc,
+                            a.row_scale ? a.row_scale + r : nullptr);
     }
     for (; r < rows; ++r) {
       const auto [lo, hi] = krange(r, r + 1);
-      if (lo < hi)
-        accum_kernel<1, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+      if (lo < hi || a.row_scale)
+        accum_kernel<1, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc,
+                            a.row_scale ? a.row_scale + r : nullptr);
     }
   }
 }
@@ -340,8 +347,8 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
     // The last query tiles have the most key tiles: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t qi = nqt - 1 - u / (B * Hq);
-      const int64_t b = (u % (B * Hq)) / Hq, h = u % Hq, g = h / G;
+      const int64_t qi = nqt - 1 - u % nqt;
+      const int64_t b = u / nqt / Hq, h = u / nqt % Hq, g = h / G;
       const int64_t q0 = qi * kBq, nq = std::min(kBq, T - q0);
       const int64_t nvq = (nq + kW - 1) / kW;
       const float* qb = q + (b * T + q0) * qs + h * D;
@@ -383,15 +390,11 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
           store(m + vq * kW, mn);
           store(alpha + vq * kW, al);
         }
-        if (k0 > 0) {
-          for (int64_t i = 0; i < nq; ++i) {
-            const float a = alpha[i];
-            for (int64_t d = 0; d < D; ++d) o[i * D + d] *= a;
-          }
-        }
-        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D}, nq, [&](int64_t, int64_t r1) {
-          return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
-        });
+        // O = alpha * O + P V; on the first key tile O is zero and alpha is not needed.
+        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D, k0 > 0 ? alpha : nullptr}, nq,
+                       [&](int64_t, int64_t r1) {
+                         return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
+                       });
       }
       for (int64_t i = 0; i < nq; ++i) {
         const float inv = 1.0f / l[i];
