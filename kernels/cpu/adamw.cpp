@@ -34,10 +34,11 @@ void sqrt_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::sqrt(x[i]);
 }
 
-// One pass over the five (six with bf16) streams, a block at a time. The scalars are formed in
-// double and rounded once, and the per-element steps follow torch.optim.AdamW's single-tensor path
-// op by op (param.mul_, exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, denom = sqrt(v) / sqrt(bc2) +
-// eps, param.addcdiv_) so that results agree with PyTorch to rounding.
+// One pass through memory over the five (six with bf16) streams: a block's two loops meet in L1
+// around the square roots. The scalars are formed in double and rounded once, and the
+// per-element steps follow torch.optim.AdamW's single-tensor path op by op (param.mul_,
+// exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, denom = sqrt(v) / sqrt(bc2) + eps, param.addcdiv_)
+// so that results agree with PyTorch to rounding.
 template <bool kBf16>
 void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m,
                  float* __restrict v, bf16* __restrict pb, int64_t n, float decay, float w1,

@@ -5,6 +5,9 @@
 #include <limits>
 #include <memory>
 #include <utility>
+#include <vector>
+
+#include <omp.h>
 
 #include "core/error.hpp"
 
@@ -35,6 +38,16 @@ inline v16 splat(float x) {
 inline v16 vmax(v16 a, v16 b) {
   return a > b ? a : b;
 }
+// Loads a vector that several FMAs reuse. Without the empty asm GCC folds the load into every
+// FMA as a memory operand, so the kernels below would issue R loads per vector instead of one
+// and become load-bound.
+inline v16 load_reg(const float* p) {
+  v16 x = load(p);
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
 
 // 2^x. Round-to-nearest split x = n + f, |f| <= 1/2, and a degree-7 Taylor polynomial of 2^f
 // (truncation error < 6e-9, below float rounding). Inputs at or below -127 give exactly 0, so
@@ -58,6 +71,61 @@ inline v16 exp2v(v16 x) {
   p = p * f + 1.0f;
   const v16i bits = (ni + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
   return p * __builtin_bit_cast(v16, bits);
+}
+
+// Sum of a[i]*b[i], vectorized (a plain loop would be summed in order, one add at a time).
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc{};
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) acc += load(a + i) * load(b + i);
+  float sum = 0;
+  for (int l = 0; l < kW; ++l) sum += acc[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// 16x16 transpose in registers: stage K swaps bit K of the row index with bit K of the column
+// index, one two-source shuffle per row.
+constexpr int transpose_index(int k, bool upper, int c) {
+  const bool hi = (c >> k) & 1;
+  return upper ? (hi ? kW + c : c + (1 << k)) : (hi ? kW + c - (1 << k) : c);
+}
+template <int K, bool Upper, int... C>
+constexpr v16i transpose_mask(std::integer_sequence<int, C...>) {
+  return v16i{transpose_index(K, Upper, C)...};
+}
+template <int K>
+inline void transpose_stage(v16* x) {
+  constexpr v16i lo = transpose_mask<K, false>(std::make_integer_sequence<int, kW>());
+  constexpr v16i hi = transpose_mask<K, true>(std::make_integer_sequence<int, kW>());
+  for (int r = 0; r < kW; ++r) {
+    if ((r >> K) & 1) continue;
+    const v16 a = x[r], b = x[r + (1 << K)];
+    x[r] = __builtin_shuffle(a, b, lo);
+    x[r + (1 << K)] = __builtin_shuffle(a, b, hi);
+  }
+}
+
+// dst[c*ldd + r] = src[r*lds + c] * mul for r < rows, c < cols; columns [rows, rpad) of dst are
+// zero (rpad a multiple of 16).
+void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t rpad, int64_t cols,
+                    float* dst, int64_t ldd, float mul) {
+  for (int64_t r0 = 0; r0 < rpad; r0 += kW) {
+    int64_t c0 = 0;
+    for (; c0 + kW <= cols; c0 += kW) {
+      v16 x[kW];
+      for (int i = 0; i < kW; ++i)
+        x[i] = r0 + i < rows ? load(src + (r0 + i) * lds + c0) * mul : v16{};
+      transpose_stage<0>(x);
+      transpose_stage<1>(x);
+      transpose_stage<2>(x);
+      transpose_stage<3>(x);
+      for (int i = 0; i < kW; ++i) store(dst + (c0 + i) * ldd + r0, x[i]);
+    }
+    for (; c0 < cols; ++c0)
+      for (int64_t i = 0; i < kW; ++i)
+        dst[c0 * ldd + r0 + i] = r0 + i < rows ? src[(r0 + i) * lds + c0] * mul : 0.0f;
+  }
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -91,7 +159,7 @@ inline void score_kernel(const float* A, int64_t lda, const float* BT, int64_t l
   for (int64_t d = 0; d < D; ++d) {
     v16 b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = load(BT + d * ldb + v * kW);
+    for (int v = 0; v < NV; ++v) b[v] = load_reg(BT + d * ldb + v * kW);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = A[r * lda + d];
@@ -155,20 +223,23 @@ struct Accum {
   float* C;
   int64_t ldc;
   int64_t D;
+  const float* row_scale = nullptr;  // if set, C[r] *= row_scale[r] first (online softmax)
 };
 
 template <int R, int ND>
 inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B, int64_t ldb,
-                         int64_t lo, int64_t hi, float* C, int64_t ldc) {
+                         int64_t lo, int64_t hi, float* C, int64_t ldc, const float* row_scale) {
   v16 acc[R][ND];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    const float rs = row_scale ? row_scale[r] : 1.0f;
 #pragma GCC unroll 8
-    for (int v = 0; v < ND; ++v) acc[r][v] = load(C + r * ldc + v * kW);
+    for (int v = 0; v < ND; ++v) acc[r][v] = load(C + r * ldc + v * kW) * rs;
+  }
   for (int64_t k = lo; k < hi; ++k) {
     v16 b[ND];
 #pragma GCC unroll 8
-    for (int v = 0; v < ND; ++v) b[v] = load(B + k * ldb + v * kW);
+    for (int v = 0; v < ND; ++v) b[v] = load_reg(B + k * ldb + v * kW);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float a = A[r * sr + k * sk];
@@ -184,6 +255,8 @@ inline void accum_kernel(const float* A, int64_t sr, int64_t sk, const float* B,
 
 inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
   float* c = a.C + r * a.ldc;
+  if (a.row_scale)
+    for (int64_t d = 0; d < a.D; ++d) c[d] *= a.row_scale[r];
   for (int64_t k = lo; k < hi; ++k) {
     const float coef = a.A[r * a.sr + k * a.sk];
     const float* b = a.B + k * a.ldb;
@@ -205,13 +278,15 @@ void accumulate(const Accum& a, int64_t rows, KRange krange) {
     int64_t r = 0;
     for (; r + R <= rows; r += R) {
       const auto [lo, hi] = krange(r, r + R);
-      if (lo < hi)
-        accum_kernel<R, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+      if (lo < hi || a.row_scale)
+        accum_kernel<R, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc,
+                            a.row_scale ? a.row_scale + r : nullptr);
     }
     for (; r < rows; ++r) {
       const auto [lo, hi] = krange(r, r + 1);
-      if (lo < hi)
-        accum_kernel<1, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc);
+      if (lo < hi || a.row_scale)
+        accum_kernel<1, ND>(a.A + r * a.sr, a.sr, a.sk, a.B, a.ldb, lo, hi, a.C + r * a.ldc, a.ldc,
+                            a.row_scale ? a.row_scale + r : nullptr);
     }
   }
 }
@@ -272,15 +347,12 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
     // The last query tiles have the most key tiles: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t qi = nqt - 1 - u / (B * Hq);
-      const int64_t b = (u % (B * Hq)) / Hq, h = u % Hq, g = h / G;
+      const int64_t qi = nqt - 1 - u % nqt;
+      const int64_t b = u / nqt / Hq, h = u / nqt % Hq, g = h / G;
       const int64_t q0 = qi * kBq, nq = std::min(kBq, T - q0);
       const int64_t nvq = (nq + kW - 1) / kW;
       const float* qb = q + (b * T + q0) * qs + h * D;
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = qb[i * qs + d] * c;
-      for (int64_t i = nq; i < nvq * kW; ++i)
-        for (int64_t d = 0; d < D; ++d) qt[d * kBq + i] = 0.0f;
+      transpose_tile(qb, qs, nq, nvq * kW, D, qt, kBq, c);
       std::fill(m, m + kBq, neg_inf);
       std::fill(l, l + kBq, 0.0f);
       std::fill(o, o + nq * D, 0.0f);
@@ -318,15 +390,11 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
           store(m + vq * kW, mn);
           store(alpha + vq * kW, al);
         }
-        if (k0 > 0) {
-          for (int64_t i = 0; i < nq; ++i) {
-            const float a = alpha[i];
-            for (int64_t d = 0; d < D; ++d) o[i * D + d] *= a;
-          }
-        }
-        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D}, nq, [&](int64_t, int64_t r1) {
-          return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
-        });
+        // O = alpha * O + P V; on the first key tile O is zero and alpha is not needed.
+        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D, k0 > 0 ? alpha : nullptr}, nq,
+                       [&](int64_t, int64_t r1) {
+                         return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
+                       });
       }
       for (int64_t i = 0; i < nq; ++i) {
         const float inv = 1.0f / l[i];
@@ -338,116 +406,219 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
   }
 }
 
-// One work unit is a (batch, kv group): it owns dk/dv of the group and dq of the group's heads,
-// so no two threads write the same memory and the summation order is fixed (deterministic for
-// any thread count).
+// Backward. The scores of one (query tile, key tile) pair are recomputed from q, k and lse,
+// then feed five products: dV += P^T dO, dK += dS^T Q, dQ += dS K (and S, dP themselves).
+//
+// Work is split so that every output element has a single writer and a summation order that
+// does not depend on the number of threads:
+//  - fused scheme, units (batch, kv group): a unit owns dk/dv of the group and dq of the group's
+//    heads, and walks key tiles in order, adding each tile's dq contribution in place;
+//  - split scheme, for when there are too few (batch, kv group) units to feed the threads:
+//    units (batch, kv group, key tile) compute dk/dv, then units (batch, head, query tile)
+//    recompute P and dS to compute dq, walking key tiles in the same order. This costs the two
+//    score products and the exp again (about +40% FLOPs) but parallelizes over tiles.
+// Both run the same kernels in the same order for each output element, so the results are
+// bit-identical whichever scheme (and thread count) is used.
+template <int ND>
+class Backward {
+ public:
+  Backward(const AttentionShape& s, const float* q, const float* k, const float* v,
+           const float* lse, const float* dout, const float* di, float* dq, float* dk, float* dv)
+      : B(s.B),
+        T(s.T),
+        Hq(s.Hq),
+        Hkv(s.Hkv),
+        D(s.D),
+        G(s.Hq / s.Hkv),
+        qs(s.q_stride),
+        kvs(s.kv_stride),
+        os(s.Hq * s.D),
+        c(s.scale * kLog2e),
+        scale(s.scale),
+        q(q),
+        k(k),
+        v(v),
+        lse(lse),
+        dout(dout),
+        di(di),
+        dq(dq),
+        dk(dk),
+        dv(dv) {}
+
+  // Per-thread scratch.
+  struct Buffers {
+    explicit Buffers(int64_t D)
+        : mem(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D)),
+          kt(mem.take(D * kBk)),
+          vt(mem.take(D * kBk)),
+          p(mem.take(kBq * kBk)),
+          ds(mem.take(kBq * kBk)),
+          dkacc(mem.take(kBk * D)),
+          dvacc(mem.take(kBk * D)) {}
+    Scratch mem;
+    float* kt;     // K^T of the key tile, [D][kBk]
+    float* vt;     // V^T
+    float* p;      // S then P, [kBq][kBk]
+    float* ds;     // dP then dS (times scale)
+    float* dkacc;  // [kBk][D]
+    float* dvacc;
+  };
+
+  int64_t key_tiles() const { return (T + kBk - 1) / kBk; }
+  int64_t query_tiles() const { return (T + kBq - 1) / kBq; }
+
+  // dk/dv of key tile k0 of (b, g), summed over the group's heads and all query tiles that see
+  // it; with_dq also adds this key tile's contribution to dq (fused scheme).
+  void key_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, bool with_dq) const {
+    const int64_t nk = std::min(kBk, T - k0);
+    const float* kb = k + (b * T + k0) * kvs + g * D;
+    const float* vb = v + (b * T + k0) * kvs + g * D;
+    transpose_tile(kb, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
+    transpose_tile(vb, kvs, nk, kBk, D, w.vt, kBk, 1.0f);
+    std::fill(w.dkacc, w.dkacc + nk * D, 0.0f);
+    std::fill(w.dvacc, w.dvacc + nk * D, 0.0f);
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int64_t h = g * G + hh;
+      for (int64_t q0 = k0 / kBq * kBq; q0 < T; q0 += kBq) {
+        const int64_t nq = std::min(kBq, T - q0);
+        const int64_t off = k0 - q0;
+        const float* qb = q + (b * T + q0) * qs + h * D;
+        const float* dob = dout + (b * T + q0) * os + h * D;
+        probs_and_grads(w, b, h, q0, nq, k0, nk);
+        // Key j is seen by queries [max(0, j + off), nq).
+        const auto query_range = [&](int64_t r0, int64_t) {
+          return std::pair<int64_t, int64_t>(std::max<int64_t>(0, r0 + off), nq);
+        };
+        accumulate<ND>(Accum{w.p, 1, kBk, dob, os, w.dvacc, D, D}, nk, query_range);
+        accumulate<ND>(Accum{w.ds, 1, kBk, qb, qs, w.dkacc, D, D}, nk, query_range);
+        if (with_dq) add_dq(w, b, h, q0, nq, k0, nk);
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      std::copy_n(w.dkacc + j * D, D, dk + (b * T + k0 + j) * kvs + g * D);
+      std::copy_n(w.dvacc + j * D, D, dv + (b * T + k0 + j) * kvs + g * D);
+    }
+  }
+
+  // dq of query tile q0 of head h (split scheme), from all key tiles in order.
+  void query_tile(Buffers& w, int64_t b, int64_t h, int64_t q0) const {
+    const int64_t nq = std::min(kBq, T - q0), g = h / G;
+    for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * T + q0 + i) * qs + h * D, D, 0.0f);
+    for (int64_t k0 = 0; k0 < q0 + nq; k0 += kBk) {
+      const int64_t nk = std::min(kBk, T - k0);
+      transpose_tile(k + (b * T + k0) * kvs + g * D, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
+      transpose_tile(v + (b * T + k0) * kvs + g * D, kvs, nk, kBk, D, w.vt, kBk, 1.0f);
+      probs_and_grads(w, b, h, q0, nq, k0, nk);
+      add_dq(w, b, h, q0, nq, k0, nk);
+    }
+  }
+
+  // Zeroes the dq rows of (b, g)'s heads (the fused scheme accumulates into them).
+  void zero_dq(int64_t b, int64_t g) const {
+    for (int64_t t = 0; t < T; ++t) std::fill_n(dq + (b * T + t) * qs + g * G * D, G * D, 0.0f);
+  }
+
+  const int64_t B, T, Hq, Hkv, D, G, qs, kvs, os;
+
+ private:
+  // P (masked, exact zeros outside the causal window) into w.p and dS * scale into w.ds.
+  void probs_and_grads(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0,
+                       int64_t nk) const {
+    const int64_t off = k0 - q0;  // key j sees query i iff j + off <= i
+    const float* qb = q + (b * T + q0) * qs + h * D;
+    const float* dob = dout + (b * T + q0) * os + h * D;
+    // Keys [0, min(nk, i - off + 1)) are visible to query i.
+    const auto key_vectors = [&](int64_t, int64_t r1) {
+      const int64_t hi = std::min(nk, r1 - off);
+      return std::pair<int64_t, int64_t>(0, hi > 0 ? (hi + kW - 1) / kW : 0);
+    };
+    scores(Score{qb, qs, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
+    scores(Score{dob, os, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
+    v16i iota;
+    for (int l = 0; l < kW; ++l) iota[l] = l;
+    const float* lrow = lse + (b * Hq + h) * T + q0;
+    const float* drow = di + (b * Hq + h) * T + q0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t lim = std::min(nk, i - off + 1);
+      const int64_t nv = lim > 0 ? (lim + kW - 1) / kW : 0;
+      const float l2 = lrow[i] * kLog2e, dval = drow[i];
+      float* prow = w.p + i * kBk;
+      float* dsrow = w.ds + i * kBk;
+      for (int64_t vk = 0; vk < nv; ++vk) {
+        const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
+        v16 pv = exp2v(load(prow + vk * kW) * c - l2);
+        pv = visible ? pv : v16{};
+        store(prow + vk * kW, pv);
+        store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - dval) * scale);
+      }
+      for (int64_t vk = nv; vk < kBk / kW; ++vk) {
+        store(prow + vk * kW, v16{});
+        store(dsrow + vk * kW, v16{});
+      }
+    }
+  }
+
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], for the keys query i sees.
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t nq, int64_t k0,
+              int64_t nk) const {
+    const int64_t off = k0 - q0;
+    const float* kb = k + (b * T + k0) * kvs + (h / G) * D;
+    float* dqb = dq + (b * T + q0) * qs + h * D;
+    accumulate<ND>(Accum{w.ds, kBk, 1, kb, kvs, dqb, qs, D}, nq, [&](int64_t, int64_t r1) {
+      return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
+    });
+  }
+
+  const float c, scale;
+  const float *q, *k, *v, *lse, *dout, *di;
+  float *dq, *dk, *dv;
+};
+
 template <int ND>
 void backward_impl(const AttentionShape& s, const float* q, const float* k, const float* v,
                    const float* out, const float* lse, const float* dout, float* dq, float* dk,
                    float* dv) {
-  const int64_t B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv, D = s.D, G = s.Hq / s.Hkv;
-  const int64_t qs = s.q_stride, kvs = s.kv_stride, os = Hq * D;
-  const int64_t units = B * Hkv;
-  const float c = s.scale * kLog2e;
-  const float scale = s.scale;
-  v16i iota;
-  for (int i = 0; i < kW; ++i) iota[i] = i;
+  const int64_t B = s.B, T = s.T, Hq = s.Hq, D = s.D;
+  // Di = rowsum(dO * O) of every (b, h, t), [B][Hq][T].
+  std::vector<float> di(B * Hq * T);
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t b = bt / T, t = bt % T;
+    for (int64_t h = 0; h < Hq; ++h)
+      di[(b * Hq + h) * T + t] = dot(out + (bt * Hq + h) * D, dout + (bt * Hq + h) * D, D);
+  }
+  const Backward<ND> bw(s, q, k, v, lse, dout, di.data(), dq, dk, dv);
+  const int64_t groups = B * s.Hkv;
+  const int64_t threads = omp_get_max_threads();
+  // Fraction of the threads that the fused scheme keeps busy with equal-sized units.
+  const double busy = double(groups) / double(threads * ((groups + threads - 1) / threads));
+  if (busy >= 0.7) {
+#pragma omp parallel
+    {
+      typename Backward<ND>::Buffers w(D);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < groups; ++u) {
+        const int64_t b = u / bw.Hkv, g = u % bw.Hkv;
+        bw.zero_dq(b, g);
+        for (int64_t k0 = 0; k0 < T; k0 += kBk) bw.key_tile(w, b, g, k0, /*with_dq=*/true);
+      }
+    }
+    return;
+  }
+  const int64_t nkt = bw.key_tiles(), nqt = bw.query_tiles();
 #pragma omp parallel
   {
-    Scratch scratch(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D) +
-                    2 * lines(G * T));
-    float* kt = scratch.take(D * kBk);    // K^T of the key tile, [D][kBk]
-    float* vt = scratch.take(D * kBk);    // V^T
-    float* p = scratch.take(kBq * kBk);   // S then P, [kBq][kBk]
-    float* ds = scratch.take(kBq * kBk);  // dP then dS (times scale)
-    float* dkacc = scratch.take(kBk * D);
-    float* dvacc = scratch.take(kBk * D);
-    float* di = scratch.take(G * T);  // rowsum(dO * O) of the group's heads, [G][T]
-    float* l2 = scratch.take(G * T);  // lse in base-2 units
+    typename Backward<ND>::Buffers w(D);
+    // Key tile 0 is seen by every query tile: the heaviest units go first.
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t u = 0; u < groups * nkt; ++u) {
+      const int64_t kj = u / groups, bg = u % groups;
+      bw.key_tile(w, bg / bw.Hkv, bg % bw.Hkv, kj * kBk, /*with_dq=*/false);
+    }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t b = u / Hkv, g = u % Hkv;
-      for (int64_t hh = 0; hh < G; ++hh) {
-        const int64_t h = g * G + hh;
-        for (int64_t t = 0; t < T; ++t) {
-          float* dqrow = dq + (b * T + t) * qs + h * D;
-          const float* orow = out + (b * T + t) * os + h * D;
-          const float* dorow = dout + (b * T + t) * os + h * D;
-          float acc = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            acc += orow[d] * dorow[d];
-            dqrow[d] = 0.0f;
-          }
-          di[hh * T + t] = acc;
-          l2[hh * T + t] = lse[(b * Hq + h) * T + t] * kLog2e;
-        }
-      }
-      for (int64_t k0 = 0; k0 < T; k0 += kBk) {
-        const int64_t nk = std::min(kBk, T - k0);
-        const float* kb = k + (b * T + k0) * kvs + g * D;
-        const float* vb = v + (b * T + k0) * kvs + g * D;
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t j = 0; j < nk; ++j) {
-            kt[d * kBk + j] = kb[j * kvs + d];
-            vt[d * kBk + j] = vb[j * kvs + d];
-          }
-          for (int64_t j = nk; j < kBk; ++j) kt[d * kBk + j] = vt[d * kBk + j] = 0.0f;
-        }
-        std::fill(dkacc, dkacc + nk * D, 0.0f);
-        std::fill(dvacc, dvacc + nk * D, 0.0f);
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const int64_t h = g * G + hh;
-          for (int64_t q0 = k0 / kBq * kBq; q0 < T; q0 += kBq) {
-            const int64_t nq = std::min(kBq, T - q0);
-            const int64_t off = k0 - q0;  // key j sees query i iff j + off <= i
-            const float* qb = q + (b * T + q0) * qs + h * D;
-            const float* dob = dout + (b * T + q0) * os + h * D;
-            float* dqb = dq + (b * T + q0) * qs + h * D;
-            // Keys [0, min(nk, i - off + 1)) are visible to query i.
-            const auto key_vectors = [&](int64_t, int64_t r1) {
-              const int64_t hi = std::min(nk, r1 - off);
-              return std::pair<int64_t, int64_t>(0, hi > 0 ? (hi + kW - 1) / kW : 0);
-            };
-            scores(Score{qb, qs, kt, kBk, p, kBk, D}, nq, key_vectors);
-            scores(Score{dob, os, vt, kBk, ds, kBk, D}, nq, key_vectors);
-            for (int64_t i = 0; i < nq; ++i) {
-              const int64_t lim = std::min(nk, i - off + 1);
-              const int64_t nv = lim > 0 ? (lim + kW - 1) / kW : 0;
-              const float lrow = l2[hh * T + q0 + i], drow = di[hh * T + q0 + i];
-              float* prow = p + i * kBk;
-              float* dsrow = ds + i * kBk;
-              for (int64_t vk = 0; vk < nv; ++vk) {
-                const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
-                v16 pv = exp2v(load(prow + vk * kW) * c - lrow);
-                pv = visible ? pv : v16{};
-                store(prow + vk * kW, pv);
-                store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - drow) * scale);
-              }
-              for (int64_t vk = nv; vk < kBk / kW; ++vk) {
-                store(prow + vk * kW, v16{});
-                store(dsrow + vk * kW, v16{});
-              }
-            }
-            // Key j is seen by queries [max(0, j + off), nq).
-            const auto query_range = [&](int64_t r0, int64_t) {
-              return std::pair<int64_t, int64_t>(std::max<int64_t>(0, r0 + off), nq);
-            };
-            accumulate<ND>(Accum{p, 1, kBk, dob, os, dvacc, D, D}, nk, query_range);
-            accumulate<ND>(Accum{ds, 1, kBk, qb, qs, dkacc, D, D}, nk, query_range);
-            accumulate<ND>(Accum{ds, kBk, 1, kb, kvs, dqb, qs, D}, nq, [&](int64_t, int64_t r1) {
-              return std::pair<int64_t, int64_t>(0, std::min(nk, r1 - off));
-            });
-          }
-        }
-        for (int64_t j = 0; j < nk; ++j) {
-          float* dkrow = dk + (b * T + k0 + j) * kvs + g * D;
-          float* dvrow = dv + (b * T + k0 + j) * kvs + g * D;
-          for (int64_t d = 0; d < D; ++d) {
-            dkrow[d] = dkacc[j * D + d];
-            dvrow[d] = dvacc[j * D + d];
-          }
-        }
-      }
+    for (int64_t u = 0; u < B * Hq * nqt; ++u) {
+      const int64_t qi = nqt - 1 - u / (B * Hq), bh = u % (B * Hq);
+      bw.query_tile(w, bh / Hq, bh % Hq, qi * kBq);
     }
   }
 }
@@ -485,14 +656,14 @@ void dispatch_head_dim(int64_t D, Args&&... args) {
   }
 }
 template <int ND>
-struct Forward {
+struct ForwardOp {
   template <class... Args>
   static void run(Args... args) {
     forward_impl<ND>(args...);
   }
 };
 template <int ND>
-struct Backward {
+struct BackwardOp {
   template <class... Args>
   static void run(Args... args) {
     backward_impl<ND>(args...);
@@ -505,7 +676,7 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
                        float* out, float* lse) {
   check_shape(s, "attention_forward");
   LOOM_CHECK(q && k && v && out && lse, "attention_forward: null pointer among q, k, v, out, lse");
-  dispatch_head_dim<Forward>(s.D, s, q, k, v, out, lse);
+  dispatch_head_dim<ForwardOp>(s.D, s, q, k, v, out, lse);
 }
 
 void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
@@ -514,7 +685,7 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
   check_shape(s, "attention_backward");
   LOOM_CHECK(q && k && v && out && lse && dout && dq && dk && dv,
              "attention_backward: null pointer among q, k, v, out, lse, dout, dq, dk, dv");
-  dispatch_head_dim<Backward>(s.D, s, q, k, v, out, lse, dout, dq, dk, dv);
+  dispatch_head_dim<BackwardOp>(s.D, s, q, k, v, out, lse, dout, dq, dk, dv);
 }
 
 }  // namespace loom::cpu

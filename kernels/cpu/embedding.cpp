@@ -1,8 +1,9 @@
 #include "kernels/cpu/embedding.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "core/error.hpp"
 
@@ -38,30 +39,20 @@ void embedding_forward(const int32_t* tokens, int64_t n, const float* table, int
 void embedding_backward(const int32_t* tokens, int64_t n, const float* dout, int64_t vocab,
                         int64_t dim, float* dtable) {
   check_args("embedding_backward", tokens, n, vocab, dim);
-  LOOM_CHECK(n < (int64_t{1} << 32), "embedding_backward: token count must be < 2^32, got ", n);
-  if (n == 0) return;
-  // Sort positions by (token, position): each table row then belongs to exactly one thread and
-  // receives its contributions in position order, so the sums are the serial loop's bits for any
-  // thread count and schedule, with no atomics. Costs O(n log n) on n ints, independent of vocab.
-  std::vector<uint64_t> key(n);
-  for (int64_t i = 0; i < n; ++i) key[i] = (uint64_t(uint32_t(tokens[i])) << 32) | uint64_t(i);
-  std::sort(key.begin(), key.end());
-  // Runs of equal tokens: run r covers key[start[r], start[r + 1]).
-  std::vector<int64_t> start;
-  start.reserve(n + 1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || (key[i] >> 32) != (key[i - 1] >> 32)) start.push_back(i);
-  }
-  start.push_back(n);
-  const int64_t runs = int64_t(start.size()) - 1;
-  // Frequent tokens make runs uneven; dynamic scheduling balances them.
-#pragma omp parallel for schedule(dynamic, 8) if (n * dim >= (int64_t{1} << 15))
-  for (int64_t r = 0; r < runs; ++r) {
-    float* __restrict row = dtable + int64_t(key[start[r]] >> 32) * dim;
-    for (int64_t k = start[r]; k < start[r + 1]; ++k) {
-      const float* __restrict src = dout + int64_t(key[k] & 0xffffffffu) * dim;
+  // Each thread owns a slice of the columns of every row and walks all positions in order, so each
+  // table element receives its contributions in position order: the serial loop's bits for any
+  // thread count, with no atomics, no sort, and an even split however skewed the token counts.
+  // Slices are multiples of 16 floats: with 64-byte aligned rows, threads never share a line.
+#pragma omp parallel if (n * dim >= (int64_t{1} << 15))
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = ((dim + threads - 1) / threads + 15) / 16 * 16;
+    const int64_t lo = std::min(dim, t * per), hi = std::min(dim, lo + per);
+    for (int64_t i = 0; lo < hi && i < n; ++i) {
+      float* __restrict row = dtable + int64_t{tokens[i]} * dim;
+      const float* __restrict src = dout + i * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) row[d] += src[d];
+      for (int64_t d = lo; d < hi; ++d) row[d] += src[d];
     }
   }
 }
