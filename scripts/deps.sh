@@ -2,7 +2,7 @@
 # Installs the Debian packages loom builds and tests with (idempotent, non-interactive).
 set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev python3-torch python3-numpy)
+      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv nodejs npm)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,61 @@
+#pragma once
+// Token shards (DESIGN.md, "loom tokenize"): a 64-byte little-endian header (magic "LOOMTOKS",
+// u32 version 1, u32 token_bytes 2 or 4, u64 vocab_size, u64 num_tokens, 32 zero bytes), then
+// num_tokens ids of token_bytes each. Read by memory mapping; a shard is validated on open
+// (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes zero).
+#include <cstdint>
+#include <string>
+#include <memory>
+#include <vector>
+
+namespace loom {
+
+struct ShardHeader {
+  uint32_t version = 1;
+  uint32_t token_bytes = 2;
+  uint64_t vocab_size = 0;
+  uint64_t num_tokens = 0;
+};
+
+// Writes atomically; token_bytes is 2 if vocab_size <= 65536 else 4. Ids >= vocab_size: error.
+void write_shard(const std::string& path, const std::vector<int32_t>& tokens, uint64_t vocab_size);
+
+class Shard {
+ public:
+  explicit Shard(const std::string& path);  // maps and validates; errors name the file
+  ~Shard();
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+  const ShardHeader& header() const { return h_; }
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return h_.num_tokens; }
+  int32_t operator[](uint64_t i) const;
+  // Copies tokens [begin, begin + n) into out (n <= size() - begin).
+  void read(uint64_t begin, uint64_t n, int32_t* out) const;
+
+ private:
+  std::string path_;
+  ShardHeader h_;
+  const uint8_t* map_ = nullptr;
+  size_t size_ = 0;
+};
+
+// The shards of one split of a dataset directory (`train` or `val`: files `<split>-*.bin`,
+// in name order) read as one stream of tokens. All shards must share one vocab_size.
+class TokenStream {
+ public:
+  TokenStream(const std::string& dir, const std::string& split);
+  uint64_t size() const { return total_; }
+  uint64_t vocab_size() const { return vocab_; }
+  // Copies n tokens starting at `begin`, wrapping around at the end of the stream.
+  void read(uint64_t begin, uint64_t n, int32_t* out) const;
+  const std::vector<std::string>& files() const { return files_; }
+
+ private:
+  std::vector<std::string> files_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<uint64_t> starts_;
+  uint64_t total_ = 0, vocab_ = 0;
+};
+
+}  // namespace loom

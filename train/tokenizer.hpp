@@ -1,0 +1,60 @@
+#pragma once
+// Byte-level BPE (GPT-2 / tiktoken / Llama 3 family). Text is split by a pre-tokenizer regex
+// (PCRE2, so the GPT-2 and Llama 3 patterns run unchanged), each piece's UTF-8 bytes are merged by
+// rank, and special tokens (e.g. <|begin_of_text|>) map to their own ids.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace loom {
+
+class Tokenizer {
+ public:
+  // The split patterns of the known vocabularies.
+  static const char* kGpt2Pattern;    // r50k / GPT-2
+  static const char* kCl100kPattern;  // cl100k, also Llama 3
+  static const char* kO200kPattern;
+
+  // Loads by file type: a Hugging Face tokenizer.json (byte-level BPE model), a tiktoken rank
+  // file (base64 token + rank per line; Meta's Llama 3 tokenizer.model, cl100k_base.tiktoken, ...;
+  // `pattern` and `specials` are then taken from the arguments, defaulting to the cl100k pattern
+  // and no specials), or a GPT-2 encoder.json with vocab.bpe beside it. Errors name the file and
+  // the line or entry that is malformed.
+  static Tokenizer load(const std::string& path, const std::string& pattern = "",
+                        const std::unordered_map<std::string, int32_t>& specials = {});
+
+  // Trains a vocabulary of `vocab_size` ids (256 byte tokens + merges + specials) on `text`
+  // split by `pattern`.
+  static Tokenizer train(std::string_view text, int64_t vocab_size,
+                         const std::vector<std::string>& specials = {"<|endoftext|>"},
+                         const std::string& pattern = kCl100kPattern);
+
+  // Saves as a Hugging Face tokenizer.json (byte-level BPE), which load() reads back.
+  void save(const std::string& path) const;
+
+  // Special tokens in the text are encoded as their ids only if allow_special is true; otherwise
+  // they are ordinary text.
+  std::vector<int32_t> encode(std::string_view text, bool allow_special = false) const;
+  std::string decode(const std::vector<int32_t>& ids) const;  // the exact bytes (may be
+                                                              // incomplete UTF-8)
+  std::string token_bytes(int32_t id) const;
+
+  int64_t vocab_size() const;  // 1 + the largest id
+  int32_t special_id(const std::string& name) const;  // -1 if absent
+  // The id that separates documents: <|endoftext|> or <|end_of_text|>, -1 if neither exists.
+  int32_t eot_id() const;
+
+  Tokenizer();
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loom
