@@ -2,8 +2,11 @@
 # Installs the Debian packages loom builds and tests with (idempotent, non-interactive).
 set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv nodejs npm)
+      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv)
 missing=()
+# Node (for the tokenizer parity tests) may come from NodeSource with npm bundled; only install
+# Debian's when there is none.
+command -v node > /dev/null || pkgs+=(nodejs npm)
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
