@@ -385,19 +385,6 @@ Tokenizer Tokenizer::load(const std::string& path, const std::string& pattern,
 void Tokenizer::save(const std::string& path) const {
   const Impl& im = *impl_;
   LOOM_CHECK(im.split, "Tokenizer::save: the tokenizer is empty");
-  nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
-  for (size_t id = 0; id < im.tokens.size(); ++id) {
-    if (im.kinds[id] == tok::kNormal) vocab[tok::to_byte_level(im.tokens[id])] = id;
-  }
-  auto items = im.pairs.items();
-  std::sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
-    return x.second != y.second ? x.second < y.second : x.first < y.first;
-  });
-  nlohmann::ordered_json merges = nlohmann::ordered_json::array();
-  for (const auto& [key, merge] : items) {
-    merges.push_back(tok::to_byte_level(im.tokens[key >> 32]) + " " +
-                     tok::to_byte_level(im.tokens[uint32_t(key)]));
-  }
   std::vector<std::pair<int32_t, std::string>> specials;
   for (const auto& [text, id] : im.specials) specials.emplace_back(id, text);
   std::sort(specials.begin(), specials.end());
@@ -432,29 +419,45 @@ void Tokenizer::save(const std::string& path) const {
                   {"add_prefix_space", true},
                   {"trim_offsets", true},
                   {"use_regex", true}};
-  j["model"] = {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", nullptr},
-                {"continuing_subword_prefix", nullptr},
-                {"end_of_word_suffix", nullptr},
-                {"fuse_unk", false},
-                {"byte_fallback", false},
-                {"ignore_merges", im.ignore_merges},
-                {"vocab", std::move(vocab)},
-                {"merges", std::move(merges)}};
   std::string text;
   try {
     text = j.dump(1);
   } catch (const nlohmann::json::exception& e) {
     fail("Tokenizer::save: ", path, ": a special token is not valid UTF-8 (", e.what(), ")");
   }
+  // The model is written by hand: vocab and merges have 10^5 entries, and an ordered JSON object
+  // inserts in linear time. Byte-level strings are valid UTF-8, so quoting cannot fail.
+  auto quote = [](const std::string& s) { return nlohmann::json(s).dump(); };
+  text.resize(text.size() - 2);  // "\n}"
+  text += ",\n \"model\": {\n  \"type\": \"BPE\",\n  \"dropout\": null,\n  \"unk_token\": null,\n";
+  text += "  \"continuing_subword_prefix\": null,\n  \"end_of_word_suffix\": null,\n";
+  text += "  \"fuse_unk\": false,\n  \"byte_fallback\": false,\n";
+  text += std::string("  \"ignore_merges\": ") + (im.ignore_merges ? "true" : "false") + ",\n";
+  text += "  \"vocab\": {";
+  const char* sep = "\n   ";
+  for (size_t id = 0; id < im.tokens.size(); ++id) {
+    if (im.kinds[id] != tok::kNormal) continue;
+    text += sep + quote(tok::to_byte_level(im.tokens[id])) + ": " + std::to_string(id);
+    sep = ",\n   ";
+  }
+  text += "\n  },\n  \"merges\": [";
+  auto items = im.pairs.items();
+  std::sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
+    return x.second != y.second ? x.second < y.second : x.first < y.first;
+  });
+  sep = "\n   ";
+  for (const auto& [key, merge] : items) {
+    text += sep + quote(tok::to_byte_level(im.tokens[key >> 32]) + " " +
+                        tok::to_byte_level(im.tokens[uint32_t(key)]));
+    sep = ",\n   ";
+  }
+  text += "\n  ]\n }\n}\n";
   // Written beside and renamed, so a crash never leaves a half-written tokenizer.json.
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     LOOM_CHECK(f, "Tokenizer::save: cannot create ", tmp);
     f.write(text.data(), std::streamsize(text.size()));
-    f.put('\n');
     LOOM_CHECK(f.flush(), "Tokenizer::save: cannot write ", tmp);
   }
   std::error_code ec;
