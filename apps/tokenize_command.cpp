@@ -300,9 +300,10 @@ class SplitWriter {
 
 void prepare_output(const std::string& dir) {
   std::error_code ec;
+  LOOM_CHECK(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "output '", dir,
+             "' exists and is not a directory");
   fs::create_directories(dir, ec);
   LOOM_CHECK(!ec, "cannot create the output directory '", dir, "': ", ec.message());
-  LOOM_CHECK(fs::is_directory(dir, ec), "output '", dir, "' exists and is not a directory");
   // Fails now rather than after the whole corpus has been encoded.
   const std::string probe =
       (fs::path(dir) / (".loom-tokenize-probe." + std::to_string(::getpid()))).string();
