@@ -426,6 +426,9 @@ int tokenize_command(const Args& args) {
   }
   train.finish();
   val.finish();
+  if (o.val_fraction > 0 && val.tokens() == 0)
+    std::printf("note: --val-fraction %g of %llu tokens rounds to none; no val split written\n",
+                o.val_fraction, (unsigned long long)total_tokens);
   const double encode_s = std::chrono::duration<double>(Clock::now() - t_encode).count();
 
   // Shards of an earlier run beyond this run's count would otherwise join the stream.
