@@ -25,6 +25,8 @@ int main(int argc, char** argv) {
   loom::Args args(argv + 2, argv + argc);
   try {
     if (cmd == "bench") return loom::bench_command(args);
+    if (cmd == "generate") return loom::generate_command(args);
+    if (cmd == "plot") return loom::plot_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {
