@@ -77,7 +77,6 @@ GenerateOptions parse_args(const Args& args) {
       o.bos = false;
       continue;
     }
-    if (flag == "--help" || flag == "-h") fail(kGenerateUsage);
     const bool known = flag == "--checkpoint" || flag == "--prompt" || flag == "--max-tokens" ||
                        flag == "--temperature" || flag == "--top-p" || flag == "--seed" ||
                        flag == "--tokenizer" || flag == "--dtype";
@@ -137,7 +136,18 @@ fs::path resolve_checkpoint(const fs::path& dir) {
 }  // namespace
 
 int generate_command(const Args& args) {
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") {
+      std::fputs(kGenerateUsage, stdout);
+      return 0;
+    }
   const GenerateOptions o = parse_args(args);
+  // Without --seed every run draws differently; the seed is printed so a run can be repeated.
+  // The sampler checks its settings before anything is loaded.
+  const uint64_t seed =
+      o.has_seed ? o.seed
+                 : (uint64_t(std::random_device{}()) << 32) ^ uint64_t(std::random_device{}());
+  Sampler sampler(seed, o.temperature, o.top_p);
   const DType compute = dtype_from_name(o.dtype);
   const fs::path root(o.checkpoint);
   const fs::path dir = resolve_checkpoint(root);
@@ -170,10 +180,6 @@ int generate_command(const Args& args) {
   LOOM_CHECK(n_prompt + o.max_tokens <= config.max_position_embeddings, "the prompt (", n_prompt,
              " tokens) plus --max-tokens ", o.max_tokens, " exceeds the model's ",
              "max_position_embeddings = ", config.max_position_embeddings);
-  const uint64_t seed =
-      o.has_seed ? o.seed
-                 : (uint64_t(std::random_device{}()) << 32) ^ uint64_t(std::random_device{}());
-  Sampler sampler(seed, o.temperature, o.top_p);
 
   auto t_load = std::chrono::steady_clock::now();
   LlamaModel model(config, compute);

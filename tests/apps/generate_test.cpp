@@ -136,7 +136,7 @@ TEST_F(GenerateCommand, Errors) {
   r = generate("--checkpoint " + (dir_ / "notok").string() + " --prompt x");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.err.find("tokenizer"), std::string::npos) << r.err;
-  r = generate(m + " --prompt x --top-p 0");
+  r = generate(m + " --prompt x --max-tokens 3 --top-p 0");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.err.find("top-p"), std::string::npos) << r.err;
   r = generate(m);

@@ -76,7 +76,9 @@ Png decode_png(const std::vector<uint8_t>& f) {
     p += 5 + len;
   }
   EXPECT_EQ(p + 4, z.size());
-  if (p + 4 <= z.size()) EXPECT_EQ(adler32(raw.data(), raw.size()), be32(&z[p]));
+  if (p + 4 <= z.size()) {
+    EXPECT_EQ(adler32(raw.data(), raw.size()), be32(&z[p]));
+  }
   EXPECT_EQ(raw.size(), size_t(png.height) * (png.width + 1));
   for (uint32_t y = 0; y < png.height && raw.size() >= size_t(png.height) * (png.width + 1); ++y) {
     EXPECT_EQ(raw[y * (png.width + 1)], 0) << "filter byte of row " << y;
