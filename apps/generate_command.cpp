@@ -28,7 +28,10 @@ const char* kGenerateUsage =
     "         [--temperature T (0.8)] [--top-p P (0.95)] [--seed S] [--tokenizer FILE]\n"
     "         [--dtype float32|bfloat16] [--no-bos]\n"
     "  DIR: a checkpoint (config.json + model.safetensors), a directory of step-* checkpoints\n"
-    "  (the latest complete one is used), or a Hugging Face model directory.\n";
+    "  (the latest complete one is used), or a Hugging Face model directory.\n"
+    "  The prompt is preceded by <|begin_of_text|>, or by the end-of-text token that separates\n"
+    "  documents when the vocabulary has no begin token (--no-bos: neither). Without --seed the\n"
+    "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n";
 
 struct GenerateOptions {
   std::string checkpoint, prompt, tokenizer, dtype = "float32";

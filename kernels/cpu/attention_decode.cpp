@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -55,16 +56,78 @@ inline v16 exp2v(v16 x) {
   return p * __builtin_bit_cast(v16, (ni + 127) << 23);
 }
 
-// A plain loop would add the products one after the other (no reassociation without
-// -ffast-math); sixteen partial sums let it run at vector speed.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  v16 acc{};
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) acc += load(a + i) * load(b + i);
-  float sum = 0;
-  for (int l = 0; l < kW; ++l) sum += acc[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// Folds two vectors of partial sums into one: lanes of x and y in alternating blocks of B, the
+// two halves of each 2B-block added.
+template <int B, int... L>
+constexpr v16i fold_mask(bool hi, std::integer_sequence<int, L...>) {
+  return v16i{(((L / B) % 2) ? int(kW) : 0) + (L / (2 * B)) * 2 * B + L % B + (hi ? B : 0)...};
+}
+template <int B>
+inline v16 fold(v16 x, v16 y) {
+  constexpr auto seq = std::make_integer_sequence<int, int(kW)>();
+  constexpr v16i lo = fold_mask<B>(false, seq), hi = fold_mask<B>(true, seq);
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+// Sixteen horizontal sums in four rounds of shuffles and adds (instead of sixteen serial
+// reductions). The rounds leave the sum of a[i] in lane bitrev4(i).
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) b[i] = fold<8>(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) c[i] = fold<4>(b[2 * i], b[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) d[i] = fold<2>(c[2 * i], c[2 * i + 1]);
+  return fold<1>(d[0], d[1]);
+}
+constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// sr[j] = q . k_j for the nj keys at kb + j*stride, 16 keys per vector of results; NC is D/16
+// when it is a small constant (the loops unroll), 0 for any D. sr must hold nj rounded up to 16.
+template <int NC>
+void scores(const float* qr, const float* kb, int64_t stride, int64_t nj, int64_t D, float* sr) {
+  const int64_t nc = NC ? NC : D / kW;
+  for (int64_t jb = 0; jb < nj; jb += kW) {
+    const int64_t n = std::min(kW, nj - jb);
+    v16 acc[kW];
+    for (int j = 0; j < kW; ++j) {
+      v16 a{};
+      if (j < n) {
+        const float* kj = kb + (jb + j) * stride;
+        for (int64_t c = 0; c < nc; ++c) a += load(qr + c * kW) * load(kj + c * kW);
+      }
+      acc[kBitrev4[j]] = a;  // so key j's sum lands in lane j
+    }
+    store(sr + jb, reduce16(acc));
+    for (int64_t j = 0; j < n && nc * kW < D; ++j)
+      for (int64_t d = nc * kW; d < D; ++d) sr[jb + j] += qr[d] * kb[(jb + j) * stride + d];
+  }
+}
+
+// ar = ar * alpha + sum_j p[j] v_j over the nj values at vb + j*stride. With NC known the
+// accumulators stay in registers across the keys.
+template <int NC>
+void accumulate_pv(const float* p, const float* vb, int64_t stride, int64_t nj, int64_t D,
+                   float alpha, float* __restrict ar) {
+  const int64_t nc = NC ? NC : D / kW;
+  if constexpr (NC > 0) {
+    v16 a[NC];
+    for (int c = 0; c < NC; ++c) a[c] = load(ar + c * kW) * alpha;
+    for (int64_t j = 0; j < nj; ++j) {
+      const v16 pj = v16{} + p[j];
+      const float* vj = vb + j * stride;
+      for (int c = 0; c < NC; ++c) a[c] += pj * load(vj + c * kW);
+    }
+    for (int c = 0; c < NC; ++c) store(ar + c * kW, a[c]);
+  } else {
+    for (int64_t c = 0; c < nc; ++c) {
+      v16 a = load(ar + c * kW) * alpha;
+      for (int64_t j = 0; j < nj; ++j) a += p[j] * load(vb + j * stride + c * kW);
+      store(ar + c * kW, a);
+    }
+  }
+  for (int64_t d = nc * kW; d < D; ++d) {
+    float a = ar[d] * alpha;
+    for (int64_t j = 0; j < nj; ++j) a += p[j] * vb[j * stride + d];
+    ar[d] = a;
+  }
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -82,6 +145,7 @@ struct Scratch {
 };
 
 // Rows [r0, r1) of kv group g; row r is query r / G, head g*G + r % G.
+template <int NC>
 void decode_unit(const DecodeShape& s, const float* q, const float* k, const float* v, float* out,
                  int64_t g, int64_t r0, int64_t r1, Scratch& w) {
   const int64_t G = s.Hq / s.Hkv, D = s.D, past = s.L - s.Tq, R = r1 - r0;
@@ -110,11 +174,9 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
       if (nj <= 0) continue;
       float* __restrict sr = sc + r * kBk;
       const float* qr = qs + r * D;
+      scores<NC>(qr, kg + j0 * s.kv_stride, s.kv_stride, nj, D, sr);
       float tmax = kNegInf;
-      for (int64_t j = 0; j < nj; ++j) {
-        sr[j] = dot(qr, kg + (j0 + j) * s.kv_stride, D);
-        tmax = std::max(tmax, sr[j]);
-      }
+      for (int64_t j = 0; j < nj; ++j) tmax = std::max(tmax, sr[j]);
       const int64_t npad = (nj + kW - 1) / kW * kW;
       for (int64_t j = nj; j < npad; ++j) sr[j] = kNegInf;
       // The first tile always holds key 0, which every row sees, so m is finite from then on.
@@ -131,14 +193,7 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
       for (int c = 0; c < kW; ++c) sum += psum[c];
       l[r] = l[r] * alpha + sum;
       m[r] = mnew;
-      float* __restrict ar = acc + r * D;
-      if (alpha != 1.0f)
-        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-      for (int64_t j = 0; j < nj; ++j) {
-        const float p = sr[j];
-        const float* __restrict vj = vg + (j0 + j) * s.kv_stride;
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vj[d];
-      }
+      accumulate_pv<NC>(sr, vg + j0 * s.kv_stride, s.kv_stride, nj, D, alpha, acc + r * D);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -167,13 +222,36 @@ void attention_decode(const DecodeShape& s, const float* q, const float* k, cons
   LOOM_CHECK(q && k && v && out, "attention_decode: null pointer");
   const int64_t rows = s.Tq * (s.Hq / s.Hkv);
   const int64_t blocks = (rows + kRows - 1) / kRows, units = s.Hkv * blocks;
-#pragma omp parallel if (units > 1)
+  // A short cache is a few microseconds of work: less than waking the other threads.
+#pragma omp parallel if (units > 1 && s.Tq * s.Hq * s.L * s.D >= (int64_t(1) << 16))
   {
     Scratch w(s.D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t g = u % s.Hkv, r0 = (u / s.Hkv) * kRows;
-      decode_unit(s, q, k, v, out, g, r0, std::min(rows, r0 + kRows), w);
+      const int64_t r1 = std::min(rows, r0 + kRows);
+      switch (s.D / kW) {
+        case 1:
+          decode_unit<1>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        case 2:
+          decode_unit<2>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        case 3:
+          decode_unit<3>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        case 4:
+          decode_unit<4>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        case 6:
+          decode_unit<6>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        case 8:
+          decode_unit<8>(s, q, k, v, out, g, r0, r1, w);
+          break;
+        default:
+          decode_unit<0>(s, q, k, v, out, g, r0, r1, w);
+      }
     }
   }
 }

@@ -88,6 +88,8 @@ TEST(AttentionDecode, MatchesNaiveFp64) {
       {20, 90, 32, 1, 8, 1},    // a group wider than one row block
       {5, 64, 2, 2, 7, 1},      // odd head dim, no grouping, L at a tile boundary
       {2, 129, 64, 8, 128, 1},  // Llama-3 head dim, 8 heads per kv head
+      {4, 50, 4, 4, 96, 1},     // head dim 96
+      {2, 20, 2, 1, 200, 2},    // a head dim beyond the unrolled cases, with a tail
   };
   uint64_t seed = 100;
   for (const Case& c : cases) check_case(c, seed += 10);
@@ -141,9 +143,9 @@ TEST(AttentionDecode, RejectsBadShapes) {
 }
 
 TEST(AttentionDecode, Timing) {
-  // One decode step at bench-small shapes (8 heads, 4 kv heads, head dim 64) with 1024 cached
+  // One decode step at bench-small shapes (8 heads, 4 kv heads, head dim 64) with 2048 cached
   // positions; informational.
-  const int64_t L = 1024, Hq = 8, Hkv = 4, D = 64;
+  const int64_t L = 2048, Hq = 8, Hkv = 4, D = 64;
   DecodeShape s{1, L, Hq, Hkv, D, Hq * D, Hkv * D, 0.125f};
   auto q = test::randn(size_t(Hq * D), 1);
   auto k = test::randn(size_t(L * Hkv * D), 2);
