@@ -64,7 +64,10 @@ class GenerateCommand : public ::testing::Test {
       const std::string text =
           "the quick brown fox jumps over the lazy dog. the dog sleeps; the fox runs away. "
           "a loom weaves threads into cloth, thread by thread, row by row.";
-      Tokenizer::train(text, 300).save((d / "tokenizer.json").string());
+      // Repeated, so every merge up to 300 ids has pairs that occur many times.
+      std::string corpus;
+      for (int i = 0; i < 20; ++i) corpus += text;
+      Tokenizer::train(corpus, 300).save((d / "tokenizer.json").string());
     }
   }
 
