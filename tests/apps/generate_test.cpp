@@ -73,8 +73,10 @@ class GenerateCommand : public ::testing::Test {
 
   Result generate(const std::string& args) {
     const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd =
-        bin_ + " generate " + args + " > " + out.string() + " 2> " + err.string();
+    // One thread: the model is tiny, and idle OpenMP threads spinning on a shared machine
+    // would make each run take seconds.
+    const std::string cmd = "OMP_NUM_THREADS=1 " + bin_ + " generate " + args + " > " +
+                            out.string() + " 2> " + err.string();
     const int rc = std::system(cmd.c_str());
     return {rc, slurp(out), slurp(err)};
   }
