@@ -12,7 +12,10 @@ const char* kUsage =
     "usage: loom <command> [args]\n"
     "commands:\n"
     "  bench step --config FILE [--json] [--section.key=value ...]\n"
-    "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n";
+    "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"
+    "  tokenize --input FILE... --output DIR (--tokenizer FILE | --train-vocab N\n"
+    "           --save-tokenizer FILE) [--val-fraction F] [--shard-tokens N]\n"
+    "      text or JSONL -> token shards, tokenizer.json and meta.json in DIR\n";
 
 }  // namespace
 
@@ -25,6 +28,9 @@ int main(int argc, char** argv) {
   loom::Args args(argv + 2, argv + argc);
   try {
     if (cmd == "bench") return loom::bench_command(args);
+    if (cmd == "tokenize") return loom::tokenize_command(args);
+    if (cmd == "generate") return loom::generate_command(args);
+    if (cmd == "plot") return loom::plot_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {
