@@ -15,7 +15,12 @@ const char* kUsage =
     "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"
     "  tokenize --input FILE... --output DIR (--tokenizer FILE | --train-vocab N\n"
     "           --save-tokenizer FILE) [--val-fraction F] [--shard-tokens N]\n"
-    "      text or JSONL -> token shards, tokenizer.json and meta.json in DIR\n";
+    "      text or JSONL -> token shards, tokenizer.json and meta.json in DIR\n"
+    "  generate --checkpoint DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
+    "           [--seed S] [--tokenizer FILE]\n"
+    "      sample text from a checkpoint (KV cache)\n"
+    "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
+    "      loss curves of one or several runs, train and validation\n";
 
 }  // namespace
 
