@@ -346,7 +346,7 @@ class PieceCache {
     return true;
   }
   void rehash() {
-    const size_t cap = std::max<size_t>(1024, slots_.size() * 2);
+    const size_t cap = std::max<size_t>(256, slots_.size() * 2);
     std::vector<Slot> old = std::move(slots_);
     slots_.assign(cap, Slot{0, 0, 0, 0, 0});
     mask_ = cap - 1;
