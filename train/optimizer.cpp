@@ -27,12 +27,8 @@ void AdamW::step(float lr) {
     ParamUnit& u = *units_[i];
     if (u.flat().device() == Device::meta) continue;
     for (auto& p : u.params()) {
-      cpu::AdamWArgs a{lr,
-                       config_.beta1,
-                       config_.beta2,
-                       config_.eps,
-                       p.spec.decay ? config_.weight_decay : 0.0f,
-                       step_};
+      cpu::AdamWArgs a{lr, config_.beta1, config_.beta2, config_.eps,
+                       p.spec.decay ? config_.weight_decay : 0.0f, step_};
       const int64_t n = p.value.numel();
       cpu::adamw_step(a, p.value.data<float>(), p.grad.data<float>(),
                       m_[i].data<float>() + p.offset, v_[i].data<float>() + p.offset, n,

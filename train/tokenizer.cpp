@@ -296,54 +296,70 @@ bool from_byte_level(std::string_view s, std::string* out, char32_t* bad) {
 // ------------------------------------------------------------------------------- piece cache
 
 // Encoded pieces of one encode() call, keyed by their bytes: most words of a text repeat, and a
-// hit costs one hash of a few bytes. Keys and ids live in two flat arenas.
+// hit costs one hash of a few bytes and one probe of a slot that holds the whole hash, the key's
+// place and the ids' place. Keys and ids live in two flat arenas.
 class PieceCache {
  public:
   const int32_t* find(std::string_view s, uint64_t h, int* n) const {
     if (slots_.empty()) return nullptr;
     for (size_t i = h & mask_;; i = (i + 1) & mask_) {
-      const uint32_t e = slots_[i];
-      if (e == 0) return nullptr;
-      const Entry& en = entries_[e - 1];
-      if (en.hash == h && en.key_len == s.size() &&
-          std::memcmp(keys_.data() + en.key_off, s.data(), s.size()) == 0) {
-        *n = int(en.ids_len);
-        return ids_.data() + en.ids_off;
+      const Slot& sl = slots_[i];
+      if (sl.key_len == 0) return nullptr;
+      if (sl.hash == h && sl.key_len == s.size() && same(keys_.data() + sl.key_off, s)) {
+        *n = sl.ids_len;
+        return ids_.data() + sl.ids_off;
       }
     }
   }
   void insert(std::string_view s, uint64_t h, const int32_t* ids, int n) {
-    if (keys_.size() + s.size() > kMaxKeyBytes || s.size() > kMaxPiece) return;
-    if (2 * (entries_.size() + 1) > slots_.size()) rehash();
-    entries_.push_back(
-        Entry{h, uint32_t(keys_.size()), uint32_t(s.size()), uint32_t(ids_.size()), uint32_t(n)});
+    if (s.size() > kMaxPiece || keys_.size() + s.size() > kMaxKeyBytes) return;
+    if (2 * (size_ + 1) > slots_.size()) rehash();
+    size_t i = h & mask_;
+    while (slots_[i].key_len != 0) i = (i + 1) & mask_;
+    slots_[i] =
+        Slot{h, uint32_t(keys_.size()), uint32_t(ids_.size()), uint16_t(s.size()), uint16_t(n)};
+    ++size_;
     keys_.append(s);
     ids_.insert(ids_.end(), ids, ids + n);
-    size_t i = h & mask_;
-    while (slots_[i] != 0) i = (i + 1) & mask_;
-    slots_[i] = uint32_t(entries_.size());
   }
 
  private:
   static constexpr size_t kMaxKeyBytes = size_t(1) << 28;
-  static constexpr size_t kMaxPiece = 256;  // longer pieces hardly repeat
-  struct Entry {
+  static constexpr size_t kMaxPiece = 256;  // longer pieces hardly repeat; ids_len fits 16 bits
+  struct Slot {
     uint64_t hash;
-    uint32_t key_off, key_len, ids_off, ids_len;
+    uint32_t key_off, ids_off;
+    uint16_t key_len, ids_len;  // key_len 0: empty (pieces are never empty)
   };
+  // Pieces are short: compare 8 bytes at a time rather than calling memcmp.
+  static bool same(const char* a, std::string_view b) {
+    size_t n = b.size(), i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t x, y;
+      std::memcpy(&x, a + i, 8);
+      std::memcpy(&y, b.data() + i, 8);
+      if (x != y) return false;
+    }
+    for (; i < n; ++i) {
+      if (a[i] != b[i]) return false;
+    }
+    return true;
+  }
   void rehash() {
-    const size_t cap = std::max<size_t>(1024, slots_.size() * 2);
-    slots_.assign(cap, 0);
+    const size_t cap = std::max<size_t>(256, slots_.size() * 2);
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(cap, Slot{0, 0, 0, 0, 0});
     mask_ = cap - 1;
-    for (size_t e = 0; e < entries_.size(); ++e) {
-      size_t i = entries_[e].hash & mask_;
-      while (slots_[i] != 0) i = (i + 1) & mask_;
-      slots_[i] = uint32_t(e + 1);
+    for (const Slot& sl : old) {
+      if (sl.key_len == 0) continue;
+      size_t i = sl.hash & mask_;
+      while (slots_[i].key_len != 0) i = (i + 1) & mask_;
+      slots_[i] = sl;
     }
   }
-  std::vector<uint32_t> slots_;  // entry index + 1; 0 is empty
+  std::vector<Slot> slots_;
   size_t mask_ = 0;
-  std::vector<Entry> entries_;
+  size_t size_ = 0;
   std::string keys_;
   std::vector<int32_t> ids_;
 };
@@ -423,17 +439,18 @@ void Tokenizer::Impl::encode_ordinary(std::string_view text, tok::Matcher& m,
       return;
     }
     const uint64_t h = tok::hash_bytes(piece.data(), n);
-    if (ignore_merges) {
-      const int32_t id = index.find(tokens, piece, h);
-      if (id >= 0) {
-        out.push_back(id);
-        return;
-      }
-    }
     int cached = 0;
     if (const int32_t* hit = cache.find(piece, h, &cached)) {
       out.insert(out.end(), hit, hit + cached);
       return;
+    }
+    if (ignore_merges) {
+      const int32_t id = index.find(tokens, piece, h);
+      if (id >= 0) {
+        out.push_back(id);
+        cache.insert(piece, h, &id, 1);
+        return;
+      }
     }
     if (ids.size() < n) {
       ids.resize(n);

@@ -21,16 +21,19 @@ class Tokenizer {
 
   // Loads by file content: a Hugging Face tokenizer.json (byte-level BPE model; added_tokens are
   // the specials; pattern from its Split pre-tokenizer), a GPT-2 encoder.json with vocab.bpe (or
-  // merges.txt) beside it (encoder entries that no merge makes, <|endoftext|>, are the specials),
-  // or a tiktoken rank file (base64 token + rank per line: Meta's Llama 3 tokenizer.model,
-  // cl100k_base.tiktoken, ...; pattern defaults to kCl100kPattern, no specials). A non-empty
-  // `pattern` replaces the file's; `specials` are added to the file's. Errors name the file and
-  // the line or entry that is malformed.
+  // merges.txt) beside it (kGpt2Pattern; encoder entries that no merge makes, <|endoftext|>, are
+  // the specials), or a tiktoken rank file (base64 token + rank per line: Meta's Llama 3
+  // tokenizer.model, cl100k_base.tiktoken, ...; pattern defaults to kCl100kPattern, no specials). A
+  // non-empty `pattern` replaces the file's; `specials` are added to the file's. Errors name the
+  // file and the line or entry that is malformed.
   static Tokenizer load(const std::string& path, const std::string& pattern = "",
                         const std::unordered_map<std::string, int32_t>& specials = {});
 
   // Trains a vocabulary of `vocab_size` ids (256 byte tokens + merges + specials) on `text`
-  // split by `pattern`.
+  // split by `pattern` (specials in `text` are cut out, never learned from). Each merge is the
+  // most frequent adjacent pair, ties to the smallest (left, right) ids, so the result is
+  // deterministic. Specials take the ids after the merges; with too small a corpus the merges
+  // stop early and vocab_size() is smaller than asked.
   static Tokenizer train(std::string_view text, int64_t vocab_size,
                          const std::vector<std::string>& specials = {"<|endoftext|>"},
                          const std::string& pattern = kCl100kPattern);
@@ -39,7 +42,8 @@ class Tokenizer {
   void save(const std::string& path) const;
 
   // Special tokens in the text are encoded as their ids only if allow_special is true; otherwise
-  // they are ordinary text.
+  // they are ordinary text. Any bytes are accepted (invalid UTF-8 is encoded byte for byte), and
+  // concurrent calls from several threads are safe.
   std::vector<int32_t> encode(std::string_view text, bool allow_special = false) const;
   std::string decode(const std::vector<int32_t>& ids) const;  // the exact bytes (may be
                                                               // incomplete UTF-8)

@@ -26,23 +26,35 @@ inline uint64_t mix64(uint64_t x) {
   return x;
 }
 
-// Pieces are a few bytes long, so the hash reads whole 8-byte words and mixes once per word.
+// Pieces are a few bytes long: fixed-size (possibly overlapping) loads, no byte loop, no memcpy
+// of a variable length, one mix per 8 bytes.
 inline uint64_t hash_bytes(const char* p, size_t n) {
-  uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
-  while (n >= 8) {
+  auto load32 = [](const char* q) {
+    uint32_t w;
+    std::memcpy(&w, q, 4);
+    return uint64_t(w);
+  };
+  auto load64 = [](const char* q) {
     uint64_t w;
-    std::memcpy(&w, p, 8);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 29;
-    p += 8;
-    n -= 8;
-  }
-  if (n > 0) {
+    std::memcpy(&w, q, 8);
+    return w;
+  };
+  uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
+  if (n <= 8) {
     uint64_t w = 0;
-    std::memcpy(&w, p, n);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+    if (n >= 4) {
+      w = load32(p) | (load32(p + n - 4) << 32);
+    } else if (n > 0) {
+      w = (uint64_t(uint8_t(p[0])) << 16) | (uint64_t(uint8_t(p[n >> 1])) << 8) | uint8_t(p[n - 1]);
+    }
+    return mix64((h ^ w) * 0xc4ceb9fe1a85ec53ull);
   }
-  return mix64(h);
+  const char* last = p + n - 8;
+  for (; p < last; p += 8) {
+    h = (h ^ load64(p)) * 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 29;
+  }
+  return mix64((h ^ load64(last)) * 0xc4ceb9fe1a85ec53ull);
 }
 
 inline uint64_t pair_key(int32_t left, int32_t right) {
