@@ -197,21 +197,26 @@ TEST(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
   EXPECT_EQ(dw, std::vector<float>(dw.size(), 0.0f));
 }
 
-// The automatic chunk (~4 MiB of logits: 1047 rows at V=1001) splits these rows in two.
+// The automatic chunk (~16 MiB of logits: 1048 rows at V=4001) splits these rows in two.
 TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
-  Problem p(1100, 6, 1001, 5);
+  Problem p(1100, 6, 4001, 5);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  const auto before = Allocator::get(Device::cpu).stats();
+  Allocator& alloc = Allocator::get(Device::cpu);
+  alloc.reset_peak();
+  const auto before = alloc.stats();
   const Result r = run(p, 0);
-  const auto after = Allocator::get(Device::cpu).stats();
+  const auto after = alloc.stats();
   EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
   EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
   EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-  // One scratch buffer per call, of one chunk of f32 logits.
+  // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
+  const size_t chunk_bytes = 1048u * 4001u * 4u;
   EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
-  EXPECT_GE(after.peak_allocated, before.allocated + 1047u * 1001u * 4u);
+  EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
+  EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
+  EXPECT_EQ(after.allocated, before.allocated);
 }
 
 TEST(LinearCrossEntropy, TargetOutOfRangeNamesTheRow) {
