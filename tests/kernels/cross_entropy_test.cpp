@@ -219,6 +219,38 @@ TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
   EXPECT_EQ(after.allocated, before.allocated);
 }
 
+// The kernel's own exp, probed across its range: with D=1, w=[0,-1] and x_i=a_i the logits of
+// row i are [0, -a_i], so its loss is log(1 + e^-a_i) (+ a_i for target 1) and
+// dx_i = -grad_scale * (p1_i - [t_i == 1]) with p1_i = e^-a_i / (1 + e^-a_i). f32 gives these to a
+// few 1e-7 relative; an exp off by 1e-5 anywhere in [0, 80] fails.
+TEST(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
+  const int64_t N = 2001;
+  std::vector<float> x(N), w = {0.0f, -1.0f}, dx(N);
+  std::vector<int32_t> t(N);
+  for (int64_t i = 0; i < N; ++i) {
+    x[i] = 80.0f * static_cast<float>(i) / static_cast<float>(N - 1);
+    t[i] = static_cast<int32_t>(i % 2);
+  }
+  const double loss = linear_cross_entropy(
+      {.x = x.data(), .w = w.data(), .targets = t.data(), .N = N, .D = 1, .V = 2, .dx = dx.data()});
+  double want = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const double a = x[i], e = std::exp(-a), p1 = e / (1 + e);
+    want += std::log1p(e) + (t[i] == 1 ? a : 0.0);
+    const double g = -(p1 - (t[i] == 1 ? 1.0 : 0.0));
+    ASSERT_NEAR(dx[i], g, 1e-6 * std::abs(g)) << "row " << i << " a=" << a;
+  }
+  EXPECT_NEAR(loss, want, 1e-6 * want);
+  // Per row, at points across the reduction interval: log of the f32 sum 1 + e^-a is good to
+  // ~1e-7 absolute (the rounding of the sum), so that bounds the loss, not e^-a.
+  for (float a : {0.0f, 0.1f, 0.3f, 0.34f, 0.35f, 0.5f, 0.69f, 1.0f, 2.5f, 10.3f, 40.0f, 86.0f}) {
+    const int32_t t0 = 0;
+    const double l =
+        linear_cross_entropy({.x = &a, .w = w.data(), .targets = &t0, .N = 1, .D = 1, .V = 2});
+    EXPECT_NEAR(l, std::log1p(std::exp(-double(a))), 2e-7) << "a=" << a;
+  }
+}
+
 TEST(LinearCrossEntropy, TargetOutOfRangeNamesTheRow) {
   Problem p(8, 4, 17, 6);
   p.t[5] = 17;
