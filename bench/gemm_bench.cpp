@@ -1,18 +1,20 @@
 // GFLOP/s of the oneDNN GEMMs at the linear-layer shapes of the target models (tokens M=2048), in
-// the three forms the model uses, f32 and bf16; the per-call overhead on tiny shapes; and, with
-// --ce, the fused linear cross-entropy at N=2048, D=512, V=8192 for several chunk sizes.
-// Usage: gemm_bench [seconds_per_case=0.2] [f32|bf16|both] [--ce] [--alt]
-//   --alt also times the bf16 weight-gradient form done as an explicit transpose of dy into a
-//   scratch buffer followed by a plain (non-transposed) GEMM.
-// Times are the fastest call of the case: the cores may be shared, and other processes only ever
-// slow a call down.
+// the three forms the model uses, f32 and bf16; the per-call overhead on tiny shapes; the MFU
+// peak; and the fused linear cross-entropy at N=2048, D=512, V=8192 for several chunk sizes.
+// Usage: gemm_bench [seconds_per_case=0.2] [f32|bf16|both] [gemm] [small] [peak] [ce] [alt]
+//   The words pick sections (default: gemm small peak). `alt` adds to the gemm table the bf16
+//   weight-gradient form done as an explicit transpose of dy into a scratch buffer followed by a
+//   plain (non-transposed) GEMM.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
+
+#include <omp.h>
 
 #include "core/dtype.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
@@ -24,21 +26,36 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Fastest and median seconds per call.
+struct Timing {
+  double best, median;  // wall seconds per call
+  double cpu;           // process CPU seconds per call (all threads), fastest batch
+};
+
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// With other processes on the cores, wall time only ever grows, so the fastest call is the
+// measure of the code; process CPU time also ignores the time spent descheduled, which makes it
+// the robust measure with OMP_NUM_THREADS=1 (with more threads it also counts barrier spinning).
 template <class F>
-std::pair<double, double> time_call(F&& f, double seconds, int batch = 1) {
+Timing time_call(F&& f, double seconds, int batch = 1) {
   f();  // builds the primitive
   std::vector<double> t;
-  double spent = 0;
+  double spent = 0, cpu = 1e30;
   do {
+    const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     for (int i = 0; i < batch; ++i) f();
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    cpu = std::min(cpu, (cpu_seconds() - c0) / batch);
     t.push_back(dt / batch);
     spent += dt;
   } while (spent < seconds || t.size() < 3);
   std::sort(t.begin(), t.end());
-  return {t.front(), t[t.size() / 2]};
+  return {t.front(), t[t.size() / 2], cpu};
 }
 
 std::vector<char> filled(size_t n, DType t, int seed) {
@@ -73,18 +90,25 @@ std::string name(DType t) {
 int main(int argc, char** argv) {
   double secs = 0.2;
   std::string which = "both";
-  bool ce = false, alt = false;
+  bool gemm_table = false, small = false, peak = false, ce = false, alt = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--ce")
+    if (a == "gemm")
+      gemm_table = true;
+    else if (a == "small")
+      small = true;
+    else if (a == "peak")
+      peak = true;
+    else if (a == "ce")
       ce = true;
-    else if (a == "--alt")
-      alt = true;
+    else if (a == "alt")
+      alt = gemm_table = true;
     else if (a == "f32" || a == "bf16" || a == "both")
       which = a;
     else
       secs = std::atof(a.c_str());
   }
+  if (!gemm_table && !small && !peak && !ce) gemm_table = small = peak = true;
   const int64_t M = 2048;
   const std::pair<int64_t, int64_t> shapes[] = {
       {288 * 3, 288}, {288, 288}, {1536, 288}, {288, 768},  {4096, 288},
@@ -94,74 +118,85 @@ int main(int argc, char** argv) {
   if (which != "bf16") dtypes.push_back(DType::f32);
   if (which != "f32") dtypes.push_back(DType::bf16);
 
-  std::printf("%-6s %-6s %-6s %-17s %-9s %9s %9s %9s\n", "M", "N", "K", "form", "dtype", "best ms",
-              "GFLOP/s", "median");
-  for (DType dt : dtypes) {
-    for (auto [n, k] : shapes) {
-      auto x = filled(M * k, dt, 1), w = filled(n * k, dt, 2), dy = filled(M * n, dt, 3);
-      std::vector<float> out(std::max(M * n, std::max(M * k, n * k)));
-      std::vector<bf16> dyt(dt == DType::bf16 ? M * n : 0);
-      const int nforms = alt && dt == DType::bf16 ? 4 : 3;
-      for (int form = 0; form < nforms; ++form) {
-        const auto [best, median] = time_call(
-            [&] {
-              if (form == 0) linear_forward(x.data(), w.data(), out.data(), M, n, k, dt);
-              if (form == 1)
-                linear_backward_input(dy.data(), w.data(), out.data(), M, n, k, dt, false);
-              if (form == 2) linear_backward_weight(dy.data(), x.data(), out.data(), M, n, k, dt);
-              if (form == 3) {
-                transpose_bf16(reinterpret_cast<const bf16*>(dy.data()), dyt.data(), M, n);
-                gemm({.M = n,
-                      .N = k,
-                      .K = M,
-                      .A = dyt.data(),
-                      .lda = M,
-                      .B = x.data(),
-                      .ldb = k,
-                      .C = out.data(),
-                      .ldc = k,
-                      .ab = dt,
-                      .accumulate = true});
-              }
-            },
-            secs);
-        const double flop = 2.0 * M * n * k;
-        std::printf("%-6lld %-6lld %-6lld %-17s %-9s %9.3f %9.1f %9.1f\n", (long long)M,
-                    (long long)n, (long long)k, forms[form], name(dt).c_str(), best * 1e3,
-                    flop / best * 1e-9, flop / median * 1e-9);
+  const int threads = omp_get_max_threads();
+  std::printf(
+      "threads %d. GFLOP/s of the fastest call, of the median call, and per CPU-second "
+      "x threads\n",
+      threads);
+  if (gemm_table) {
+    std::printf("%-6s %-6s %-6s %-17s %-9s %9s %9s %9s %9s\n", "M", "N", "K", "form", "dtype",
+                "best ms", "GFLOP/s", "median", "cpu");
+  }
+  if (gemm_table)
+    for (DType dt : dtypes) {
+      for (auto [n, k] : shapes) {
+        auto x = filled(M * k, dt, 1), w = filled(n * k, dt, 2), dy = filled(M * n, dt, 3);
+        std::vector<float> out(std::max(M * n, std::max(M * k, n * k)));
+        std::vector<bf16> dyt(dt == DType::bf16 ? M * n : 0);
+        const int nforms = alt && dt == DType::bf16 ? 4 : 3;
+        for (int form = 0; form < nforms; ++form) {
+          const Timing tm = time_call(
+              [&] {
+                if (form == 0) linear_forward(x.data(), w.data(), out.data(), M, n, k, dt);
+                if (form == 1)
+                  linear_backward_input(dy.data(), w.data(), out.data(), M, n, k, dt, false);
+                if (form == 2) linear_backward_weight(dy.data(), x.data(), out.data(), M, n, k, dt);
+                if (form == 3) {
+                  transpose_bf16(reinterpret_cast<const bf16*>(dy.data()), dyt.data(), M, n);
+                  gemm({.M = n,
+                        .N = k,
+                        .K = M,
+                        .A = dyt.data(),
+                        .lda = M,
+                        .B = x.data(),
+                        .ldb = k,
+                        .C = out.data(),
+                        .ldc = k,
+                        .ab = dt,
+                        .accumulate = true});
+                }
+              },
+              secs);
+          const double flop = 2.0 * M * n * k;
+          std::printf("%-6lld %-6lld %-6lld %-17s %-9s %9.3f %9.1f %9.1f %9.1f\n", (long long)M,
+                      (long long)n, (long long)k, forms[form], name(dt).c_str(), tm.best * 1e3,
+                      flop / tm.best * 1e-9, flop / tm.median * 1e-9,
+                      flop / tm.cpu * threads * 1e-9);
+        }
       }
     }
-  }
 
   // Per-call cost of a cached primitive on shapes where the arithmetic is negligible.
-  for (DType dt : dtypes) {
-    for (int64_t s : {4, 16, 64}) {
-      auto a = filled(s * s, dt, 1), b = filled(s * s, dt, 2);
-      std::vector<float> c(s * s);
-      const auto [best, median] = time_call(
-          [&] {
-            gemm({.ta = Trans::N,
-                  .tb = Trans::T,
-                  .M = s,
-                  .N = s,
-                  .K = s,
-                  .A = a.data(),
-                  .lda = s,
-                  .B = b.data(),
-                  .ldb = s,
-                  .C = c.data(),
-                  .ldc = s,
-                  .ab = dt,
-                  .accumulate = true});
-          },
-          secs, 100);
-      std::printf("small %lldx%lldx%lld %s: best %.2f us/call, median %.2f\n", (long long)s,
-                  (long long)s, (long long)s, name(dt).c_str(), best * 1e6, median * 1e6);
+  if (small)
+    for (DType dt : dtypes) {
+      for (int64_t s : {4, 16, 64}) {
+        auto a = filled(s * s, dt, 1), b = filled(s * s, dt, 2);
+        std::vector<float> c(s * s);
+        const Timing tm = time_call(
+            [&] {
+              gemm({.ta = Trans::N,
+                    .tb = Trans::T,
+                    .M = s,
+                    .N = s,
+                    .K = s,
+                    .A = a.data(),
+                    .lda = s,
+                    .B = b.data(),
+                    .ldb = s,
+                    .C = c.data(),
+                    .ldc = s,
+                    .ab = dt,
+                    .accumulate = true});
+            },
+            secs, 100);
+        std::printf("small %lldx%lldx%lld %s: best %.2f us/call, median %.2f\n", (long long)s,
+                    (long long)s, (long long)s, name(dt).c_str(), tm.best * 1e6, tm.median * 1e6);
+      }
     }
-  }
-  for (DType dt : dtypes)
-    std::printf("measure_gemm_peak(%s) = %.1f GFLOP/s\n", name(dt).c_str(),
-                measure_gemm_peak(dt, 1.0) * 1e-9);
+  if (peak)
+    for (DType dt : dtypes)
+      std::printf("measure_gemm_peak(%s) = %.1f GFLOP/s\n", name(dt).c_str(),
+                  measure_gemm_peak(dt, 1.0) * 1e-9);
 
   if (ce) {
     // The output projection + loss of the largest target model, forward and backward.
@@ -174,7 +209,7 @@ int main(int argc, char** argv) {
       auto x = filled(N * D, dt, 1), w = filled(V * D, dt, 2);
       std::vector<float> dx(N * D), dw(V * D);
       for (int64_t chunk : {0, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
-        const auto [best, median] = time_call(
+        const Timing tm = time_call(
             [&] {
               linear_cross_entropy({.x = x.data(),
                                     .w = w.data(),
@@ -189,9 +224,11 @@ int main(int argc, char** argv) {
                                     .chunk_rows = chunk});
             },
             secs * 3);
-        std::printf("  %-9s chunk %5lld%s: best %8.2f ms (%6.1f GFLOP/s), median %8.2f ms\n",
-                    name(dt).c_str(), (long long)chunk, chunk == 0 ? " (default)" : "", best * 1e3,
-                    6.0 * N * D * V / best * 1e-9, median * 1e3);
+        std::printf(
+            "  %-9s chunk %5lld%s: best %8.2f ms (%6.1f GFLOP/s), median %8.2f ms, cpu/threads "
+            "%8.2f ms\n",
+            name(dt).c_str(), (long long)chunk, chunk == 0 ? " (default)" : "", tm.best * 1e3,
+            6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3, tm.cpu / threads * 1e3);
       }
     }
   }

@@ -16,7 +16,7 @@ struct LinearCrossEntropyArgs {
   float grad_scale = 1;    // d(loss)/d(sum of per-token losses), e.g. 1 / number of targets
   float* dx = nullptr;     // [N, D] f32, overwritten (nullptr: not computed)
   float* dw = nullptr;     // [V, D] f32, accumulated (nullptr: not computed)
-  int64_t chunk_rows = 0;  // 0: chosen so a chunk's logits stay ~4 MiB
+  int64_t chunk_rows = 0;  // 0: chosen so a chunk's logits stay ~16 MiB
 };
 
 // Returns the sum over non-ignored rows of -log softmax(x w^T)[target]. Throws loom::Error naming

@@ -112,7 +112,15 @@ void gemm(const GemmArgs& a) {
   {
     std::lock_guard<std::mutex> lock(ctx.mu);
     auto it = ctx.cache.find(key);
-    if (it == ctx.cache.end()) it = ctx.cache.emplace(key, build(key, ctx.engine)).first;
+    if (it == ctx.cache.end()) {
+      try {
+        it = ctx.cache.emplace(key, build(key, ctx.engine)).first;
+      } catch (const dnnl::error& err) {
+        fail("gemm: oneDNN cannot build a ", dtype_name(a.ab), " matmul M=", a.M, " N=", a.N,
+             " K=", a.K, " ta=", key.ta, " tb=", key.tb, " lda=", a.lda, " ldb=", a.ldb,
+             " ldc=", a.ldc, ": ", err.what());
+      }
+    }
     e = it->second.get();
   }
   std::lock_guard<std::mutex> lock(e->mu);
@@ -122,8 +130,9 @@ void gemm(const GemmArgs& a) {
   // The C API takes the arguments as an array; the C++ one would build an unordered_map per call.
   const dnnl_exec_arg_t args[3] = {
       {DNNL_ARG_SRC, e->a.get()}, {DNNL_ARG_WEIGHTS, e->b.get()}, {DNNL_ARG_DST, e->c.get()}};
-  dnnl::error::wrap_c_api(dnnl_primitive_execute(e->prim.get(), ctx.stream.get(), 3, args),
-                          "gemm: oneDNN matmul execution failed");
+  const dnnl_status_t st = dnnl_primitive_execute(e->prim.get(), ctx.stream.get(), 3, args);
+  LOOM_CHECK(st == dnnl_success, "gemm: oneDNN matmul M=", a.M, " N=", a.N, " K=", a.K,
+             " failed to execute (dnnl status ", static_cast<int>(st), ")");
   ctx.stream.wait();
 }
 

@@ -197,21 +197,58 @@ TEST(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
   EXPECT_EQ(dw, std::vector<float>(dw.size(), 0.0f));
 }
 
-// The automatic chunk (~4 MiB of logits: 1047 rows at V=1001) splits these rows in two.
+// The automatic chunk (~16 MiB of logits: 1048 rows at V=4001) splits these rows in two.
 TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
-  Problem p(1100, 6, 1001, 5);
+  Problem p(1100, 6, 4001, 5);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  const auto before = Allocator::get(Device::cpu).stats();
+  Allocator& alloc = Allocator::get(Device::cpu);
+  alloc.reset_peak();
+  const auto before = alloc.stats();
   const Result r = run(p, 0);
-  const auto after = Allocator::get(Device::cpu).stats();
+  const auto after = alloc.stats();
   EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
   EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
   EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-  // One scratch buffer per call, of one chunk of f32 logits.
+  // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
+  const size_t chunk_bytes = 1048u * 4001u * 4u;
   EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
-  EXPECT_GE(after.peak_allocated, before.allocated + 1047u * 1001u * 4u);
+  EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
+  EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
+  EXPECT_EQ(after.allocated, before.allocated);
+}
+
+// The kernel's own exp, probed across its range: with D=1, w=[0,-1] and x_i=a_i the logits of
+// row i are [0, -a_i], so its loss is log(1 + e^-a_i) (+ a_i for target 1) and
+// dx_i = -grad_scale * (p1_i - [t_i == 1]) with p1_i = e^-a_i / (1 + e^-a_i). f32 gives these to a
+// few 1e-7 relative; an exp off by 1e-5 anywhere in [0, 80] fails.
+TEST(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
+  const int64_t N = 2001;
+  std::vector<float> x(N), w = {0.0f, -1.0f}, dx(N);
+  std::vector<int32_t> t(N);
+  for (int64_t i = 0; i < N; ++i) {
+    x[i] = 80.0f * static_cast<float>(i) / static_cast<float>(N - 1);
+    t[i] = static_cast<int32_t>(i % 2);
+  }
+  const double loss = linear_cross_entropy(
+      {.x = x.data(), .w = w.data(), .targets = t.data(), .N = N, .D = 1, .V = 2, .dx = dx.data()});
+  double want = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const double a = x[i], e = std::exp(-a), p1 = e / (1 + e);
+    want += std::log1p(e) + (t[i] == 1 ? a : 0.0);
+    const double g = -(p1 - (t[i] == 1 ? 1.0 : 0.0));
+    ASSERT_NEAR(dx[i], g, 1e-6 * std::abs(g)) << "row " << i << " a=" << a;
+  }
+  EXPECT_NEAR(loss, want, 1e-6 * want);
+  // Per row, at points across the reduction interval: log of the f32 sum 1 + e^-a is good to
+  // ~1e-7 absolute (the rounding of the sum), so that bounds the loss, not e^-a.
+  for (float a : {0.0f, 0.1f, 0.3f, 0.34f, 0.35f, 0.5f, 0.69f, 1.0f, 2.5f, 10.3f, 40.0f, 86.0f}) {
+    const int32_t t0 = 0;
+    const double l =
+        linear_cross_entropy({.x = &a, .w = w.data(), .targets = &t0, .N = 1, .D = 1, .V = 2});
+    EXPECT_NEAR(l, std::log1p(std::exp(-double(a))), 2e-7) << "a=" << a;
+  }
 }
 
 TEST(LinearCrossEntropy, TargetOutOfRangeNamesTheRow) {

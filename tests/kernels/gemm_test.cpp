@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "core/error.hpp"
@@ -199,6 +200,39 @@ TEST(Gemm, LinearForms) {
   linear_backward_input(dy.data(), w.data(), dx.data(), M, N, K, DType::f32, false);
   for (int64_t i = 0; i < M * K; ++i) rdx[i] -= dx0[i];
   EXPECT_LT(test::rel_l2(dx, rdx), 1e-6);
+}
+
+// Host threads share the cached primitive of a shape; each call must still see its own buffers.
+TEST(Gemm, ConcurrentCallsOfOneShape) {
+  const int64_t M = 33, N = 17, K = 45;
+  auto run = [&](uint64_t seed, double* err) {
+    auto a = randn(M * K, seed), b = randn(K * N, seed + 1);
+    std::vector<double> ref(M * N, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t n = 0; n < N; ++n) ref[m * N + n] += double(a[m * K + k]) * b[k * N + n];
+    double worst = 0;
+    for (int it = 0; it < 50; ++it) {
+      std::vector<float> c(M * N);
+      gemm({.M = M,
+            .N = N,
+            .K = K,
+            .A = a.data(),
+            .lda = K,
+            .B = b.data(),
+            .ldb = N,
+            .C = c.data(),
+            .ldc = N});
+      worst = std::max(worst, test::rel_l2(c, ref));
+    }
+    *err = worst;
+  };
+  double e1 = 1, e2 = 1;
+  std::thread t1(run, 100, &e1), t2(run, 200, &e2);
+  t1.join();
+  t2.join();
+  EXPECT_LT(e1, 1e-6);
+  EXPECT_LT(e2, 1e-6);
 }
 
 TEST(Gemm, BadArgumentsThrow) {
