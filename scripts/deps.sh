@@ -2,7 +2,8 @@
 # Installs the Debian packages loom builds and tests with (idempotent, non-interactive).
 set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv)
+      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
+      libopenmpi-dev openmpi-bin)
 missing=()
 # Node (for the tokenizer parity tests) may come from NodeSource with npm bundled; only install
 # Debian's when there is none.

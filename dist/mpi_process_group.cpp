@@ -1,0 +1,325 @@
+#include "dist/mpi_process_group.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+namespace loom::dist {
+
+bool launched_under_mpi() {
+  // Open MPI's mpirun; PMIx launchers (prterun, srun --mpi=pmix); PMI-1/2 (MPICH's hydra,
+  // srun --mpi=pmi2); MPICH's hydra. srun without an MPI plugin sets only SLURM_*: SLURM_STEP_ID
+  // tells an srun step from the batch script itself.
+  for (const char* v :
+       {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS"}) {
+    if (std::getenv(v)) return true;
+  }
+  return std::getenv("SLURM_STEP_ID") && std::getenv("SLURM_NTASKS");
+}
+
+MpiRuntime::MpiRuntime() : MpiRuntime(nullptr, nullptr) {}
+
+MpiRuntime::MpiRuntime(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    // SERIALIZED: OpenMP threads never call MPI, but a communication thread may one day.
+    MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided);
+    owns_ = true;
+    LOOM_CHECK(provided >= MPI_THREAD_FUNNELED, "the MPI library provides thread level ", provided,
+               ", loom needs at least MPI_THREAD_FUNNELED");
+  }
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+}
+
+MpiRuntime::~MpiRuntime() {
+  if (!owns_) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+namespace detail {
+
+void bf16_sum_into(const bf16* in, bf16* inout, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    inout[i] = float_to_bf16(bf16_to_float(in[i]) + bf16_to_float(inout[i]));
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+void bf16_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  detail::bf16_sum_into(static_cast<const bf16*>(in), static_cast<bf16*>(inout), *len);
+}
+
+MPI_Datatype mpi_type(DType d) {
+  switch (d) {
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::bf16:
+      return MPI_UINT16_T;  // moved as raw bits; reduced by the bf16 op
+    case DType::i32:
+      return MPI_INT32_T;
+  }
+  fail("no MPI datatype for ", dtype_name(d));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+class MpiProcessGroup;
+
+// One outstanding nonblocking MPI operation. Holds its tensors so that their storage outlives
+// the operation even if the caller drops them.
+class MpiWork final : public Work {
+ public:
+  MpiWork(MpiProcessGroup& g, const char* op, int peer, size_t bytes, Tensor a, Tensor b)
+      : g_(g), op_(op), peer_(peer), bytes_(bytes), a_(std::move(a)), b_(std::move(b)) {}
+  ~MpiWork() override {
+    // MPI may still write into the buffers: never let them go before it is done.
+    if (!done_) wait();
+  }
+
+  MPI_Request* request() { return &req_; }
+  // For avg: divide this tensor by the group size once the sum has arrived.
+  void divide_on_completion(Tensor t) { avg_ = std::move(t); }
+
+  void wait() override;
+  bool test() override;
+
+ private:
+  void finish();
+  [[noreturn]] void abort_on_timeout(double waited) const;
+
+  MpiProcessGroup& g_;
+  const char* op_;
+  int peer_;  // group rank of the peer for send/recv, -1 for collectives
+  size_t bytes_;
+  Tensor a_, b_, avg_;
+  MPI_Request req_ = MPI_REQUEST_NULL;
+  bool done_ = false;
+};
+
+class MpiProcessGroup final : public ProcessGroup {
+ public:
+  // Takes ownership of comm.
+  MpiProcessGroup(MPI_Comm comm, std::string name)
+      : ProcessGroup(std::move(name), comm_rank(comm), world_ranks_of(comm)), comm_(comm) {
+    MPI_Op_create(&bf16_sum_op, /*commute=*/1, &bf16_sum_);
+  }
+  ~MpiProcessGroup() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // too late to free anything; the process is ending
+    MPI_Op_free(&bf16_sum_);
+    MPI_Comm_free(&comm_);
+  }
+
+  std::string_view backend() const override { return "mpi"; }
+
+  std::unique_ptr<ProcessGroup> split(int color, int key, std::string name) override {
+    LOOM_CHECK(color >= 0, "split of ", describe(), ": color ", color, " must be non-negative");
+    MPI_Comm sub;
+    MPI_Comm_split(comm_, color, key, &sub);
+    return std::make_unique<MpiProcessGroup>(sub, std::move(name));
+  }
+
+  void record_wait(double s) { add_wait_seconds(s); }
+
+ protected:
+  std::unique_ptr<Work> do_all_gather(const Tensor& in, const Tensor& out) override {
+    const int n = count_of("all_gather", in, out);
+    auto w = make_work("all_gather", -1, in.nbytes(), in, out);
+    const void* src =
+        in.nbytes() && in.raw() == block_of(out, in.nbytes()) ? MPI_IN_PLACE : in.raw();
+    MPI_Iallgather(src, n, mpi_type(in.dtype()), out.raw(), n, mpi_type(out.dtype()), comm_,
+                   w->request());
+    return w;
+  }
+
+  std::unique_ptr<Work> do_reduce_scatter(const Tensor& in, const Tensor& out,
+                                          ReduceOp op) override {
+    const int n = count_of("reduce_scatter", out, in);
+    auto w = make_work("reduce_scatter", -1, in.nbytes(), in, out);
+    MPI_Ireduce_scatter_block(in.raw(), out.raw(), n, mpi_type(in.dtype()), sum_op(in.dtype()),
+                              comm_, w->request());
+    if (op == ReduceOp::avg) w->divide_on_completion(out);
+    return w;
+  }
+
+  std::unique_ptr<Work> do_all_reduce(const Tensor& t, ReduceOp op) override {
+    const int n = count_of("all_reduce", t, t);
+    auto w = make_work("all_reduce", -1, t.nbytes(), t, Tensor());
+    MPI_Iallreduce(MPI_IN_PLACE, t.raw(), n, mpi_type(t.dtype()), sum_op(t.dtype()), comm_,
+                   w->request());
+    if (op == ReduceOp::avg) w->divide_on_completion(t);
+    return w;
+  }
+
+  std::unique_ptr<Work> do_broadcast(const Tensor& t, int root) override {
+    const int n = count_of("broadcast", t, t);
+    auto w = make_work("broadcast", -1, t.nbytes(), t, Tensor());
+    MPI_Ibcast(t.raw(), n, mpi_type(t.dtype()), root, comm_, w->request());
+    return w;
+  }
+
+  std::unique_ptr<Work> do_send(const Tensor& t, int peer, int tag) override {
+    const int n = count_of("send", t, t);
+    auto w = make_work("send", peer, t.nbytes(), t, Tensor());
+    MPI_Isend(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->request());
+    return w;
+  }
+
+  std::unique_ptr<Work> do_recv(const Tensor& t, int peer, int tag) override {
+    const int n = count_of("recv", t, t);
+    auto w = make_work("recv", peer, t.nbytes(), t, Tensor());
+    MPI_Irecv(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->request());
+    return w;
+  }
+
+  std::unique_ptr<Work> do_all_to_all(const Tensor& in, const Tensor& out) override {
+    const int n = count_of("all_to_all", in, out) / size();
+    auto w = make_work("all_to_all", -1, in.nbytes(), in, out);
+    MPI_Ialltoall(in.raw(), n, mpi_type(in.dtype()), out.raw(), n, mpi_type(out.dtype()), comm_,
+                  w->request());
+    return w;
+  }
+
+  std::unique_ptr<Work> do_barrier() override {
+    auto w = make_work("barrier", -1, 0, Tensor(), Tensor());
+    MPI_Ibarrier(comm_, w->request());
+    return w;
+  }
+
+ private:
+  static int comm_rank(MPI_Comm comm) {
+    int r = 0;
+    MPI_Comm_rank(comm, &r);
+    return r;
+  }
+
+  static std::vector<int> world_ranks_of(MPI_Comm comm) {
+    MPI_Group group, world;
+    MPI_Comm_group(comm, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    int n = 0;
+    MPI_Group_size(group, &n);
+    std::vector<int> ranks(n), out(n);
+    for (int i = 0; i < n; ++i) ranks[i] = i;
+    MPI_Group_translate_ranks(group, n, ranks.data(), world, out.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    return out;
+  }
+
+  std::unique_ptr<MpiWork> make_work(const char* op, int peer, size_t bytes, const Tensor& a,
+                                     const Tensor& b) {
+    return std::make_unique<MpiWork>(*this, op, peer, bytes, a, b);
+  }
+
+  // The MPI count of t; `other` is the collective's other tensor, checked for its device.
+  int count_of(const char* op, const Tensor& t, const Tensor& other) const {
+    LOOM_CHECK(t.numel() <= INT_MAX, op, " on ", describe(), ": ", t.numel(),
+               " elements exceed the MPI count limit of ", INT_MAX, " per call");
+    for (const Tensor* x : {&t, &other}) {
+      LOOM_CHECK(x->device() == Device::cpu, op, " on ", describe(), ": a tensor is on ",
+                 device_name(x->device()), ", the MPI backend needs cpu tensors");
+    }
+    return static_cast<int>(t.numel());
+  }
+
+  const void* block_of(const Tensor& out, size_t block_bytes) const {
+    return static_cast<const char*>(out.raw()) + rank() * block_bytes;
+  }
+
+  MPI_Op sum_op(DType d) const { return d == DType::bf16 ? bf16_sum_ : MPI_SUM; }
+
+  MPI_Comm comm_;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;
+};
+
+void MpiWork::finish() {
+  done_ = true;
+  if (avg_.defined()) divide_inplace(avg_, g_.size());
+  a_ = b_ = avg_ = Tensor();
+}
+
+bool MpiWork::test() {
+  if (done_) return true;
+  int flag = 0;
+  MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
+  if (flag) finish();
+  return done_;
+}
+
+void MpiWork::wait() {
+  if (done_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  // Collectives advance only inside MPI calls, so poll often at first (yielding the core to the
+  // other ranks on an oversubscribed node), then back off to sleeps growing to 1 ms so that a
+  // long wait costs no CPU.
+  constexpr double kYieldPhase = 1e-3;
+  auto sleep = std::chrono::microseconds(2);
+  const double limit = g_.timeout_seconds();
+  for (;;) {
+    int flag = 0;
+    MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
+    if (flag) break;
+    const double waited = seconds_since(t0);
+    if (waited > limit) abort_on_timeout(waited);
+    if (waited < kYieldPhase) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    }
+  }
+  g_.record_wait(seconds_since(t0));
+  finish();
+}
+
+void MpiWork::abort_on_timeout(double waited) const {
+  std::string peers;
+  if (peer_ >= 0) {
+    peers = str_cat(g_.world_ranks()[peer_]);
+  } else {
+    for (int i = 0; i < g_.size(); ++i) {
+      if (i == g_.rank()) continue;
+      peers += str_cat(peers.empty() ? "" : ", ", g_.world_ranks()[i]);
+    }
+  }
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.2f", waited);
+  const std::string line =
+      str_cat("loom: TIMEOUT in ", op_, " on ", g_.describe(), ": world rank ", g_.world_rank(),
+              " waited ", secs, " s (limit ", g_.timeout_seconds(), " s) for peers [", peers,
+              "] (world ranks), ", bytes_, " bytes; aborting the job");
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();  // MPI_Abort does not return; this only tells the compiler so
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> make_mpi_world_group(std::string name) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  LOOM_CHECK(initialized, "make_mpi_world_group: MPI is not initialized (create an MpiRuntime)");
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  return std::make_unique<MpiProcessGroup>(comm, std::move(name));
+}
+
+}  // namespace loom::dist

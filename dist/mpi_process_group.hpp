@@ -1,0 +1,51 @@
+#pragma once
+// The MPI backend: every collective is an MPI nonblocking call on the group's own communicator.
+//
+// Waiting: Work::wait() polls MPI_Test (which is also what drives the progress of nonblocking
+// collectives in Open MPI: a collective left alone without test() or wait() does not advance),
+// yielding the core between polls at first and then sleeping a few microseconds growing to 1 ms.
+// After the group's timeout it prints one line to stderr naming the collective, the group, this
+// world rank, the peers' world ranks, the bytes and the time waited, and calls
+// MPI_Abort(MPI_COMM_WORLD, 1): a collective never hangs silently.
+//
+// Limits: at most INT_MAX elements per rank and call (MPI counts are int). MPI calls are made
+// only from the thread that drives the groups (MPI_THREAD_SERIALIZED is requested).
+#include <memory>
+#include <string>
+
+#include "dist/process_group.hpp"
+
+namespace loom::dist {
+
+// True when this process was started by an MPI launcher (mpirun/mpiexec of Open MPI or MPICH,
+// srun), judged from the environment the launcher sets.
+bool launched_under_mpi();
+
+// MPI_Init_thread on construction, MPI_Finalize on destruction. If MPI is already initialized,
+// it neither initializes nor finalizes. Destroy every MPI process group before it.
+class MpiRuntime {
+ public:
+  MpiRuntime();  // no command line needed: Open MPI and MPICH read their settings from the env
+  MpiRuntime(int* argc, char*** argv);
+  ~MpiRuntime();
+  MpiRuntime(const MpiRuntime&) = delete;
+  MpiRuntime& operator=(const MpiRuntime&) = delete;
+
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+
+ private:
+  bool owns_ = false;
+  int world_rank_ = 0, world_size_ = 1;
+};
+
+// A group over all of MPI_COMM_WORLD (on a duplicated communicator). MPI must be initialized.
+std::unique_ptr<ProcessGroup> make_mpi_world_group(std::string name = "world");
+
+namespace detail {
+// The bf16 sum that the MPI reduction runs: inout[i] = bf16(float(in[i]) + float(inout[i])),
+// rounded to nearest even.
+void bf16_sum_into(const bf16* in, bf16* inout, int64_t n);
+}  // namespace detail
+
+}  // namespace loom::dist
