@@ -6,7 +6,7 @@
 // element would dominate the kernels that need exp (SwiGLU, the softmax of cross-entropy, the
 // online softmax of attention).
 //
-// Both exps use one scheme: x = n ln2 + r with n an integer and |r| <= ln2/2, e^r by its
+// Both exps use one scheme: the result is 2^n e^r with n an integer and |r| <= ln2/2, e^r by its
 // degree-7 Taylor polynomial (truncation below 1e-8 relative, under f32 rounding), times 2^n
 // built directly in the exponent bits. Measured against a long double exp on every 7th float
 // bit pattern in the unclamped range: both below 0.93 ulp.
@@ -24,7 +24,8 @@ namespace loom::cpu {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned access
-constexpr int64_t kW = 16;                                                   // floats per v16
+// Floats per v16.
+constexpr int64_t kW = 16;
 
 inline v16 load(const float* p) {
   return *reinterpret_cast<const v16u*>(p);
@@ -65,7 +66,7 @@ inline V exp_taylor7(V r) {
 
 // e^x, for scalar code inside `#pragma omp simd` loops (the compiler vectorizes all of it).
 // The reduction x - n ln2 uses ln2 split in two (Cody-Waite: n * ln2_hi is exact), so the result
-// stays within a few ulp for any |x| up to the clamp.
+// stays within 1 ulp for any |x| up to the clamp.
 // Clamping: x is clamped to [-87, 88] so that 2^n stays a normal float. Below -87 the result is
 // exp(-87) ~ 1.6e-38 instead of smaller or 0: a softmax (x = logit - max <= 0) sums it next to
 // the maximum's exp(0) = 1, where it vanishes. Above 88 the result is exp(88) ~ 1.7e38 instead of
@@ -88,7 +89,7 @@ inline float vexp(float x) {
 // 2^x on 16 lanes, for the attention kernels. They keep scores in base-2 units (log2(e) is folded
 // into the query scale once), so x splits exactly into n + f, |f| <= 1/2, with no Cody-Waite
 // step; e^(f ln2) then comes from the same polynomial as vexp. Clamping is chosen for masked
-// scores: x is clamped to [-127, 127], and x <= -126.5 (in particular -inf) gives exactly 0, so a
+// scores: x is clamped to [-127, 127], and x < -126.5 (in particular -inf) gives exactly 0, so a
 // masked score drops out of the softmax sum without a separate select. NaN propagates.
 inline v16 vexp2(v16 x) {
   using namespace vec_math_detail;
