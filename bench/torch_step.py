@@ -27,12 +27,14 @@ BATCH, SEQ = 8, 256
 # Settings that make Debian's torch 1.13 fastest on this CPU kind, read when the libraries load, so
 # set before torch is imported. OpenBLAS 0.3.21 misdetects the CPU without SkylakeX. fp32 GEMMs run
 # on OpenBLAS's own pthreads, which spinning OpenMP workers would starve (PASSIVE: 2600 vs 600
-# tokens/s, tiny); bf16 GEMMs run on oneDNN inside OpenMP, where spinning workers win (ACTIVE: 6600 vs
-# 5400 tokens/s, tiny).
+# tokens/s, tiny). bf16 GEMMs run on oneDNN inside OpenMP, where spinning workers win on an idle
+# machine (ACTIVE: about 6600 vs 5400 tokens/s, tiny) but collapse when another process competes for
+# a core (ACTIVE 160..1400, PASSIVE 2000..2500); compare_torch.py therefore tries both for bf16.
 TUNED_ENV = {
     "float32": {"OPENBLAS_CORETYPE": "SkylakeX", "OMP_WAIT_POLICY": "PASSIVE"},
     "bfloat16": {"OPENBLAS_CORETYPE": "SkylakeX", "OMP_WAIT_POLICY": "ACTIVE"},
 }
+WAIT_POLICIES = {"float32": ["PASSIVE"], "bfloat16": ["ACTIVE", "PASSIVE"]}
 
 # torch 1.13 sends fp32 GEMMs to whatever libblas.so.3 the loader finds. Debian's default alternative
 # can be netlib's reference BLAS (about 2 GFLOP/s here, 40x slower than OpenBLAS), which would make
@@ -78,12 +80,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-env", action="store_true", help="keep the caller's OPENBLAS_CORETYPE and OMP_WAIT_POLICY")
+    ap.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="override OMP_WAIT_POLICY")
     ap.add_argument("--blas", help="libblas.so.3 to use (default: $TORCH_BLAS, else an OpenBLAS if found)")
     a = ap.parse_args()
     if a.steps < 1 or a.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     if not a.keep_env:
         os.environ.update(TUNED_ENV[a.dtype])
+    if a.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy
 
     preload_blas(a.blas)
     import torch  # noqa: E402  (after the environment is set)

@@ -17,6 +17,16 @@ inline std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
   return v;
 }
 
+// Token ids in [0, vocab), Zipf-like (vocab times a product of three uniforms): many repeats, so
+// several positions land on the same table row, as in text.
+inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(double(vocab) * u(rng) * u(rng) * u(rng));
+  return t;
+}
+
 inline std::vector<double> to_double(const std::vector<float>& v) {
   return std::vector<double>(v.begin(), v.end());
 }

@@ -10,31 +10,16 @@
 #include <omp.h>
 
 #include "core/error.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
-// The 64-byte vector type below is handled as two or four registers when AVX-512 is off
-// (LOOM_NATIVE=OFF); GCC then warns that the ABI of such functions differs, which does not matter
-// for functions internal to this file.
+// The 64-byte vector type v16 (vec_math.hpp) is handled as two or four registers when AVX-512 is
+// off (LOOM_NATIVE=OFF); GCC then warns that the ABI of functions passing it differs, which does
+// not matter for functions internal to this file.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace loom::cpu {
 namespace {
 
-// GCC vector extensions rather than intrinsics: one zmm register with AVX-512, split by the
-// compiler into narrower registers elsewhere, so the file builds on any x86 (or other) target.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int64_t kW = 16;  // floats per vector
-
-inline v16 load(const float* p) {
-  return *reinterpret_cast<const v16u*>(p);
-}
-inline void store(float* p, v16 x) {
-  *reinterpret_cast<v16u*>(p) = x;
-}
-inline v16 splat(float x) {
-  return v16{} + x;
-}
 inline v16 vmax(v16 a, v16 b) {
   return a > b ? a : b;
 }
@@ -47,30 +32,6 @@ inline v16 load_reg(const float* p) {
   asm("" : "+v"(x));
 #endif
   return x;
-}
-
-// 2^x. Round-to-nearest split x = n + f, |f| <= 1/2, and a degree-7 Taylor polynomial of 2^f
-// (truncation error < 6e-9, below float rounding). Inputs at or below -127 give exactly 0, so
-// masked scores (-inf) vanish without a separate select.
-inline v16 exp2v(v16 x) {
-  const v16 lo = splat(-127.0f), hi = splat(127.0f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 t = x + magic;
-  const v16 n = t - magic;
-  const v16 f = x - n;
-  const v16i ni = __builtin_bit_cast(v16i, t) - __builtin_bit_cast(v16i, magic);
-  v16 p = splat(1.525273380405984e-05f);
-  p = p * f + 1.5403530393381608e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.550410866482158e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
-  const v16i bits = (ni + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
-  return p * __builtin_bit_cast(v16, bits);
 }
 
 // Sum of a[i]*b[i], vectorized (a plain loop would be summed in order, one add at a time).
@@ -127,9 +88,6 @@ void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t rpad, i
         dst[c0 * ldd + r0 + i] = r0 + i < rows ? src[(r0 + i) * lds + c0] * mul : 0.0f;
   }
 }
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Query and key tile sizes. The score kernels dispatch on up to 4 vectors of a tile row.
 constexpr int64_t kBq = 64, kBk = 64;
@@ -379,10 +337,10 @@ void forward_impl(const AttentionShape& s, const float* q, const float* k, const
           for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
           const v16 mo = load(m + vq * kW);
           const v16 mn = vmax(mo, mt);
-          const v16 al = exp2v(mo - mn);
+          const v16 al = vexp2(mo - mn);
           v16 sum{};
           for (int64_t j = 0; j < nk; ++j) {
-            const v16 p = exp2v(load(col + j * kBq) - mn);
+            const v16 p = vexp2(load(col + j * kBq) - mn);
             store(col + j * kBq, p);
             sum += p;
           }
@@ -546,7 +504,7 @@ class Backward {
       float* dsrow = w.ds + i * kBk;
       for (int64_t vk = 0; vk < nv; ++vk) {
         const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
-        v16 pv = exp2v(load(prow + vk * kW) * c - l2);
+        v16 pv = vexp2(load(prow + vk * kW) * c - l2);
         pv = visible ? pv : v16{};
         store(prow + vk * kW, pv);
         store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - dval) * scale);

@@ -7,54 +7,15 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
-// The 64-byte vector type is split into narrower registers without AVX-512; GCC then warns that
-// the ABI of functions passing it differs, which does not matter for functions local to this file.
+// The 64-byte vector type v16 (vec_math.hpp) is split into narrower registers without AVX-512; GCC
+// then warns that the ABI of functions passing it differs, which does not matter for functions
+// local to this file.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace loom::cpu {
 namespace {
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int64_t kW = 16;
-
-inline v16 load(const float* p) {
-  return *reinterpret_cast<const v16u*>(p);
-}
-inline void store(float* p, v16 x) {
-  *reinterpret_cast<v16u*>(p) = x;
-}
-
-// ln(2)^k / k!, the Taylor coefficients of 2^f.
-constexpr float exp2_coef(int k) {
-  double c = 1;
-  for (int i = 1; i <= k; ++i) c *= 0.6931471805599453 / i;
-  return float(c);
-}
-
-// 2^x: x = n + f with n = round(x), |f| <= 1/2, and 2^f by its Taylor polynomial of degree 7
-// (truncation below 6e-9, under float rounding). x <= -127 (masked scores: -inf) gives exactly 0.
-inline v16 exp2v(v16 x) {
-  const v16 lo = v16{} - 127.0f, hi = v16{} + 127.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 t = x + magic;
-  const v16 n = t - magic;
-  const v16 f = x - n;
-  const v16i ni = __builtin_bit_cast(v16i, t) - __builtin_bit_cast(v16i, magic);
-  v16 p = v16{} + exp2_coef(7);
-  p = p * f + exp2_coef(6);
-  p = p * f + exp2_coef(5);
-  p = p * f + exp2_coef(4);
-  p = p * f + exp2_coef(3);
-  p = p * f + exp2_coef(2);
-  p = p * f + exp2_coef(1);
-  p = p * f + 1.0f;
-  return p * __builtin_bit_cast(v16, (ni + 127) << 23);
-}
 
 // Folds two vectors of partial sums into one: lanes of x and y in alternating blocks of B, the
 // two halves of each 2B-block added.
@@ -130,7 +91,6 @@ void accumulate_pv(const float* p, const float* vb, int64_t stride, int64_t nj, 
   }
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows (query, head) of one work unit: the heads of a kv group for one or more queries share
 // every key and value row the unit loads. Keys go by tiles of kBk with an online softmax, so the
@@ -185,7 +145,7 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
       v16 psum{};
       const v16 mv = v16{} + mnew;
       for (int64_t j = 0; j < npad; j += kW) {
-        const v16 p = exp2v(load(sr + j) - mv);
+        const v16 p = vexp2(load(sr + j) - mv);
         store(sr + j, p);
         psum += p;
       }

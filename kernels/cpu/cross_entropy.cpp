@@ -1,36 +1,15 @@
 #include "kernels/cpu/cross_entropy.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
-#include <cstring>
 
 #include "core/error.hpp"
 #include "core/tensor.hpp"
 #include "kernels/cpu/gemm.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
 namespace loom::cpu {
 namespace {
-
-// exp(x) for x <= 0 written so that the compiler vectorizes it (std::exp does not vectorize
-// without -ffast-math). Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor
-// polynomial (truncation error < 1e-8 relative, below f32 rounding). Inputs under -87 are clamped
-// so 2^n stays a normal number; exp(-87) ~ 1.6e-38 is zero next to the row maximum's exp(0) = 1.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer (no -ffast-math here).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 // The default chunk is the number of rows whose f32 logits take this much memory. The dW update
 // reads and writes all of dW once per chunk, so its cost relative to the GEMM work falls with the
@@ -52,12 +31,12 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
   float s = 0;
   if (!need_grad) {
 #pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < V; ++j) s += exp_nonpositive(row[j] - m);
+    for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
     return static_cast<double>(std::log(s)) + (static_cast<double>(m) - logit_t);
   }
 #pragma omp simd reduction(+ : s)
   for (int64_t j = 0; j < V; ++j) {
-    const float e = exp_nonpositive(row[j] - m);
+    const float e = vexp(row[j] - m);
     row[j] = e;
     s += e;
   }

@@ -1,10 +1,9 @@
 #include "kernels/cpu/swiglu.hpp"
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "core/error.hpp"
+#include "kernels/cpu/vec_math.hpp"
 
 namespace loom::cpu {
 
@@ -12,37 +11,8 @@ namespace {
 
 constexpr int64_t kParallelMin = int64_t{1} << 14;
 
-// exp(x) written so that `omp simd` loops vectorize it: glibc's vector expf is only declared
-// under -ffast-math, and a scalar expf call per element would dominate this memory-bound kernel.
-// x = k ln2 + r with |r| <= ln2/2 (ln2 split in two so k * ln2_hi is exact), exp(r) by its Taylor
-// polynomial to degree 7 (truncation < 1e-8 relative), times 2^k built in the exponent bits.
-// Accurate to a few ulp. x is clamped to [-87, 88] so 2^k stays a normal float: exp(-g) for
-// sigmoid then never overflows, and the clamp's effect on silu is below 1e-36. NaN propagates.
-inline float exp_simd(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  // Adding 1.5 * 2^23 rounds x / ln2 to the integer k, which lands in the low mantissa bits.
-  constexpr float kShift = 12582912.0f;
-  const float kf = x * 1.44269504088896341f + kShift;
-  const float k = kf - kShift;
-  const float r = (x - k * 0.693145751953125f) - k * 1.4286068202862268e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  uint32_t kbits;
-  std::memcpy(&kbits, &kf, sizeof(kbits));
-  const uint32_t bits = (kbits - 0x4b400000u + 127u) << 23;  // 0x4b400000 = bits of kShift
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 inline float sigmoid(float x) {
-  return 1.0f / (1.0f + exp_simd(-x));
+  return 1.0f / (1.0f + vexp(-x));
 }
 
 void check_args(const char* what, int64_t rows, int64_t F) {

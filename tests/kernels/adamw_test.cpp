@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -118,32 +117,4 @@ TEST(AdamW, RejectsBadArguments) {
   EXPECT_THROW(cpu::adamw_step(a, &p, &g, &m, &v, 1), Error);
   a.beta2 = 0.95f;
   EXPECT_THROW(cpu::adamw_step(a, &p, &g, &m, &v, -1), Error);
-}
-
-// Timing at a training-step size: run with --gtest_also_run_disabled_tests, OMP_NUM_THREADS=2.
-TEST(AdamW, DISABLED_Bench) {
-  const int64_t n = 2048 * 512 * 8;
-  auto p = test::randn(static_cast<size_t>(n), 1),
-       g = test::randn(static_cast<size_t>(n), 2, 1e-3f);
-  std::vector<float> m(static_cast<size_t>(n), 0.0f), v(static_cast<size_t>(n), 0.0f);
-  std::vector<bf16> pb(static_cast<size_t>(n));
-  cpu::AdamWArgs a{.lr = 1e-4f, .weight_decay = 0.1f};
-  // Best of 20 runs: the build machine is shared, and the minimum is the least disturbed.
-  auto time = [](auto&& f) {
-    f();
-    double best = 1e30;
-    for (int i = 0; i < 20; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  double t = time([&] { cpu::adamw_step(a, p.data(), g.data(), m.data(), v.data(), n); });
-  std::printf("adamw_step      n=%ld: %.1f us, %.1f GB/s (p,g,m,v read; p,m,v write)\n", n, t * 1e6,
-              28.0 * n / t / 1e9);
-  t = time([&] { cpu::adamw_step(a, p.data(), g.data(), m.data(), v.data(), n, pb.data()); });
-  std::printf("adamw_step+bf16 n=%ld: %.1f us, %.1f GB/s (+ bf16 write)\n", n, t * 1e6,
-              30.0 * n / t / 1e9);
 }

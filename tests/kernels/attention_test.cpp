@@ -3,11 +3,8 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
-#include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <vector>
 
 #include "core/error.hpp"
@@ -386,47 +383,6 @@ TEST(Attention, RejectsBadShapes) {
     cpu::attention_forward(AttentionShape{1, 4, 6, 4, 8, 48, 32, 0.3f}, p, p, p, p, p);
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("multiple of Hkv"), std::string::npos) << e.what();
-  }
-}
-
-// Timing of the training shape; run with --gtest_also_run_disabled_tests.
-TEST(Attention, DISABLED_Benchmark) {
-  for (const Dims& d : {Dims{8, 256, 8, 4, 64}, Dims{8, 256, 6, 6, 48}, Dims{8, 256, 8, 8, 64}}) {
-    Case c(d, 600);
-    Layout in(d, true), grad(d, true);
-    in.set(c.q, c.k, c.v);
-    const AttentionShape s = in.shape(c.scale);
-    std::vector<float> out(c.q.size()), lse(d.B * d.Hq * d.T);
-    // Wall time, and CPU time of the process (on a machine shared with other jobs the CPU time of a
-    // one-thread run is the less noisy figure).
-    auto now = [] { return std::chrono::steady_clock::now(); };
-    auto cpu = [] {
-      timespec ts;
-      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-      return ts.tv_sec + 1e-9 * ts.tv_nsec;
-    };
-    double best_f = 1e9, best_b = 1e9, cpu_f = 1e9, cpu_b = 1e9;
-    for (int it = 0; it < 60; ++it) {
-      const auto t0 = now();
-      const double c0 = cpu();
-      cpu::attention_forward(s, in.q(), in.k(), in.v(), out.data(), lse.data());
-      const auto t1 = now();
-      const double c1 = cpu();
-      cpu::attention_backward(s, in.q(), in.k(), in.v(), out.data(), lse.data(), c.dout.data(),
-                              grad.q(), grad.k(), grad.v());
-      const auto t2 = now();
-      const double c2 = cpu();
-      best_f = std::min(best_f, std::chrono::duration<double>(t1 - t0).count());
-      best_b = std::min(best_b, std::chrono::duration<double>(t2 - t1).count());
-      cpu_f = std::min(cpu_f, c1 - c0);
-      cpu_b = std::min(cpu_b, c2 - c1);
-    }
-    const double fwd_flops = 2.0 * 2.0 * d.B * d.Hq * d.T * d.T * d.D / 2;
-    std::printf(
-        "%s threads=%d fwd %.3f ms (%.1f GFLOP/s)  bwd %.3f ms (%.1f GFLOP/s)  total %.3f ms\n",
-        name(d).c_str(), omp_get_max_threads(), best_f * 1e3, fwd_flops / best_f * 1e-9,
-        best_b * 1e3, 2.5 * fwd_flops / best_b * 1e-9, (best_f + best_b) * 1e3);
-    std::printf("cpu time: fwd %.3f ms  bwd %.3f ms\n", cpu_f * 1e3, cpu_b * 1e3);
   }
 }
 

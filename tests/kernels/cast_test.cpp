@@ -3,8 +3,6 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -117,36 +115,4 @@ TEST(Cast, RejectsNegativeCount) {
   float f = 1;
   EXPECT_THROW(cpu::scale_inplace(&f, -1, 2.0f), Error);
   EXPECT_THROW(cpu::sum_squares(&f, -5), Error);
-}
-
-// Timing at a training-step size: run with --gtest_also_run_disabled_tests, OMP_NUM_THREADS=2.
-TEST(Cast, DISABLED_Bench) {
-  const int64_t n = 2048 * 512;
-  auto x = test::randn(static_cast<size_t>(n), 1);
-  auto y = test::randn(static_cast<size_t>(n), 2);
-  std::vector<bf16> b(n);
-  // Best of 200 runs: the build machine is shared, and the minimum is the least disturbed.
-  auto time = [](auto&& f) {
-    f();
-    double best = 1e30;
-    for (int i = 0; i < 200; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  double t;
-  t = time([&] { cpu::cast_f32_to_bf16(x.data(), b.data(), n); });
-  std::printf("cast_f32_to_bf16 n=%ld: %.1f us, %.1f GB/s\n", n, t * 1e6, n * 6 / t / 1e9);
-  t = time([&] { cpu::cast_bf16_to_f32(b.data(), y.data(), n); });
-  std::printf("cast_bf16_to_f32 n=%ld: %.1f us, %.1f GB/s\n", n, t * 1e6, n * 6 / t / 1e9);
-  volatile double sink = 0;
-  t = time([&] { sink = sink + cpu::sum_squares(x.data(), n); });
-  std::printf("sum_squares      n=%ld: %.1f us, %.1f GB/s\n", n, t * 1e6, n * 4 / t / 1e9);
-  t = time([&] { cpu::scale_inplace(x.data(), n, 1.0f); });
-  std::printf("scale_inplace    n=%ld: %.1f us, %.1f GB/s\n", n, t * 1e6, n * 8 / t / 1e9);
-  t = time([&] { cpu::add_inplace(y.data(), x.data(), n); });
-  std::printf("add_inplace      n=%ld: %.1f us, %.1f GB/s\n", n, t * 1e6, n * 12 / t / 1e9);
 }

@@ -16,23 +16,30 @@ namespace {
 using test::randn;
 using test::rel_l2;
 
+// Naive fp64 logits of row i, z = x_i W^T, into z; returns their log-sum-exp.
+double ref_logits(const std::vector<double>& x, const std::vector<double>& w, int64_t i, int64_t D,
+                  int64_t V, std::vector<double>& z) {
+  z.assign(V, 0);
+  double m = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) {
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s += x[i * D + d] * w[v * D + d];
+    z[v] = s;
+    m = std::max(m, s);
+  }
+  double se = 0;
+  for (int64_t v = 0; v < V; ++v) se += std::exp(z[v] - m);
+  return m + std::log(se);
+}
+
 // Naive fp64 reference: sum over rows with target >= 0 of logsumexp(x_i W^T) - (x_i W^T)[t_i].
 double ref_loss(const std::vector<double>& x, const std::vector<double>& w,
                 const std::vector<int32_t>& t, int64_t N, int64_t D, int64_t V) {
   double loss = 0;
-  std::vector<double> z(V);
+  std::vector<double> z;
   for (int64_t i = 0; i < N; ++i) {
     if (t[i] < 0) continue;
-    double m = -INFINITY;
-    for (int64_t v = 0; v < V; ++v) {
-      double s = 0;
-      for (int64_t d = 0; d < D; ++d) s += x[i * D + d] * w[v * D + d];
-      z[v] = s;
-      m = std::max(m, s);
-    }
-    double se = 0;
-    for (int64_t v = 0; v < V; ++v) se += std::exp(z[v] - m);
-    loss += m + std::log(se) - z[t[i]];
+    loss += ref_logits(x, w, i, D, V, z) - z[t[i]];
   }
   return loss;
 }
@@ -44,20 +51,12 @@ void ref_grads(const std::vector<double>& x, const std::vector<double>& w,
                std::vector<double>& dx, std::vector<double>& dw) {
   dx.assign(N * D, 0);
   dw.assign(V * D, 0);
-  std::vector<double> z(V);
+  std::vector<double> z;
   for (int64_t i = 0; i < N; ++i) {
     if (t[i] < 0) continue;
-    double m = -INFINITY;
+    const double lse = ref_logits(x, w, i, D, V, z);
     for (int64_t v = 0; v < V; ++v) {
-      double s = 0;
-      for (int64_t d = 0; d < D; ++d) s += x[i * D + d] * w[v * D + d];
-      z[v] = s;
-      m = std::max(m, s);
-    }
-    double se = 0;
-    for (int64_t v = 0; v < V; ++v) se += std::exp(z[v] - m);
-    for (int64_t v = 0; v < V; ++v) {
-      const double g = scale * (std::exp(z[v] - m) / se - (v == t[i] ? 1.0 : 0.0));
+      const double g = scale * (std::exp(z[v] - lse) - (v == t[i] ? 1.0 : 0.0));
       for (int64_t d = 0; d < D; ++d) {
         dx[i * D + d] += g * w[v * D + d];
         dw[v * D + d] += g * x[i * D + d];

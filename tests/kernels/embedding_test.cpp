@@ -3,10 +3,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -17,15 +14,6 @@ using namespace loom;
 
 namespace {
 
-// Zipf-like ids with many repeats, so several positions land on the same table row.
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = int32_t(double(vocab) * u(rng) * u(rng) * u(rng));
-  return t;
-}
-
 struct Shape {
   int64_t n, vocab, dim;
 };
@@ -35,7 +23,7 @@ struct Shape {
 TEST(Embedding, ForwardGathersRows) {
   for (auto [n, vocab, dim] : std::vector<Shape>{{37, 50, 288}, {2048, 301, 50}, {5, 7, 513}}) {
     auto table = test::randn(static_cast<size_t>(vocab * dim), 3);
-    auto tok = random_tokens(n, vocab, 4);
+    auto tok = test::random_tokens(n, vocab, 4);
     std::vector<float> out(static_cast<size_t>(n * dim), -1.0f);
     cpu::embedding_forward(tok.data(), n, table.data(), vocab, dim, out.data());
     for (int64_t i = 0; i < n; ++i) {
@@ -50,7 +38,7 @@ TEST(Embedding, ForwardGathersRows) {
 TEST(Embedding, BackwardAccumulatesDeterministically) {
   for (auto [n, vocab, dim] : std::vector<Shape>{{37, 50, 288}, {2048, 301, 50}, {513, 7, 513}}) {
     auto dout = test::randn(static_cast<size_t>(n * dim), 5);
-    auto tok = random_tokens(n, vocab, 6);
+    auto tok = test::random_tokens(n, vocab, 6);
     auto init = test::randn(static_cast<size_t>(vocab * dim), 7);
     auto ref = init;
     for (int64_t i = 0; i < n; ++i)
@@ -106,32 +94,4 @@ TEST(Embedding, RejectsOutOfRangeTokens) {
   }
   std::vector<int32_t> ok = {0};
   EXPECT_THROW(cpu::embedding_forward(ok.data(), 1, table.data(), vocab, 0, out.data()), Error);
-}
-
-// Timing at a training-step size: run with --gtest_also_run_disabled_tests, OMP_NUM_THREADS=2.
-TEST(Embedding, DISABLED_Bench) {
-  const int64_t n = 2048, dim = 512, vocab = 8192;
-  auto table = test::randn(static_cast<size_t>(vocab * dim), 1);
-  auto tok = random_tokens(n, vocab, 2);
-  std::vector<float> out(static_cast<size_t>(n * dim)), dt(static_cast<size_t>(vocab * dim), 0.0f);
-  // Best of 200 runs: the build machine is shared, and the minimum is the least disturbed.
-  auto time = [](auto&& f) {
-    f();
-    double best = 1e30;
-    for (int i = 0; i < 200; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  const double bytes = double(n * dim) * 4;
-  double t =
-      time([&] { cpu::embedding_forward(tok.data(), n, table.data(), vocab, dim, out.data()); });
-  std::printf("embedding_forward  n=%ld dim=%ld: %.1f us, %.1f GB/s (read+write)\n", n, dim,
-              t * 1e6, 2 * bytes / t / 1e9);
-  t = time([&] { cpu::embedding_backward(tok.data(), n, out.data(), vocab, dim, dt.data()); });
-  std::printf("embedding_backward n=%ld dim=%ld: %.1f us, %.1f GB/s (dout + row read/write)\n", n,
-              dim, t * 1e6, 3 * bytes / t / 1e9);
 }

@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -141,37 +140,4 @@ TEST(RMSNorm, RejectsBadShapes) {
   EXPECT_THROW(cpu::rmsnorm_forward(&f, &f, 1, 0, kEps, &g, &g), Error);
   EXPECT_THROW(cpu::rmsnorm_forward(&f, &f, -1, 1, kEps, &g, &g), Error);
   EXPECT_THROW(cpu::rmsnorm_backward(&f, &f, &f, &f, 1, -3, &g, &g), Error);
-}
-
-// Timing at a training-step size: run with --gtest_also_run_disabled_tests, OMP_NUM_THREADS=2.
-TEST(RMSNorm, DISABLED_Bench) {
-  const int64_t rows = 2048, dim = 512;
-  auto x = make_x(rows, dim, 1);
-  auto w = make_w(dim, 2);
-  auto dy = test::randn(static_cast<size_t>(rows * dim), 3);
-  std::vector<float> y(static_cast<size_t>(rows * dim)), rstd(static_cast<size_t>(rows)),
-      dx(static_cast<size_t>(rows * dim), 0.0f), dw(static_cast<size_t>(dim), 0.0f);
-  // Best of 200 runs: the build machine is shared, and the minimum is the least disturbed.
-  auto time = [](auto&& f) {
-    f();
-    double best = 1e30;
-    for (int i = 0; i < 200; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  const double bytes = double(rows * dim) * 4;
-  double t = time(
-      [&] { cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, kEps, y.data(), rstd.data()); });
-  std::printf("rmsnorm_forward  %ldx%ld: %.1f us, %.1f GB/s (x, y)\n", rows, dim, t * 1e6,
-              2 * bytes / t / 1e9);
-  t = time([&] {
-    cpu::rmsnorm_backward(dy.data(), x.data(), w.data(), rstd.data(), rows, dim, dx.data(),
-                          dw.data());
-  });
-  std::printf("rmsnorm_backward %ldx%ld: %.1f us, %.1f GB/s (dy, x, dx read+write)\n", rows, dim,
-              t * 1e6, 4 * bytes / t / 1e9);
 }

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -115,31 +114,4 @@ TEST(SwiGLU, RejectsBadShapes) {
   float f = 1, g = 1;
   EXPECT_THROW(cpu::swiglu_forward(&f, 1, 0, &g), Error);
   EXPECT_THROW(cpu::swiglu_backward(&f, &f, -1, 1, &g), Error);
-}
-
-// Timing at a training-step size: run with --gtest_also_run_disabled_tests, OMP_NUM_THREADS=2.
-TEST(SwiGLU, DISABLED_Bench) {
-  const int64_t rows = 2048, F = 1376;
-  auto gu = make_gu(rows, F, 1);
-  auto dh = test::randn(static_cast<size_t>(rows * F), 2);
-  std::vector<float> h(static_cast<size_t>(rows * F)), dgu(gu.size());
-  // Best of 100 runs: the build machine is shared, and the minimum is the least disturbed.
-  auto time = [](auto&& f) {
-    f();
-    double best = 1e30;
-    for (int i = 0; i < 100; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
-  const double bytes = double(rows * F) * 4;
-  double t = time([&] { cpu::swiglu_forward(gu.data(), rows, F, h.data()); });
-  std::printf("swiglu_forward  %ldx%ld: %.1f us, %.1f GB/s (gu, h)\n", rows, F, t * 1e6,
-              3 * bytes / t / 1e9);
-  t = time([&] { cpu::swiglu_backward(dh.data(), gu.data(), rows, F, dgu.data()); });
-  std::printf("swiglu_backward %ldx%ld: %.1f us, %.1f GB/s (dh, gu, dgu)\n", rows, F, t * 1e6,
-              5 * bytes / t / 1e9);
 }

@@ -1,0 +1,257 @@
+// Times the non-GEMM CPU kernels at the shapes of the two benchmark models (configs/bench-tiny:
+// dim 288, ffn 768, 6/6 heads of 48, vocab 4096; configs/bench-small: dim 512, ffn 1376, 8/4
+// heads of 64, vocab 8192), with 2048 tokens per step (B=8, T=256). gemm_bench covers the GEMMs
+// and the fused linear cross-entropy.
+// Usage: kernel_bench [FILTER] [REPS]
+//   FILTER: run only the kernels whose name contains it (e.g. swiglu, _bwd, adamw).
+//   REPS: timed calls per kernel (default 20), after 2 untimed warm-up calls.
+// Each row: the median and the fastest call, and the rate of the median call: GB/s for the
+// memory-bound kernels, counting the bytes of each array named under "counted" once, twice if
+// marked rw (read and written), so the figure is a lower bound of the memory traffic (no
+// write-allocate reads, no re-reads); GFLOP/s for attention, counting the products named under
+// "counted" on the causal half of the score matrix only. The buffers are reused from call to call,
+// so the smaller ones run from cache. On a machine shared with other jobs, a descheduled OpenMP
+// thread stalls the whole team for a scheduler time slice; OMP_NUM_THREADS=1 then gives the
+// steadier figures.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "kernels/cpu/adamw.hpp"
+#include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/cast.hpp"
+#include "kernels/cpu/embedding.hpp"
+#include "kernels/cpu/rmsnorm.hpp"
+#include "kernels/cpu/swiglu.hpp"
+#include "tests/test_util.hpp"
+
+using namespace loom;
+
+namespace {
+
+constexpr int kWarmup = 2;
+constexpr int64_t kB = 8, kT = 256, kRows = kB * kT;
+
+struct Model {
+  const char* name;
+  int64_t dim, F, layers, Hq, Hkv, vocab;
+  int64_t D() const { return dim / Hq; }
+  // Parameters of an untied Llama: attention q,k,v,o, MLP gate,up,down, two norms per layer;
+  // embedding, output head and final norm.
+  int64_t params() const {
+    const int64_t attn = 2 * dim * Hq * D() + 2 * dim * Hkv * D();
+    return layers * (attn + 3 * dim * F + 2 * dim) + 2 * vocab * dim + dim;
+  }
+};
+constexpr Model kModels[] = {{"tiny", 288, 768, 6, 6, 6, 4096},
+                             {"small", 512, 1376, 8, 8, 4, 8192}};
+
+// Random values for large buffers: a block of normal samples repeated (the kernels' speed does
+// not depend on the values as long as they are ordinary floats, and sampling tens of millions
+// would dominate the run).
+std::vector<float> random_floats(int64_t n, uint64_t seed, float scale = 1.0f) {
+  const auto block = test::randn(size_t(std::min<int64_t>(n, 1 << 16)), seed, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = block[i % block.size()];
+  return v;
+}
+
+__attribute__((format(printf, 1, 2))) std::string format(const char* fmt, ...) {
+  char buf[128];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  return buf;
+}
+
+class Bench {
+ public:
+  Bench(std::string filter, int reps) : filter_(std::move(filter)), reps_(reps) {}
+
+  bool wants(std::initializer_list<const char*> kernels) const {
+    return std::any_of(kernels.begin(), kernels.end(), [&](const char* k) { return wants(k); });
+  }
+  bool wants(const std::string& kernel) const { return kernel.find(filter_) != std::string::npos; }
+
+  // Times f and prints a row; `amount` is bytes (unit "GB/s") or FLOPs (unit "GFLOP/s").
+  template <class F>
+  void run(const std::string& kernel, const std::string& shape, double amount, const char* unit,
+           const char* counted, F&& f) {
+    if (!wants(kernel)) return;
+    for (int i = 0; i < kWarmup; ++i) f();
+    std::vector<double> t(static_cast<size_t>(reps_));
+    for (double& s : t) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::sort(t.begin(), t.end());
+    const double median = t[t.size() / 2];
+    std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s\n", kernel.c_str(), shape.c_str(),
+                median * 1e3, t.front() * 1e3, amount / median * 1e-9, unit, counted);
+    std::fflush(stdout);
+  }
+
+ private:
+  std::string filter_;
+  int reps_;
+};
+
+constexpr double kF = sizeof(float), kH = sizeof(bf16);
+
+void bench_rmsnorm(Bench& b, const Model& m) {
+  if (!b.wants({"rmsnorm_fwd", "rmsnorm_bwd"})) return;
+  const int64_t n = kRows * m.dim;
+  auto x = random_floats(n, 1), w = random_floats(m.dim, 2, 0.1f), dy = random_floats(n, 3);
+  for (float& v : w) v += 1.0f;
+  std::vector<float> y(n), rstd(kRows), dx(n, 0.0f), dw(m.dim, 0.0f);
+  const auto shape = format("%lldx%lld", (long long)kRows, (long long)m.dim);
+  b.run("rmsnorm_fwd", shape, 2 * kF * n, "GB/s", "x, y", [&] {
+    cpu::rmsnorm_forward(x.data(), w.data(), kRows, m.dim, 1e-5f, y.data(), rstd.data());
+  });
+  b.run("rmsnorm_bwd", shape, 4 * kF * n, "GB/s", "dy, x, dx rw", [&] {
+    cpu::rmsnorm_backward(dy.data(), x.data(), w.data(), rstd.data(), kRows, m.dim, dx.data(),
+                          dw.data());
+  });
+}
+
+void bench_swiglu(Bench& b, const Model& m) {
+  if (!b.wants({"swiglu_fwd", "swiglu_bwd"})) return;
+  const int64_t n = kRows * m.F;
+  auto gu = random_floats(2 * n, 1, 3.0f), dh = random_floats(n, 2);
+  std::vector<float> h(n), dgu(2 * n);
+  const auto shape = format("%lldx%lld", (long long)kRows, (long long)m.F);
+  b.run("swiglu_fwd", shape, 3 * kF * n, "GB/s", "gu, h",
+        [&] { cpu::swiglu_forward(gu.data(), kRows, m.F, h.data()); });
+  b.run("swiglu_bwd", shape, 5 * kF * n, "GB/s", "dh, gu, dgu",
+        [&] { cpu::swiglu_backward(dh.data(), gu.data(), kRows, m.F, dgu.data()); });
+}
+
+void bench_embedding(Bench& b, const Model& m) {
+  if (!b.wants({"embedding_fwd", "embedding_bwd"})) return;
+  const int64_t n = kRows * m.dim;
+  auto table = random_floats(m.vocab * m.dim, 1), dout = random_floats(n, 2);
+  const auto tok = test::random_tokens(kRows, m.vocab, 3);
+  std::vector<float> out(n), dtable(m.vocab * m.dim, 0.0f);
+  const auto shape =
+      format("%lld tok, %lldx%lld", (long long)kRows, (long long)m.vocab, (long long)m.dim);
+  b.run("embedding_fwd", shape, 2 * kF * n, "GB/s", "rows gathered, out", [&] {
+    cpu::embedding_forward(tok.data(), kRows, table.data(), m.vocab, m.dim, out.data());
+  });
+  b.run("embedding_bwd", shape, 3 * kF * n, "GB/s", "dout, rows rw", [&] {
+    cpu::embedding_backward(tok.data(), kRows, dout.data(), m.vocab, m.dim, dtable.data());
+  });
+}
+
+// Casts at the size of the activations (mixed-precision inputs of the GEMMs), the gradient norm
+// and clipping at the size of all parameters (train/optimizer.cpp).
+void bench_cast(Bench& b, const Model& m) {
+  if (!b.wants(
+          {"cast_f32_to_bf16", "cast_bf16_to_f32", "add_inplace", "sum_squares", "scale_inplace"}))
+    return;
+  const int64_t n = kRows * m.dim, np = m.params();
+  auto x = random_floats(n, 1), y = random_floats(n, 2), g = random_floats(np, 3);
+  std::vector<bf16> h(n);
+  const auto shape = format("n=%lld (%lldx%lld)", (long long)n, (long long)kRows, (long long)m.dim);
+  const auto pshape = format("n=%lld (params)", (long long)np);
+  b.run("cast_f32_to_bf16", shape, (kF + kH) * n, "GB/s", "in, out",
+        [&] { cpu::cast_f32_to_bf16(x.data(), h.data(), n); });
+  b.run("cast_bf16_to_f32", shape, (kF + kH) * n, "GB/s", "in, out",
+        [&] { cpu::cast_bf16_to_f32(h.data(), y.data(), n); });
+  b.run("add_inplace", shape, 3 * kF * n, "GB/s", "x, y rw",
+        [&] { cpu::add_inplace(y.data(), x.data(), n); });
+  volatile double sink = 0;
+  b.run("sum_squares", pshape, kF * np, "GB/s", "x",
+        [&] { sink = sink + cpu::sum_squares(g.data(), np); });
+  b.run("scale_inplace", pshape, 2 * kF * np, "GB/s", "x rw",
+        [&] { cpu::scale_inplace(g.data(), np, 0.999f); });
+}
+
+void bench_adamw(Bench& b, const Model& m) {
+  if (!b.wants({"adamw", "adamw+bf16"})) return;
+  const int64_t n = m.params();
+  auto p = random_floats(n, 1), g = random_floats(n, 2, 1e-3f);
+  std::vector<float> mo(n, 0.0f), v(n, 0.0f);
+  std::vector<bf16> pb(n);
+  const cpu::AdamWArgs a{.lr = 1e-4f, .weight_decay = 0.1f};
+  const auto shape = format("n=%lld (params)", (long long)n);
+  b.run("adamw", shape, 7 * kF * n, "GB/s", "g, p m v rw",
+        [&] { cpu::adamw_step(a, p.data(), g.data(), mo.data(), v.data(), n); });
+  b.run("adamw+bf16", shape, 7 * kF * n + kH * n, "GB/s", "g, p m v rw, p bf16",
+        [&] { cpu::adamw_step(a, p.data(), g.data(), mo.data(), v.data(), n, pb.data()); });
+}
+
+// q, k, v in one token-major buffer as the fused qkv GEMM leaves them (the model's layout).
+void bench_attention(Bench& b, const Model& m) {
+  if (!b.wants({"attention_fwd", "attention_bwd"})) return;
+  const int64_t D = m.D(), stride = (m.Hq + 2 * m.Hkv) * D;
+  auto qkv = random_floats(kRows * stride, 1), dout = random_floats(kRows * m.Hq * D, 2);
+  std::vector<float> dqkv(qkv.size()), out(dout.size()), lse(kB * m.Hq * kT);
+  const float *q = qkv.data(), *k = q + m.Hq * D, *v = k + m.Hkv * D;
+  float *dq = dqkv.data(), *dk = dq + m.Hq * D, *dv = dk + m.Hkv * D;
+  const cpu::AttentionShape s{kB, kT, m.Hq, m.Hkv, D, stride, stride, 1.0f / std::sqrt(float(D))};
+  // One T x T x D product over the causal half, per (batch, head).
+  const double product = 2.0 * kB * m.Hq * kT * kT * D / 2;
+  const auto shape = format("B%lld T%lld H%lld/%lld D%lld", (long long)kB, (long long)kT,
+                            (long long)m.Hq, (long long)m.Hkv, (long long)D);
+  b.run("attention_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV",
+        [&] { cpu::attention_forward(s, q, k, v, out.data(), lse.data()); });
+  b.run("attention_bwd", shape, 5 * product, "GFLOP/s", "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
+    cpu::attention_backward(s, q, k, v, out.data(), lse.data(), dout.data(), dq, dk, dv);
+  });
+}
+
+std::string loadavg() {
+  std::ifstream f("/proc/loadavg");
+  std::string a, b, c;
+  if (!(f >> a >> b >> c)) return "unavailable";
+  return a + " " + b + " " + c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string filter;
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      std::printf("usage: %s [FILTER] [REPS]\n", argv[0]);
+      return 0;
+    }
+    if (!arg.empty() && arg.find_first_not_of("0123456789") == std::string::npos)
+      reps = std::max(1, std::atoi(arg.c_str()));
+    else
+      filter = arg;
+  }
+  std::printf(
+      "kernel_bench: %d threads, load average %s (1, 5, 15 min), %d timed calls after %d "
+      "warm-up\n",
+      omp_get_max_threads(), loadavg().c_str(), reps, kWarmup);
+  std::printf("%-18s %-24s %10s %10s %16s %s\n", "kernel", "shape", "median ms", "min ms",
+              "rate (median)", "counted");
+  Bench b(filter, reps);
+  for (const Model& m : kModels) {
+    std::printf("-- %s: dim %lld, ffn %lld, heads %lld/%lld, vocab %lld, %.1fM params\n", m.name,
+                (long long)m.dim, (long long)m.F, (long long)m.Hq, (long long)m.Hkv,
+                (long long)m.vocab, m.params() * 1e-6);
+    bench_rmsnorm(b, m);
+    bench_swiglu(b, m);
+    bench_embedding(b, m);
+    bench_cast(b, m);
+    bench_adamw(b, m);
+    bench_attention(b, m);
+  }
+  std::printf("load average at the end: %s\n", loadavg().c_str());
+  return 0;
+}
