@@ -16,9 +16,6 @@ namespace loom {
 
 namespace {
 
-// Indices of a block's parameters in its unit (q, k, v adjacent: one fused GEMM; gate, up too).
-enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
-
 Tensor f32(const Shape& s, Device d) {
   return Tensor::empty(s, DType::f32, d);
 }
@@ -38,22 +35,8 @@ Tensor to_compute(const Tensor& x, DType dt) {
 // y[M,N] (+)= x[M,K] * w[N,K]^T
 void linear(const Tensor& x, const void* w, Tensor& y, int64_t N, int64_t K, DType dt,
             bool accumulate) {
-  if (!live(y)) return;
-  cpu::GemmArgs g;
-  g.ta = cpu::Trans::N;
-  g.tb = cpu::Trans::T;
-  g.M = x.numel() / K;
-  g.N = N;
-  g.K = K;
-  g.A = x.raw();
-  g.lda = K;
-  g.B = w;
-  g.ldb = K;
-  g.C = y.data<float>();
-  g.ldc = N;
-  g.ab = dt;
-  g.accumulate = accumulate;
-  cpu::gemm(g);
+  if (live(y))
+    cpu::linear_forward(x.raw(), w, y.data<float>(), x.numel() / K, N, K, dt, accumulate);
 }
 
 // dx = dy * w, dw += dy^T x for y = x w^T with x [M,K], w [N,K].

@@ -16,6 +16,10 @@ namespace loom {
 
 class SafetensorsDir;
 
+// Indices of a block's parameters in its unit: q, k, v adjacent (read as one fused GEMM
+// matrix), gate and up adjacent (likewise).
+enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
+
 // What one forward/backward of a micro-batch needs to know.
 struct StepContext {
   int64_t B = 0, T = 0;

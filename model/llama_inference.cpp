@@ -18,27 +18,6 @@ namespace loom {
 
 namespace {
 
-// Indices of a block's parameters in its unit (the order of LlamaModel's block specs).
-enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
-
-// y[M,N] (+)= x[M,K] * w[N,K]^T
-void linear(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, DType dt,
-            bool accumulate) {
-  cpu::gemm({.ta = cpu::Trans::N,
-             .tb = cpu::Trans::T,
-             .M = M,
-             .N = N,
-             .K = K,
-             .A = x,
-             .lda = K,
-             .B = w,
-             .ldb = K,
-             .C = y,
-             .ldc = N,
-             .ab = dt,
-             .accumulate = accumulate});
-}
-
 Tensor f32(const Shape& s) {
   return Tensor::empty(s, DType::f32);
 }
@@ -100,7 +79,8 @@ Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits
     // cache first.
     cpu::rmsnorm_forward(x.data<float>(), P[kNorm1].value.data<float>(), n, d, eps,
                          xn.data<float>(), rstd.data<float>());
-    linear(gemm_input(xn, n, d, lo), u.gemm_weights(kQ), qkv.data<float>(), n, nqkv, d, dt, false);
+    cpu::linear_forward(gemm_input(xn, n, d, lo), u.gemm_weights(kQ), qkv.data<float>(), n, nqkv, d,
+                        dt, false);
     float* q = qkv.data<float>();
     cpu::rope_forward(q, 1, n, Hq, hd, nqkv, positions_.data(), rope_);
     cpu::rope_forward(q + Hq * hd, 1, n, Hkv, hd, nqkv, positions_.data(), rope_);
@@ -117,15 +97,16 @@ Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits
       cpu::DecodeShape s{n, len_ + n, Hq, Hkv, hd, nqkv, Hkv * hd, scale};
       cpu::attention_decode(s, q, kc, vc, attn.data<float>());
     }
-    linear(gemm_input(attn, n, Hq * hd, lo), u.gemm_weights(kO), x.data<float>(), n, d, Hq * hd, dt,
-           true);
+    cpu::linear_forward(gemm_input(attn, n, Hq * hd, lo), u.gemm_weights(kO), x.data<float>(), n, d,
+                        Hq * hd, dt, true);
     // MLP: x += down(silu(gate) * up), gate and up from one fused GEMM.
     cpu::rmsnorm_forward(x.data<float>(), P[kNorm2].value.data<float>(), n, d, eps,
                          xn.data<float>(), rstd.data<float>());
-    linear(gemm_input(xn, n, d, lo), u.gemm_weights(kGate), gu.data<float>(), n, 2 * F, d, dt,
-           false);
+    cpu::linear_forward(gemm_input(xn, n, d, lo), u.gemm_weights(kGate), gu.data<float>(), n, 2 * F,
+                        d, dt, false);
     cpu::swiglu_forward(gu.data<float>(), n, F, act.data<float>());
-    linear(gemm_input(act, n, F, lo), u.gemm_weights(kDown), x.data<float>(), n, d, F, dt, true);
+    cpu::linear_forward(gemm_input(act, n, F, lo), u.gemm_weights(kDown), x.data<float>(), n, d, F,
+                        dt, true);
   }
   len_ += n;
 
@@ -137,7 +118,7 @@ Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits
                        xf.data<float>(), rstd.data<float>());
   const void* w = c_.tie_word_embeddings ? embed_->gemm_weights(0) : head_->gemm_weights(1);
   if (!logits_.defined() || logits_.numel() < rows * V) logits_ = f32({rows * V});
-  linear(gemm_input(xf, rows, d, lo), w, logits_.data<float>(), rows, V, d, dt, false);
+  cpu::linear_forward(gemm_input(xf, rows, d, lo), w, logits_.data<float>(), rows, V, d, dt, false);
   return logits_.narrow(0, 0, rows * V).view(all_logits ? Shape{rows, V} : Shape{V});
 }
 

@@ -137,7 +137,7 @@ void gemm(const GemmArgs& a) {
 }
 
 void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K,
-                    DType ab) {
+                    DType ab, bool accumulate) {
   gemm({.ta = Trans::N,
         .tb = Trans::T,
         .M = M,
@@ -150,7 +150,7 @@ void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N
         .C = y,
         .ldc = N,
         .ab = ab,
-        .accumulate = false});
+        .accumulate = accumulate});
 }
 
 void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, int64_t N,

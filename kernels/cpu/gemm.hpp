@@ -26,11 +26,11 @@ struct GemmArgs {
 void gemm(const GemmArgs& a);
 
 // The common linear-layer forms (W stored [out, in] as in Hugging Face):
-//   y[M,N]  = x[M,K] * W[N,K]^T          linear_forward
+//   y[M,N] (+)= x[M,K] * W[N,K]^T        linear_forward
 //   dx[M,K] (+)= dy[M,N] * W[N,K]        linear_backward_input
 //   dW[N,K] += dy[M,N]^T * x[M,K]        linear_backward_weight (always accumulates)
 void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K,
-                    DType ab);
+                    DType ab, bool accumulate = false);
 void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, int64_t N,
                            int64_t K, DType ab, bool accumulate);
 void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M, int64_t N,
