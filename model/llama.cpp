@@ -1,5 +1,6 @@
 #include "model/llama.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/attention.hpp"
@@ -292,6 +293,7 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
       ce.grad_scale = grad_scale;
       ce.dx = dxf.data<float>();
       ce.dw = out_unit.grad_data(out_index);
+      ce.chunk_rows = loss_chunk_rows(config_, B, T, compute_);
       loss = cpu::linear_cross_entropy(ce);
     }
     xf_c = Tensor();
@@ -305,6 +307,16 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   for (size_t l = blocks_.size(); l-- > 0;) blocks_[l]->backward(ctx, dx, acts[l]);
   if (run) cpu::embedding_backward(inputs, M, dx.data<float>(), V, d, embed_->grad_data(0));
   return loss;
+}
+
+int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute) {
+  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) is held to 2%
+  // of the step's saved activations, so the peak stays what the memory model predicts; larger
+  // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
+  const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
+  const auto budget = 0.02 * double(saved_activation_bytes(c, B, T, compute));
+  const int64_t rows = int64_t(budget / per_row) / 16 * 16;
+  return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
 }
 
 size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T,

@@ -84,6 +84,8 @@ class LlamaModel {
 
   // Bytes of activations one micro-batch saves (the analytic figure of the memory model).
   static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
+  // Rows per chunk of the fused output projection + loss.
+  static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
  private:
   const cpu::RopeTable& rope_for(int64_t T);
