@@ -26,13 +26,20 @@ void AdamW::step(float lr) {
   for (size_t i = 0; i < units_.size(); ++i) {
     ParamUnit& u = *units_[i];
     if (u.flat().device() == Device::meta) continue;
-    for (auto& p : u.params()) {
+    // One fused call per run of adjacent parameters with the same weight decay (a block: its norm,
+    // q..o, its norm, gate..down): few passes, each over a long contiguous range.
+    const auto& ps = u.params();
+    for (size_t first = 0; first < ps.size();) {
+      size_t last = first + 1;
+      while (last < ps.size() && ps[last].spec.decay == ps[first].spec.decay) ++last;
+      const int64_t begin = ps[first].offset;
+      const int64_t n = ps[last - 1].offset + ps[last - 1].value.numel() - begin;
       cpu::AdamWArgs a{lr, config_.beta1, config_.beta2, config_.eps,
-                       p.spec.decay ? config_.weight_decay : 0.0f, step_};
-      const int64_t n = p.value.numel();
-      cpu::adamw_step(a, p.value.data<float>(), p.grad.data<float>(),
-                      m_[i].data<float>() + p.offset, v_[i].data<float>() + p.offset, n,
-                      u.has_bf16() ? p.value_bf16.data<bf16>() : nullptr);
+                       ps[first].spec.decay ? config_.weight_decay : 0.0f, step_};
+      cpu::adamw_step(a, u.flat().data<float>() + begin, u.grad_flat().data<float>() + begin,
+                      m_[i].data<float>() + begin, v_[i].data<float>() + begin, n,
+                      u.has_bf16() ? u.flat_bf16().data<bf16>() + begin : nullptr);
+      first = last;
     }
   }
 }
