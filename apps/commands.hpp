@@ -8,5 +8,6 @@ namespace loom {
 using Args = std::vector<std::string>;
 
 int bench_command(const Args& args);
+int train_command(const Args& args);
 
 }  // namespace loom
