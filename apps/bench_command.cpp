@@ -136,8 +136,8 @@ int bench_command(const Args& args) {
               config_path.c_str(), std::string(dtype_name(compute)).c_str(), long(B), long(T), n);
   std::printf("  load average        %s (before)  %s (after)\n", load_before.c_str(),
               load_after.c_str());
-  std::printf("  step time (median)  %.2f ms over %d steps after %d warm-up\n", step_s * 1e3,
-              steps, warmup);
+  std::printf("  step time (median)  %.2f ms over %d steps after %d warm-up\n", step_s * 1e3, steps,
+              warmup);
   std::printf("  tokens/s            %.0f\n", tokens_per_s);
   std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, 6N + 12LHQT)\n", flops / 1e9,
               mc.flops_per_token(T) / 1e6);
@@ -146,10 +146,11 @@ int bench_command(const Args& args) {
   std::printf("  MFU                 %.1f%% of the measured GEMM peak\n", 100 * mfu);
   std::printf("  peak allocated      %.1f MiB (reserved %.1f MiB)\n", st.peak_allocated / MiB,
               st.peak_reserved / MiB);
-  std::printf("  expected            %.1f MiB = params %.1f + grads %.1f + AdamW %.1f + bf16 %.1f"
-              " + saved activations %.1f  (measured/expected %.3f)\n",
-              mm.total() / MiB, mm.params / MiB, mm.grads / MiB, mm.optimizer / MiB,
-              mm.mirror / MiB, mm.activations / MiB, mem_ratio);
+  std::printf(
+      "  expected            %.1f MiB = params %.1f + grads %.1f + AdamW %.1f + bf16 %.1f"
+      " + saved activations %.1f  (measured/expected %.3f)\n",
+      mm.total() / MiB, mm.params / MiB, mm.grads / MiB, mm.optimizer / MiB, mm.mirror / MiB,
+      mm.activations / MiB, mem_ratio);
   std::printf("  loss                %.4f -> %.4f\n", losses.front(), losses.back());
   return 0;
 }

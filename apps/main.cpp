@@ -14,7 +14,15 @@ const char* kUsage =
     "  train --config FILE [--section.key=value ...] [--print-config]\n"
     "      train a model on token shards (checkpoints, resume, validation, JSONL metrics)\n"
     "  bench step --config FILE [--json] [--section.key=value ...]\n"
-    "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n";
+    "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"
+    "  tokenize --input FILE... --output DIR (--tokenizer FILE | --train-vocab N\n"
+    "           --save-tokenizer FILE) [--val-fraction F] [--shard-tokens N]\n"
+    "      text or JSONL -> token shards, tokenizer.json and meta.json in DIR\n"
+    "  generate --checkpoint DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
+    "           [--seed S] [--tokenizer FILE]\n"
+    "      sample text from a checkpoint (KV cache)\n"
+    "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
+    "      loss curves of one or several runs, train and validation\n";
 
 }  // namespace
 
@@ -28,6 +36,9 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "bench") return loom::bench_command(args);
     if (cmd == "train") return loom::train_command(args);
+    if (cmd == "tokenize") return loom::tokenize_command(args);
+    if (cmd == "generate") return loom::generate_command(args);
+    if (cmd == "plot") return loom::plot_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {

@@ -19,9 +19,13 @@ namespace {
 // Indices of a block's parameters in its unit (q, k, v adjacent: one fused GEMM; gate, up too).
 enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
 
-Tensor f32(const Shape& s, Device d) { return Tensor::empty(s, DType::f32, d); }
+Tensor f32(const Shape& s, Device d) {
+  return Tensor::empty(s, DType::f32, d);
+}
 
-bool live(const Tensor& t) { return t.device() != Device::meta; }
+bool live(const Tensor& t) {
+  return t.device() != Device::meta;
+}
 
 // A GEMM input in the compute dtype: the tensor itself in f32, a rounded copy in bf16.
 Tensor to_compute(const Tensor& x, DType dt) {
@@ -160,14 +164,15 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
 
   // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
   {
-    Tensor dgu = f32({M, 2 * F}, dev);
+    // The gate/up gradient overwrites the saved gate/up projections (last read here).
+    Tensor dgu = a.gu;
+    a.gu = Tensor();
     {
       Tensor dact = f32({M, F}, dev);
-      linear_backward(to_compute(dy, dt), a.act, unit_.gemm_weights(kDown),
-                      unit_.grad_data(kDown), &dact, d, F, dt);
+      linear_backward(to_compute(dy, dt), a.act, unit_.gemm_weights(kDown), unit_.grad_data(kDown),
+                      &dact, d, F, dt);
       a.act = Tensor();
-      if (run) cpu::swiglu_backward(dact.data<float>(), a.gu.data<float>(), M, F, dgu.data<float>());
-      a.gu = Tensor();
+      if (run) cpu::swiglu_backward(dact.data<float>(), dgu.data<float>(), M, F, dgu.data<float>());
     }
     Tensor dxn2 = f32({M, d}, dev);
     linear_backward(to_compute(dgu, dt), a.xn2, unit_.gemm_weights(kGate), unit_.grad_data(kGate),
@@ -175,8 +180,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     a.xn2 = Tensor();
     if (run)
       cpu::rmsnorm_backward(dxn2.data<float>(), a.h.data<float>(), P[kNorm2].value.data<float>(),
-                            a.rstd2.data<float>(), M, d, dy.data<float>(),
-                            unit_.grad_data(kNorm2));
+                            a.rstd2.data<float>(), M, d, dy.data<float>(), unit_.grad_data(kNorm2));
     a.h = a.rstd2 = Tensor();
   }
   // Attention branch: h = x + o(attention(rope(qkv(norm1(x))))).
@@ -200,13 +204,12 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       a.attn = a.lse = a.qkv = Tensor();
     }
     Tensor dxn1 = f32({M, d}, dev);
-    linear_backward(to_compute(dqkv, dt), a.xn1, unit_.gemm_weights(kQ), unit_.grad_data(kQ),
-                    &dxn1, nqkv, d, dt);
+    linear_backward(to_compute(dqkv, dt), a.xn1, unit_.gemm_weights(kQ), unit_.grad_data(kQ), &dxn1,
+                    nqkv, d, dt);
     a.xn1 = Tensor();
     if (run)
       cpu::rmsnorm_backward(dxn1.data<float>(), a.x.data<float>(), P[kNorm1].value.data<float>(),
-                            a.rstd1.data<float>(), M, d, dy.data<float>(),
-                            unit_.grad_data(kNorm1));
+                            a.rstd1.data<float>(), M, d, dy.data<float>(), unit_.grad_data(kNorm1));
   }
   a = BlockActs();
 }
@@ -281,7 +284,7 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward(ctx, x, acts[l]);
 
   // Head: final norm, then the output projection fused with the loss (forward and backward).
-  Tensor dx = Tensor::zeros({M, d}, DType::f32, device_);
+  Tensor dx;
   double loss = 0;
   {
     const Param& norm = head_->params()[0];
@@ -307,6 +310,10 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
       ce.dx = dxf.data<float>();
       ce.dw = out_unit.grad_data(out_index);
       loss = cpu::linear_cross_entropy(ce);
+    }
+    xf_c = Tensor();
+    dx = Tensor::zeros({M, d}, DType::f32, device_);
+    if (run) {
       cpu::rmsnorm_backward(dxf.data<float>(), x.data<float>(), norm.value.data<float>(),
                             rstd.data<float>(), M, d, dx.data<float>(), head_->grad_data(0));
     }

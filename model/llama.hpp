@@ -27,17 +27,17 @@ struct StepContext {
 
 // Saved activations of one transformer block.
 struct BlockActs {
-  Tensor x;          // block input [M, d]
-  Tensor rstd1;      // [M]
-  Tensor xn1;        // attention norm output, as the GEMM reads it [M, d]
-  Tensor qkv;        // after RoPE [M, (Hq + 2 Hkv) hd]
-  Tensor attn;       // attention output [M, Hq hd] (f32)
-  Tensor lse;        // [B, Hq, T]
-  Tensor h;          // after the attention residual [M, d]
-  Tensor rstd2;      // [M]
-  Tensor xn2;        // MLP norm output, as the GEMM reads it [M, d]
-  Tensor gu;         // gate and up projections [M, 2F]
-  Tensor act;        // silu(gate) * up, as the GEMM reads it [M, F]
+  Tensor x;      // block input [M, d]
+  Tensor rstd1;  // [M]
+  Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
+  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd]
+  Tensor attn;   // attention output [M, Hq hd] (f32)
+  Tensor lse;    // [B, Hq, T]
+  Tensor h;      // after the attention residual [M, d]
+  Tensor rstd2;  // [M]
+  Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
+  Tensor gu;     // gate and up projections [M, 2F]
+  Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
   size_t bytes() const;
 };
 

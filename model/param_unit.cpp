@@ -58,6 +58,8 @@ void ParamUnit::refresh_bf16() {
   cpu::cast_f32_to_bf16(flat_.data<float>(), flat_bf16_.data<bf16>(), numel_);
 }
 
-void ParamUnit::zero_grad() { grad_flat_.zero_(); }
+void ParamUnit::zero_grad() {
+  grad_flat_.zero_();
+}
 
 }  // namespace loom

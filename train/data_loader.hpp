@@ -26,8 +26,9 @@ struct MicroBatch {
 
 class DataLoader {
  public:
+  // Keeps a reference to `stream`, which must outlive the loader. get() is const and thread-safe.
   DataLoader(const TokenStream& stream, const DataLoaderConfig& config);
-  int64_t samples_per_step() const;  // G
+  int64_t samples_per_step() const;   // G
   int64_t samples_per_epoch() const;  // floor((stream size - 1) / seq_len), at least 1
   // The micro-batch `micro` (< grad_accum_steps) of step `step` for this rank.
   MicroBatch get(int64_t step, int64_t micro) const;

@@ -4,8 +4,8 @@
 // num_tokens ids of token_bytes each. Read by memory mapping; a shard is validated on open
 // (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes zero).
 #include <cstdint>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace loom {
@@ -17,7 +17,11 @@ struct ShardHeader {
   uint64_t num_tokens = 0;
 };
 
-// Writes atomically; token_bytes is 2 if vocab_size <= 65536 else 4. Ids >= vocab_size: error.
+// Writes atomically (a temporary file beside it, fsync, rename, fsync of the directory), so a
+// reader sees the old shard or the whole new one; token_bytes is 2 if vocab_size <= 65536 else 4.
+// An id outside [0, vocab_size) is an error naming it and its position; nothing is written then.
+void write_shard(const std::string& path, const int32_t* tokens, uint64_t num_tokens,
+                 uint64_t vocab_size);
 void write_shard(const std::string& path, const std::vector<int32_t>& tokens, uint64_t vocab_size);
 
 class Shard {
@@ -30,7 +34,9 @@ class Shard {
   const std::string& path() const { return path_; }
   uint64_t size() const { return h_.num_tokens; }
   int32_t operator[](uint64_t i) const;
-  // Copies tokens [begin, begin + n) into out (n <= size() - begin).
+  // Copies tokens [begin, begin + n) into out (n <= size() - begin). An id >= vocab_size in the
+  // file is an error naming the file and the position (ids are checked as they are read, so
+  // opening a shard does not touch its pages).
   void read(uint64_t begin, uint64_t n, int32_t* out) const;
 
  private:
@@ -44,7 +50,12 @@ class Shard {
 // in name order) read as one stream of tokens. All shards must share one vocab_size.
 class TokenStream {
  public:
+  // Errors if `dir` holds no `<split>-*.bin`, if the shards' vocab sizes differ, or if they hold
+  // no tokens at all.
   TokenStream(const std::string& dir, const std::string& split);
+  // The paths of `dir`'s `<split>-*.bin` files in name order; empty if there are none (so a
+  // trainer can tell whether a dataset has a `val` split before opening it).
+  static std::vector<std::string> find_files(const std::string& dir, const std::string& split);
   uint64_t size() const { return total_; }
   uint64_t vocab_size() const { return vocab_; }
   // Copies n tokens starting at `begin`, wrapping around at the end of the stream.

@@ -69,16 +69,19 @@ void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, 
   check_args("swiglu_backward", rows, F);
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict g = gu + r * 2 * F;
-    const float* __restrict u = g + F;
-    const float* __restrict d = dh + r * F;
-    float* __restrict dg = dgu + r * 2 * F;
-    float* __restrict du = dg + F;
+    // No __restrict here: dgu may be gu itself (the model overwrites the saved gate/up in place).
+    // Each element is read into registers before its gradients are stored.
+    const float* g = gu + r * 2 * F;
+    const float* u = g + F;
+    const float* d = dh + r * F;
+    float* dg = dgu + r * 2 * F;
+    float* du = dg + F;
 #pragma omp simd
     for (int64_t j = 0; j < F; ++j) {
-      const float s = sigmoid(g[j]);
-      dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
-      du[j] = d[j] * g[j] * s;
+      const float gj = g[j], uj = u[j], dj = d[j];
+      const float s = sigmoid(gj);
+      dg[j] = dj * uj * s * (1.0f + gj * (1.0f - s));
+      du[j] = dj * gj * s;
     }
   }
 }

@@ -100,6 +100,17 @@ TEST(SwiGLU, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// The model overwrites the saved gate/up with their gradient: in place must equal out of place.
+TEST(SwiGLU, BackwardInPlaceEqualsOutOfPlace) {
+  const int64_t rows = 37, F = 769;
+  auto gu = make_gu(rows, F, 4);
+  auto r = test::randn(static_cast<size_t>(rows * F), 5);
+  std::vector<float> out(gu.size());
+  cpu::swiglu_backward(r.data(), gu.data(), rows, F, out.data());
+  cpu::swiglu_backward(r.data(), gu.data(), rows, F, gu.data());
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], gu[i]) << i;
+}
+
 TEST(SwiGLU, RejectsBadShapes) {
   float f = 1, g = 1;
   EXPECT_THROW(cpu::swiglu_forward(&f, 1, 0, &g), Error);

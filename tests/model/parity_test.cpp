@@ -98,9 +98,9 @@ Run run_loom(const Case& k, DType compute, const fs::path& dir, bool write_files
 }
 
 void run_torch(const fs::path& dir, const std::string& dtype) {
-  const std::string cmd = "/usr/bin/python3 " + source_dir() + "/tests/parity/torch_llama.py --dir " +
-                          dir.string() + " --dtype " + dtype + " > " + (dir / "torch.log").string() +
-                          " 2>&1";
+  const std::string cmd = "/usr/bin/python3 " + source_dir() +
+                          "/tests/parity/torch_llama.py --dir " + dir.string() + " --dtype " +
+                          dtype + " > " + (dir / "torch.log").string() + " 2>&1";
   int rc = std::system(cmd.c_str());
   std::ifstream log(dir / "torch.log");
   std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
@@ -141,7 +141,9 @@ void check_parity(const Case& k, const std::string& name) {
 
 }  // namespace
 
-TEST(TorchParity, UntiedGqa) { check_parity({small_config(false, false), 3, 37}, "untied"); }
+TEST(TorchParity, UntiedGqa) {
+  check_parity({small_config(false, false), 3, 37}, "untied");
+}
 
 TEST(TorchParity, TiedWithLlama3RopeScaling) {
   check_parity({small_config(true, true), 2, 45}, "tied_llama3");
