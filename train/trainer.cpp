@@ -167,13 +167,9 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   dl.seed = uint64_t(j.model.seed);
   s.loader = std::make_unique<DataLoader>(*s.train, dl);
   if (j.validation.interval > 0) {
-    bool has_val = false;
-    for (const auto& e : fs::directory_iterator(j.data.path)) {
-      const std::string n = e.path().filename().string();
-      has_val = has_val || (n.rfind("val-", 0) == 0 && e.path().extension() == ".bin");
-    }
-    LOOM_CHECK(has_val, "validation.interval = ", j.validation.interval, " but data.path '",
-               j.data.path, "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
+    LOOM_CHECK(!TokenStream::find_files(j.data.path, "val").empty(),
+               "validation.interval = ", j.validation.interval, " but data.path '", j.data.path,
+               "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
                "--validation.interval=0)");
     s.val = std::make_unique<TokenStream>(j.data.path, "val");
     check_vocab(*s.val, "val");
