@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "model/llama.hpp"
 #include "train/checkpoint.hpp"
+#include "train/metrics.hpp"
 #include "train/optimizer.hpp"
 #include "train/token_shard.hpp"
 
@@ -538,4 +539,30 @@ TEST(TrainCommand, PrintConfigErrorsAndSigint) {
   EXPECT_GE(kept.back().first, 2);
   EXPECT_LT(kept.back().first, 1000000);
   EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
+}
+
+TEST(Metrics, JsonProgressAndDurations) {
+  StepMetrics m;
+  m.step = 12;
+  m.total_steps = 1500;
+  m.loss = 3.25;
+  m.lr = 1e-3;
+  m.grad_norm = std::nan("");
+  m.tokens_per_s = 12345.5;
+  m.mfu = 0.2;
+  m.peak_allocated_bytes = 3u << 20;
+  m.eta_seconds = 125;
+  const auto j = nlohmann::json::parse(step_json(m));  // valid JSON even with a NaN in it
+  EXPECT_EQ(j["step"], 12);
+  EXPECT_EQ(j["loss"].get<double>(), 3.25);
+  EXPECT_TRUE(j["grad_norm"].is_null());
+  EXPECT_EQ(j["peak_allocated_bytes"].get<size_t>(), size_t(3) << 20);
+  EXPECT_EQ(nlohmann::json::parse(validation_json(7, 2.5))["val_loss"].get<double>(), 2.5);
+  const std::string p = progress_text(m);
+  for (const char* part : {"step   12/1500", "loss 3.2500", "lr 1.00e-03", "grad nan",
+                           "12.3k tok/s", "MFU 20.0%", "mem 3 MiB", "ETA 2m05s"})
+    EXPECT_NE(p.find(part), std::string::npos) << part << " in " << p;
+  EXPECT_EQ(format_duration(42.4), "42s");
+  EXPECT_EQ(format_duration(7500), "2h05m");
+  EXPECT_EQ(format_duration(-1), "?");
 }
