@@ -3,6 +3,8 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <string_view>
 
 #include "core/error.hpp"
 
@@ -35,6 +37,33 @@ std::string rate_text(double tokens_per_s) {
   else
     std::snprintf(buf, sizeof buf, "%.0f", tokens_per_s);
   return buf;
+}
+
+// Rewrites `path` without the lines of steps after `last` (every line starts {"step": N).
+void keep_steps_up_to(const std::string& path, int64_t last) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  bool dropped = false;
+  while (std::getline(in, line)) {
+    static constexpr std::string_view key = "{\"step\": ";
+    int64_t step = -1;
+    if (line.compare(0, key.size(), key) == 0)
+      std::from_chars(line.data() + key.size(), line.data() + line.size(), step);
+    if (step > last) {
+      dropped = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (!dropped) return;
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    LOOM_CHECK(out.good(), "metrics.jsonl: cannot write '", tmp, "'");
+  }
+  std::filesystem::rename(tmp, path);
 }
 
 }  // namespace
@@ -81,7 +110,8 @@ MetricsLogger::MetricsLogger(const Options& options) : o_(options) {
   const std::filesystem::path p(o_.jsonl);
   std::error_code ec;
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
-  jsonl_ = std::fopen(o_.jsonl.c_str(), o_.append ? "a" : "w");
+  if (o_.resume_step >= 0) keep_steps_up_to(o_.jsonl, o_.resume_step);
+  jsonl_ = std::fopen(o_.jsonl.c_str(), o_.resume_step >= 0 ? "a" : "w");
   LOOM_CHECK(jsonl_, "metrics.jsonl: cannot open '", o_.jsonl, "' for writing");
 }
 

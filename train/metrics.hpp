@@ -35,7 +35,10 @@ class MetricsLogger {
     bool tty = false;       // redraw one progress line instead of printing lines
     int64_t log_every = 1;  // plain lines: every log_every steps (and the last step)
     std::string jsonl;      // "" = none
-    bool append = false;    // continue an existing JSONL file (a resumed run)
+    // A resumed run continues an existing JSONL file: lines of steps after `resume_step` (logged
+    // by the interrupted run after its last checkpoint, and about to be redone) are dropped.
+    // -1: a fresh file.
+    int64_t resume_step = -1;
   };
   explicit MetricsLogger(const Options& options);
   ~MetricsLogger();

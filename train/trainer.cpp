@@ -147,7 +147,8 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   LOOM_CHECK(!j.data.path.empty(),
              "data.path is empty: expected a directory of token shards from `loom tokenize`");
   LOOM_CHECK(fs::is_directory(j.data.path), "data.path '", j.data.path,
-             "' is not a directory (expected the output directory of `loom tokenize`)");
+             "' is not a directory (expected the output directory of `loom tokenize`; a relative ",
+             "path is taken from the current directory)");
   s.train = std::make_unique<TokenStream>(j.data.path, "train");
   // A shard vocabulary smaller than the model's is fine (the model's embedding table is padded,
   // ids stay in range); a larger one would index past the embedding.
@@ -245,8 +246,8 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.final_step = s.step;
 
-  MetricsLogger log(
-      {s.opt.out, s.opt.tty, j.metrics.log_every, j.metrics.jsonl, !s.resumed_from.empty()});
+  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every, j.metrics.jsonl,
+                     s.resumed_from.empty() ? -1 : s.step});
   {
     std::ostringstream os;
     os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters (dim "

@@ -284,13 +284,16 @@ TEST(Trainer, InterruptSavesAndResumeIsBitIdentical) {
     Trainer b(cfg("b", true), job.options(&stop));  // resumes at 1, stops after 2
     EXPECT_EQ(b.run().final_step, 2);
   }
+  // A step logged after the last checkpoint by a run that then died: the resumed run redoes it
+  // and drops the stale line.
+  std::ofstream(job.path("b.jsonl"), std::ios::app) << "{\"step\": 3, \"loss\": 99.0}\n";
   stop = false;
   Trainer b(cfg("b", true), job.options(&stop));
   const TrainResult rb = b.run();
   EXPECT_FALSE(rb.interrupted);
   EXPECT_EQ(rb.steps.front().step, 3);
   EXPECT_EQ(state_bits(a), state_bits(b));
-  // The resumed run appends to the JSONL: the same five losses as the uninterrupted run.
+  // The resumed runs append to the JSONL: the same five losses as the uninterrupted run.
   const auto la = read_jsonl(job.path("a.jsonl")), lb = read_jsonl(job.path("b.jsonl"));
   ASSERT_EQ(la.size(), 5u);
   ASSERT_EQ(lb.size(), 5u);
