@@ -8,6 +8,7 @@ namespace loom {
 using Args = std::vector<std::string>;
 
 int bench_command(const Args& args);
+int train_command(const Args& args);
 int tokenize_command(const Args& args);
 int generate_command(const Args& args);
 int plot_command(const Args& args);

@@ -11,6 +11,8 @@ namespace {
 const char* kUsage =
     "usage: loom <command> [args]\n"
     "commands:\n"
+    "  train --config FILE [--section.key=value ...] [--print-config]\n"
+    "      train a model on token shards (checkpoints, resume, validation, JSONL metrics)\n"
     "  bench step --config FILE [--json] [--section.key=value ...]\n"
     "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"
     "  tokenize --input FILE... --output DIR (--tokenizer FILE | --train-vocab N\n"
@@ -33,6 +35,7 @@ int main(int argc, char** argv) {
   loom::Args args(argv + 2, argv + argc);
   try {
     if (cmd == "bench") return loom::bench_command(args);
+    if (cmd == "train") return loom::train_command(args);
     if (cmd == "tokenize") return loom::tokenize_command(args);
     if (cmd == "generate") return loom::generate_command(args);
     if (cmd == "plot") return loom::plot_command(args);

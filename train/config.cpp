@@ -69,6 +69,8 @@ std::vector<Key> keys_of(JobConfig& c) {
        {"cosine", "linear", "wsd", "none"}},
       {"lr_scheduler", "min_lr_ratio", &c.lr_scheduler.min_lr_ratio},
       {"lr_scheduler", "decay_ratio", &c.lr_scheduler.decay_ratio},
+      {"validation", "interval", &c.validation.interval},
+      {"validation", "steps", &c.validation.steps},
       {"parallelism", "dp_replicate", &c.parallelism.dp_replicate},
       {"parallelism", "dp_shard", &c.parallelism.dp_shard},
       {"parallelism", "tp", &c.parallelism.tp},
@@ -274,6 +276,9 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
         "a number in [0, 1]", s.min_lr_ratio);
   check(s.decay_ratio >= 0 && s.decay_ratio <= 1, "lr_scheduler.decay_ratio", "a number in [0, 1]",
         s.decay_ratio);
+  check(c.validation.interval >= 0, "validation.interval", "a non-negative integer (0 = never)",
+        c.validation.interval);
+  check(c.validation.steps >= 1, "validation.steps", "a positive integer", c.validation.steps);
   const auto& p = c.parallelism;
   check(p.dp_replicate >= 1, "parallelism.dp_replicate", "a positive integer", p.dp_replicate);
   check(p.dp_shard == -1 || p.dp_shard >= 1, "parallelism.dp_shard",
@@ -336,7 +341,7 @@ std::string quote(const std::string& s) {
 
 bool JobConfig::operator==(const JobConfig& o) const {
   return job == o.job && model == o.model && data == o.data && training == o.training &&
-         optimizer == o.optimizer && lr_scheduler == o.lr_scheduler &&
+         optimizer == o.optimizer && lr_scheduler == o.lr_scheduler && validation == o.validation &&
          parallelism == o.parallelism && activation_checkpoint == o.activation_checkpoint &&
          checkpoint == o.checkpoint && metrics == o.metrics && bench == o.bench &&
          memory == o.memory;

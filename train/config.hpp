@@ -53,6 +53,11 @@ struct JobConfig {
     double decay_ratio = 0.1;           // wsd: the fraction of the steps spent decaying
     bool operator==(const LrScheduler&) const = default;
   } lr_scheduler;
+  struct Validation {
+    int64_t interval = 0;  // steps between validations on the `val` split; 0 = never
+    int64_t steps = 10;    // batches of local_batch_size x seq_len per validation (a fixed set)
+    bool operator==(const Validation&) const = default;
+  } validation;
   struct Parallelism {
     int64_t dp_replicate = 1;
     int64_t dp_shard = -1;  // -1: whatever the other dims leave of the world size

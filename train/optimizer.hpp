@@ -20,6 +20,7 @@ class AdamW {
   // One update at learning rate `lr` (the schedule's value for this step).
   void step(float lr);
   int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t steps) { step_ = steps; }  // restoring a checkpoint
   size_t state_bytes() const;
   std::vector<Tensor>& exp_avg() { return m_; }
   std::vector<Tensor>& exp_avg_sq() { return v_; }

@@ -292,7 +292,8 @@ TEST(JobConfig, LoadFromFileAndShippedConfigs) {
   };
   for (const Shipped& s : {Shipped{"bench-tiny.toml", "bench-tiny", 256, 8, 7},
                            Shipped{"bench-small.toml", "bench-small", 256, 8, 7},
-                           Shipped{"debug.toml", "debug", 64, 4, 20}}) {
+                           Shipped{"debug.toml", "debug", 64, 4, 20},
+                           Shipped{"default.toml", "default", 256, 8, 1500}}) {
     JobConfig j = loom::load_job_config((cfg / s.file).string(), {});
     EXPECT_EQ(j.model.config, s.model) << s.file;
     EXPECT_EQ(j.training.seq_len, s.seq_len) << s.file;
@@ -341,4 +342,22 @@ TEST(JobConfig, ResolveModelConfigSearchOrder) {
     ::setenv("LOOM_SOURCE_DIR", saved.c_str(), 1);
   else
     ::unsetenv("LOOM_SOURCE_DIR");
+}
+
+TEST(JobConfig, ValidationKeys) {
+  JobConfig d = parse("");
+  EXPECT_EQ(d.validation.interval, 0);  // off unless asked for
+  EXPECT_EQ(d.validation.steps, 10);
+  JobConfig c = parse("[validation]\ninterval = 50\nsteps = 4\n", {"--validation.steps=6"});
+  EXPECT_EQ(c.validation.interval, 50);
+  EXPECT_EQ(c.validation.steps, 6);
+  EXPECT_FALSE(c == d);
+  const std::string text = loom::to_toml(c);
+  EXPECT_NE(text.find("[validation]\ninterval = 50\nsteps = 6\n"), std::string::npos) << text;
+  EXPECT_EQ(parse(text), c);
+  expect_error([] { parse("[validation]\ninterval = -1\n"); },
+               {"job.toml:2", "validation.interval", "non-negative"});
+  expect_error([] { parse("", {"--validation.steps=0"}); },
+               {"command line", "validation.steps", "positive"});
+  expect_error([] { parse("[validation]\nevery = 3\n"); }, {"validation.every", "interval"});
 }

@@ -1,0 +1,103 @@
+// `loom train --config FILE [--section.key=value ...] [--print-config]`: trains on one process.
+// SIGINT/SIGTERM finish the current step, save a checkpoint (when checkpoint.dir is set) and
+// exit 0; a second signal ends the process at once.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "apps/commands.hpp"
+#include "core/error.hpp"
+#include "train/config.hpp"
+#include "train/trainer.hpp"
+
+namespace loom {
+
+namespace {
+
+const char* kTrainUsage =
+    "usage: loom train --config FILE [--section.key=value ...] [--print-config]\n"
+    "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
+    "  --print-config prints the resolved configuration (TOML) and exits\n";
+
+// A signal handler can only reach the trainer through a static: the one piece of global mutable
+// state of the command, written by the handler and read by the training loop.
+std::atomic<bool> g_stop{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "the stop flag is set in a signal handler");
+
+extern "C" void on_stop_signal(int) {
+  g_stop.store(true, std::memory_order_relaxed);
+}
+
+// Installs the handlers for the lifetime of the object; SA_RESETHAND makes a second signal
+// take the default action (terminate), so a stuck run can still be stopped.
+class StopSignals {
+ public:
+  StopSignals() {
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_int_ {
+  }, old_term_{};
+};
+
+}  // namespace
+
+int train_command(const Args& args) {
+  std::string config_path;
+  bool print_config = false;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kTrainUsage, stdout);
+      return 0;
+    } else if (a == "--print-config") {
+      print_config = true;
+    } else if (a == "--config") {
+      LOOM_CHECK(i + 1 < args.size(), "--config needs a file\n", kTrainUsage);
+      config_path = args[++i];
+    } else if (a.rfind("--config=", 0) == 0) {
+      config_path = a.substr(9);
+    } else if (a.rfind("--", 0) == 0) {
+      overrides.push_back(a);
+    } else {
+      fail("unexpected argument '", a, "'\n", kTrainUsage);
+    }
+  }
+  LOOM_CHECK(!config_path.empty(), "missing --config FILE\n", kTrainUsage);
+  const JobConfig job = load_job_config(config_path, overrides);
+  if (print_config) {
+    std::fputs(to_toml(job).c_str(), stdout);
+    return 0;
+  }
+
+  g_stop.store(false);
+  StopSignals signals;
+  TrainerOptions opt;
+  opt.out = stdout;
+  opt.tty = ::isatty(STDOUT_FILENO) == 1;
+  opt.stop = &g_stop;
+  Trainer trainer(job, opt);
+  const TrainResult r = trainer.run();
+  if (r.interrupted)
+    std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+  return 0;
+}
+
+}  // namespace loom

@@ -1,0 +1,295 @@
+#include "train/checkpoint.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "core/error.hpp"
+#include "core/philox.hpp"
+#include "model/llama.hpp"
+#include "model/safetensors.hpp"
+#include "train/optimizer.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom;
+
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("loom_ckpt_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~TempDir() { fs::remove_all(dir_); }
+  std::string operator/(const std::string& s) const { return (dir_ / s).string(); }
+
+ private:
+  fs::path dir_;
+};
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "expected a loom::Error";
+}
+
+LlamaConfig tiny(int64_t layers = 2, int64_t dim = 32) {
+  LlamaConfig c;
+  c.hidden_size = dim;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.vocab_size = 40;
+  return c;
+}
+
+// A model and optimizer with non-trivial state: two AdamW steps on random tokens.
+struct Trained {
+  LlamaModel model;
+  AdamW opt;
+  Trained(const LlamaConfig& c, uint64_t seed, DType dt = DType::f32)
+      : model(c, dt), opt(model.units(), AdamWConfig{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f}) {
+    model.init_weights(seed);
+  }
+  void train(int steps, uint64_t seed) {
+    const int64_t B = 2, T = 8;
+    std::vector<float> u(size_t(B * T + 1));
+    for (int s = 0; s < steps; ++s) {
+      philox_uniform(philox_key(seed, "tokens"), s * int64_t(u.size()), int64_t(u.size()),
+                     u.data());
+      std::vector<int32_t> tok(u.size());
+      for (size_t i = 0; i < u.size(); ++i)
+        tok[i] = int32_t(u[i] * float(model.config().vocab_size));
+      model.zero_grad();
+      model.forward_backward(tok.data(), tok.data() + 1, B, T, 1.0f / float(B * T));
+      clip_grad_norm(model.units(), 1.0);
+      opt.step(1e-2f);
+    }
+  }
+};
+
+// Every float of the weights and both moments, as raw bits.
+std::vector<uint32_t> state_bits(Trained& t) {
+  std::vector<uint32_t> out;
+  auto add = [&](const Tensor& x) {
+    const size_t n = size_t(x.numel());
+    const size_t at = out.size();
+    out.resize(at + n);
+    std::memcpy(out.data() + at, x.raw(), n * 4);
+  };
+  for (ParamUnit* u : t.model.units()) add(u->flat());
+  for (auto& m : t.opt.exp_avg()) add(m);
+  for (auto& v : t.opt.exp_avg_sq()) add(v);
+  return out;
+}
+
+TrainState state_at(int64_t step) {
+  TrainState s;
+  s.step = step;
+  s.data_step = step + 3;
+  s.lr = 1.25e-3 * double(step);
+  s.loss = 3.0 + 1.0 / double(step + 7);
+  s.config_toml = "[training]\nsteps = 9\n";
+  return s;
+}
+
+void truncate_file(const std::string& path, size_t keep) {
+  const auto size = fs::file_size(path);
+  ASSERT_GT(size, keep);
+  fs::resize_file(path, keep);
+}
+
+}  // namespace
+
+TEST(Checkpoint, NameAndListing) {
+  EXPECT_EQ(checkpoint_name(100), "step-00000100");
+  EXPECT_EQ(checkpoint_name(123456789), "step-123456789");
+  TempDir t;
+  EXPECT_TRUE(list_checkpoints(t / "absent").empty());
+  EXPECT_EQ(latest_checkpoint(t / "absent"), "");
+  for (const char* d : {"step-00000002", "step-00000010", "step-00000009", "step-00000011.tmp",
+                        "step-00000012.old", "step-x", "other"})
+    fs::create_directories(t / d);
+  std::ofstream(t / "step-00000013") << "a file, not a checkpoint";
+  auto all = list_checkpoints(t / "");
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].first, 2);
+  EXPECT_EQ(all[1].first, 9);
+  EXPECT_EQ(all[2].first, 10);
+  EXPECT_EQ(fs::path(latest_checkpoint(t / "")).filename(), "step-00000010");
+}
+
+TEST(Checkpoint, RoundTripIsBitExactAndAHuggingFaceDir) {
+  TempDir t;
+  const LlamaConfig c = tiny();
+  Trained a(c, 1);
+  a.train(2, 7);
+  std::ofstream(t / "tokenizer.json") << "{\"model\": {\"type\": \"BPE\"}}";
+  const TrainState st = state_at(2);
+  const std::string dir = save_checkpoint(t / "ckpt", a.model, a.opt, st, t / "tokenizer.json");
+  EXPECT_EQ(dir, t / "ckpt/step-00000002");
+  for (const char* f : {"model.safetensors", "config.json", "optimizer.safetensors", "state.json",
+                        "tokenizer.json"})
+    EXPECT_TRUE(fs::is_regular_file(fs::path(dir) / f)) << f;
+  EXPECT_FALSE(fs::exists(t / "ckpt/step-00000002.tmp"));
+
+  // A Hugging Face model directory: config.json gives the same shape, tensors by HF names, f32.
+  const LlamaConfig back = LlamaConfig::from_file(dir + "/config.json");
+  EXPECT_EQ(back.to_json(), c.to_json());
+  const SafetensorsDir hf(dir);
+  EXPECT_TRUE(hf.has("model.embed_tokens.weight"));
+  EXPECT_TRUE(hf.has("model.layers.1.mlp.down_proj.weight"));
+  EXPECT_TRUE(hf.has("lm_head.weight"));
+  EXPECT_EQ(hf.file_of("model.norm.weight").entry("model.norm.weight").dtype, "F32");
+  // The moments are stored per parameter name, with the step count.
+  const SafetensorsFile opt(dir + "/optimizer.safetensors");
+  EXPECT_EQ(opt.metadata().at("step"), "2");
+  EXPECT_EQ(opt.entry("model.layers.0.self_attn.q_proj.weight.exp_avg_sq").shape, (Shape{32, 32}));
+
+  // Restores into a differently initialized model: every bit of weights and moments.
+  Trained b(c, 99);
+  ASSERT_NE(state_bits(a), state_bits(b));
+  const TrainState got = load_checkpoint(dir, b.model, b.opt);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  EXPECT_EQ(b.opt.steps_taken(), 2);
+  EXPECT_EQ(got.step, st.step);
+  EXPECT_EQ(got.data_step, st.data_step);
+  EXPECT_EQ(got.lr, st.lr);  // doubles round-trip exactly through state.json
+  EXPECT_EQ(got.loss, st.loss);
+  EXPECT_EQ(got.config_toml, st.config_toml);
+  // The two continue identically (AdamW's bias correction uses the restored step count).
+  a.train(1, 8);
+  b.train(1, 8);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+
+  // bf16 mixed precision: the mirror is refreshed from the restored master weights.
+  Trained c1(c, 1, DType::bf16), c2(c, 2, DType::bf16);
+  c1.train(1, 3);
+  save_checkpoint(t / "bf", c1.model, c1.opt, state_at(1));
+  load_checkpoint(t / "bf/step-00000001", c2.model, c2.opt);
+  for (size_t i = 0; i < c1.model.units().size(); ++i) {
+    ParamUnit* u1 = c1.model.units()[i];
+    ParamUnit* u2 = c2.model.units()[i];
+    EXPECT_EQ(std::memcmp(u1->flat_bf16().raw(), u2->flat_bf16().raw(), u1->flat_bf16().nbytes()),
+              0);
+  }
+}
+
+TEST(Checkpoint, LeftoverTmpIsIgnoredAndReplaced) {
+  TempDir t;
+  Trained a(tiny(), 1);
+  a.train(1, 1);
+  save_checkpoint(t / "ck", a.model, a.opt, state_at(1));
+  // A save of step 2 that crashed half-way: a .tmp directory with a partial file.
+  fs::create_directories(t / "ck/step-00000002.tmp");
+  std::ofstream(t / "ck/step-00000002.tmp/model.safetensors") << "partial";
+  EXPECT_EQ(fs::path(latest_checkpoint(t / "ck")).filename(), "step-00000001");
+  Trained b(tiny(), 5);
+  load_checkpoint(latest_checkpoint(t / "ck"), b.model, b.opt);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  // The next save of that step replaces the leftover.
+  a.train(1, 2);
+  save_checkpoint(t / "ck", a.model, a.opt, state_at(2));
+  EXPECT_FALSE(fs::exists(t / "ck/step-00000002.tmp"));
+  EXPECT_EQ(fs::path(latest_checkpoint(t / "ck")).filename(), "step-00000002");
+  load_checkpoint(t / "ck/step-00000002", b.model, b.opt);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  // Saving a step that exists replaces it.
+  a.opt.set_steps_taken(2);
+  a.train(1, 3);
+  a.opt.set_steps_taken(2);
+  save_checkpoint(t / "ck", a.model, a.opt, state_at(2));
+  load_checkpoint(t / "ck/step-00000002", b.model, b.opt);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  EXPECT_FALSE(fs::exists(t / "ck/step-00000002.old"));
+}
+
+TEST(Checkpoint, KeepsTheLastK) {
+  TempDir t;
+  Trained a(tiny(1), 1);
+  for (int64_t s = 1; s <= 5; ++s) {
+    a.train(1, uint64_t(s));
+    save_checkpoint(t / "ck", a.model, a.opt, state_at(s));
+    prune_checkpoints(t / "ck", 2);
+  }
+  auto all = list_checkpoints(t / "ck");
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].first, 4);
+  EXPECT_EQ(all[1].first, 5);
+  prune_checkpoints(t / "ck", 0);  // 0 keeps all
+  EXPECT_EQ(list_checkpoints(t / "ck").size(), 2u);
+  prune_checkpoints(t / "ck", 1);
+  EXPECT_EQ(list_checkpoints(t / "ck").size(), 1u);
+}
+
+TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
+  TempDir t;
+  Trained a(tiny(), 1);
+  a.train(1, 1);
+  auto fresh = [&](const std::string& name) {
+    return save_checkpoint(t / name, a.model, a.opt, state_at(1));
+  };
+  Trained b(tiny(), 2);
+
+  std::string d = fresh("trunc_model");
+  truncate_file(d + "/model.safetensors", fs::file_size(d + "/model.safetensors") / 2);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/model.safetensors"});
+
+  d = fresh("trunc_opt");
+  truncate_file(d + "/optimizer.safetensors", 100);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/optimizer.safetensors"});
+
+  d = fresh("bad_state");
+  std::ofstream(d + "/state.json") << "{\"format\": \"loom-checkpoint\", \"step\": ";
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json"});
+
+  d = fresh("no_state");
+  fs::remove(d + "/state.json");
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json"});
+
+  d = fresh("no_opt");
+  fs::remove(d + "/optimizer.safetensors");
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d, "optimizer.safetensors"});
+
+  d = fresh("step_mismatch");
+  {
+    std::ifstream f(d + "/state.json");
+    std::string s((std::istreambuf_iterator<char>(f)), {});
+    s.replace(s.find("\"step\": 1"), 9, "\"step\": 7");
+    std::ofstream(d + "/state.json") << s;
+  }
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); },
+               {"optimizer.safetensors", "step 1", "step 7"});
+}
+
+TEST(Checkpoint, AnotherModelShapeIsNamed) {
+  TempDir t;
+  Trained a(tiny(2, 32), 1);
+  const std::string d = save_checkpoint(t / "ck", a.model, a.opt, state_at(0));
+  // Wider: the first tensor read names its name and both shapes.
+  Trained wide(tiny(2, 64), 1);
+  expect_error([&] { load_checkpoint(d, wide.model, wide.opt); },
+               {"model.embed_tokens.weight", "[40, 64]", "[40, 32]"});
+  // Shallower: the checkpoint has a layer the model lacks.
+  Trained shallow(tiny(1, 32), 1);
+  expect_error([&] { load_checkpoint(d, shallow.model, shallow.opt); },
+               {"model.layers.1.", "not a parameter"});
+  // Deeper: the model has a layer the checkpoint lacks.
+  Trained deep(tiny(3, 32), 1);
+  expect_error([&] { load_checkpoint(d, deep.model, deep.opt); }, {"model.layers.2."});
+}

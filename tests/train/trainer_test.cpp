@@ -1,0 +1,571 @@
+#include "train/trainer.hpp"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/error.hpp"
+#include "model/llama.hpp"
+#include "train/checkpoint.hpp"
+#include "train/metrics.hpp"
+#include "train/optimizer.hpp"
+#include "train/token_shard.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom;
+
+namespace {
+
+std::string source_dir() {
+  const char* s = std::getenv("LOOM_SOURCE_DIR");
+  return s && *s ? s : fs::path(__FILE__).parent_path().parent_path().parent_path().string();
+}
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "expected a loom::Error";
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+constexpr int64_t kVocab = 48;
+
+// A temporary directory with a tiny model config and a small dataset: a random sequence of
+// period 37 (learnable from a 16-token context), in two train shards and one val shard.
+class Job {
+ public:
+  Job() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("loom_trainer_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "data");
+    std::ofstream(dir_ / "model.json") << R"({"hidden_size": 32, "intermediate_size": 48,
+      "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+      "vocab_size": 48, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+      "tie_word_embeddings": false})";
+    std::mt19937 rng(5);
+    std::vector<int32_t> period(37);
+    for (auto& t : period) t = int32_t(rng() % kVocab);
+    auto stream = [&](size_t n, size_t first) {
+      std::vector<int32_t> v(n);
+      for (size_t i = 0; i < n; ++i) v[i] = period[(first + i) % period.size()];
+      return v;
+    };
+    write_shard(data("train-00000.bin"), stream(1500, 0), kVocab);
+    write_shard(data("train-00001.bin"), stream(700, 1500), kVocab);
+    write_shard(data("val-00000.bin"), stream(400, 11), kVocab);
+    std::ofstream(dir_ / "data" / "tokenizer.json") << "{\"tokenizer\": \"for the test\"}";
+    out_ = std::fopen("/dev/null", "w");
+  }
+  ~Job() {
+    std::fclose(out_);
+    fs::remove_all(dir_);
+  }
+  std::string path(const std::string& s) const { return (dir_ / s).string(); }
+  std::string data(const std::string& s) const { return (dir_ / "data" / s).string(); }
+
+  JobConfig config(const std::vector<std::string>& overrides = {}) const {
+    const std::string toml = str_cat(R"([model]
+config = ")",
+                                     path("model.json"), R"("
+seed = 3
+[data]
+path = ")",
+                                     path("data"), R"("
+[training]
+steps = 6
+local_batch_size = 2
+seq_len = 16
+grad_accum_steps = 1
+max_norm = 1.0
+[optimizer]
+lr = 1e-2
+weight_decay = 0.1
+[lr_scheduler]
+warmup_steps = 2
+decay_type = "cosine"
+[metrics]
+log_every = 1
+)");
+    return parse_job_config(toml, path("job.toml"), overrides);
+  }
+
+  TrainerOptions options(const std::atomic<bool>* stop = nullptr) const {
+    TrainerOptions o;
+    o.out = out_;
+    o.gemm_peak_seconds = 0;  // MFU needs a 0.2 s measurement; not what these tests check
+    o.stop = stop;
+    return o;
+  }
+
+ private:
+  fs::path dir_;
+  FILE* out_ = nullptr;
+};
+
+// Weights and both AdamW moments, as raw bits.
+std::vector<uint32_t> state_bits(Trainer& t) {
+  std::vector<uint32_t> out;
+  auto add = [&](const Tensor& x) {
+    const size_t at = out.size();
+    out.resize(at + size_t(x.numel()));
+    std::memcpy(out.data() + at, x.raw(), size_t(x.numel()) * 4);
+  };
+  for (ParamUnit* u : t.model().units()) add(u->flat());
+  for (auto& m : t.optimizer().exp_avg()) add(m);
+  for (auto& v : t.optimizer().exp_avg_sq()) add(v);
+  return out;
+}
+
+std::vector<float> weights(Trainer& t) {
+  std::vector<float> out;
+  for (ParamUnit* u : t.model().units()) {
+    const float* p = u->flat().data<float>();
+    out.insert(out.end(), p, p + u->numel());
+  }
+  return out;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(path);
+  for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST(Trainer, LossFallsAndMetricsAreWritten) {
+  Job job;
+  Trainer t(job.config({"--training.steps=40", "--validation.interval=10", "--validation.steps=3",
+                        "--metrics.jsonl=" + job.path("m/metrics.jsonl")}),
+            job.options());
+  const TrainResult r = t.run();
+  ASSERT_EQ(r.steps.size(), 40u);
+  EXPECT_FALSE(r.interrupted);
+  EXPECT_EQ(t.step(), 40);
+  // ln(48) = 3.87 at the start; the period-37 sequence is learnable from a 16-token context.
+  EXPECT_NEAR(r.steps.front().loss, std::log(double(kVocab)), 0.3);
+  EXPECT_LT(r.steps.back().loss, 1.5);
+  ASSERT_EQ(r.val_losses.size(), 4u);
+  EXPECT_EQ(r.val_losses.back().first, 40);
+  EXPECT_LT(r.val_losses.back().second, r.val_losses.front().second);
+
+  const auto lines = read_jsonl(job.path("m/metrics.jsonl"));
+  ASSERT_EQ(lines.size(), 44u);
+  int steps = 0, vals = 0;
+  for (const auto& j : lines) {
+    if (j.contains("val_loss")) {
+      ++vals;
+      EXPECT_EQ(j["step"].get<int64_t>() % 10, 0);
+      continue;
+    }
+    ++steps;
+    for (const char* k :
+         {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_allocated_bytes"})
+      EXPECT_TRUE(j.contains(k)) << k << " in " << j.dump();
+    const auto& rec = r.steps[size_t(j["step"].get<int64_t>() - 1)];
+    EXPECT_EQ(j["loss"].get<double>(), rec.loss);  // shortest round-trip text: exact
+    EXPECT_EQ(j["lr"].get<double>(), rec.lr);
+    EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(j["peak_allocated_bytes"].get<size_t>(), 0u);
+  }
+  EXPECT_EQ(steps, 40);
+  EXPECT_EQ(vals, 4);
+  // validate() is a pure function of the weights and leaves no gradient behind.
+  const double v1 = t.validate(), v2 = t.validate();
+  EXPECT_EQ(v1, v2);
+  EXPECT_EQ(v1, r.val_losses.back().second);
+  for (ParamUnit* u : t.model().units())
+    for (int64_t i = 0; i < u->numel(); ++i) ASSERT_EQ(u->grad_flat().data<float>()[i], 0.0f);
+}
+
+// A run of 2N steps and a run of N steps + resume + N steps: the same losses and the same final
+// weights and moments, bit for bit. The schedule must not depend on where the first run stops,
+// so decay_type = none here; the cosine case is the interrupt test below.
+TEST(Trainer, ResumeIsBitIdentical) {
+  Job job;
+  const std::vector<std::string> common = {"--lr_scheduler.decay_type=none",
+                                           "--training.grad_accum_steps=2",
+                                           "--validation.interval=2", "--checkpoint.interval=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), common.begin(), common.end());
+    return job.config(extra);
+  };
+  Trainer a(with({"--training.steps=6", "--checkpoint.dir=" + job.path("a")}), job.options());
+  const TrainResult ra = a.run();
+
+  std::vector<StepRecord> rb;
+  {
+    Trainer b(with({"--training.steps=3", "--checkpoint.dir=" + job.path("b")}), job.options());
+    auto r = b.run();
+    rb = r.steps;
+    EXPECT_EQ(fs::path(r.last_checkpoint).filename(), "step-00000003");
+  }
+  Trainer b(
+      with({"--training.steps=6", "--checkpoint.dir=" + job.path("b"), "--checkpoint.resume=true"}),
+      job.options());
+  EXPECT_EQ(b.step(), 3);
+  const TrainResult r2 = b.run();
+  rb.insert(rb.end(), r2.steps.begin(), r2.steps.end());
+  ASSERT_EQ(ra.steps.size(), 6u);
+  ASSERT_EQ(rb.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(rb[i].step, ra.steps[i].step);
+    EXPECT_EQ(rb[i].loss, ra.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(rb[i].grad_norm, ra.steps[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(rb[i].lr, ra.steps[i].lr) << "step " << i + 1;
+  }
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  const std::vector<std::pair<int64_t, double>> later(ra.val_losses.begin() + 1,
+                                                      ra.val_losses.end());
+  EXPECT_EQ(r2.val_losses, later);
+  // The final checkpoints agree too, and carry the tokenizer of the data directory.
+  EXPECT_EQ(read_text(job.path("a/step-00000006/model.safetensors")),
+            read_text(job.path("b/step-00000006/model.safetensors")));
+  EXPECT_EQ(read_text(job.path("b/step-00000006/tokenizer.json")),
+            read_text(job.data("tokenizer.json")));
+}
+
+// A stop request (what SIGINT/SIGTERM set) finishes the current step and saves a checkpoint;
+// resuming from it reproduces the uninterrupted run bit for bit (cosine schedule, bf16 GEMMs).
+TEST(Trainer, InterruptSavesAndResumeIsBitIdentical) {
+  Job job;
+  auto cfg = [&](const std::string& dir, bool resume) {
+    return job.config({"--training.steps=5", "--training.mixed_precision_param=bfloat16",
+                       "--checkpoint.dir=" + job.path(dir),
+                       std::string("--checkpoint.resume=") + (resume ? "true" : "false"),
+                       "--metrics.jsonl=" + job.path(dir + ".jsonl")});
+  };
+  Trainer a(cfg("a", false), job.options());
+  const TrainResult ra = a.run();
+
+  std::atomic<bool> stop{true};  // already requested: the run stops after its first step
+  {
+    Trainer b(cfg("b", false), job.options(&stop));
+    const TrainResult r = b.run();
+    EXPECT_TRUE(r.interrupted);
+    EXPECT_EQ(r.final_step, 1);
+    ASSERT_EQ(r.steps.size(), 1u);
+    EXPECT_EQ(fs::path(r.last_checkpoint).filename(), "step-00000001");
+  }
+  {
+    Trainer b(cfg("b", true), job.options(&stop));  // resumes at 1, stops after 2
+    EXPECT_EQ(b.run().final_step, 2);
+  }
+  // A step logged after the last checkpoint by a run that then died: the resumed run redoes it
+  // and drops the stale line.
+  std::ofstream(job.path("b.jsonl"), std::ios::app) << "{\"step\": 3, \"loss\": 99.0}\n";
+  stop = false;
+  Trainer b(cfg("b", true), job.options(&stop));
+  const TrainResult rb = b.run();
+  EXPECT_FALSE(rb.interrupted);
+  EXPECT_EQ(rb.steps.front().step, 3);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+  // The resumed runs append to the JSONL: the same five losses as the uninterrupted run.
+  const auto la = read_jsonl(job.path("a.jsonl")), lb = read_jsonl(job.path("b.jsonl"));
+  ASSERT_EQ(la.size(), 5u);
+  ASSERT_EQ(lb.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(lb[i]["step"], la[i]["step"]);
+    EXPECT_EQ(lb[i]["loss"].get<double>(), la[i]["loss"].get<double>());
+    EXPECT_EQ(lb[i]["loss"].get<double>(), ra.steps[i].loss);
+  }
+  // Saved: 1 and 2 (interrupted), 5 (the end); keep = 3 (the default) keeps all three.
+  const auto kept = list_checkpoints(job.path("b"));
+  ASSERT_EQ(kept.size(), 3u);
+  EXPECT_EQ(kept[0].first, 1);
+  EXPECT_EQ(kept[1].first, 2);
+  EXPECT_EQ(kept[2].first, 5);
+}
+
+// The global batch is the same whatever the split into micro-batches: 1 x 4, 2 x 2 and 4 x 1
+// give the same losses and weights up to fp32 summation order. The loss of the first step sees
+// identical weights, so only the reduction order differs (~1e-7 relative). Later steps and the
+// weights go through AdamW, whose update m / (sqrt(v) + eps) is ~sign(g) for small gradients;
+// eps = 1e-3 (vs gradients of 1e-4..1e-2 here) keeps that map smooth, so rounding differences of
+// the gradient stay rounding-sized in the weights instead of flipping an update's sign.
+TEST(Trainer, GradientAccumulationIsEquivalent) {
+  Job job;
+  std::vector<std::vector<float>> w;
+  std::vector<std::vector<StepRecord>> losses;
+  for (const auto& [accum, batch] : {std::pair{1, 4}, {2, 2}, {4, 1}}) {
+    Trainer t(job.config({"--training.steps=3", "--optimizer.eps=1e-3",
+                          "--training.grad_accum_steps=" + std::to_string(accum),
+                          "--training.local_batch_size=" + std::to_string(batch)}),
+              job.options());
+    losses.push_back(t.run().steps);
+    w.push_back(weights(t));
+  }
+  for (size_t k = 1; k < 3; ++k) {
+    for (size_t s = 0; s < 3; ++s)
+      EXPECT_NEAR(losses[k][s].loss, losses[0][s].loss, 1e-6 * losses[0][s].loss)
+          << "accumulation " << k << " step " << s + 1;
+    EXPECT_NEAR(losses[k][0].grad_norm, losses[0][0].grad_norm, 1e-5 * losses[0][0].grad_norm);
+    EXPECT_LT(rel_l2(w[k], w[0]), 1e-6) << "accumulation " << k;
+  }
+  // A different batch (the window of samples moves) is not equivalent: the check can fail.
+  Trainer other(
+      job.config({"--training.steps=3", "--optimizer.eps=1e-3", "--training.local_batch_size=3"}),
+      job.options());
+  other.run();
+  EXPECT_GT(rel_l2(weights(other), w[0]), 1e-4);
+}
+
+TEST(Trainer, NonFiniteLossStopsWithoutSaving) {
+  Job job;
+  Trainer t(job.config({"--optimizer.lr=1e30", "--training.steps=20", "--checkpoint.interval=1",
+                        "--checkpoint.dir=" + job.path("ck"), "--checkpoint.keep=0",
+                        "--metrics.jsonl=" + job.path("m.jsonl"), "--training.max_norm=1e30"}),
+            job.options());
+  std::string msg;
+  try {
+    t.run();
+    ADD_FAILURE() << "expected the run to stop";
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  // The last JSONL line is the bad step (null for the non-finite values); its state is not saved
+  // and no optimizer update was applied for it.
+  const auto lines = read_jsonl(job.path("m.jsonl"));
+  ASSERT_FALSE(lines.empty());
+  const int64_t bad = lines.back()["step"].get<int64_t>();
+  EXPECT_TRUE(lines.back()["loss"].is_null() || lines.back()["grad_norm"].is_null());
+  EXPECT_NE(msg.find(str_cat("step ", bad, ":")), std::string::npos) << msg;
+  EXPECT_NE(msg.find("step-" + std::string(8 - std::to_string(bad - 1).size(), '0') +
+                     std::to_string(bad - 1)),
+            std::string::npos)
+      << msg;
+  const auto kept = list_checkpoints(job.path("ck"));
+  ASSERT_FALSE(kept.empty());
+  EXPECT_EQ(kept.back().first, bad - 1);
+  EXPECT_EQ(t.step(), bad - 1);
+  EXPECT_EQ(t.optimizer().steps_taken(), bad - 1);
+}
+
+TEST(Trainer, InitFromAHuggingFaceDirectory) {
+  Job job;
+  std::vector<uint32_t> saved;
+  {
+    Trainer a(job.config({"--training.steps=2", "--checkpoint.dir=" + job.path("ck")}),
+              job.options());
+    a.run();
+    for (ParamUnit* u : a.model().units()) {
+      const size_t at = saved.size();
+      saved.resize(at + size_t(u->numel()));
+      std::memcpy(saved.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
+    }
+  }
+  Trainer b(job.config({"--model.init_from=" + job.path("ck/step-00000002"), "--model.seed=77"}),
+            job.options());
+  EXPECT_EQ(b.step(), 0);
+  std::vector<uint32_t> got;
+  for (ParamUnit* u : b.model().units()) {
+    const size_t at = got.size();
+    got.resize(at + size_t(u->numel()));
+    std::memcpy(got.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
+  }
+  EXPECT_EQ(got, saved);
+  expect_error(
+      [&] { Trainer(job.config({"--model.init_from=" + job.path("nope")}), job.options()); },
+      {job.path("nope")});
+}
+
+TEST(Trainer, ShardVocabulary) {
+  Job job;
+  // Smaller than the model's: ids stay in range, training runs.
+  fs::create_directories(job.path("small"));
+  write_shard(job.path("small/train-00000.bin"), std::vector<int32_t>(300, 7), 40);
+  Trainer t(job.config({"--data.path=" + job.path("small"), "--training.steps=1"}), job.options());
+  EXPECT_EQ(t.run().steps.size(), 1u);
+  // Larger: an error naming both numbers.
+  fs::create_directories(job.path("big"));
+  write_shard(job.path("big/train-00000.bin"), std::vector<int32_t>(300, 7), 64);
+  expect_error([&] { Trainer(job.config({"--data.path=" + job.path("big")}), job.options()); },
+               {"vocab_size 64", "vocab_size 48", job.path("big")});
+  fs::create_directories(job.path("bigval"));
+  write_shard(job.path("bigval/train-00000.bin"), std::vector<int32_t>(300, 7), 48);
+  write_shard(job.path("bigval/val-00000.bin"), std::vector<int32_t>(300, 7), 50000);
+  expect_error(
+      [&] {
+        Trainer(job.config({"--data.path=" + job.path("bigval"), "--validation.interval=1"}),
+                job.options());
+      },
+      {"val", "vocab_size 50000", "vocab_size 48"});
+}
+
+TEST(Trainer, ConfigErrorsBeforeAnyWork) {
+  Job job;
+  auto err = [&](const std::vector<std::string>& ov, const std::vector<std::string>& parts) {
+    expect_error([&] { Trainer(job.config(ov), job.options()); }, parts);
+  };
+  err({"--parallelism.tp=2"}, {"parallelism", "tp=2", "2 ranks"});
+  err({"--parallelism.dp_shard=4"}, {"dp_shard=4", "4 ranks"});
+  err({"--activation_checkpoint.mode=full"}, {"activation_checkpoint.mode", "full"});
+  err({"--data.path="}, {"data.path", "empty"});
+  err({"--data.path=" + job.path("absent")}, {"data.path", job.path("absent")});
+  err({"--data.path=" + job.path("")}, {"train"});  // a directory without train-*.bin shards
+  err({"--model.config=" + job.path("absent.json")}, {"absent.json"});
+  err({"--checkpoint.interval=5"}, {"checkpoint.interval", "checkpoint.dir"});
+  err({"--checkpoint.resume=true"}, {"checkpoint.resume", "checkpoint.dir"});
+  err({"--data.tokenizer=" + job.path("tok.json")}, {"data.tokenizer", job.path("tok.json")});
+  fs::create_directories(job.path("noval"));
+  write_shard(job.path("noval/train-00000.bin"), std::vector<int32_t>(100, 1), 48);
+  err({"--data.path=" + job.path("noval"), "--validation.interval=5"},
+      {"validation.interval", "val-*.bin"});
+  // Resuming from a corrupt checkpoint names the file.
+  {
+    Trainer t(job.config({"--training.steps=1", "--checkpoint.dir=" + job.path("ck")}),
+              job.options());
+    t.run();
+  }
+  const std::string f = job.path("ck/step-00000001/optimizer.safetensors");
+  fs::resize_file(f, fs::file_size(f) - 10);
+  err({"--checkpoint.dir=" + job.path("ck"), "--checkpoint.resume=true"}, {f});
+  // Resuming with another model shape names the tensor and both shapes.
+  std::ofstream(job.path("wide.json")) << R"({"hidden_size": 64, "intermediate_size": 48,
+      "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+      "vocab_size": 48})";
+  {
+    Trainer t(job.config({"--training.steps=1", "--checkpoint.dir=" + job.path("ck2")}),
+              job.options());
+    t.run();
+  }
+  err({"--model.config=" + job.path("wide.json"), "--checkpoint.dir=" + job.path("ck2"),
+       "--checkpoint.resume=true"},
+      {"model.embed_tokens.weight", "[48, 64]", "[48, 32]"});
+  // The new keys are validated by the config parser.
+  expect_error([&] { job.config({"--validation.interval=-1"}); }, {"validation.interval"});
+  expect_error([&] { job.config({"--validation.steps=0"}); }, {"validation.steps"});
+}
+
+TEST(Trainer, RefusesAModelThatDoesNotFit) {
+  Job job;
+  // Llama 3 405B: ~6.5 TB of weights, gradients and AdamW state, checked against MemAvailable
+  // before anything is allocated (and before the data is looked at).
+  expect_error(
+      [&] {
+        Trainer(job.config({"--model.config=" + source_dir() + "/configs/llama3-405b.json",
+                            "--data.path=" + job.path("absent")}),
+                job.options());
+      },
+      {"not enough memory", "405", "parameters x 16 B", "TiB", "MemAvailable"});
+  const MemoryEstimate m =
+      estimate_training_memory(LlamaConfig::from_file(job.path("model.json")), 2, 16, DType::bf16);
+  EXPECT_EQ(m.total(), 18 * m.params + m.activations);
+  // A budget just below the estimate fails; the estimate itself passes.
+  TrainerOptions o = job.options();
+  o.mem_available = m.total() - 1;
+  expect_error([&] { Trainer(job.config({"--training.mixed_precision_param=bfloat16"}), o); },
+               {"not enough memory", std::to_string(m.params) + " parameters", "the given budget"});
+  o.mem_available = m.total();
+  EXPECT_NO_THROW(Trainer(job.config({"--training.mixed_precision_param=bfloat16"}), o));
+}
+
+// The command line: --print-config, a bad override, and SIGINT finishing the step and saving.
+TEST(TrainCommand, PrintConfigErrorsAndSigint) {
+  const char* bin = std::getenv("LOOM_BIN");
+  if (!bin || !fs::exists(bin)) GTEST_SKIP() << "LOOM_BIN (the loom binary) not built";
+  Job job;
+  const JobConfig c = job.config(
+      {"--training.steps=1000000", "--checkpoint.dir=" + job.path("ck"), "--checkpoint.keep=1"});
+  std::ofstream(job.path("job.toml")) << to_toml(c);
+  const std::string base = str_cat(bin, " train --config ", job.path("job.toml"));
+
+  const std::string printed = job.path("printed.toml");
+  ASSERT_EQ(std::system((base + " --print-config --training.seq_len=8 > " + printed).c_str()), 0);
+  JobConfig expect = c;
+  expect.training.seq_len = 8;
+  EXPECT_EQ(load_job_config(printed, {}), expect);
+  const std::string err = job.path("err.txt");
+  EXPECT_NE(std::system((base + " --training.seq_len=zero 2> " + err).c_str()), 0);
+  EXPECT_NE(read_text(err).find("training.seq_len"), std::string::npos) << read_text(err);
+
+  // SIGINT once the first steps are out: exit 0 with a checkpoint of the last finished step.
+  const std::string log = job.path("train.log");
+  const std::string toml = job.path("job.toml");
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // the child execs loom itself, so the signal goes to loom and not to a shell
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::execl(bin, bin, "train", "--config", toml.c_str(), (char*)nullptr);
+    ::_exit(127);
+  }
+  bool started = false;
+  for (int i = 0; i < 1000 && !started; ++i) {
+    ::usleep(10000);
+    started = read_text(log).find("      2/1000000 | loss") != std::string::npos;
+  }
+  EXPECT_TRUE(started) << read_text(log).substr(0, 2000);
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string tail =
+      read_text(log).substr(std::max<size_t>(read_text(log).size(), 2000) - 2000);
+  ASSERT_TRUE(WIFEXITED(status)) << tail;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << tail;
+  const auto kept = list_checkpoints(job.path("ck"));
+  ASSERT_EQ(kept.size(), 1u) << tail;
+  EXPECT_GE(kept.back().first, 2);
+  EXPECT_LT(kept.back().first, 1000000);
+  EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
+}
+
+TEST(Metrics, JsonProgressAndDurations) {
+  StepMetrics m;
+  m.step = 12;
+  m.total_steps = 1500;
+  m.loss = 3.25;
+  m.lr = 1e-3;
+  m.grad_norm = std::nan("");
+  m.tokens_per_s = 12345.5;
+  m.mfu = 0.2;
+  m.peak_allocated_bytes = 3u << 20;
+  m.eta_seconds = 125;
+  const auto j = nlohmann::json::parse(step_json(m));  // valid JSON even with a NaN in it
+  EXPECT_EQ(j["step"], 12);
+  EXPECT_EQ(j["loss"].get<double>(), 3.25);
+  EXPECT_TRUE(j["grad_norm"].is_null());
+  EXPECT_EQ(j["peak_allocated_bytes"].get<size_t>(), size_t(3) << 20);
+  EXPECT_EQ(nlohmann::json::parse(validation_json(7, 2.5))["val_loss"].get<double>(), 2.5);
+  const std::string p = progress_text(m);
+  for (const char* part : {"step   12/1500", "loss 3.2500", "lr 1.00e-03", "grad nan",
+                           "12.3k tok/s", "MFU 20.0%", "mem 3 MiB", "ETA 2m05s"})
+    EXPECT_NE(p.find(part), std::string::npos) << part << " in " << p;
+  EXPECT_EQ(format_duration(42.4), "42s");
+  EXPECT_EQ(format_duration(7500), "2h05m");
+  EXPECT_EQ(format_duration(-1), "?");
+}

@@ -1,0 +1,255 @@
+#include "train/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "model/llama.hpp"
+#include "model/safetensors.hpp"
+#include "train/optimizer.hpp"
+
+namespace loom {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kStateVersion = 1;
+
+std::string sys_error(const std::string& what, const std::string& path) {
+  return str_cat(what, " '", path, "': ", std::strerror(errno));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+void fsync_path(const std::string& path, bool dir) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC | (dir ? O_DIRECTORY : 0)));
+  if (f.get() < 0 || ::fsync(f.get()) != 0) fail(sys_error("cannot fsync", path));
+}
+
+// The file is fsynced by the final pass over the directory, so a plain write suffices here.
+void write_file(const std::string& path, const std::string& content) {
+  Fd f(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (f.get() < 0) fail(sys_error("cannot create", path));
+  const char* p = content.data();
+  size_t n = content.size();
+  while (n > 0) {
+    const ssize_t w = ::write(f.get(), p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(sys_error("cannot write", path));
+    }
+    p += w;
+    n -= size_t(w);
+  }
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  LOOM_CHECK(f.good(), "cannot open '", path, "'");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  LOOM_CHECK(!f.bad(), "cannot read '", path, "'");
+  return ss.str();
+}
+
+// "step-<digits>" -> the step; -1 for any other name.
+int64_t parse_step_name(const std::string& name) {
+  if (name.size() <= 5 || name.compare(0, 5, "step-") != 0 || name.size() > 5 + 18) return -1;
+  int64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+// Moments of each parameter as views shaped like the parameter, in unit order.
+std::vector<NamedTensor> moment_tensors(LlamaModel& model, AdamW& opt) {
+  std::vector<NamedTensor> out;
+  auto units = model.units();
+  for (size_t i = 0; i < units.size(); ++i)
+    for (const Param& p : units[i]->params()) {
+      const int64_t n = p.value.numel();
+      out.push_back(
+          {p.spec.name + ".exp_avg", opt.exp_avg()[i].narrow(0, p.offset, n).view(p.spec.shape)});
+      out.push_back({p.spec.name + ".exp_avg_sq",
+                     opt.exp_avg_sq()[i].narrow(0, p.offset, n).view(p.spec.shape)});
+    }
+  return out;
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", (long long)step);
+  return buf;
+}
+
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  if (root.empty() || !fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const int64_t s = parse_step_name(e.path().filename().string());
+    if (s >= 0 && e.is_directory(ec)) out.emplace_back(s, e.path().string());
+  }
+  LOOM_CHECK(!ec, "cannot list checkpoint directory '", root, "': ", ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string latest_checkpoint(const std::string& root) {
+  auto all = list_checkpoints(root);
+  return all.empty() ? std::string() : all.back().second;
+}
+
+std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                            const TrainState& state, const std::string& tokenizer_json) {
+  LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
+  LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
+             optimizer.steps_taken(), " steps but the state says step ", state.step);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  LOOM_CHECK(!ec, "cannot create checkpoint directory '", root, "': ", ec.message());
+  const fs::path final_dir = fs::path(root) / checkpoint_name(state.step);
+  const fs::path tmp = fs::path(root) / (checkpoint_name(state.step) + ".tmp");
+  fs::remove_all(tmp, ec);  // a save of this step that crashed
+  LOOM_CHECK(!ec, "cannot remove stale '", tmp.string(), "': ", ec.message());
+  fs::create_directory(tmp, ec);
+  LOOM_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
+
+  std::vector<NamedTensor> weights;
+  for (ParamUnit* u : model.units())
+    for (const Param& p : u->params()) weights.push_back({p.spec.name, p.value});
+  write_safetensors_dir(tmp.string(), weights);
+  write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
+  write_safetensors((tmp / "optimizer.safetensors").string(), moment_tensors(model, optimizer),
+                    {{"format", "loom-adamw"}, {"step", std::to_string(optimizer.steps_taken())}});
+  if (!tokenizer_json.empty())
+    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
+  nlohmann::ordered_json st;
+  st["format"] = "loom-checkpoint";
+  st["version"] = kStateVersion;
+  st["step"] = state.step;
+  st["data_step"] = state.data_step;
+  st["lr"] = state.lr;
+  st["loss"] = state.loss;
+  st["config"] = state.config_toml;
+  write_file((tmp / "state.json").string(), st.dump(2) + "\n");
+
+  for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
+  fsync_path(tmp.string(), true);
+  // rename() cannot replace a non-empty directory: move an existing checkpoint of this step
+  // aside first (its name is then no checkpoint name), and delete it once the new one is in place.
+  const fs::path old = fs::path(root) / (checkpoint_name(state.step) + ".old");
+  const bool replacing = fs::exists(final_dir, ec);
+  if (replacing) {
+    fs::remove_all(old, ec);
+    fs::rename(final_dir, old, ec);
+    LOOM_CHECK(!ec, "cannot move '", final_dir.string(), "' aside: ", ec.message());
+  }
+  fs::rename(tmp, final_dir, ec);
+  LOOM_CHECK(!ec, "cannot rename '", tmp.string(), "' to '", final_dir.string(),
+             "': ", ec.message());
+  fsync_path(root, true);
+  if (replacing) fs::remove_all(old, ec);
+  return final_dir.string();
+}
+
+TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
+  const fs::path d(dir);
+  std::error_code ec;
+  LOOM_CHECK(fs::is_directory(d, ec), "checkpoint '", dir, "' is not a directory");
+
+  // state.json first: it is written last, so its absence means an incomplete directory.
+  const std::string state_path = (d / "state.json").string();
+  TrainState st;
+  try {
+    const auto j = nlohmann::json::parse(read_file(state_path));
+    LOOM_CHECK(j.value("format", "") == "loom-checkpoint", state_path,
+               ": not a loom checkpoint state (expected \"format\": \"loom-checkpoint\")");
+    LOOM_CHECK(j.at("version").get<int>() == kStateVersion, state_path, ": version ",
+               j.at("version").dump(), ", expected ", kStateVersion);
+    st.step = j.at("step").get<int64_t>();
+    st.data_step = j.at("data_step").get<int64_t>();
+    st.lr = j.at("lr").get<double>();
+    st.loss = j.at("loss").get<double>();
+    st.config_toml = j.at("config").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    fail(state_path, ": invalid checkpoint state: ", e.what());
+  }
+  LOOM_CHECK(st.step >= 0 && st.data_step >= 0, state_path, ": negative step");
+
+  // Weights: every model tensor, shapes checked by read_f32; and nothing the model lacks (a
+  // checkpoint of a deeper model would otherwise load silently).
+  const SafetensorsDir weights(dir);
+  std::set<std::string> names;
+  for (ParamUnit* u : model.units())
+    for (const Param& p : u->params()) names.insert(p.spec.name);
+  for (const std::string& n : weights.names())
+    LOOM_CHECK(names.count(n), dir, ": tensor '", n, "' (in ", weights.file_of(n).path(),
+               ") is not a parameter of the model being trained (a model of another shape?)");
+  model.load_hf(weights);
+
+  const std::string opt_path = (d / "optimizer.safetensors").string();
+  LOOM_CHECK(fs::is_regular_file(opt_path, ec), "checkpoint '", dir,
+             "' has no optimizer.safetensors");
+  const SafetensorsFile opt(opt_path);
+  const auto it = opt.metadata().find("step");
+  LOOM_CHECK(it != opt.metadata().end(), opt_path, ": no \"step\" in the metadata");
+  int64_t opt_step = -1;
+  try {
+    opt_step = std::stoll(it->second);
+  } catch (const std::exception&) {
+    fail(opt_path, ": metadata step '", it->second, "' is not an integer");
+  }
+  LOOM_CHECK(opt_step == st.step, opt_path, ": optimizer step ", opt_step, " but ", state_path,
+             " says step ", st.step);
+  const auto moments = moment_tensors(model, optimizer);
+  std::set<std::string> mnames;
+  for (const auto& m : moments) {
+    mnames.insert(m.name);
+    opt.read_f32(m.name, m.tensor.shape(), m.tensor.data<float>());
+  }
+  for (const auto& e : opt.entries())
+    LOOM_CHECK(mnames.count(e.name), opt_path, ": tensor '", e.name,
+               "' is not a moment of the model being trained (a model of another shape?)");
+  optimizer.set_steps_taken(opt_step);
+  return st;
+}
+
+void prune_checkpoints(const std::string& root, int64_t keep) {
+  if (keep <= 0) return;
+  auto all = list_checkpoints(root);
+  for (size_t i = 0; i + size_t(keep) < all.size(); ++i) {
+    std::error_code ec;
+    fs::remove_all(all[i].second, ec);
+    LOOM_CHECK(!ec, "cannot delete old checkpoint '", all[i].second, "': ", ec.message());
+  }
+}
+
+}  // namespace loom

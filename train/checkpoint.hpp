@@ -1,0 +1,52 @@
+#pragma once
+// Training checkpoints. A checkpoint is a directory ROOT/step-00000100/ holding
+//   model.safetensors      f32 master weights under their Hugging Face names (sharded into
+//                          model-0000i-of-0000n.safetensors + index beyond 5 GiB), and
+//   config.json            the Hugging Face model config: the directory is a Hugging Face model
+//                          that SafetensorsDir, `loom generate` and `[model] init_from` read;
+//   optimizer.safetensors  AdamW moments, "<name>.exp_avg" and "<name>.exp_avg_sq" (f32, the
+//                          parameter's shape), with the step count in the metadata ("step");
+//   state.json             step, data loader step, lr and loss of the last step, the resolved
+//                          job config (TOML);
+//   tokenizer.json         copied from the data directory when there is one.
+// Saving is atomic: everything is written into step-00000100.tmp, each file and the directory
+// are fsynced, the directory is renamed, the parent fsynced. Only names step-<digits> are
+// checkpoints, so a .tmp left by a crash is ignored (and replaced by the next save of that step).
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace loom {
+
+class LlamaModel;
+class AdamW;
+
+struct TrainState {
+  int64_t step = 0;       // optimizer steps completed
+  int64_t data_step = 0;  // the data loader's next step (0-based)
+  double lr = 0;          // learning rate of the last step
+  double loss = 0;        // loss of the last step
+  std::string config_toml;
+};
+
+std::string checkpoint_name(int64_t step);  // "step-00000100"
+
+// The complete checkpoints under `root`, by increasing step (empty if root does not exist).
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& root);
+std::string latest_checkpoint(const std::string& root);  // "" if there is none
+
+// Writes ROOT/step-<state.step>/ atomically (replacing one of the same step) and returns its path.
+// `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
+std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                            const TrainState& state, const std::string& tokenizer_json = "");
+
+// Restores the weights, the optimizer moments and step count, and returns the state. Errors name
+// the file: missing or corrupt files, a tensor whose shape differs from the model's (with both
+// shapes), tensors the model does not have.
+TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
+
+// Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all).
+void prune_checkpoints(const std::string& root, int64_t keep);
+
+}  // namespace loom

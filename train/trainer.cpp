@@ -1,0 +1,383 @@
+#include "train/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/allocator.hpp"
+#include "core/error.hpp"
+#include "kernels/cpu/gemm.hpp"
+#include "model/llama.hpp"
+#include "model/safetensors.hpp"
+#include "train/checkpoint.hpp"
+#include "train/data_loader.hpp"
+#include "train/lr_schedule.hpp"
+#include "train/metrics.hpp"
+#include "train/optimizer.hpp"
+#include "train/token_shard.hpp"
+
+namespace loom {
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string gib(size_t bytes) {
+  char buf[32];
+  const double g = double(bytes) / double(size_t(1) << 30);
+  if (g >= 1024)
+    std::snprintf(buf, sizeof buf, "%.2f TiB", g / 1024);
+  else if (g >= 1)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", g);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", g * 1024);
+  return buf;
+}
+
+// One process is one rank: any layout needing more is for the multi-process trainer.
+void check_single_process(const JobConfig& c) {
+  const auto& p = c.parallelism;
+  const int64_t shard = p.dp_shard == -1 ? 1 : p.dp_shard;
+  const int64_t world = p.dp_replicate * shard * p.tp * p.cp * p.pp;
+  LOOM_CHECK(world == 1,
+             "parallelism: this trainer runs on one process, but dp_replicate=", p.dp_replicate,
+             " dp_shard=", p.dp_shard, " tp=", p.tp, " cp=", p.cp, " pp=", p.pp, " needs ", world,
+             " ranks");
+  LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
+             c.activation_checkpoint.mode,
+             "\" is not supported by the single-process trainer yet: expected \"none\"");
+}
+
+}  // namespace
+
+MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
+                                        DType compute) {
+  MemoryEstimate m;
+  m.params = size_t(c.num_params());
+  m.weights = 4 * m.params;
+  m.grads = 4 * m.params;
+  m.optimizer = 8 * m.params;
+  m.mirror = compute == DType::bf16 ? 2 * m.params : 0;
+  m.activations = LlamaModel::saved_activation_bytes(c, batch, seq_len, compute);
+  return m;
+}
+
+size_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key, unit;
+  size_t value = 0;
+  while (f >> key >> value) {
+    std::getline(f, unit);
+    if (key == "MemAvailable:") return value * 1024;  // the kernel reports kB
+  }
+  return 0;
+}
+
+struct Trainer::State {
+  JobConfig job;
+  TrainerOptions opt;
+  LlamaConfig mc;
+  std::string model_config_path;
+  DType compute = DType::f32;
+  int64_t B = 0, T = 0, G = 0;  // micro-batch, sequence, micro-batches per step
+  MemoryEstimate mem;
+  std::string tokenizer_json;
+  std::unique_ptr<TokenStream> train, val;
+  std::unique_ptr<DataLoader> loader;
+  std::vector<MicroBatch> val_batches;
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<AdamW> adamw;
+  LrSchedule schedule;
+  int64_t step = 0;         // optimizer steps completed
+  int64_t data_offset = 0;  // data loader step of optimizer step s (1-based) is s - 1 + offset
+  std::string resumed_from;
+  double last_loss = 0, last_lr = 0;
+};
+
+Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
+    : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.job = config;
+  s.opt = options;
+  const JobConfig& j = s.job;
+  check_single_process(j);
+  LOOM_CHECK(j.checkpoint.interval == 0 || !j.checkpoint.dir.empty(),
+             "checkpoint.interval = ", j.checkpoint.interval,
+             " needs checkpoint.dir (where to save)");
+  LOOM_CHECK(!j.checkpoint.resume || !j.checkpoint.dir.empty(),
+             "checkpoint.resume = true needs checkpoint.dir (where to look for checkpoints)");
+
+  s.model_config_path = resolve_model_config(j.model.config, j.base_dir);
+  s.mc = LlamaConfig::from_file(s.model_config_path);
+  s.mc.validate(s.model_config_path);
+  s.compute = dtype_from_name(j.training.mixed_precision_param);
+  s.B = j.training.local_batch_size;
+  s.T = j.training.seq_len;
+  s.G = j.training.grad_accum_steps;
+  s.schedule = LrSchedule::from_config(j);
+
+  // Memory, before anything is allocated or mapped.
+  s.mem = estimate_training_memory(s.mc, s.B, s.T, s.compute);
+  size_t budget = s.opt.mem_available ? s.opt.mem_available : mem_available_bytes();
+  std::string budget_what = s.opt.mem_available ? "the given budget" : "MemAvailable";
+  if (j.memory.limit_gb > 0) {
+    const size_t limit = size_t(j.memory.limit_gb * double(size_t(1) << 30));
+    if (budget == 0 || limit < budget) {
+      budget = limit;
+      budget_what = "memory.limit_gb";
+    }
+  }
+  LOOM_CHECK(budget == 0 || s.mem.total() <= budget, "not enough memory: training ",
+             s.model_config_path, " needs about ", gib(s.mem.total()), " = ", s.mem.params,
+             " parameters x 16 B (f32 weights ", gib(s.mem.weights), " + gradients ",
+             gib(s.mem.grads), " + AdamW moments ", gib(s.mem.optimizer), ")",
+             s.mem.mirror ? " + bf16 copy " + gib(s.mem.mirror) : std::string(),
+             " + saved activations ", gib(s.mem.activations), " (batch ", s.B, " x seq_len ", s.T,
+             "), but ", budget_what, " is ", gib(budget));
+
+  // Data.
+  LOOM_CHECK(!j.data.path.empty(),
+             "data.path is empty: expected a directory of token shards from `loom tokenize`");
+  LOOM_CHECK(fs::is_directory(j.data.path), "data.path '", j.data.path,
+             "' is not a directory (expected the output directory of `loom tokenize`; a relative ",
+             "path is taken from the current directory)");
+  s.train = std::make_unique<TokenStream>(j.data.path, "train");
+  // A shard vocabulary smaller than the model's is fine (the model's embedding table is padded,
+  // ids stay in range); a larger one would index past the embedding.
+  auto check_vocab = [&](const TokenStream& ts, const char* split) {
+    LOOM_CHECK(int64_t(ts.vocab_size()) <= s.mc.vocab_size, "data.path '", j.data.path, "': the ",
+               split, " shards have vocab_size ", ts.vocab_size(), " but the model (",
+               s.model_config_path, ") has vocab_size ", s.mc.vocab_size,
+               ": token ids would index past the embedding (expected shard vocab_size <= ",
+               s.mc.vocab_size, ")");
+  };
+  check_vocab(*s.train, "train");
+  DataLoaderConfig dl;
+  dl.local_batch_size = s.B;
+  dl.seq_len = s.T;
+  dl.grad_accum_steps = s.G;
+  dl.shuffle = j.data.shuffle;
+  dl.seed = uint64_t(j.model.seed);
+  s.loader = std::make_unique<DataLoader>(*s.train, dl);
+  if (j.validation.interval > 0) {
+    LOOM_CHECK(!TokenStream::find_files(j.data.path, "val").empty(),
+               "validation.interval = ", j.validation.interval, " but data.path '", j.data.path,
+               "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
+               "--validation.interval=0)");
+    s.val = std::make_unique<TokenStream>(j.data.path, "val");
+    check_vocab(*s.val, "val");
+    DataLoaderConfig vl = dl;
+    vl.grad_accum_steps = 1;
+    vl.shuffle = false;
+    const DataLoader val_loader(*s.val, vl);
+    for (int64_t b = 0; b < j.validation.steps; ++b) s.val_batches.push_back(val_loader.get(b, 0));
+  }
+  if (!j.data.tokenizer.empty()) {
+    LOOM_CHECK(fs::is_regular_file(j.data.tokenizer), "data.tokenizer '", j.data.tokenizer,
+               "' is not a file");
+    s.tokenizer_json = j.data.tokenizer;
+  } else if (fs::is_regular_file(fs::path(j.data.path) / "tokenizer.json")) {
+    s.tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
+  }
+
+  std::string resume_dir;
+  if (j.checkpoint.resume) resume_dir = latest_checkpoint(j.checkpoint.dir);
+  std::unique_ptr<SafetensorsDir> init;
+  if (resume_dir.empty() && !j.model.init_from.empty())
+    init = std::make_unique<SafetensorsDir>(j.model.init_from);
+
+  if (j.memory.limit_gb > 0)
+    Allocator::get(Device::cpu).set_limit(size_t(j.memory.limit_gb * double(size_t(1) << 30)));
+  s.model = std::make_unique<LlamaModel>(s.mc, s.compute);
+  AdamWConfig oc{float(j.optimizer.lr), float(j.optimizer.beta1), float(j.optimizer.beta2),
+                 float(j.optimizer.eps), float(j.optimizer.weight_decay)};
+  s.adamw = std::make_unique<AdamW>(s.model->units(), oc);
+  if (!resume_dir.empty()) {
+    const TrainState st = load_checkpoint(resume_dir, *s.model, *s.adamw);
+    s.step = st.step;
+    s.data_offset = st.data_step - st.step;
+    s.last_loss = st.loss;
+    s.last_lr = st.lr;
+    s.resumed_from = resume_dir;
+  } else if (init) {
+    s.model->load_hf(*init);
+  } else {
+    s.model->init_weights(uint64_t(j.model.seed));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+LlamaModel& Trainer::model() {
+  return *s_->model;
+}
+AdamW& Trainer::optimizer() {
+  return *s_->adamw;
+}
+int64_t Trainer::step() const {
+  return s_->step;
+}
+
+double Trainer::validate() {
+  State& s = *s_;
+  LOOM_CHECK(!s.val_batches.empty(), "validate: no validation batches (validation.interval = 0)");
+  // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
+  // and the (zero) gradients are cleared.
+  double sum = 0;
+  for (const MicroBatch& mb : s.val_batches)
+    sum += s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f);
+  s.model->zero_grad();
+  return sum / double(int64_t(s.val_batches.size()) * s.B * s.T);
+}
+
+TrainResult Trainer::run() {
+  State& s = *s_;
+  const JobConfig& j = s.job;
+  const int64_t N = j.training.steps;
+  const int64_t tokens_per_step = s.G * s.B * s.T;
+  TrainResult result;
+  result.final_step = s.step;
+
+  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every, j.metrics.jsonl,
+                     s.resumed_from.empty() ? -1 : s.step});
+  {
+    std::ostringstream os;
+    os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters (dim "
+       << s.mc.hidden_size << ", " << s.mc.num_hidden_layers << " layers, "
+       << s.mc.num_attention_heads << "/" << s.mc.num_key_value_heads << " heads, ffn "
+       << s.mc.intermediate_size << ", vocab " << s.mc.vocab_size << "), " << dtype_name(s.compute)
+       << " GEMMs";
+    log.message(os.str());
+    os.str("");
+    os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
+    if (s.val) os << ", " << s.val->size() << " val tokens";
+    if (int64_t(s.train->vocab_size()) < s.mc.vocab_size)
+      os << " (shard vocab " << s.train->vocab_size() << " < model vocab " << s.mc.vocab_size
+         << ")";
+    os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T << " = "
+       << tokens_per_step << " tokens";
+    log.message(os.str());
+    log.message(str_cat("  memory estimate ", gib(s.mem.total()), " (weights+grads+AdamW ",
+                        gib(s.mem.weights + s.mem.grads + s.mem.optimizer), ", bf16 copy ",
+                        gib(s.mem.mirror), ", activations ", gib(s.mem.activations), ")"));
+    if (!s.resumed_from.empty())
+      log.message(str_cat("  resumed from ", s.resumed_from, " (step ", s.step, ")"));
+    else if (j.checkpoint.resume)
+      log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
+    else if (const std::string old = latest_checkpoint(j.checkpoint.dir); !old.empty())
+      log.message(str_cat("  note: ", j.checkpoint.dir, " holds checkpoints of an earlier run (",
+                          old,
+                          "); this run starts afresh (--checkpoint.resume=true continues "
+                          "it) and its saves replace them"));
+  }
+  double peak = 0;
+  if (s.opt.gemm_peak_seconds > 0) {
+    peak = cpu::measure_gemm_peak(s.compute, s.opt.gemm_peak_seconds);
+    log.message(str_cat("  GEMM peak ", std::llround(peak / 1e9), " GFLOP/s (",
+                        dtype_name(s.compute), ", measured for MFU)"));
+  }
+  if (s.step >= N) {
+    log.message(str_cat("already at step ", s.step, " of ", N, ": nothing to train"));
+    return result;
+  }
+
+  auto& alloc = Allocator::get(Device::cpu);
+  const double flops_per_token = s.mc.flops_per_token(s.T);
+  const float grad_scale = float(1.0 / double(tokens_per_step));
+  int64_t last_saved = -1;
+  double ema_step_s = 0;
+  const int64_t first_step = s.step + 1;
+
+  auto save = [&](int64_t step) {
+    if (j.checkpoint.dir.empty() || last_saved == step) return;
+    const auto t0 = Clock::now();
+    TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j)};
+    result.last_checkpoint =
+        save_checkpoint(j.checkpoint.dir, *s.model, *s.adamw, st, s.tokenizer_json);
+    prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
+    last_saved = step;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
+    log.message(str_cat("step ", step, " | saved ", result.last_checkpoint, " (", buf, " s)"));
+  };
+  auto validation = [&](int64_t step) {
+    const double v = validate();
+    result.val_losses.emplace_back(step, v);
+    log.validation(step, v);
+  };
+
+  for (int64_t step = first_step; step <= N; ++step) {
+    const auto t0 = Clock::now();
+    s.model->zero_grad();
+    double loss_sum = 0;
+    const int64_t data_step = step - 1 + s.data_offset;
+    for (int64_t m = 0; m < s.G; ++m) {
+      const MicroBatch mb = s.loader->get(data_step, m);
+      loss_sum +=
+          s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale);
+    }
+    const double loss = loss_sum / double(tokens_per_step);
+    const double norm = clip_grad_norm(s.model->units(), j.training.max_norm);
+    const double lr = s.schedule.at(step);
+
+    StepMetrics m;
+    m.step = step;
+    m.total_steps = N;
+    m.loss = loss;
+    m.lr = lr;
+    m.grad_norm = norm;
+    m.peak_allocated_bytes = alloc.stats().peak_allocated;
+    m.tokens_seen = step * tokens_per_step;
+    if (!std::isfinite(loss) || !std::isfinite(norm)) {
+      log.step(m);
+      const std::string good =
+          j.checkpoint.dir.empty() ? std::string() : latest_checkpoint(j.checkpoint.dir);
+      fail("step ", step, ": the loss is ", loss, " and the gradient norm ", norm,
+           "; stopping without an update and without saving this state",
+           good.empty() ? std::string() : str_cat(" (the last good checkpoint is ", good, ")"),
+           " (a lower optimizer.lr may help)");
+    }
+    s.adamw->step(float(lr));
+    s.step = step;
+    s.last_loss = loss;
+    s.last_lr = lr;
+    result.steps.push_back({step, loss, lr, norm});
+    result.final_step = step;
+
+    m.step_seconds = seconds_since(t0);
+    m.tokens_per_s = double(tokens_per_step) / m.step_seconds;
+    m.mfu = peak > 0 ? flops_per_token * m.tokens_per_s / peak : 0;
+    m.peak_allocated_bytes = alloc.stats().peak_allocated;
+    // The first step pays for allocations: the ETA is a moving average of the later ones.
+    if (step <= first_step + 1)
+      ema_step_s = m.step_seconds;
+    else
+      ema_step_s = 0.9 * ema_step_s + 0.1 * m.step_seconds;
+    m.eta_seconds = ema_step_s * double(N - step);
+    log.step(m);
+
+    if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N))
+      validation(step);
+    const bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
+    if ((j.checkpoint.interval > 0 && step % j.checkpoint.interval == 0) || step == N || stop)
+      save(step);
+    if (stop && step < N) {
+      result.interrupted = true;
+      log.message(str_cat("interrupted: stopped after step ", step, " of ", N,
+                          j.checkpoint.dir.empty() ? " (no checkpoint.dir: nothing saved)" : ""));
+      break;
+    }
+  }
+  log.finish();
+  return result;
+}
+
+}  // namespace loom

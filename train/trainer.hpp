@@ -1,0 +1,89 @@
+#pragma once
+// The single-process trainer: the loop of DESIGN.md's "path of one training step" on one rank
+// (data loader -> micro-batches -> forward/backward -> clip -> AdamW -> lr schedule -> metrics ->
+// checkpoint). The world is one rank: dp_rank 0 of dp_size 1; the data loader and the loss
+// normalization already follow the layout-free rules of decision 11, so the multi-process
+// trainer adds gradient reduction between backward and clipping, and nothing else changes here.
+//
+// Everything that can be wrong with the job (the config, the model shape, the data directory and
+// its vocabulary, the checkpoint directory, the memory the run needs) is checked in the
+// constructor before anything large is allocated.
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "model/llama_config.hpp"
+#include "train/config.hpp"
+
+namespace loom {
+
+class LlamaModel;
+class AdamW;
+
+struct TrainerOptions {
+  FILE* out = stdout;  // progress and messages
+  bool tty = false;    // a live progress line instead of plain lines
+  // Set asynchronously (SIGINT/SIGTERM): the current step finishes, a checkpoint is saved if a
+  // directory is configured, and run() returns with interrupted = true.
+  const std::atomic<bool>* stop = nullptr;
+  double gemm_peak_seconds = 0.2;  // measurement of the GEMM peak for MFU; 0: skip (mfu = 0)
+  size_t mem_available = 0;        // bytes the run may use; 0: MemAvailable from /proc/meminfo
+};
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = 0;
+};
+
+struct TrainResult {
+  std::vector<StepRecord> steps;                       // the steps run by this call
+  std::vector<std::pair<int64_t, double>> val_losses;  // (step, val_loss)
+  int64_t final_step = 0;
+  bool interrupted = false;
+  std::string last_checkpoint;  // "" if none was saved by this call
+};
+
+// The memory a training run needs, by the model of DESIGN.md decision 9 (what `loom bench`
+// compares with the allocator's peak).
+struct MemoryEstimate {
+  size_t params = 0;       // number of parameters
+  size_t weights = 0;      // f32 master weights: 4 B each
+  size_t grads = 0;        // f32 gradients: 4 B each
+  size_t optimizer = 0;    // AdamW moments: 8 B each
+  size_t mirror = 0;       // bf16 GEMM copy: 2 B each with bf16 mixed precision
+  size_t activations = 0;  // saved by one micro-batch (LlamaModel::saved_activation_bytes)
+  size_t total() const { return weights + grads + optimizer + mirror + activations; }
+};
+MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
+                                        DType compute);
+size_t mem_available_bytes();  // MemAvailable of /proc/meminfo (0 if it cannot be read)
+
+class Trainer {
+ public:
+  explicit Trainer(const JobConfig& config, const TrainerOptions& options = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Trains from the current step to training.steps. A non-finite loss or gradient norm stops the
+  // run with a loom::Error naming the step; nothing is saved from that state.
+  TrainResult run();
+  // Mean cross-entropy over the fixed validation batches (validation.steps batches of the `val`
+  // split). Leaves the gradients zero.
+  double validate();
+
+  LlamaModel& model();
+  AdamW& optimizer();
+  int64_t step() const;  // optimizer steps completed
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace loom
