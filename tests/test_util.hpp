@@ -1,11 +1,16 @@
 #pragma once
 // Shared helpers of the unit tests: random inputs (never zeros), error measures, and fp64
 // central finite differences.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
+
+#include "core/error.hpp"
 
 namespace loom::test {
 
@@ -64,6 +69,20 @@ inline std::vector<double> numeric_grad(const std::function<double(const std::ve
     g[i] = (fp - fm) / (2 * h);
   }
   return g;
+}
+
+// Expects f to throw loom::Error whose message contains every one of `parts` (the file, key,
+// tensor or rank the message must name).
+inline void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const loom::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "expected a loom::Error";
 }
 
 }  // namespace loom::test

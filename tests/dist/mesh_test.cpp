@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "dist/mesh.hpp"
+#include "tests/test_util.hpp"
 
 using namespace loom;
 using namespace loom::dist;
@@ -38,16 +39,7 @@ MeshShape shape_of(const Sizes& s) {
   return MeshShape{s[0], s[1], s[2], s[3], s[4]};
 }
 
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no loom::Error thrown";
-  } catch (const Error& e) {
-    for (const auto& p : parts)
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-  }
-}
+using loom::test::expect_error;
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 
 #include "dist/mpi_process_group.hpp"
 #include "dist/process_group.hpp"
+#include "tests/test_util.hpp"
 
 using namespace loom;
 using namespace loom::dist;
@@ -26,17 +27,7 @@ std::vector<float> values(const Tensor& t) {
   return std::vector<float>(p, p + t.numel());
 }
 
-// Expects a loom::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no loom::Error thrown";
-  } catch (const Error& e) {
-    for (const auto& p : parts)
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-  }
-}
+using loom::test::expect_error;
 
 // Exact sum of two bf16 values (in double, where it is exact), rounded to the nearest bf16 with
 // ties to even: an implementation independent of float_to_bf16.

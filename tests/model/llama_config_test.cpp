@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::LlamaConfig;
@@ -26,17 +27,7 @@ std::string config_path(const std::string& name) {
   return (fs::path(source_dir()) / "configs" / (name + ".json")).string();
 }
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 // A small valid config as JSON, to be broken one field at a time.
 json base() {

@@ -45,18 +45,7 @@ std::string craft(const std::string& header, const std::string& data, int64_t cl
   return out + header + data;
 }
 
-// Runs f, which must throw loom::Error whose message contains every one of `parts`.
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 Tensor f32_tensor(const Shape& shape, uint64_t seed) {
   Tensor t = Tensor::empty(shape, DType::f32);

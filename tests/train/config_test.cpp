@@ -11,6 +11,7 @@
 
 #include "core/error.hpp"
 #include "model/llama_config.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::JobConfig;
@@ -22,17 +23,7 @@ std::string source_dir() {
   return s && *s ? s : fs::path(__FILE__).parent_path().parent_path().parent_path().string();
 }
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 JobConfig parse(const std::string& text, const std::vector<std::string>& ov = {}) {
   return loom::parse_job_config(text, "job.toml", ov);

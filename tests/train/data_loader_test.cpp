@@ -10,6 +10,7 @@
 #include <random>
 
 #include "core/error.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::DataLoader;
@@ -75,17 +76,7 @@ DataLoaderConfig config(int64_t B, int64_t T, int64_t accum, int64_t dp, int64_t
   return c;
 }
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 // The epoch-e order of a shuffled loader: the start of each of its S samples.
 std::vector<int64_t> epoch_starts(const TokenStream& s, int64_t T, uint64_t seed, int64_t epoch) {

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "core/error.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::Shard;
@@ -30,17 +31,7 @@ struct TempDir {
   std::string operator/(const std::string& name) const { return (path / name).string(); }
 };
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error with: " << ::testing::PrintToString(parts);
-}
+using loom::test::expect_error;
 
 std::vector<int32_t> random_ids(size_t n, uint64_t vocab, uint32_t seed) {
   std::mt19937 rng(seed);

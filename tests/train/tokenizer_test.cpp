@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "tests/test_util.hpp"
 #include "train/tokenizer_impl.hpp"
 
 namespace fs = std::filesystem;
@@ -502,16 +503,7 @@ std::string small_ranks(int skip_byte = -1) {
   return s;
 }
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << parts[0];
-  } catch (const loom::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nlacks: " << p;
-  }
-}
+using loom::test::expect_error;
 
 std::string tmp(const std::string& name) {
   const fs::path d = fs::path(testing::TempDir()) / "loom_tok_edge";
