@@ -66,20 +66,21 @@ static std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer) {
   // the residual stream's variance does not grow with depth.
   const float out_std = 0.02f / std::sqrt(2.0f * float(c.num_hidden_layers));
   return {
-      {p + "input_layernorm.weight", {d}, Init::ones, 0, false},
+      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true},
       {p + "self_attn.q_proj.weight", {q, d}},
       {p + "self_attn.k_proj.weight", {kv, d}},
       {p + "self_attn.v_proj.weight", {kv, d}},
       {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std},
-      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false},
+      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true},
       {p + "mlp.gate_proj.weight", {F, d}},
       {p + "mlp.up_proj.weight", {F, d}},
       {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std},
   };
 }
 
-TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device)
-    : c_(c), unit_("layers." + std::to_string(layer), block_specs(c, layer), bf16, device) {}
+TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
+                                   ShardLayout shard)
+    : c_(c), unit_("layers." + std::to_string(layer), block_specs(c, layer), bf16, device, shard) {}
 
 Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
   const int64_t M = ctx.tokens(), d = c_.hidden_size, hd = c_.head_dim();
@@ -198,20 +199,23 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
   a = BlockActs();
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device)
-    : config_(config), compute_(compute), device_(device) {
+LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard)
+    : config_(config), compute_(compute), device_(device), shard_(shard) {
   config_.validate("model config");
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
              "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size;
   embed_ = std::make_unique<ParamUnit>(
-      "embed", std::vector<ParamSpec>{{"model.embed_tokens.weight", {V, d}}}, bf, device);
+      "embed",
+      std::vector<ParamSpec>{
+          {"model.embed_tokens.weight", {V, d}, Init::normal, 0.02f, true, true}},
+      bf, device, shard);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
-    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device));
-  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false}};
+    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard));
+  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}});
-  head_ = std::make_unique<ParamUnit>("head", head, bf, device);
+  head_ = std::make_unique<ParamUnit>("head", head, bf, device, shard);
 }
 
 std::vector<ParamUnit*> LlamaModel::units() {
@@ -233,8 +237,22 @@ void LlamaModel::init_weights(uint64_t seed) {
 
 void LlamaModel::load_hf(const SafetensorsDir& dir) {
   for (ParamUnit* u : units()) {
-    for (auto& p : u->params()) dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
-    u->refresh_bf16();
+    if (!u->sharded()) {
+      for (auto& p : u->params()) dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+      u->refresh_bf16();
+      continue;
+    }
+    // Only the rows that hold this rank's slice are read (and converted).
+    float* shard = u->master_shard().data<float>();
+    std::vector<float> rows;
+    for (const ShardSlice& s : u->shard_slices()) {
+      const ParamSpec& spec = u->params()[s.param].spec;
+      const int64_t row = spec.shape.empty() ? 1 : shape_numel(spec.shape) / spec.shape[0];
+      const int64_t r0 = s.begin / row, r1 = (s.begin + s.count - 1) / row + 1;
+      rows.resize(size_t((r1 - r0) * row));
+      dir.read_f32(spec.name, spec.shape, rows.data(), r0, r1 - r0);
+      std::copy_n(rows.data() + (s.begin - r0 * row), s.count, shard + s.shard_offset);
+    }
   }
 }
 
@@ -260,16 +278,33 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   for (int64_t t = 0; t < T; ++t) ctx.positions[t] = int32_t(t);
   ctx.rope = &rope_for(T);
 
+  LOOM_CHECK(hooks_ || !shard_.sharded(),
+             "forward_backward: a sharded model needs hooks that materialize its units");
+  const size_t head_unit = blocks_.size() + 1;
+  auto hook = [this](void (UnitHooks::*fn)(size_t), size_t unit) {
+    if (hooks_) (hooks_->*fn)(unit);
+  };
+
   Tensor x = f32({M, d}, device_);
-  const Param& emb = embed_->params()[0];
-  if (run) cpu::embedding_forward(inputs, M, emb.value.data<float>(), V, d, x.data<float>());
+  hook(&UnitHooks::before_forward, 0);
+  if (run)
+    cpu::embedding_forward(inputs, M, embed_->params()[0].value.data<float>(), V, d,
+                           x.data<float>());
+  hook(&UnitHooks::after_forward, 0);
 
   std::vector<BlockActs> acts(blocks_.size());
-  for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward(ctx, x, acts[l]);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    hook(&UnitHooks::before_forward, l + 1);
+    x = blocks_[l]->forward(ctx, x, acts[l]);
+    hook(&UnitHooks::after_forward, l + 1);
+  }
 
   // Head: final norm, then the output projection fused with the loss (forward and backward).
   Tensor dx;
   double loss = 0;
+  hook(&UnitHooks::before_forward, head_unit);
+  hook(&UnitHooks::after_forward, head_unit);
+  hook(&UnitHooks::before_backward, head_unit);
   {
     const Param& norm = head_->params()[0];
     Tensor rstd = f32({M}, device_), xf = f32({M, d}, device_);
@@ -303,9 +338,16 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
                             rstd.data<float>(), M, d, dx.data<float>(), head_->grad_data(0));
     }
   }
+  hook(&UnitHooks::after_backward, head_unit);
   x = Tensor();
-  for (size_t l = blocks_.size(); l-- > 0;) blocks_[l]->backward(ctx, dx, acts[l]);
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    hook(&UnitHooks::before_backward, l + 1);
+    blocks_[l]->backward(ctx, dx, acts[l]);
+    hook(&UnitHooks::after_backward, l + 1);
+  }
+  hook(&UnitHooks::before_backward, 0);
   if (run) cpu::embedding_backward(inputs, M, dx.data<float>(), V, d, embed_->grad_data(0));
+  hook(&UnitHooks::after_backward, 0);
   return loss;
 }
 

@@ -47,7 +47,8 @@ struct BlockActs {
 
 class TransformerBlock {
  public:
-  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device);
+  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
+                   ShardLayout shard = {});
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
 
@@ -62,19 +63,41 @@ class TransformerBlock {
   ParamUnit unit_;
 };
 
+// Called by LlamaModel::forward_backward around the work of each unit, unit i in units() order
+// (embedding, blocks, head). Data parallelism (parallel/) implements it: gathering sharded
+// weights before a unit runs, reducing its gradient after its backward. The head's forward and
+// backward are one fused computation: its after_forward is directly followed by its
+// before_backward. With tied embeddings the head also reads and writes unit 0 (the embedding)
+// between its before_backward and after_backward.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void before_forward(size_t unit) = 0;
+  virtual void after_forward(size_t unit) = 0;
+  virtual void before_backward(size_t unit) = 0;
+  virtual void after_backward(size_t unit) = 0;
+};
+
 // The whole model: embedding unit, blocks, head unit (final norm + lm_head, or the embedding
-// when tied).
+// when tied). With a sharded layout every unit is sharded over `shard.count` ranks (see
+// param_unit.hpp); forward_backward then needs hooks that materialize the units.
 class LlamaModel {
  public:
-  LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu);
+  LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu,
+             ShardLayout shard = {});
 
   const LlamaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }
   std::vector<ParamUnit*> units();
   int64_t num_params() const;
 
+  const ShardLayout& shard_layout() const { return shard_; }
+  // Not owned; nullptr for none. Must outlive the calls of forward_backward.
+  void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
+
   void init_weights(uint64_t seed);
-  void load_hf(const SafetensorsDir& dir);  // every parameter, shapes checked
+  // Every parameter, shapes checked; a sharded model reads only its shards' slices.
+  void load_hf(const SafetensorsDir& dir);
   void zero_grad();
 
   // Forward and backward of one micro-batch: inputs/targets [B, T]. Returns the sum of the
@@ -93,6 +116,8 @@ class LlamaModel {
   LlamaConfig config_;
   DType compute_;
   Device device_;
+  ShardLayout shard_;
+  UnitHooks* hooks_ = nullptr;
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   std::unique_ptr<ParamUnit> head_;

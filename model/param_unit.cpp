@@ -2,29 +2,51 @@
 
 #include <algorithm>
 
+#include "core/error.hpp"
 #include "core/philox.hpp"
 #include "kernels/cpu/cast.hpp"
 
 namespace loom {
 
 ParamUnit::ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_mirror,
-                     Device device)
-    : name_(std::move(name)) {
+                     Device device, ShardLayout shard)
+    : name_(std::move(name)), device_(device), bf16_(bf16_mirror), shard_(shard) {
+  LOOM_CHECK(shard_.count >= 1 && shard_.rank >= 0 && shard_.rank < shard_.count, "unit ", name_,
+             ": shard rank ", shard_.rank, " of ", shard_.count,
+             " (expected 0 <= rank < count, count >= 1)");
   for (auto& s : specs) {
     Param p;
     p.offset = numel_;
     numel_ += shape_numel(s.shape);
+    side_offset_.push_back(s.f32_value ? side_numel_ : -1);
+    if (s.f32_value) side_numel_ += shape_numel(s.shape);
     p.spec = std::move(s);
     params_.push_back(std::move(p));
+  }
+  padded_ = (numel_ + shard_.count - 1) / shard_.count * shard_.count;
+  if (sharded()) {
+    master_ = Tensor::zeros({shard_numel()}, DType::f32, device);
+    grad_shard_ = Tensor::zeros({shard_numel()}, DType::f32, device);
+    return;
   }
   flat_ = Tensor::empty({numel_}, DType::f32, device);
   grad_flat_ = Tensor::zeros({numel_}, DType::f32, device);
   if (bf16_mirror) flat_bf16_ = Tensor::empty({numel_}, DType::bf16, device);
-  for (auto& p : params_) {
-    int64_t n = shape_numel(p.spec.shape);
-    p.value = flat_.narrow(0, p.offset, n).view(p.spec.shape);
-    p.grad = grad_flat_.narrow(0, p.offset, n).view(p.spec.shape);
-    if (bf16_mirror) p.value_bf16 = flat_bf16_.narrow(0, p.offset, n).view(p.spec.shape);
+  bind_views();
+}
+
+void ParamUnit::bind_views() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    const int64_t n = shape_numel(p.spec.shape);
+    p.value = p.value_bf16 = p.grad = Tensor();
+    if (flat_.defined()) {
+      p.value = flat_.narrow(0, p.offset, n).view(p.spec.shape);
+    } else if (side_.defined() && side_offset_[i] >= 0) {
+      p.value = side_.narrow(0, side_offset_[i], n).view(p.spec.shape);
+    }
+    if (flat_bf16_.defined()) p.value_bf16 = flat_bf16_.narrow(0, p.offset, n).view(p.spec.shape);
+    if (grad_flat_.defined()) p.grad = grad_flat_.narrow(0, p.offset, n).view(p.spec.shape);
   }
 }
 
@@ -36,30 +58,112 @@ const Param& ParamUnit::param(const std::string& name) const {
 
 const void* ParamUnit::gemm_weights(size_t first) const {
   const Param& p = params_.at(first);
+  LOOM_CHECK(weights_materialized(), "unit ", name_,
+             ": weights read while released (a missing materialize before forward/backward)");
   return has_bf16() ? p.value_bf16.raw() : p.value.raw();
 }
 
+std::vector<ShardSlice> ParamUnit::shard_slices() const {
+  std::vector<ShardSlice> out;
+  const int64_t lo = shard_begin(), hi = lo + shard_numel();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t b = std::max(lo, params_[i].offset);
+    const int64_t e = std::min(hi, params_[i].offset + shape_numel(params_[i].spec.shape));
+    if (b < e) out.push_back({i, b - params_[i].offset, e - b, b - lo});
+  }
+  return out;
+}
+
 void ParamUnit::init_weights(uint64_t seed) {
-  if (flat_.device() == Device::meta) return;
-  for (auto& p : params_) {
-    float* d = p.value.data<float>();
-    int64_t n = p.value.numel();
-    if (p.spec.init == Init::ones) {
-      std::fill(d, d + n, 1.0f);
+  if (device_ == Device::meta) return;
+  float* d = master_shard().data<float>();
+  for (const ShardSlice& s : shard_slices()) {
+    const ParamSpec& spec = params_[s.param].spec;
+    float* out = d + s.shard_offset;
+    if (spec.init == Init::ones) {
+      std::fill(out, out + s.count, 1.0f);
     } else {
-      philox_normal(philox_key(seed, p.spec.name), 0, n, 0.0f, p.spec.std, d);
+      // Sample (element index) of the parameter's stream: the same value on every layout.
+      philox_normal(philox_key(seed, spec.name), s.begin, s.count, 0.0f, spec.std, out);
     }
   }
   refresh_bf16();
 }
 
 void ParamUnit::refresh_bf16() {
-  if (!has_bf16() || flat_.device() == Device::meta) return;
+  if (sharded() || !has_bf16() || device_ == Device::meta) return;
   cpu::cast_f32_to_bf16(flat_.data<float>(), flat_bf16_.data<bf16>(), numel_);
 }
 
 void ParamUnit::zero_grad() {
-  grad_flat_.zero_();
+  grad_shard().zero_();
+  if (sharded() && grad_flat_.defined()) grad_flat_.zero_();
+}
+
+DType ParamUnit::gather_dtype() const {
+  if (!bf16_) return DType::f32;
+  // A unit that is mostly read as f32 (the embedding table) is cheaper to gather in f32 once
+  // than in bf16 plus an f32 side buffer of nearly the same size.
+  return 2 * side_numel_ > numel_ ? DType::f32 : DType::bf16;
+}
+
+void ParamUnit::materialize_weights() {
+  if (!sharded() || full_.defined()) return;
+  full_ = Tensor::empty({padded_}, gather_dtype(), device_);
+  if (gather_dtype() == DType::f32) {
+    flat_ = full_.narrow(0, 0, numel_);
+    if (bf16_) flat_bf16_ = Tensor::empty({numel_}, DType::bf16, device_);
+  } else {
+    flat_bf16_ = full_.narrow(0, 0, numel_);
+    if (needs_side()) side_ = Tensor::empty({side_numel_}, DType::f32, device_);
+  }
+  bind_views();
+}
+
+void ParamUnit::release_weights() {
+  if (!sharded()) return;
+  full_ = flat_ = flat_bf16_ = side_ = Tensor();
+  bind_views();
+}
+
+void ParamUnit::materialize_grads() {
+  if (!sharded() || grad_flat_.defined()) return;
+  grad_flat_ = Tensor::zeros({padded_}, DType::f32, device_);
+  bind_views();
+}
+
+void ParamUnit::release_grads() {
+  if (!sharded()) return;
+  grad_flat_ = Tensor();
+  bind_views();
+}
+
+Tensor ParamUnit::gather_input() {
+  LOOM_CHECK(sharded() && full_.defined(), "unit ", name_,
+             ": gather_input needs a sharded unit with materialized weights");
+  Tensor block = full_.narrow(0, shard_begin(), shard_numel());
+  if (device_ == Device::meta) return block;
+  const float* m = master_.data<float>();
+  if (full_.dtype() == DType::f32) {
+    block.copy_from(master_);
+  } else {
+    cpu::cast_f32_to_bf16(m, block.data<bf16>(), shard_numel());
+  }
+  if (needs_side()) {
+    side_.zero_();
+    float* side = side_.data<float>();
+    for (const ShardSlice& s : shard_slices())
+      if (side_offset_[s.param] >= 0)
+        std::copy(m + s.shard_offset, m + s.shard_offset + s.count,
+                  side + side_offset_[s.param] + s.begin);
+  }
+  return block;
+}
+
+void ParamUnit::finish_gather() {
+  if (!sharded() || device_ == Device::meta) return;
+  if (bf16_ && full_.dtype() == DType::f32)
+    cpu::cast_f32_to_bf16(flat_.data<float>(), flat_bf16_.data<bf16>(), numel_);
 }
 
 }  // namespace loom

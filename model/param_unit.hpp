@@ -4,6 +4,23 @@
 // buffer of master weights, one flat f32 gradient buffer and, with bf16 mixed precision, a flat
 // bf16 mirror that the GEMMs read. Each parameter is a view at an offset in those buffers, so
 // adjacent parameters (q, k, v; gate, up) can be read as one fused matrix.
+//
+// Sharded units (DESIGN.md decision 2). A unit sharded over N ranks pads its flat size to
+// P = ceil(numel / N) * N and keeps only its shard of S = P / N elements, [rank * S, rank * S + S)
+// of the flat layout: the f32 master shard and the f32 gradient shard (the padding is zero and
+// never updated). The full weights and the full f32 gradient exist only between
+// materialize_*() and release_*(); the parameter views point into them while they exist. Filling
+// the full weights is the caller's job (parallel/: an all-gather of gather_input() into
+// full_weights(), and, when needs_side(), an all-reduce (sum) of side_f32()), followed by
+// finish_gather(). In which dtype the full weights are gathered:
+//   - f32 mixed precision: f32;
+//   - bf16, units whose f32-read parameters (f32_value: norms, the embedding table) are small:
+//     bf16 (what the GEMMs read), plus the f32 values of those parameters in a side buffer that
+//     every rank fills with its own elements and zeros (a sum then gives exact f32 values);
+//   - bf16, units that are mostly f32-read (the embedding): f32, rounded locally to a bf16 copy
+//     for the GEMMs (a tied output head), exactly as the unsharded mirror is made.
+// An unsharded unit (N = 1) is the single-process unit: everything is always materialized, the
+// master and gradient "shards" are the whole flat buffers, and materialize/release do nothing.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,31 +36,48 @@ struct ParamSpec {
   Shape shape;
   Init init = Init::normal;
   float std = 0.02f;
-  bool decay = true;  // weight decay applies (not to norms)
+  bool decay = true;       // weight decay applies (not to norms)
+  bool f32_value = false;  // read as f32 by non-GEMM kernels (norms, the embedding lookup)
 };
 
 struct Param {
   ParamSpec spec;
   int64_t offset = 0;  // in elements, within the unit's flat buffers
-  Tensor value;        // f32 master weights (view)
+  Tensor value;        // f32 weights (view; in sharded bf16 units only f32_value parameters)
   Tensor grad;         // f32 gradient (view)
   Tensor value_bf16;   // bf16 mirror (view; undefined without bf16 mixed precision)
 };
 
+// This rank's place among the ranks that shard a unit.
+struct ShardLayout {
+  int rank = 0, count = 1;
+  bool sharded() const { return count > 1; }
+};
+
+// Elements [begin, begin + count) of parameter `param` are elements
+// [shard_offset, shard_offset + count) of this rank's shard.
+struct ShardSlice {
+  size_t param = 0;
+  int64_t begin = 0, count = 0, shard_offset = 0;
+};
+
 class ParamUnit {
  public:
-  ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_mirror, Device device);
+  ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_mirror, Device device,
+            ShardLayout shard = {});
 
   const std::string& name() const { return name_; }
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   const Param& param(const std::string& name) const;
   int64_t numel() const { return numel_; }
+  Device device() const { return device_; }
 
+  // Full flat buffers (unsharded: always; sharded: while materialized).
   Tensor& flat() { return flat_; }
   Tensor& grad_flat() { return grad_flat_; }
   Tensor& flat_bf16() { return flat_bf16_; }
-  bool has_bf16() const { return flat_bf16_.defined(); }
+  bool has_bf16() const { return bf16_; }
 
   // The weights a GEMM reads, starting at parameter `first` (adjacent parameters with the same
   // number of columns read as one fused matrix): the bf16 mirror if there is one, else f32.
@@ -51,14 +85,47 @@ class ParamUnit {
   float* grad_data(size_t first) { return params_[first].grad.data<float>(); }
 
   void init_weights(uint64_t seed);  // Philox, a function of (seed, name, element index)
-  void refresh_bf16();               // mirror <- round(master)
-  void zero_grad();
+  void refresh_bf16();               // mirror <- round(master) (unsharded)
+  void zero_grad();                  // the gradient shard (and full gradient if materialized)
+
+  // Sharding. Unsharded: padded = shard = numel, shard_begin = 0.
+  const ShardLayout& shard_layout() const { return shard_; }
+  bool sharded() const { return shard_.sharded(); }
+  int64_t padded_numel() const { return padded_; }
+  int64_t shard_numel() const { return padded_ / shard_.count; }
+  int64_t shard_begin() const { return shard_numel() * shard_.rank; }
+  Tensor& master_shard() { return sharded() ? master_ : flat_; }         // f32 [S]
+  Tensor& grad_shard() { return sharded() ? grad_shard_ : grad_flat_; }  // f32 [S]
+  std::vector<ShardSlice> shard_slices() const;
+
+  bool weights_materialized() const { return !sharded() || full_.defined(); }
+  bool grads_materialized() const { return !sharded() || grad_flat_.defined(); }
+  void materialize_weights();  // allocates the full buffers (contents undefined until gathered)
+  void release_weights();
+  void materialize_grads();  // allocates the full f32 gradient, zeroed
+  void release_grads();
+
+  // The gather of a materialized sharded unit (see the top of the file).
+  DType gather_dtype() const;
+  Tensor& full_weights() { return full_; }  // [P] in gather_dtype()
+  Tensor gather_input();                    // this rank's block of full_weights(), filled
+  bool needs_side() const { return side_numel_ > 0 && gather_dtype() == DType::bf16; }
+  Tensor& side_f32() { return side_; }  // [side numel], filled with this rank's elements
+  void finish_gather();                 // after the collectives completed
 
  private:
+  void bind_views();
+
   std::string name_;
+  Device device_;
+  bool bf16_ = false;
+  ShardLayout shard_;
   std::vector<Param> params_;
-  int64_t numel_ = 0;
+  int64_t numel_ = 0, padded_ = 0, side_numel_ = 0;
+  std::vector<int64_t> side_offset_;  // per parameter: offset in side_ (-1: not f32_value)
   Tensor flat_, grad_flat_, flat_bf16_;
+  Tensor master_, grad_shard_;  // sharded only
+  Tensor full_, side_;          // sharded only, while materialized
 };
 
 }  // namespace loom

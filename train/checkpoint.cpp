@@ -14,8 +14,10 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "dist/process_group.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "parallel/fsdp.hpp"
 #include "train/optimizer.hpp"
 
 namespace loom {
@@ -86,19 +88,51 @@ int64_t parse_step_name(const std::string& name) {
   return v;
 }
 
-// Moments of each parameter as views shaped like the parameter, in unit order.
-std::vector<NamedTensor> moment_tensors(LlamaModel& model, AdamW& opt) {
-  std::vector<NamedTensor> out;
+// The full flat f32 buffers of a unit: itself when unsharded, else gathered over `shard`.
+Tensor full_flat(ParamUnit& u, const Tensor& shard_buffer, dist::ProcessGroup* shard) {
+  if (!u.sharded()) return shard_buffer;
+  LOOM_CHECK(shard != nullptr && shard->size() == u.shard_layout().count, "save_checkpoint: unit ",
+             u.name(), " is sharded over ", u.shard_layout().count,
+             " ranks but no matching shard group was given");
+  return parallel::gather_full(*shard, shard_buffer);
+}
+
+// Weights and moments of each parameter as full tensors shaped like the parameter, in unit
+// order (every rank gathers; the writer writes).
+void full_tensors(LlamaModel& model, AdamW& opt, dist::ProcessGroup* shard,
+                  std::vector<NamedTensor>& weights, std::vector<NamedTensor>& moments) {
   auto units = model.units();
-  for (size_t i = 0; i < units.size(); ++i)
-    for (const Param& p : units[i]->params()) {
-      const int64_t n = p.value.numel();
-      out.push_back(
-          {p.spec.name + ".exp_avg", opt.exp_avg()[i].narrow(0, p.offset, n).view(p.spec.shape)});
-      out.push_back({p.spec.name + ".exp_avg_sq",
-                     opt.exp_avg_sq()[i].narrow(0, p.offset, n).view(p.spec.shape)});
+  for (size_t i = 0; i < units.size(); ++i) {
+    ParamUnit& u = *units[i];
+    const Tensor w = full_flat(u, u.master_shard(), shard);
+    const Tensor m = full_flat(u, opt.exp_avg()[i], shard);
+    const Tensor v = full_flat(u, opt.exp_avg_sq()[i], shard);
+    for (const Param& p : u.params()) {
+      const int64_t n = shape_numel(p.spec.shape);
+      weights.push_back({p.spec.name, w.narrow(0, p.offset, n).view(p.spec.shape)});
+      moments.push_back({p.spec.name + ".exp_avg", m.narrow(0, p.offset, n).view(p.spec.shape)});
+      moments.push_back({p.spec.name + ".exp_avg_sq", v.narrow(0, p.offset, n).view(p.spec.shape)});
     }
-  return out;
+  }
+}
+
+// Reads this rank's part of a tensor stored whole: the rows that hold each slice.
+void read_shard(const SafetensorsFile& f, const std::string& name, ParamUnit& u, size_t param,
+                float* shard_buffer) {
+  const ParamSpec& spec = u.params()[param].spec;
+  if (!u.sharded()) {
+    f.read_f32(name, spec.shape, shard_buffer + u.params()[param].offset);
+    return;
+  }
+  const int64_t row = spec.shape.empty() ? 1 : shape_numel(spec.shape) / spec.shape[0];
+  std::vector<float> rows;
+  for (const ShardSlice& s : u.shard_slices()) {
+    if (s.param != param) continue;
+    const int64_t r0 = s.begin / row, r1 = (s.begin + s.count - 1) / row + 1;
+    rows.resize(size_t((r1 - r0) * row));
+    f.read_f32(name, spec.shape, rows.data(), r0, r1 - r0);
+    std::copy_n(rows.data() + (s.begin - r0 * row), s.count, shard_buffer + s.shard_offset);
+  }
 }
 
 }  // namespace
@@ -127,11 +161,12 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? std::string() : all.back().second;
 }
 
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
-                            const TrainState& state, const std::string& tokenizer_json) {
-  LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
-  LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
-             optimizer.steps_taken(), " steps but the state says step ", state.step);
+namespace {
+
+std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                             const TrainState& state, const std::string& tokenizer_json,
+                             const std::vector<NamedTensor>& weights,
+                             const std::vector<NamedTensor>& moments) {
   std::error_code ec;
   fs::create_directories(root, ec);
   LOOM_CHECK(!ec, "cannot create checkpoint directory '", root, "': ", ec.message());
@@ -142,12 +177,9 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   fs::create_directory(tmp, ec);
   LOOM_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
 
-  std::vector<NamedTensor> weights;
-  for (ParamUnit* u : model.units())
-    for (const Param& p : u->params()) weights.push_back({p.spec.name, p.value});
   write_safetensors_dir(tmp.string(), weights);
   write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
-  write_safetensors((tmp / "optimizer.safetensors").string(), moment_tensors(model, optimizer),
+  write_safetensors((tmp / "optimizer.safetensors").string(), moments,
                     {{"format", "loom-adamw"}, {"step", std::to_string(optimizer.steps_taken())}});
   if (!tokenizer_json.empty())
     write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
@@ -178,6 +210,38 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   fsync_path(root, true);
   if (replacing) fs::remove_all(old, ec);
   return final_dir.string();
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                            const TrainState& state, const std::string& tokenizer_json,
+                            const CheckpointComm& comm) {
+  LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
+  LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
+             optimizer.steps_taken(), " steps but the state says step ", state.step);
+  std::vector<NamedTensor> weights, moments;
+  full_tensors(model, optimizer, comm.shard, weights, moments);
+  const bool writer = !comm.world || comm.world->rank() == 0;
+  std::string path = (fs::path(root) / checkpoint_name(state.step)).string(), error;
+  if (writer) {
+    try {
+      path = write_checkpoint(root, model, optimizer, state, tokenizer_json, weights, moments);
+    } catch (const Error& e) {
+      if (!comm.world || comm.world->size() == 1) throw;
+      error = e.what();
+    }
+  }
+  if (comm.world && comm.world->size() > 1) {
+    // Every rank learns whether the save succeeded, so none trains on after a failed save.
+    Tensor ok = Tensor::empty({1}, DType::i32);
+    ok.data<int32_t>()[0] = error.empty() ? 1 : 0;
+    comm.world->broadcast(ok, 0)->wait();
+    if (!error.empty()) fail(error);
+    LOOM_CHECK(ok.data<int32_t>()[0] == 1, "saving checkpoint ", path,
+               " failed on world rank 0 (its message names the cause)");
+  }
+  return path;
 }
 
 TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
@@ -214,6 +278,7 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
     LOOM_CHECK(names.count(n), dir, ": tensor '", n, "' (in ", weights.file_of(n).path(),
                ") is not a parameter of the model being trained (a model of another shape?)");
   model.load_hf(weights);
+  auto units = model.units();
 
   const std::string opt_path = (d / "optimizer.safetensors").string();
   LOOM_CHECK(fs::is_regular_file(opt_path, ec), "checkpoint '", dir,
@@ -229,12 +294,15 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
   }
   LOOM_CHECK(opt_step == st.step, opt_path, ": optimizer step ", opt_step, " but ", state_path,
              " says step ", st.step);
-  const auto moments = moment_tensors(model, optimizer);
   std::set<std::string> mnames;
-  for (const auto& m : moments) {
-    mnames.insert(m.name);
-    opt.read_f32(m.name, m.tensor.shape(), m.tensor.data<float>());
-  }
+  for (size_t i = 0; i < units.size(); ++i)
+    for (size_t k = 0; k < units[i]->params().size(); ++k) {
+      const std::string& n = units[i]->params()[k].spec.name;
+      mnames.insert(n + ".exp_avg");
+      mnames.insert(n + ".exp_avg_sq");
+      read_shard(opt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
+      read_shard(opt, n + ".exp_avg_sq", *units[i], k, optimizer.exp_avg_sq()[i].data<float>());
+    }
   for (const auto& e : opt.entries())
     LOOM_CHECK(mnames.count(e.name), opt_path, ": tensor '", e.name,
                "' is not a moment of the model being trained (a model of another shape?)");

@@ -21,7 +21,18 @@ namespace loom {
 
 class LlamaModel;
 class AdamW;
+namespace dist {
+class ProcessGroup;
+}
 
+// The ranks a checkpoint is saved from. `shard`: the group the model's units are sharded over
+// (nullptr: unsharded); `world`: all ranks (nullptr: one process). Each sharded unit is
+// all-gathered over `shard`, world rank 0 writes, and then tells every rank whether it succeeded
+// (a failed save is an error on every rank).
+struct CheckpointComm {
+  dist::ProcessGroup* shard = nullptr;
+  dist::ProcessGroup* world = nullptr;
+};
 struct TrainState {
   int64_t step = 0;       // optimizer steps completed
   int64_t data_step = 0;  // the data loader's next step (0-based)
@@ -38,12 +49,15 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 
 // Writes ROOT/step-<state.step>/ atomically (replacing one of the same step) and returns its path.
 // `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
+// Every rank of `comm` calls it. The files are the same whatever the layout.
 std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
-                            const TrainState& state, const std::string& tokenizer_json = "");
+                            const TrainState& state, const std::string& tokenizer_json = "",
+                            const CheckpointComm& comm = {});
 
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both
-// shapes), tensors the model does not have.
+// shapes), tensors the model does not have. A sharded model reads only its shards' slices, so a
+// checkpoint of any layout loads into any other.
 TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
 
 // Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all).

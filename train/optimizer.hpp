@@ -1,7 +1,8 @@
 #pragma once
 // AdamW over the model's parameter units: fp32 master weights and moments (one flat buffer per
 // unit, like the weights), weight decay only on parameters marked for it, and the bf16 mirrors
-// refreshed in the same pass.
+// refreshed in the same pass. Sharded units: the moments have the shard's size, and the update
+// runs over this rank's shard only (a sharded unit has no mirror: its gather rounds to bf16).
 #include <cstdint>
 #include <vector>
 
@@ -9,6 +10,10 @@
 #include "model/param_unit.hpp"
 
 namespace loom {
+
+namespace dist {
+class ProcessGroup;
+}
 
 struct AdamWConfig {
   float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
@@ -28,12 +33,15 @@ class AdamW {
  private:
   std::vector<ParamUnit*> units_;
   AdamWConfig config_;
-  std::vector<Tensor> m_, v_;  // per unit, flat
+  std::vector<Tensor> m_, v_;  // per unit, flat, the size of its shard
   int64_t step_ = 0;
 };
 
 // Global L2 norm of all gradients; if max_norm > 0 and the norm exceeds it, scales the gradients
 // by max_norm / norm (PyTorch's clip_grad_norm_). Returns the norm before clipping.
-double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm);
+// `shard_group`: the ranks over which sharded units are split (their gradient shards are summed
+// over it, in rank order, so every rank gets the same norm); nullptr when nothing is sharded.
+double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
+                      dist::ProcessGroup* shard_group = nullptr);
 
 }  // namespace loom

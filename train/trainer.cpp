@@ -9,9 +9,12 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "dist/mesh.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "parallel/ddp.hpp"
+#include "parallel/fsdp.hpp"
 #include "train/checkpoint.hpp"
 #include "train/data_loader.hpp"
 #include "train/lr_schedule.hpp"
@@ -42,19 +45,49 @@ std::string gib(size_t bytes) {
   return buf;
 }
 
-// One process is one rank: any layout needing more is for the multi-process trainer.
-void check_single_process(const JobConfig& c) {
+// Without a mesh one process is the whole world; with one, only data parallelism is supported
+// yet.
+void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
   const auto& p = c.parallelism;
-  const int64_t shard = p.dp_shard == -1 ? 1 : p.dp_shard;
-  const int64_t world = p.dp_replicate * shard * p.tp * p.cp * p.pp;
-  LOOM_CHECK(world == 1,
-             "parallelism: this trainer runs on one process, but dp_replicate=", p.dp_replicate,
-             " dp_shard=", p.dp_shard, " tp=", p.tp, " cp=", p.cp, " pp=", p.pp, " needs ", world,
-             " ranks");
+  if (!mesh) {
+    const int64_t shard = p.dp_shard == -1 ? 1 : p.dp_shard;
+    const int64_t world = p.dp_replicate * shard * p.tp * p.cp * p.pp;
+    LOOM_CHECK(world == 1, "parallelism: dp_replicate=", p.dp_replicate, " dp_shard=", p.dp_shard,
+               " tp=", p.tp, " cp=", p.cp, " pp=", p.pp, " needs ", world,
+               " ranks, but this is one process (launch with `mpirun -np ", world,
+               " loom train ...`)");
+  }
+  for (auto [dim, size] : {std::pair<const char*, int64_t>{"tp", p.tp}, {"cp", p.cp}, {"pp", p.pp}})
+    LOOM_CHECK(
+        size == 1, "parallelism.", dim, " = ", size,
+        " is not supported yet (data parallelism only: dp_replicate and dp_shard); expected ", dim,
+        " = 1");
   LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
              c.activation_checkpoint.mode,
-             "\" is not supported by the single-process trainer yet: expected \"none\"");
+             "\" is not supported by the trainer yet: expected \"none\"");
 }
+
+// The sum over the data-parallel ranks of a double, the same on every rank: each rank's value
+// goes as two floats (hi + lo) and the parts are added in rank order.
+double dp_sum(dist::ProcessGroup* dp, double x) {
+  if (!dp || dp->size() == 1) return x;
+  const int n = dp->size();
+  Tensor mine = Tensor::empty({2}, DType::f32), all = Tensor::empty({2 * n}, DType::f32);
+  const float hi = float(x);
+  mine.data<float>()[0] = hi;
+  mine.data<float>()[1] = float(x - double(hi));
+  dp->all_gather(mine, all)->wait();
+  double s = 0;
+  for (int r = 0; r < n; ++r)
+    s += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
+  return s;
+}
+
+struct FileCloser {
+  void operator()(FILE* f) const {
+    if (f) std::fclose(f);
+  }
+};
 
 }  // namespace
 
@@ -84,6 +117,14 @@ size_t mem_available_bytes() {
 struct Trainer::State {
   JobConfig job;
   TrainerOptions opt;
+  dist::Mesh* mesh = nullptr;
+  dist::ProcessGroup* dp = nullptr;     // all data-parallel ranks (nullptr: one process)
+  dist::ProcessGroup* shard = nullptr;  // FSDP's dp_shard group (nullptr: nothing sharded)
+  int64_t dp_rank = 0, dp_size = 1;
+  bool writer = true;  // world rank 0: prints, writes metrics and checkpoints
+  std::unique_ptr<FILE, FileCloser> devnull;
+  std::unique_ptr<parallel::Fsdp> fsdp;
+  std::unique_ptr<parallel::Ddp> ddp;
   LlamaConfig mc;
   std::string model_config_path;
   DType compute = DType::f32;
@@ -108,7 +149,24 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.job = config;
   s.opt = options;
   const JobConfig& j = s.job;
-  check_single_process(j);
+  s.mesh = options.mesh;
+  check_layout(j, s.mesh);
+  int shard_count = 1;
+  if (s.mesh) {
+    s.dp = &s.mesh->group("dp");
+    s.dp_size = s.dp->size();
+    s.dp_rank = s.dp->rank();
+    s.writer = s.mesh->world_rank() == 0;
+    shard_count = s.mesh->size("dp_shard");
+    if (shard_count > 1) s.shard = &s.mesh->group("dp_shard");
+    if (!s.writer) {
+      s.devnull.reset(std::fopen("/dev/null", "w"));
+      LOOM_CHECK(s.devnull != nullptr, "cannot open /dev/null");
+      s.opt.out = s.devnull.get();
+      s.opt.tty = false;
+      s.opt.gemm_peak_seconds = 0;
+    }
+  }
   LOOM_CHECK(j.checkpoint.interval == 0 || !j.checkpoint.dir.empty(),
              "checkpoint.interval = ", j.checkpoint.interval,
              " needs checkpoint.dir (where to save)");
@@ -126,6 +184,14 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
 
   // Memory, before anything is allocated or mapped.
   s.mem = estimate_training_memory(s.mc, s.B, s.T, s.compute);
+  if (shard_count > 1) {
+    // FSDP: every rank holds 1/N of the weights, gradients and moments (the gathered units in
+    // flight are not counted here).
+    s.mem.weights /= size_t(shard_count);
+    s.mem.grads /= size_t(shard_count);
+    s.mem.optimizer /= size_t(shard_count);
+    s.mem.mirror = 0;
+  }
   size_t budget = s.opt.mem_available ? s.opt.mem_available : mem_available_bytes();
   std::string budget_what = s.opt.mem_available ? "the given budget" : "MemAvailable";
   if (j.memory.limit_gb > 0) {
@@ -164,6 +230,8 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   dl.local_batch_size = s.B;
   dl.seq_len = s.T;
   dl.grad_accum_steps = s.G;
+  dl.dp_rank = s.dp_rank;
+  dl.dp_size = s.dp_size;
   dl.shuffle = j.data.shuffle;
   dl.seed = uint64_t(j.model.seed);
   s.loader = std::make_unique<DataLoader>(*s.train, dl);
@@ -196,7 +264,19 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
 
   if (j.memory.limit_gb > 0)
     Allocator::get(Device::cpu).set_limit(size_t(j.memory.limit_gb * double(size_t(1) << 30)));
-  s.model = std::make_unique<LlamaModel>(s.mc, s.compute);
+  s.model = std::make_unique<LlamaModel>(
+      s.mc, s.compute, Device::cpu,
+      ShardLayout{s.shard ? s.shard->rank() : 0, s.shard ? s.shard->size() : 1});
+  const DType reduce = dtype_from_name(j.training.mixed_precision_reduce);
+  if (s.shard) {
+    parallel::FsdpConfig fc;
+    fc.reshard = parallel::reshard_policy_from_name(j.parallelism.fsdp_reshard_after_forward);
+    fc.reduce_dtype = reduce;
+    s.fsdp =
+        std::make_unique<parallel::Fsdp>(*s.model, *s.shard, &s.mesh->group("dp_replicate"), fc);
+  } else if (s.dp && s.dp->size() > 1) {
+    s.ddp = std::make_unique<parallel::Ddp>(*s.model, *s.dp, reduce);
+  }
   AdamWConfig oc{float(j.optimizer.lr), float(j.optimizer.beta1), float(j.optimizer.beta2),
                  float(j.optimizer.eps), float(j.optimizer.weight_decay)};
   s.adamw = std::make_unique<AdamW>(s.model->units(), oc);
@@ -232,21 +312,27 @@ double Trainer::validate() {
   // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
   // and the (zero) gradients are cleared.
   double sum = 0;
-  for (const MicroBatch& mb : s.val_batches)
+  if (s.ddp) s.ddp->set_sync(false);
+  for (const MicroBatch& mb : s.val_batches) {
     sum += s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f);
+    if (s.fsdp) s.fsdp->finish_backward();
+  }
+  if (s.ddp) s.ddp->set_sync(true);
   s.model->zero_grad();
-  return sum / double(int64_t(s.val_batches.size()) * s.B * s.T);
+  sum = dp_sum(s.dp, sum);
+  return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.dp_size);
 }
 
 TrainResult Trainer::run() {
   State& s = *s_;
   const JobConfig& j = s.job;
   const int64_t N = j.training.steps;
-  const int64_t tokens_per_step = s.G * s.B * s.T;
+  const int64_t tokens_per_step = s.G * s.B * s.T * s.dp_size;
   TrainResult result;
   result.final_step = s.step;
 
-  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every, j.metrics.jsonl,
+  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every,
+                     s.writer ? j.metrics.jsonl : std::string(),
                      s.resumed_from.empty() ? -1 : s.step});
   {
     std::ostringstream os;
@@ -262,8 +348,11 @@ TrainResult Trainer::run() {
     if (int64_t(s.train->vocab_size()) < s.mc.vocab_size)
       os << " (shard vocab " << s.train->vocab_size() << " < model vocab " << s.mc.vocab_size
          << ")";
-    os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T << " = "
-       << tokens_per_step << " tokens";
+    os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T;
+    if (s.mesh)
+      os << " x dp " << s.dp_size << " (" << s.mesh->layout().describe() << ", "
+         << (s.fsdp ? (s.mesh->size("dp_replicate") > 1 ? "HSDP" : "FSDP") : "DDP") << ")";
+    os << " = " << tokens_per_step << " tokens";
     log.message(os.str());
     log.message(str_cat("  memory estimate ", gib(s.mem.total()), " (weights+grads+AdamW ",
                         gib(s.mem.weights + s.mem.grads + s.mem.optimizer), ", bf16 copy ",
@@ -301,8 +390,9 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j)};
     result.last_checkpoint =
-        save_checkpoint(j.checkpoint.dir, *s.model, *s.adamw, st, s.tokenizer_json);
-    prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
+        save_checkpoint(j.checkpoint.dir, *s.model, *s.adamw, st, s.tokenizer_json,
+                        {s.shard, s.mesh ? &s.mesh->world() : nullptr});
+    if (s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
@@ -321,11 +411,15 @@ TrainResult Trainer::run() {
     const int64_t data_step = step - 1 + s.data_offset;
     for (int64_t m = 0; m < s.G; ++m) {
       const MicroBatch mb = s.loader->get(data_step, m);
+      if (s.ddp) s.ddp->set_sync(m + 1 == s.G);
       loss_sum +=
           s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale);
+      if (s.fsdp) s.fsdp->finish_backward();
     }
-    const double loss = loss_sum / double(tokens_per_step);
-    const double norm = clip_grad_norm(s.model->units(), j.training.max_norm);
+    if (s.fsdp) s.fsdp->finish_step();
+    if (s.ddp) s.ddp->finish_backward();
+    const double loss = dp_sum(s.dp, loss_sum) / double(tokens_per_step);
+    const double norm = clip_grad_norm(s.model->units(), j.training.max_norm, s.shard);
     const double lr = s.schedule.at(step);
 
     StepMetrics m;
@@ -354,7 +448,10 @@ TrainResult Trainer::run() {
 
     m.step_seconds = seconds_since(t0);
     m.tokens_per_s = double(tokens_per_step) / m.step_seconds;
-    m.mfu = peak > 0 ? flops_per_token * m.tokens_per_s / peak : 0;
+    // The peak is one process's: the job's is world size times that.
+    m.mfu = peak > 0 ? flops_per_token * m.tokens_per_s /
+                           (peak * double(s.mesh ? s.mesh->world_size() : 1))
+                     : 0;
     m.peak_allocated_bytes = alloc.stats().peak_allocated;
     // The first step pays for allocations: the ETA is a moving average of the later ones.
     if (step <= first_step + 1)

@@ -1,9 +1,9 @@
 #pragma once
-// The single-process trainer: the loop of DESIGN.md's "path of one training step" on one rank
+// The trainer: the loop of DESIGN.md's "path of one training step" on one rank
 // (data loader -> micro-batches -> forward/backward -> clip -> AdamW -> lr schedule -> metrics ->
-// checkpoint). The world is one rank: dp_rank 0 of dp_size 1; the data loader and the loss
-// normalization already follow the layout-free rules of decision 11, so the multi-process
-// trainer adds gradient reduction between backward and clipping, and nothing else changes here.
+// checkpoint), on one process or on the data-parallel ranks of a mesh (TrainerOptions::mesh).
+// The data loader and the loss normalization follow the layout-free rules of decision 11; data
+// parallelism adds the gradient reduction (parallel/) between backward and clipping.
 //
 // Everything that can be wrong with the job (the config, the model shape, the data directory and
 // its vocabulary, the checkpoint directory, the memory the run needs) is checked in the
@@ -24,6 +24,9 @@ namespace loom {
 
 class LlamaModel;
 class AdamW;
+namespace dist {
+class Mesh;
+}
 
 struct TrainerOptions {
   FILE* out = stdout;  // progress and messages
@@ -33,6 +36,10 @@ struct TrainerOptions {
   const std::atomic<bool>* stop = nullptr;
   double gemm_peak_seconds = 0.2;  // measurement of the GEMM peak for MFU; 0: skip (mfu = 0)
   size_t mem_available = 0;        // bytes the run may use; 0: MemAvailable from /proc/meminfo
+  // The device mesh of a multi-process run (not owned; must outlive the trainer); nullptr: one
+  // process. dp_shard > 1 trains with FSDP (HSDP when dp_replicate > 1 too), dp_replicate > 1
+  // alone with DDP. World rank 0 prints, writes metrics and checkpoints.
+  dist::Mesh* mesh = nullptr;
 };
 
 struct StepRecord {

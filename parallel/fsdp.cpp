@@ -1,0 +1,181 @@
+#include "parallel/fsdp.hpp"
+
+#include "core/error.hpp"
+#include "kernels/cpu/cast.hpp"
+
+namespace loom::parallel {
+
+ReshardPolicy reshard_policy_from_name(const std::string& name) {
+  if (name == "default") return ReshardPolicy::by_default;
+  if (name == "always") return ReshardPolicy::always;
+  if (name == "never") return ReshardPolicy::never;
+  fail("parallelism.fsdp_reshard_after_forward = \"", name,
+       "\": expected \"default\", \"always\" or \"never\"");
+}
+
+struct Fsdp::UnitState {
+  std::unique_ptr<dist::Work> gather, side;  // in flight while the weights are being gathered
+  std::unique_ptr<dist::Work> reduce;        // the gradient reduce-scatter in flight
+  Tensor reduce_in, reduce_out;              // kept alive until `reduce` completes
+};
+
+Fsdp::Fsdp(LlamaModel& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
+           const FsdpConfig& config)
+    : model_(model),
+      units_(model.units()),
+      shard_(shard),
+      replicate_(replicate),
+      config_(config),
+      tied_(model.config().tie_word_embeddings),
+      state_(units_.size()) {
+  LOOM_CHECK(config.reduce_dtype == DType::f32 || config.reduce_dtype == DType::bf16,
+             "FSDP: reduce dtype must be float32 or bfloat16, got ",
+             dtype_name(config.reduce_dtype));
+  for (ParamUnit* u : units_)
+    LOOM_CHECK(u->shard_layout().count == shard.size() && u->shard_layout().rank == shard.rank(),
+               "FSDP: unit ", u->name(), " is sharded as rank ", u->shard_layout().rank, " of ",
+               u->shard_layout().count, " but the shard group is ", shard.describe(),
+               " with this rank ", shard.rank());
+  model_.set_hooks(this);
+}
+
+Fsdp::~Fsdp() {
+  model_.set_hooks(nullptr);
+  // Works wait in their destructors: MPI may still write into the buffers they hold.
+}
+
+bool Fsdp::reshard_after_forward(size_t unit) const {
+  const size_t head = units_.size() - 1;
+  if (unit == head || (tied_ && unit == 0)) return false;
+  switch (config_.reshard) {
+    case ReshardPolicy::always:
+      return true;
+    case ReshardPolicy::never:
+      return false;
+    case ReshardPolicy::by_default:
+      return unit + 1 != head;  // all but the last block
+  }
+  return true;
+}
+
+void Fsdp::issue_gather(size_t i) {
+  ParamUnit& u = *units_[i];
+  if (u.weights_materialized()) return;  // ready, or already in flight
+  u.materialize_weights();
+  UnitState& s = state_[i];
+  const Tensor in = u.gather_input();
+  s.gather = shard_.all_gather(in, u.full_weights());
+  if (u.needs_side()) s.side = shard_.all_reduce(u.side_f32(), dist::ReduceOp::sum);
+}
+
+void Fsdp::complete_gather(size_t i) {
+  state_[i].gather.reset();
+  state_[i].side.reset();
+  units_[i]->finish_gather();
+}
+
+void Fsdp::wait_gather(size_t i) {
+  issue_gather(i);
+  UnitState& s = state_[i];
+  if (!s.gather) return;
+  s.gather->wait();
+  if (s.side) s.side->wait();
+  complete_gather(i);
+}
+
+void Fsdp::complete_reduce(size_t i) {
+  UnitState& s = state_[i];
+  ParamUnit& u = *units_[i];
+  s.reduce.reset();
+  if (u.device() != Device::meta) {
+    Tensor add = s.reduce_out;
+    if (add.dtype() != DType::f32) add = add.to(DType::f32);
+    cpu::add_inplace(u.grad_shard().data<float>(), add.data<float>(), u.shard_numel());
+  }
+  s.reduce_in = s.reduce_out = Tensor();
+}
+
+void Fsdp::progress() {
+  for (size_t i = 0; i < state_.size(); ++i) {
+    UnitState& s = state_[i];
+    if (s.gather && s.gather->test() && (!s.side || s.side->test())) complete_gather(i);
+    if (s.reduce && s.reduce->test()) complete_reduce(i);
+  }
+}
+
+void Fsdp::before_forward(size_t i) {
+  progress();
+  wait_gather(i);
+  if (i + 1 < units_.size()) issue_gather(i + 1);
+}
+
+void Fsdp::after_forward(size_t i) {
+  progress();
+  if (reshard_after_forward(i)) units_[i]->release_weights();
+}
+
+void Fsdp::before_backward(size_t i) {
+  progress();
+  wait_gather(i);
+  units_[i]->materialize_grads();
+  if (tied_ && i + 1 == units_.size()) {
+    // The tied output projection reads the embedding's weights and writes its gradient.
+    wait_gather(0);
+    units_[0]->materialize_grads();
+  }
+  if (i > 0) issue_gather(i - 1);
+}
+
+void Fsdp::after_backward(size_t i) {
+  ParamUnit& u = *units_[i];
+  UnitState& s = state_[i];
+  // A unit reduces once per micro-batch; the previous reduction finished in finish_backward().
+  s.reduce_in = config_.reduce_dtype == DType::f32 ? u.grad_flat() : u.grad_flat().to(DType::bf16);
+  s.reduce_out = Tensor::empty({u.shard_numel()}, config_.reduce_dtype, u.device());
+  s.reduce = shard_.reduce_scatter(s.reduce_in, s.reduce_out, dist::ReduceOp::sum);
+  u.release_weights();
+  u.release_grads();  // the f32 buffer lives on in reduce_in while it is being reduced
+  progress();
+}
+
+void Fsdp::finish_backward() {
+  for (size_t i = 0; i < state_.size(); ++i) {
+    UnitState& s = state_[i];
+    if (s.gather) {
+      // A prefetch nobody consumed: complete it (every rank issued it) and free the weights.
+      s.gather->wait();
+      if (s.side) s.side->wait();
+      complete_gather(i);
+    }
+    if (s.reduce) {
+      s.reduce->wait();
+      complete_reduce(i);
+    }
+    units_[i]->release_weights();
+    units_[i]->release_grads();
+  }
+}
+
+void Fsdp::finish_step() {
+  finish_backward();
+  if (!replicate_ || replicate_->size() == 1) return;
+  std::vector<std::unique_ptr<dist::Work>> works;
+  std::vector<Tensor> bufs;
+  for (ParamUnit* u : units_) {
+    bufs.push_back(config_.reduce_dtype == DType::f32 ? u->grad_shard()
+                                                      : u->grad_shard().to(DType::bf16));
+    works.push_back(replicate_->all_reduce(bufs.back(), dist::ReduceOp::sum));
+  }
+  for (size_t i = 0; i < units_.size(); ++i) {
+    works[i]->wait();
+    if (bufs[i].dtype() != DType::f32) units_[i]->grad_shard().copy_from(bufs[i].to(DType::f32));
+  }
+}
+
+Tensor gather_full(dist::ProcessGroup& group, const Tensor& shard) {
+  Tensor full = Tensor::empty({shard.numel() * group.size()}, shard.dtype(), shard.device());
+  group.all_gather(shard, full)->wait();
+  return full;
+}
+
+}  // namespace loom::parallel

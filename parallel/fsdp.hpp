@@ -1,0 +1,91 @@
+#pragma once
+// FSDP (ZeRO-3) and HSDP over the model's parameter units (DESIGN.md decision 3), as UnitHooks
+// that LlamaModel::forward_backward calls around each unit.
+//
+// Every unit is sharded over the `shard` group (the mesh's "dp_shard"). Around a unit's work:
+//   before_forward(i)   gather unit i (all-gather of its shard, cast to the param dtype first;
+//                       bf16 units also sum a small f32 side buffer of their norm weights), wait;
+//                       then issue the all-gather of unit i + 1 (prefetch)
+//   after_forward(i)    release unit i's full weights per the reshard policy
+//   before_backward(i)  gather again if released; materialize the full f32 gradient; prefetch
+//                       unit i - 1
+//   after_backward(i)   reduce-scatter the full gradient (f32 or bf16 per reduce_dtype) into a
+//                       shard-sized buffer, release the full weights and gradient; when the
+//                       reduce-scatter completes its result is added to the gradient shard (so
+//                       micro-batches accumulate)
+// Pending collectives are driven with Work::test() in every hook (Open MPI progresses
+// nonblocking collectives only inside MPI calls). Gradients are summed, not averaged: the trainer
+// scales each micro-batch's loss by 1 / (global samples x seq_len), so the sum over ranks is the
+// gradient of the step's mean loss, as in one process (DESIGN.md 11).
+//
+// Reshard policy (what after_forward frees): `always` every unit, `default` all but the last
+// block, `never` none. The head unit is never freed between its forward and backward (they are
+// one fused computation, so freeing would only force a second gather), nor, with tied
+// embeddings, the embedding (the head reads it).
+//
+// HSDP: with a `replicate` group of size > 1 (the mesh's "dp_replicate"), finish_step()
+// all-reduces (sums) each gradient shard over it, once per step.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "dist/process_group.hpp"
+#include "model/llama.hpp"
+
+namespace loom::parallel {
+
+enum class ReshardPolicy { by_default, always, never };
+ReshardPolicy reshard_policy_from_name(const std::string& name);  // default | always | never
+
+struct FsdpConfig {
+  ReshardPolicy reshard = ReshardPolicy::by_default;
+  DType reduce_dtype = DType::f32;  // f32 or bf16
+};
+
+class Fsdp final : public UnitHooks {
+ public:
+  // The model must be sharded over `shard` (ShardLayout{shard.rank(), shard.size()}).
+  Fsdp(LlamaModel& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
+       const FsdpConfig& config);
+  ~Fsdp() override;
+  Fsdp(const Fsdp&) = delete;
+  Fsdp& operator=(const Fsdp&) = delete;
+
+  void before_forward(size_t unit) override;
+  void after_forward(size_t unit) override;
+  void before_backward(size_t unit) override;
+  void after_backward(size_t unit) override;
+
+  // After each micro-batch's forward_backward: completes every pending collective; every unit is
+  // released afterwards.
+  void finish_backward();
+  // After the last micro-batch of a step, before clipping: the HSDP all-reduce.
+  void finish_step();
+
+  dist::ProcessGroup& shard_group() { return shard_; }
+
+ private:
+  struct UnitState;
+  void progress();
+  void issue_gather(size_t unit);
+  void wait_gather(size_t unit);
+  void complete_gather(size_t unit);
+  void complete_reduce(size_t unit);
+  bool reshard_after_forward(size_t unit) const;
+
+  LlamaModel& model_;
+  std::vector<ParamUnit*> units_;
+  dist::ProcessGroup& shard_;
+  dist::ProcessGroup* replicate_;
+  FsdpConfig config_;
+  bool tied_;
+  std::vector<UnitState> state_;
+};
+
+// The full f32 flat buffer [P] of a unit from every rank's [S] shard (an all-gather over the
+// group the unit is sharded over; every rank gets it). For checkpoints.
+Tensor gather_full(dist::ProcessGroup& group, const Tensor& shard);
+
+}  // namespace loom::parallel

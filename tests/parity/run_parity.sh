@@ -1,0 +1,39 @@
+#!/bin/bash
+# One layout of the data-parallel parity harness (ctest runs one per layout):
+#   run_parity.sh LOOM MPIEXEC COMPARE SOURCE_DIR NAME NP TOLERANCE [--key=value ...]
+# Trains the debug model for 20 steps under `mpirun -np NP` with the given overrides, and the
+# single-process reference over the same global batches (local_batch_size 4, grad_accum_steps =
+# NP x the run's accumulation: micro-batch m of the reference is exactly the batch of dp rank
+# m mod NP), then compares per-step losses and final weights (parity_compare).
+# A reference override is given as --ref:key=value (e.g. the param dtype of the reference).
+set -euo pipefail
+loom=$1 mpiexec=$2 compare=$3 src=$4 name=$5 np=$6 tol=$7
+shift 7
+work=$(mktemp -d "${TMPDIR:-/tmp}/loom_parity_${name}.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+
+run_args=() ref_args=() accum=1
+for a in "$@"; do
+  case $a in
+    --ref:*) ref_args+=("--${a#--ref:}") ;;
+    --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
+    *) run_args+=("$a") ;;
+  esac
+done
+
+# The corpus: text of the repository itself, tokenized with a small trained vocabulary.
+cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
+  --save-tokenizer "$work/tok.json" >/dev/null
+
+common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=20
+  --training.local_batch_size=4 --checkpoint.interval=0)
+"$loom" train "${common[@]}" --training.grad_accum_steps=$((np * accum)) \
+  --metrics.jsonl="$work/ref.jsonl" --checkpoint.dir="$work/ref" "${ref_args[@]}" >"$work/ref.log" 2>&1 ||
+  { cat "$work/ref.log"; exit 1; }
+"$mpiexec" --oversubscribe --allow-run-as-root -np "$np" "$loom" train "${common[@]}" \
+  --metrics.jsonl="$work/run.jsonl" --checkpoint.dir="$work/run" "${run_args[@]}" >"$work/run.log" 2>&1 ||
+  { cat "$work/run.log"; exit 1; }
+grep -m1 "x dp" "$work/run.log" || true
+"$compare" "$work/ref.jsonl" "$work/ref/step-00000020" "$work/run.jsonl" "$work/run/step-00000020" "$tol"
