@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "dist/mesh.hpp"
+#include "tests/dist/mesh_util.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -12,27 +13,10 @@ using namespace loom::dist;
 
 namespace {
 
-using Sizes = std::array<int, kMeshDims>;
+using Sizes = test::MeshSizes;
 
-void factorize(int n, int dim, Sizes& cur, std::vector<Sizes>& out) {
-  if (dim == kMeshDims - 1) {
-    cur[dim] = n;
-    out.push_back(cur);
-    return;
-  }
-  for (int f = 1; f <= n; ++f) {
-    if (n % f) continue;
-    cur[dim] = f;
-    factorize(n / f, dim + 1, cur, out);
-  }
-}
-
-// Every ordered way to write n as pp * dp_replicate * dp_shard * cp * tp.
 std::vector<Sizes> factorizations(int n) {
-  std::vector<Sizes> out;
-  Sizes cur{};
-  factorize(n, 0, cur, out);
-  return out;
+  return test::mesh_factorizations(n);
 }
 
 MeshShape shape_of(const Sizes& s) {

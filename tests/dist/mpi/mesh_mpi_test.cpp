@@ -6,32 +6,17 @@
 
 #include "dist/mesh.hpp"
 #include "dist/mpi_process_group.hpp"
+#include "tests/dist/mesh_util.hpp"
 
 using namespace loom;
 using namespace loom::dist;
 
 namespace {
 
-using Sizes = std::array<int, kMeshDims>;
-
-void factorize(int n, int dim, Sizes& cur, std::vector<Sizes>& out) {
-  if (dim == kMeshDims - 1) {
-    cur[dim] = n;
-    out.push_back(cur);
-    return;
-  }
-  for (int f = 1; f <= n; ++f) {
-    if (n % f) continue;
-    cur[dim] = f;
-    factorize(n / f, dim + 1, cur, out);
-  }
-}
+using Sizes = test::MeshSizes;
 
 std::vector<Sizes> factorizations(int n) {
-  std::vector<Sizes> out;
-  Sizes cur{};
-  factorize(n, 0, cur, out);
-  return out;
+  return test::mesh_factorizations(n);
 }
 
 // The world ranks that share every coordinate outside dims [a, b] with world rank w, computed
