@@ -13,9 +13,8 @@
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
-#include "dist/mesh.hpp"
-#include "dist/mpi_process_group.hpp"
 #include "train/config.hpp"
+#include "train/data_parallel.hpp"
 #include "train/trainer.hpp"
 
 namespace loom {
@@ -91,38 +90,15 @@ int train_command(const Args& args) {
     return 0;
   }
 
-  const auto& par = job.parallelism;
-  const int64_t asked =
-      par.dp_replicate * (par.dp_shard == -1 ? 1 : par.dp_shard) * par.tp * par.cp * par.pp;
-  // Declared before the mesh: MPI is finalized after every group is gone.
-  std::unique_ptr<dist::MpiRuntime> mpi;
-  std::unique_ptr<dist::Mesh> mesh;
-  if (dist::launched_under_mpi()) {
-    mpi = std::make_unique<dist::MpiRuntime>();
-    if (mpi->world_size() > 1) {
-      dist::MeshShape shape;
-      shape.pp = int(par.pp);
-      shape.dp_replicate = int(par.dp_replicate);
-      shape.dp_shard = int(par.dp_shard);
-      shape.cp = int(par.cp);
-      shape.tp = int(par.tp);
-      // Every rank checks the shape against the world size and fails alike.
-      mesh = std::make_unique<dist::Mesh>(shape, dist::make_mpi_world_group());
-    }
-  }
-  LOOM_CHECK(mesh || asked == 1, "parallelism asks for ", asked,
-             " ranks (dp_replicate=", par.dp_replicate, " dp_shard=", par.dp_shard, " tp=", par.tp,
-             " cp=", par.cp, " pp=", par.pp,
-             ") but this process was not started by an MPI launcher: run `mpirun -np ", asked,
-             " loom train ...` (or srun)");
-
+  // Before the mesh's groups: MPI is finalized after every group is gone.
+  const DistRuntime dist = start_distributed(job, "train");
   g_stop.store(false);
   StopSignals signals;
   TrainerOptions opt;
   opt.out = stdout;
   opt.tty = ::isatty(STDOUT_FILENO) == 1;
   opt.stop = &g_stop;
-  opt.mesh = mesh.get();
+  opt.mesh = dist.mesh.get();
   Trainer trainer(job, opt);
   const TrainResult r = trainer.run();
   if (r.interrupted)
