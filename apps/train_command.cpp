@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,10 +100,33 @@ int train_command(const Args& args) {
   opt.tty = ::isatty(STDOUT_FILENO) == 1;
   opt.stop = &g_stop;
   opt.mesh = dist.mesh.get();
-  Trainer trainer(job, opt);
-  const TrainResult r = trainer.run();
-  if (r.interrupted)
-    std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+  std::unique_ptr<FILE, int (*)(FILE*)> rank_log(nullptr, &std::fclose);
+  if (job.job.rank_logs) {
+    const int rank = dist.mesh ? dist.mesh->world_rank() : 0;
+    const std::filesystem::path dir = std::filesystem::path(job.job.dump_dir) / "logs";
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string path = (dir / ("rank-" + std::to_string(rank) + ".log")).string();
+    rank_log.reset(std::fopen(path.c_str(), "w"));
+    LOOM_CHECK(rank_log != nullptr, "job.rank_logs: cannot write '", path, "' (job.dump_dir = '",
+               job.job.dump_dir, "')", ec ? ": " + ec.message() : "");
+    std::setvbuf(rank_log.get(), nullptr, _IOLBF, 0);
+    opt.rank_log = rank_log.get();
+  }
+  try {
+    Trainer trainer(job, opt);
+    const TrainResult r = trainer.run();
+    if (r.interrupted) {
+      if (!dist.mesh || dist.mesh->world_rank() == 0)
+        std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+      if (rank_log)
+        std::fprintf(rank_log.get(), "stopped by signal at step %lld\n", (long long)r.final_step);
+    }
+  } catch (const Error& e) {
+    // main() prints it to stderr; the rank's own log keeps it too.
+    if (rank_log) std::fprintf(rank_log.get(), "error: %s\n", e.what());
+    throw;
+  }
   return 0;
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "core/allocator.hpp"
@@ -64,6 +65,43 @@ void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
   LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
              c.activation_checkpoint.mode,
              "\" is not supported by the trainer yet: expected \"none\"");
+}
+
+// The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
+class RunLog {
+ public:
+  RunLog(const MetricsLogger::Options& term, FILE* rank_log) : term_(term) {
+    if (rank_log) file_.emplace(MetricsLogger::Options{rank_log, false, term.log_every, "", -1});
+  }
+  void step(const StepMetrics& m) {
+    term_.step(m);
+    if (file_) file_->step(m);
+  }
+  void validation(int64_t step, double v) {
+    term_.validation(step, v);
+    if (file_) file_->validation(step, v);
+  }
+  void message(const std::string& line) {
+    term_.message(line);
+    if (file_) file_->message(line);
+  }
+  void finish() {
+    term_.finish();
+    if (file_) file_->finish();
+  }
+
+ private:
+  MetricsLogger term_;
+  std::optional<MetricsLogger> file_;
+};
+
+// True on every rank when `flag` is true on any rank of `group` (an all-reduce sum of 0/1).
+bool any_rank(dist::ProcessGroup& group, bool flag) {
+  if (group.size() == 1) return flag;
+  Tensor t = Tensor::empty({1}, DType::i32);
+  t.data<int32_t>()[0] = flag ? 1 : 0;
+  group.all_reduce(t, dist::ReduceOp::sum)->wait();
+  return t.data<int32_t>()[0] > 0;
 }
 
 struct FileCloser {
@@ -297,9 +335,9 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.final_step = s.step;
 
-  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every,
-                     s.writer ? j.metrics.jsonl : std::string(),
-                     s.resumed_from.empty() ? -1 : s.step});
+  RunLog log({s.opt.out, s.opt.tty, j.metrics.log_every, s.writer ? j.metrics.jsonl : std::string(),
+              s.resumed_from.empty() ? -1 : s.step},
+             s.opt.rank_log);
   {
     std::ostringstream os;
     os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters (dim "
@@ -426,7 +464,10 @@ TrainResult Trainer::run() {
 
     if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N))
       validation(step);
-    const bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
+    bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
+    // A signal may reach some ranks only (or reach them in different steps): the ranks agree,
+    // so all of them stop after the same step and take part in the same save.
+    if (s.mesh) stop = any_rank(s.mesh->world(), stop);
     if ((j.checkpoint.interval > 0 && step % j.checkpoint.interval == 0) || step == N || stop)
       save(step);
     if (stop && step < N) {
