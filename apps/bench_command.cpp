@@ -1,11 +1,36 @@
-// `loom bench step`: times whole training steps (forward, backward, clip, AdamW) after warm-up and
-// prints throughput, MFU against the GEMM peak measured on this machine at start, and peak memory
-// next to the analytic figure of the memory model.
+// `loom bench step`: times whole training steps (forward, backward, gradient reduction, clip,
+// AdamW) after warm-up and prints throughput, MFU against the GEMM peak measured on this machine
+// at start (one process), and peak memory next to the analytic figure of the memory model.
+//
+// Under `mpirun -np N` it runs the [parallelism] layout exactly as `loom train` does (the shared
+// setup of train/data_parallel.hpp) and prints one row per rank, gathered to rank 0: peak
+// allocated bytes against the model below, bytes sent by collectives per step (the groups'
+// counters, reset after warm-up, divided by the timed steps) against the analytic figure, and
+// tokens/s. With --check the command fails unless every rank's bytes equal the analytic figure
+// and its peak is within 5% of the expected one.
+//
+// Memory model of one rank (FSDP, shards of S = ceil(numel / N) elements per unit):
+//   4 S (f32 master) + 4 S (f32 gradient) + 8 S (AdamW moments), summed over units
+//   + the full weights alive at the peak, the start of the head's backward: the head, the last
+//     block (kept by `default` and `never`, prefetched by `always`), every unit the policy keeps
+//     after forward (`never`: all; the tied embedding), each as ParamUnit's gathered buffer
+//   + the head's full f32 gradient (and the tied embedding's)
+//   + the saved activations of the local batch (LlamaModel::saved_activation_bytes)
+//   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits).
+// DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations.
+// Byte model (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
+// (N - 1) x S x gather size in forward (+ the bf16 side buffer's all-reduce), the same again in
+// backward for the units released after forward, and a reduce-scatter (N - 1) x S x reduce size;
+// per step: HSDP's all-reduce of each gradient shard over dp_replicate, the gradient norm's
+// all-gather of 8 bytes over dp_shard, and the loss's all-gather of 8 bytes over dp. DDP: one
+// all-reduce of each unit's gradient per step plus the loss's all-gather.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,6 +40,7 @@
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "train/config.hpp"
+#include "train/data_parallel.hpp"
 #include "train/optimizer.hpp"
 
 namespace loom {
@@ -35,22 +61,126 @@ double median(std::vector<double> v) {
 }
 
 struct MemoryModel {
-  size_t params = 0, grads = 0, optimizer = 0, mirror = 0, activations = 0;
-  size_t total() const { return params + grads + optimizer + mirror + activations; }
+  size_t params = 0, grads = 0, optimizer = 0, mirror = 0, gathered = 0, full_grad = 0,
+         activations = 0, head = 0;
+  size_t total() const {
+    return params + grads + optimizer + mirror + gathered + full_grad + activations + head;
+  }
 };
+
+MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
+  MemoryModel mm;
+  std::vector<ParamUnit*> units = m.model->units();
+  for (ParamUnit* u : units) {
+    const size_t S = size_t(u->shard_numel());
+    mm.params += 4 * S;
+    mm.grads += 4 * S;
+    mm.optimizer += 8 * S;
+    if (!u->sharded() && compute == DType::bf16) mm.mirror += 2 * S;
+  }
+  if (m.fsdp) {
+    const size_t head = units.size() - 1;
+    const bool tied = m.model->config().tie_word_embeddings;
+    for (size_t i = 0; i < units.size(); ++i)
+      if (i + 1 >= head || !m.fsdp->reshard_after_forward(i))
+        mm.gathered += units[i]->materialized_weight_bytes();
+    mm.full_grad = 4 * size_t(units[head]->padded_numel());
+    if (tied) mm.full_grad += 4 * size_t(units[0]->padded_numel());
+  }
+  const LlamaConfig& c = m.model->config();
+  mm.activations = LlamaModel::saved_activation_bytes(c, B, T, compute);
+  // Inside the fused output projection + loss: the last block's output x, the normalized xf in
+  // the compute dtype, its gradient dxf (f32), rstd, and the loss's chunk of logits.
+  const size_t M = size_t(B * T), d = size_t(c.hidden_size);
+  mm.head = M * d * (4 + dtype_size(compute) + 4) + M * 4 +
+            size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size) *
+                (4 + (compute == DType::bf16 ? 2 : 0));
+  return mm;
+}
+
+uint64_t ring_all_gather(uint64_t in_bytes, int n) {
+  return uint64_t(n - 1) * in_bytes;
+}
+uint64_t ring_all_reduce(uint64_t bytes, int n) {
+  return n > 1 ? 2 * uint64_t(n - 1) * bytes / uint64_t(n) : 0;
+}
+
+// Bytes one rank sends per step with G micro-batches, by the byte model at the top of the file.
+uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
+  const DpGroups& g = m.groups;
+  if (!g.dp || g.size == 1) return 0;
+  const uint64_t rsize = dtype_size(dtype_from_name(job.training.mixed_precision_reduce));
+  std::vector<ParamUnit*> units = m.model->units();
+  uint64_t per_micro = 0, per_step = ring_all_gather(8, int(g.size));  // the loss
+  if (m.fsdp) {
+    const int n = g.shard->size();
+    for (size_t i = 0; i < units.size(); ++i) {
+      const ParamUnit& u = *units[i];
+      const uint64_t S = uint64_t(u.shard_numel());
+      const uint64_t gather = ring_all_gather(S * dtype_size(u.gather_dtype()), n) +
+                              ring_all_reduce(uint64_t(u.side_numel()) * 4, n);
+      per_micro += gather * (m.fsdp->reshard_after_forward(i) ? 2 : 1);
+      per_micro += uint64_t(n - 1) * S * rsize;  // reduce-scatter
+      if (g.replicate && g.replicate->size() > 1)
+        per_step += ring_all_reduce(S * rsize, g.replicate->size());
+    }
+    per_step += ring_all_gather(8, n);  // the gradient norm
+  } else if (m.ddp) {
+    for (ParamUnit* u : units)
+      per_step += ring_all_reduce(uint64_t(u->numel()) * rsize, int(g.size));
+  }
+  return per_micro * uint64_t(G) + per_step;
+}
+
+// Every group the data-parallel step communicates on, each once (ranges of dims with the same
+// ranks share one group).
+std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh) {
+  std::vector<dist::ProcessGroup*> out;
+  if (!mesh) return out;
+  std::set<dist::ProcessGroup*> seen;
+  for (const char* name : {"dp", "dp_shard", "dp_replicate", "world"}) {
+    dist::ProcessGroup* g = name == std::string("world") ? &mesh->world() : &mesh->group(name);
+    if (seen.insert(g).second) out.push_back(g);
+  }
+  return out;
+}
+
+// Each rank's figures, gathered on every rank (as pairs of int32: MPI carries no 64-bit ints).
+std::vector<std::vector<int64_t>> gather_rows(dist::Mesh* mesh, const std::vector<int64_t>& mine) {
+  if (!mesh) return {mine};
+  const int n = mesh->world_size();
+  const int64_t k = int64_t(mine.size());
+  Tensor in = Tensor::empty({2 * k}, DType::i32), all = Tensor::empty({2 * k * n}, DType::i32);
+  for (int64_t i = 0; i < k; ++i) {
+    const uint64_t v = uint64_t(mine[size_t(i)]);
+    in.data<int32_t>()[2 * i] = int32_t(uint32_t(v >> 32));
+    in.data<int32_t>()[2 * i + 1] = int32_t(uint32_t(v));
+  }
+  mesh->world().all_gather(in, all)->wait();
+  std::vector<std::vector<int64_t>> rows(size_t(n), std::vector<int64_t>(static_cast<size_t>(k)));
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t* p = all.data<int32_t>() + 2 * (r * k + i);
+      rows[size_t(r)][size_t(i)] =
+          int64_t((uint64_t(uint32_t(p[0])) << 32) | uint64_t(uint32_t(p[1])));
+    }
+  return rows;
+}
 
 }  // namespace
 
 int bench_command(const Args& args) {
   LOOM_CHECK(!args.empty() && args[0] == "step",
-             "usage: loom bench step --config FILE [--json] [--section.key=value ...]");
+             "usage: loom bench step --config FILE [--json] [--check] [--section.key=value ...]");
   std::string config_path;
-  bool json = false;
+  bool json = false, check = false;
   std::vector<std::string> overrides;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--json") {
       json = true;
+    } else if (a == "--check") {
+      check = true;
     } else if (a == "--config" && i + 1 < args.size()) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -67,20 +197,30 @@ int bench_command(const Args& args) {
   const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
   const int warmup = int(job.bench.warmup_steps), steps = int(job.bench.steps);
 
+  const int64_t G = job.training.grad_accum_steps;
+  // Before the mesh's groups: MPI is finalized after every group is gone.
+  const DistRuntime dist = start_distributed(job, "bench step");
+  dist::Mesh* mesh = dist.mesh.get();
+  const bool writer = !mesh || mesh->world_rank() == 0;
+
   const std::string load_before = load_average();
-  const double peak_flops = cpu::measure_gemm_peak(compute);
+  // One process only: ranks sharing cores would measure each other.
+  const double peak_flops = mesh ? 0 : cpu::measure_gemm_peak(compute);
 
   auto& alloc = Allocator::get(Device::cpu);
-  LlamaModel model(mc, compute);
+  DpModel par = make_dp_model(mc, compute, job, dp_groups(mesh));
+  LlamaModel& model = *par.model;
   model.init_weights(uint64_t(job.model.seed));
   AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1), float(job.optimizer.beta2),
                  float(job.optimizer.eps), float(job.optimizer.weight_decay)};
   AdamW opt(model.units(), oc);
 
-  // Random tokens: B rows of T + 1 (inputs are the first T, targets the last T).
+  // Random tokens, this dp rank's own: B rows of T + 1 (inputs are the first T, targets the last
+  // T).
+  const int64_t dp_size = par.groups.size;
   std::vector<float> u(size_t(B * (T + 1)));
-  philox_uniform(philox_key(uint64_t(job.model.seed), "bench.tokens"), 0, int64_t(u.size()),
-                 u.data());
+  philox_uniform(philox_key(uint64_t(job.model.seed), "bench.tokens"),
+                 par.groups.rank * int64_t(u.size()), int64_t(u.size()), u.data());
   std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
@@ -88,32 +228,101 @@ int bench_command(const Args& args) {
       targets[b * T + t] = int32_t(u[b * (T + 1) + t + 1] * mc.vocab_size);
     }
 
+  const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh);
+  const float grad_scale = float(1.0 / double(G * B * T * dp_size));
   std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {
-    if (s == warmup) alloc.reset_peak();
+    if (s == warmup) {
+      alloc.reset_peak();
+      for (dist::ProcessGroup* g : groups) g->reset_counters();
+    }
     auto t0 = std::chrono::steady_clock::now();
     model.zero_grad();
-    double loss = model.forward_backward(inputs.data(), targets.data(), B, T, 1.0f / float(B * T));
-    clip_grad_norm(model.units(), job.training.max_norm);
+    double loss = 0;
+    for (int64_t m = 0; m < G; ++m)
+      loss += par.forward_backward(inputs.data(), targets.data(), B, T, grad_scale, m + 1 == G);
+    par.finish_step();
+    loss = dp_sum(par.groups.dp, loss);
+    clip_grad_norm(model.units(), job.training.max_norm, par.groups.shard);
     opt.step(float(job.optimizer.lr));
     auto t1 = std::chrono::steady_clock::now();
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
-    losses.push_back(loss / double(B * T));
+    losses.push_back(loss / double(G * B * T * dp_size));
+  }
+  uint64_t bytes_measured = 0;
+  double wait_s = 0;
+  for (dist::ProcessGroup* g : groups) {
+    bytes_measured += g->counters().bytes_sent;
+    wait_s += g->counters().wait_seconds;
   }
   const auto st = alloc.stats();
   const double step_s = median(times);
-  const double tokens_per_s = double(B * T) / step_s;
+  const double tokens_per_s = double(G * B * T) / step_s;  // this rank's tokens
   const double flops = mc.flops_per_token(T) * tokens_per_s;
-  const double mfu = flops / peak_flops;
+  const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
 
-  MemoryModel mm;
+  const MemoryModel mm = memory_model(par, compute, B, T);
   const size_t n = size_t(model.num_params());
-  mm.params = 4 * n;
-  mm.grads = 4 * n;
-  mm.optimizer = opt.state_bytes();
-  mm.mirror = compute == DType::bf16 ? 2 * n : 0;
-  mm.activations = LlamaModel::saved_activation_bytes(mc, B, T, compute);
   const double mem_ratio = double(st.peak_allocated) / double(mm.total());
+  const uint64_t timed = uint64_t(std::max(steps, 1));
+  const uint64_t bytes_per_step = bytes_measured / timed;
+  const uint64_t bytes_expected = analytic_bytes(par, job, G);
+  // A per-step figure only if the timed steps sent the same bytes each.
+  const bool bytes_ok = bytes_measured == bytes_expected * timed;
+
+  if (mesh) {
+    const std::vector<std::vector<int64_t>> rows =
+        gather_rows(mesh, {int64_t(st.peak_allocated), int64_t(mm.total()), int64_t(bytes_per_step),
+                           int64_t(bytes_expected), int64_t(bytes_ok),
+                           int64_t(std::llround(tokens_per_s)), int64_t(std::llround(step_s * 1e6)),
+                           int64_t(std::llround(wait_s / double(timed) * 1e6))});
+    bool all_ok = true;
+    double total_tps = 0;
+    for (const auto& r : rows) {
+      const double ratio = double(r[0]) / double(r[1]);
+      all_ok = all_ok && r[4] == 1 && std::fabs(ratio - 1) <= 0.05;
+      total_tps += double(r[5]);
+    }
+    if (writer) {
+      const double MiB = 1024.0 * 1024.0;
+      std::printf(
+          "loom bench step: %s (%s), %s over %d ranks (%s, reshard %s, reduce %s), local batch "
+          "%ld x %ld x seq %ld, %zu parameters\n",
+          config_path.c_str(), std::string(dtype_name(compute)).c_str(), par.kind(),
+          mesh->world_size(), mesh->layout().describe().c_str(),
+          job.parallelism.fsdp_reshard_after_forward.c_str(),
+          job.training.mixed_precision_reduce.c_str(), long(G), long(B), long(T), n);
+      std::printf("  load average %s (before)  %s (after); %d timed steps after %d warm-up\n",
+                  load_before.c_str(), load_average().c_str(), steps, warmup);
+      std::printf(
+          "  expected memory per rank: shards %.2f MiB (params %.2f + grads %.2f + AdamW %.2f%s) + "
+          "gathered weights %.2f + full gradient %.2f + activations %.2f + head workspace %.2f = "
+          "%.2f MiB\n",
+          double(mm.params + mm.grads + mm.optimizer + mm.mirror) / MiB, mm.params / MiB,
+          mm.grads / MiB, mm.optimizer / MiB,
+          mm.mirror ? (" + bf16 " + std::to_string(mm.mirror / MiB)).c_str() : "",
+          mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB, mm.head / MiB,
+          mm.total() / MiB);
+      std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
+                  "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",
+                  "tokens/s");
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const auto& w = rows[r];
+        const double ratio = double(w[0]) / double(w[1]);
+        std::printf("  %4zu | %12.2f %12.2f %7.4f%s| %14lld %14lld %8s | %9.1f %9.1f %9lld\n", r,
+                    double(w[0]) / MiB, double(w[1]) / MiB, ratio,
+                    std::fabs(ratio - 1) <= 0.05 ? " " : "!", (long long)w[2], (long long)w[3],
+                    w[4] ? "ok" : "MISMATCH", double(w[6]) / 1e3, double(w[7]) / 1e3,
+                    (long long)w[5]);
+      }
+      std::printf("  job tokens/s %.0f; loss %.4f -> %.4f; %s\n", total_tps, losses.front(),
+                  losses.back(),
+                  all_ok ? "all ranks: bytes equal the analytic figure, peak within 5%"
+                         : "FAILED: bytes differ from the analytic figure or peak off by > 5%");
+      std::fflush(stdout);
+    }
+    return check && !all_ok ? 1 : 0;
+  }
   const std::string load_after = load_average();
 
   if (json) {
@@ -148,11 +357,11 @@ int bench_command(const Args& args) {
               st.peak_reserved / MiB);
   std::printf(
       "  expected            %.1f MiB = params %.1f + grads %.1f + AdamW %.1f + bf16 %.1f"
-      " + saved activations %.1f  (measured/expected %.3f)\n",
+      " + saved activations %.1f + head workspace %.1f  (measured/expected %.3f)\n",
       mm.total() / MiB, mm.params / MiB, mm.grads / MiB, mm.optimizer / MiB, mm.mirror / MiB,
-      mm.activations / MiB, mem_ratio);
+      mm.activations / MiB, mm.head / MiB, mem_ratio);
   std::printf("  loss                %.4f -> %.4f\n", losses.front(), losses.back());
-  return 0;
+  return check && std::fabs(mem_ratio - 1) > 0.05 ? 1 : 0;
 }
 
 }  // namespace loom

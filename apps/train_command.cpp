@@ -7,15 +7,15 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
-#include "dist/mesh.hpp"
-#include "dist/mpi_process_group.hpp"
 #include "train/config.hpp"
+#include "train/data_parallel.hpp"
 #include "train/trainer.hpp"
 
 namespace loom {
@@ -91,42 +91,42 @@ int train_command(const Args& args) {
     return 0;
   }
 
-  const auto& par = job.parallelism;
-  const int64_t asked =
-      par.dp_replicate * (par.dp_shard == -1 ? 1 : par.dp_shard) * par.tp * par.cp * par.pp;
-  // Declared before the mesh: MPI is finalized after every group is gone.
-  std::unique_ptr<dist::MpiRuntime> mpi;
-  std::unique_ptr<dist::Mesh> mesh;
-  if (dist::launched_under_mpi()) {
-    mpi = std::make_unique<dist::MpiRuntime>();
-    if (mpi->world_size() > 1) {
-      dist::MeshShape shape;
-      shape.pp = int(par.pp);
-      shape.dp_replicate = int(par.dp_replicate);
-      shape.dp_shard = int(par.dp_shard);
-      shape.cp = int(par.cp);
-      shape.tp = int(par.tp);
-      // Every rank checks the shape against the world size and fails alike.
-      mesh = std::make_unique<dist::Mesh>(shape, dist::make_mpi_world_group());
-    }
-  }
-  LOOM_CHECK(mesh || asked == 1, "parallelism asks for ", asked,
-             " ranks (dp_replicate=", par.dp_replicate, " dp_shard=", par.dp_shard, " tp=", par.tp,
-             " cp=", par.cp, " pp=", par.pp,
-             ") but this process was not started by an MPI launcher: run `mpirun -np ", asked,
-             " loom train ...` (or srun)");
-
+  // Before the mesh's groups: MPI is finalized after every group is gone.
+  const DistRuntime dist = start_distributed(job, "train");
   g_stop.store(false);
   StopSignals signals;
   TrainerOptions opt;
   opt.out = stdout;
   opt.tty = ::isatty(STDOUT_FILENO) == 1;
   opt.stop = &g_stop;
-  opt.mesh = mesh.get();
-  Trainer trainer(job, opt);
-  const TrainResult r = trainer.run();
-  if (r.interrupted)
-    std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+  opt.mesh = dist.mesh.get();
+  std::unique_ptr<FILE, int (*)(FILE*)> rank_log(nullptr, &std::fclose);
+  if (job.job.rank_logs) {
+    const int rank = dist.mesh ? dist.mesh->world_rank() : 0;
+    const std::filesystem::path dir = std::filesystem::path(job.job.dump_dir) / "logs";
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string path = (dir / ("rank-" + std::to_string(rank) + ".log")).string();
+    rank_log.reset(std::fopen(path.c_str(), "w"));
+    LOOM_CHECK(rank_log != nullptr, "job.rank_logs: cannot write '", path, "' (job.dump_dir = '",
+               job.job.dump_dir, "')", ec ? ": " + ec.message() : "");
+    std::setvbuf(rank_log.get(), nullptr, _IOLBF, 0);
+    opt.rank_log = rank_log.get();
+  }
+  try {
+    Trainer trainer(job, opt);
+    const TrainResult r = trainer.run();
+    if (r.interrupted) {
+      if (!dist.mesh || dist.mesh->world_rank() == 0)
+        std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+      if (rank_log)
+        std::fprintf(rank_log.get(), "stopped by signal at step %lld\n", (long long)r.final_step);
+    }
+  } catch (const Error& e) {
+    // main() prints it to stderr; the rank's own log keeps it too.
+    if (rank_log) std::fprintf(rank_log.get(), "error: %s\n", e.what());
+    throw;
+  }
   return 0;
 }
 

@@ -120,6 +120,14 @@ void ParamUnit::materialize_weights() {
   bind_views();
 }
 
+size_t ParamUnit::materialized_weight_bytes() const {
+  if (!sharded()) return 0;
+  size_t bytes = size_t(padded_) * dtype_size(gather_dtype());
+  if (gather_dtype() == DType::f32 && bf16_) bytes += size_t(numel_) * 2;
+  if (needs_side()) bytes += size_t(side_numel_) * 4;
+  return bytes;
+}
+
 void ParamUnit::release_weights() {
   if (!sharded()) return;
   full_ = flat_ = flat_bf16_ = side_ = Tensor();

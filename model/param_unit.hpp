@@ -111,7 +111,11 @@ class ParamUnit {
   Tensor gather_input();                    // this rank's block of full_weights(), filled
   bool needs_side() const { return side_numel_ > 0 && gather_dtype() == DType::bf16; }
   Tensor& side_f32() { return side_; }  // [side numel], filled with this rank's elements
-  void finish_gather();                 // after the collectives completed
+  int64_t side_numel() const { return needs_side() ? side_numel_ : 0; }
+  // Bytes allocated by materialize_weights() (0 when unsharded): the gathered buffer, plus the
+  // locally rounded bf16 copy or the f32 side buffer.
+  size_t materialized_weight_bytes() const;
+  void finish_gather();  // after the collectives completed
 
  private:
   void bind_views();

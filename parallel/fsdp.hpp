@@ -65,6 +65,8 @@ class Fsdp final : public UnitHooks {
   void finish_step();
 
   dist::ProcessGroup& shard_group() { return shard_; }
+  // Whether after_forward(unit) releases the unit's full weights (so backward gathers it again).
+  bool reshard_after_forward(size_t unit) const;
 
  private:
   struct UnitState;
@@ -73,7 +75,6 @@ class Fsdp final : public UnitHooks {
   void wait_gather(size_t unit);
   void complete_gather(size_t unit);
   void complete_reduce(size_t unit);
-  bool reshard_after_forward(size_t unit) const;
 
   LlamaModel& model_;
   std::vector<ParamUnit*> units_;

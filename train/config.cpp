@@ -37,6 +37,7 @@ std::vector<Key> keys_of(JobConfig& c) {
   return {
       {"job", "name", &c.job.name},
       {"job", "dump_dir", &c.job.dump_dir},
+      {"job", "rank_logs", &c.job.rank_logs},
       {"model", "config", &c.model.config},
       {"model", "init_from", &c.model.init_from},
       {"model", "seed", &c.model.seed},

@@ -13,6 +13,9 @@ struct JobConfig {
   struct Job {
     std::string name = "loom";
     std::string dump_dir = "runs";
+    // Multi-process runs: every rank also writes its progress lines and errors to
+    // <dump_dir>/logs/rank-<world rank>.log (rank 0 still prints to the terminal).
+    bool rank_logs = false;
     bool operator==(const Job&) const = default;
   } job;
   struct Model {

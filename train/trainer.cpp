@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "core/allocator.hpp"
@@ -13,10 +14,9 @@
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "parallel/ddp.hpp"
-#include "parallel/fsdp.hpp"
 #include "train/checkpoint.hpp"
 #include "train/data_loader.hpp"
+#include "train/data_parallel.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
@@ -67,20 +67,41 @@ void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
              "\" is not supported by the trainer yet: expected \"none\"");
 }
 
-// The sum over the data-parallel ranks of a double, the same on every rank: each rank's value
-// goes as two floats (hi + lo) and the parts are added in rank order.
-double dp_sum(dist::ProcessGroup* dp, double x) {
-  if (!dp || dp->size() == 1) return x;
-  const int n = dp->size();
-  Tensor mine = Tensor::empty({2}, DType::f32), all = Tensor::empty({2 * n}, DType::f32);
-  const float hi = float(x);
-  mine.data<float>()[0] = hi;
-  mine.data<float>()[1] = float(x - double(hi));
-  dp->all_gather(mine, all)->wait();
-  double s = 0;
-  for (int r = 0; r < n; ++r)
-    s += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
-  return s;
+// The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
+class RunLog {
+ public:
+  RunLog(const MetricsLogger::Options& term, FILE* rank_log) : term_(term) {
+    if (rank_log) file_.emplace(MetricsLogger::Options{rank_log, false, term.log_every, "", -1});
+  }
+  void step(const StepMetrics& m) {
+    term_.step(m);
+    if (file_) file_->step(m);
+  }
+  void validation(int64_t step, double v) {
+    term_.validation(step, v);
+    if (file_) file_->validation(step, v);
+  }
+  void message(const std::string& line) {
+    term_.message(line);
+    if (file_) file_->message(line);
+  }
+  void finish() {
+    term_.finish();
+    if (file_) file_->finish();
+  }
+
+ private:
+  MetricsLogger term_;
+  std::optional<MetricsLogger> file_;
+};
+
+// True on every rank when `flag` is true on any rank of `group` (an all-reduce sum of 0/1).
+bool any_rank(dist::ProcessGroup& group, bool flag) {
+  if (group.size() == 1) return flag;
+  Tensor t = Tensor::empty({1}, DType::i32);
+  t.data<int32_t>()[0] = flag ? 1 : 0;
+  group.all_reduce(t, dist::ReduceOp::sum)->wait();
+  return t.data<int32_t>()[0] > 0;
 }
 
 struct FileCloser {
@@ -123,8 +144,6 @@ struct Trainer::State {
   int64_t dp_rank = 0, dp_size = 1;
   bool writer = true;  // world rank 0: prints, writes metrics and checkpoints
   std::unique_ptr<FILE, FileCloser> devnull;
-  std::unique_ptr<parallel::Fsdp> fsdp;
-  std::unique_ptr<parallel::Ddp> ddp;
   LlamaConfig mc;
   std::string model_config_path;
   DType compute = DType::f32;
@@ -134,7 +153,7 @@ struct Trainer::State {
   std::unique_ptr<TokenStream> train, val;
   std::unique_ptr<DataLoader> loader;
   std::vector<MicroBatch> val_batches;
-  std::unique_ptr<LlamaModel> model;
+  DpModel par;  // the model and its data-parallel hooks
   std::unique_ptr<AdamW> adamw;
   LrSchedule schedule;
   int64_t step = 0;         // optimizer steps completed
@@ -153,12 +172,13 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   check_layout(j, s.mesh);
   int shard_count = 1;
   if (s.mesh) {
-    s.dp = &s.mesh->group("dp");
-    s.dp_size = s.dp->size();
-    s.dp_rank = s.dp->rank();
+    const DpGroups g = dp_groups(s.mesh);
+    s.dp = g.dp;
+    s.dp_size = g.size;
+    s.dp_rank = g.rank;
+    s.shard = g.shard;
     s.writer = s.mesh->world_rank() == 0;
     shard_count = s.mesh->size("dp_shard");
-    if (shard_count > 1) s.shard = &s.mesh->group("dp_shard");
     if (!s.writer) {
       s.devnull.reset(std::fopen("/dev/null", "w"));
       LOOM_CHECK(s.devnull != nullptr, "cannot open /dev/null");
@@ -264,40 +284,28 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
 
   if (j.memory.limit_gb > 0)
     Allocator::get(Device::cpu).set_limit(size_t(j.memory.limit_gb * double(size_t(1) << 30)));
-  s.model = std::make_unique<LlamaModel>(
-      s.mc, s.compute, Device::cpu,
-      ShardLayout{s.shard ? s.shard->rank() : 0, s.shard ? s.shard->size() : 1});
-  const DType reduce = dtype_from_name(j.training.mixed_precision_reduce);
-  if (s.shard) {
-    parallel::FsdpConfig fc;
-    fc.reshard = parallel::reshard_policy_from_name(j.parallelism.fsdp_reshard_after_forward);
-    fc.reduce_dtype = reduce;
-    s.fsdp =
-        std::make_unique<parallel::Fsdp>(*s.model, *s.shard, &s.mesh->group("dp_replicate"), fc);
-  } else if (s.dp && s.dp->size() > 1) {
-    s.ddp = std::make_unique<parallel::Ddp>(*s.model, *s.dp, reduce);
-  }
+  s.par = make_dp_model(s.mc, s.compute, j, dp_groups(s.mesh));
   AdamWConfig oc{float(j.optimizer.lr), float(j.optimizer.beta1), float(j.optimizer.beta2),
                  float(j.optimizer.eps), float(j.optimizer.weight_decay)};
-  s.adamw = std::make_unique<AdamW>(s.model->units(), oc);
+  s.adamw = std::make_unique<AdamW>(s.par.model->units(), oc);
   if (!resume_dir.empty()) {
-    const TrainState st = load_checkpoint(resume_dir, *s.model, *s.adamw);
+    const TrainState st = load_checkpoint(resume_dir, *s.par.model, *s.adamw);
     s.step = st.step;
     s.data_offset = st.data_step - st.step;
     s.last_loss = st.loss;
     s.last_lr = st.lr;
     s.resumed_from = resume_dir;
   } else if (init) {
-    s.model->load_hf(*init);
+    s.par.model->load_hf(*init);
   } else {
-    s.model->init_weights(uint64_t(j.model.seed));
+    s.par.model->init_weights(uint64_t(j.model.seed));
   }
 }
 
 Trainer::~Trainer() = default;
 
 LlamaModel& Trainer::model() {
-  return *s_->model;
+  return *s_->par.model;
 }
 AdamW& Trainer::optimizer() {
   return *s_->adamw;
@@ -312,13 +320,9 @@ double Trainer::validate() {
   // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
   // and the (zero) gradients are cleared.
   double sum = 0;
-  if (s.ddp) s.ddp->set_sync(false);
-  for (const MicroBatch& mb : s.val_batches) {
-    sum += s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f);
-    if (s.fsdp) s.fsdp->finish_backward();
-  }
-  if (s.ddp) s.ddp->set_sync(true);
-  s.model->zero_grad();
+  for (const MicroBatch& mb : s.val_batches)
+    sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
+  s.par.model->zero_grad();
   sum = dp_sum(s.dp, sum);
   return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.dp_size);
 }
@@ -331,9 +335,9 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.final_step = s.step;
 
-  MetricsLogger log({s.opt.out, s.opt.tty, j.metrics.log_every,
-                     s.writer ? j.metrics.jsonl : std::string(),
-                     s.resumed_from.empty() ? -1 : s.step});
+  RunLog log({s.opt.out, s.opt.tty, j.metrics.log_every, s.writer ? j.metrics.jsonl : std::string(),
+              s.resumed_from.empty() ? -1 : s.step},
+             s.opt.rank_log);
   {
     std::ostringstream os;
     os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters (dim "
@@ -350,8 +354,8 @@ TrainResult Trainer::run() {
          << ")";
     os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T;
     if (s.mesh)
-      os << " x dp " << s.dp_size << " (" << s.mesh->layout().describe() << ", "
-         << (s.fsdp ? (s.mesh->size("dp_replicate") > 1 ? "HSDP" : "FSDP") : "DDP") << ")";
+      os << " x dp " << s.dp_size << " (" << s.mesh->layout().describe() << ", " << s.par.kind()
+         << ")";
     os << " = " << tokens_per_step << " tokens";
     log.message(os.str());
     log.message(str_cat("  memory estimate ", gib(s.mem.total()), " (weights+grads+AdamW ",
@@ -390,7 +394,7 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j)};
     result.last_checkpoint =
-        save_checkpoint(j.checkpoint.dir, *s.model, *s.adamw, st, s.tokenizer_json,
+        save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
                         {s.shard, s.mesh ? &s.mesh->world() : nullptr});
     if (s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
@@ -406,20 +410,17 @@ TrainResult Trainer::run() {
 
   for (int64_t step = first_step; step <= N; ++step) {
     const auto t0 = Clock::now();
-    s.model->zero_grad();
+    s.par.model->zero_grad();
     double loss_sum = 0;
     const int64_t data_step = step - 1 + s.data_offset;
     for (int64_t m = 0; m < s.G; ++m) {
       const MicroBatch mb = s.loader->get(data_step, m);
-      if (s.ddp) s.ddp->set_sync(m + 1 == s.G);
-      loss_sum +=
-          s.model->forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale);
-      if (s.fsdp) s.fsdp->finish_backward();
+      loss_sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T,
+                                         grad_scale, m + 1 == s.G);
     }
-    if (s.fsdp) s.fsdp->finish_step();
-    if (s.ddp) s.ddp->finish_backward();
+    s.par.finish_step();
     const double loss = dp_sum(s.dp, loss_sum) / double(tokens_per_step);
-    const double norm = clip_grad_norm(s.model->units(), j.training.max_norm, s.shard);
+    const double norm = clip_grad_norm(s.par.model->units(), j.training.max_norm, s.shard);
     const double lr = s.schedule.at(step);
 
     StepMetrics m;
@@ -463,7 +464,10 @@ TrainResult Trainer::run() {
 
     if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N))
       validation(step);
-    const bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
+    bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
+    // A signal may reach some ranks only (or reach them in different steps): the ranks agree,
+    // so all of them stop after the same step and take part in the same save.
+    if (s.mesh) stop = any_rank(s.mesh->world(), stop);
     if ((j.checkpoint.interval > 0 && step % j.checkpoint.interval == 0) || step == N || stop)
       save(step);
     if (stop && step < N) {

@@ -40,6 +40,9 @@ struct TrainerOptions {
   // process. dp_shard > 1 trains with FSDP (HSDP when dp_replicate > 1 too), dp_replicate > 1
   // alone with DDP. World rank 0 prints, writes metrics and checkpoints.
   dist::Mesh* mesh = nullptr;
+  // This rank's own log ([job] rank_logs; not owned): progress lines and messages go there too,
+  // as plain lines, on every rank.
+  FILE* rank_log = nullptr;
 };
 
 struct StepRecord {

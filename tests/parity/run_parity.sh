@@ -6,6 +6,8 @@
 # NP x the run's accumulation: micro-batch m of the reference is exactly the batch of dp rank
 # m mod NP), then compares per-step losses and final weights (parity_compare).
 # A reference override is given as --ref:key=value (e.g. the param dtype of the reference).
+# PARITY_EXPECT=mismatch inverts the verdict: exit 0 only when the comparison ran to the end and
+# reported the run out of tolerance.
 set -euo pipefail
 loom=$1 mpiexec=$2 compare=$3 src=$4 name=$5 np=$6 tol=$7
 shift 7
@@ -36,4 +38,18 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.s
   --metrics.jsonl="$work/run.jsonl" --checkpoint.dir="$work/run" "${run_args[@]}" >"$work/run.log" 2>&1 ||
   { cat "$work/run.log"; exit 1; }
 grep -m1 "x dp" "$work/run.log" || true
-"$compare" "$work/ref.jsonl" "$work/ref/step-00000020" "$work/run.jsonl" "$work/run/step-00000020" "$tol"
+compare_args=("$work/ref.jsonl" "$work/ref/step-00000020" "$work/run.jsonl" "$work/run/step-00000020" "$tol")
+if [ "${PARITY_EXPECT:-match}" = mismatch ]; then
+  # The harness's own test: both runs must complete and the comparison must fail on the
+  # tolerance (not on a crash, a missing step or a missing tensor).
+  rc=0
+  out=$("$compare" "${compare_args[@]}") || rc=$?
+  echo "$out"
+  if [ "$rc" = 1 ] && grep -q '^out of tolerance' <<<"$out"; then
+    echo "mismatch detected, as expected"
+    exit 0
+  fi
+  echo "expected the comparison to fail on the tolerance (parity_compare exit $rc)"
+  exit 1
+fi
+"$compare" "${compare_args[@]}"

@@ -1,0 +1,95 @@
+#include "train/data_parallel.hpp"
+
+#include "core/error.hpp"
+
+namespace loom {
+
+DistRuntime start_distributed(const JobConfig& job, const std::string& command) {
+  const auto& par = job.parallelism;
+  const int64_t asked =
+      par.dp_replicate * (par.dp_shard == -1 ? 1 : par.dp_shard) * par.tp * par.cp * par.pp;
+  DistRuntime rt;
+  if (dist::launched_under_mpi()) {
+    rt.mpi = std::make_unique<dist::MpiRuntime>();
+    if (rt.mpi->world_size() > 1) {
+      dist::MeshShape shape;
+      shape.pp = int(par.pp);
+      shape.dp_replicate = int(par.dp_replicate);
+      shape.dp_shard = int(par.dp_shard);
+      shape.cp = int(par.cp);
+      shape.tp = int(par.tp);
+      // Every rank checks the shape against the world size and fails alike.
+      rt.mesh = std::make_unique<dist::Mesh>(shape, dist::make_mpi_world_group());
+    }
+  }
+  LOOM_CHECK(rt.mesh || asked == 1, "parallelism asks for ", asked,
+             " ranks (dp_replicate=", par.dp_replicate, " dp_shard=", par.dp_shard, " tp=", par.tp,
+             " cp=", par.cp, " pp=", par.pp,
+             ") but this process was not started by an MPI launcher: run `mpirun -np ", asked,
+             " loom ", command, " ...` (or srun)");
+  return rt;
+}
+
+DpGroups dp_groups(dist::Mesh* mesh) {
+  DpGroups g;
+  if (!mesh) return g;
+  g.dp = &mesh->group("dp");
+  g.rank = g.dp->rank();
+  g.size = g.dp->size();
+  if (mesh->size("dp_shard") > 1) g.shard = &mesh->group("dp_shard");
+  g.replicate = &mesh->group("dp_replicate");
+  return g;
+}
+
+DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job,
+                      const DpGroups& groups) {
+  DpModel m;
+  m.groups = groups;
+  const ShardLayout layout{groups.shard ? groups.shard->rank() : 0,
+                           groups.shard ? groups.shard->size() : 1};
+  m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout);
+  const DType reduce = dtype_from_name(job.training.mixed_precision_reduce);
+  if (groups.shard) {
+    parallel::FsdpConfig fc;
+    fc.reshard = parallel::reshard_policy_from_name(job.parallelism.fsdp_reshard_after_forward);
+    fc.reduce_dtype = reduce;
+    m.fsdp = std::make_unique<parallel::Fsdp>(*m.model, *groups.shard, groups.replicate, fc);
+  } else if (groups.dp && groups.dp->size() > 1) {
+    m.ddp = std::make_unique<parallel::Ddp>(*m.model, *groups.dp, reduce);
+  }
+  return m;
+}
+
+double DpModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                 int64_t T, float grad_scale, bool last) {
+  if (ddp) ddp->set_sync(last);
+  const double loss = model->forward_backward(inputs, targets, B, T, grad_scale);
+  if (fsdp) fsdp->finish_backward();
+  return loss;
+}
+
+void DpModel::finish_step() {
+  if (fsdp) fsdp->finish_step();
+  if (ddp) ddp->finish_backward();
+}
+
+const char* DpModel::kind() const {
+  if (fsdp) return groups.replicate && groups.replicate->size() > 1 ? "HSDP" : "FSDP";
+  return ddp ? "DDP" : "single";
+}
+
+double dp_sum(dist::ProcessGroup* group, double x) {
+  if (!group || group->size() == 1) return x;
+  const int n = group->size();
+  Tensor mine = Tensor::empty({2}, DType::f32), all = Tensor::empty({2 * n}, DType::f32);
+  const float hi = float(x);
+  mine.data<float>()[0] = hi;
+  mine.data<float>()[1] = float(x - double(hi));
+  group->all_gather(mine, all)->wait();
+  double s = 0;
+  for (int r = 0; r < n; ++r)
+    s += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
+  return s;
+}
+
+}  // namespace loom
