@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dist/process_group.hpp"
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
@@ -49,7 +50,56 @@ void linear_backward(const Tensor& dy, const Tensor& x, const void* w, float* dw
   cpu::linear_backward_weight(dy.raw(), x.raw(), dw, M, N, K, dt);
 }
 
+// Collectives of tensor parallelism (skipped on the meta device, where nothing runs).
+void tp_all_reduce(const TpRuntime& tp, Tensor& t) {
+  if (live(t)) tp.opt.group->all_reduce(t.view({t.numel()}), dist::ReduceOp::sum)->wait();
+}
+
+// The rows of every tp rank, in rank order: [n rows, cols] -> out [tp n rows, cols].
+void tp_gather_rows(const TpRuntime& tp, const Tensor& in, Tensor& out) {
+  if (live(in)) tp.opt.group->all_gather(in.view({in.numel()}), out.view({out.numel()}))->wait();
+}
+
+// This rank's rows of the sum over tp ranks: [tp n rows, cols] -> out [n rows, cols].
+void tp_reduce_scatter_rows(const TpRuntime& tp, const Tensor& in, Tensor& out) {
+  if (live(in))
+    tp.opt.group
+        ->reduce_scatter(in.view({in.numel()}), out.view({out.numel()}), dist::ReduceOp::sum)
+        ->wait();
+}
+
+Tensor pooled(const TpRuntime& tp, const std::string& purpose, const Shape& shape, DType dt,
+              Device dev) {
+  if (dev == Device::meta) return Tensor::empty(shape, dt, dev);
+  return tp.pool->get(purpose, dt, shape_numel(shape), dev).view(shape);
+}
+
+// A norm's weight gradient when every tp rank normed different rows (sequence parallel): the
+// rank's part goes into a zeroed buffer, the sum over tp is added to the gradient, so a gradient
+// accumulated over micro-batches is not summed twice.
+template <class Fn>
+void tp_summed_norm_grad(const TpRuntime& tp, float* grad, int64_t d, Device dev, Fn&& fn) {
+  if (!tp.sp()) {
+    fn(grad);
+    return;
+  }
+  Tensor part = pooled(tp, "norm_grad", {d}, DType::f32, dev);
+  if (dev != Device::meta) part.zero_();
+  fn(dev == Device::meta ? nullptr : part.data<float>());
+  tp_all_reduce(tp, part);
+  if (dev == Device::meta) return;
+  const float* p = part.data<float>();
+  for (int64_t i = 0; i < d; ++i) grad[i] += p[i];
+}
+
 }  // namespace
+
+int TpOptions::size() const {
+  return group ? group->size() : 1;
+}
+int TpOptions::rank() const {
+  return group ? group->rank() : 0;
+}
 
 size_t BlockActs::bytes() const {
   size_t n = 0;
@@ -58,51 +108,108 @@ size_t BlockActs::bytes() const {
   return n;
 }
 
-static std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer) {
+static std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_rank,
+                                          int tp) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
-  const int64_t d = c.hidden_size, hd = c.head_dim(), F = c.intermediate_size;
-  const int64_t q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+  const int64_t d = c.hidden_size, hd = c.head_dim(), F = c.intermediate_size / tp;
+  const int64_t q = c.num_attention_heads / tp * hd, kv = c.num_key_value_heads / tp * hd;
   // Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init), so
   // the residual stream's variance does not grow with depth.
   const float out_std = 0.02f / std::sqrt(2.0f * float(c.num_hidden_layers));
-  return {
-      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true},
-      {p + "self_attn.q_proj.weight", {q, d}},
-      {p + "self_attn.k_proj.weight", {kv, d}},
-      {p + "self_attn.v_proj.weight", {kv, d}},
-      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std},
-      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true},
-      {p + "mlp.gate_proj.weight", {F, d}},
-      {p + "mlp.up_proj.weight", {F, d}},
-      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std},
+  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
+  std::vector<ParamSpec> specs{
+      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true, N},
+      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false, C},
+      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true, N},
+      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
+      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
+      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false, C},
   };
+  for (auto& sp : specs) {
+    sp.tp_rank = tp_rank;
+    sp.tp_count = tp;
+  }
+  return specs;
 }
 
 TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
-                                   ShardLayout shard)
-    : c_(c), unit_("layers." + std::to_string(layer), block_specs(c, layer), bf16, device, shard) {}
+                                   ShardLayout shard, const TpRuntime* tp)
+    : c_(c),
+      tp_(tp),
+      unit_("layers." + std::to_string(layer),
+            block_specs(c, layer, tp ? tp->opt.rank() : 0, tp ? tp->opt.size() : 1), bf16, device,
+            shard) {}
 
 Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
+  const TpRuntime none;
+  const TpRuntime& tp = tp_ ? *tp_ : none;
+  const int tpn = tp.on() ? tp.opt.size() : 1;
   const int64_t M = ctx.tokens(), d = c_.hidden_size, hd = c_.head_dim();
-  const int64_t Hq = c_.num_attention_heads, Hkv = c_.num_key_value_heads;
-  const int64_t F = c_.intermediate_size, nqkv = (Hq + 2 * Hkv) * hd;
+  const int64_t Hq = c_.num_attention_heads / tpn, Hkv = c_.num_key_value_heads / tpn;
+  const int64_t F = c_.intermediate_size / tpn, nqkv = (Hq + 2 * Hkv) * hd;
+  const int64_t Mx = tp.sp() ? M / tpn : M;  // rows of the block's input and output
   const auto& P = unit_.params();
   const Device dev = x.device();
   const DType dt = ctx.compute;
   const float eps = float(c_.rms_norm_eps);
   const bool run = live(x);
 
+  // A column-parallel GEMM's input: with sequence parallelism the rows of every tp rank. Kept
+  // for backward (a new tensor), or, when backward gathers again, a pooled buffer.
+  auto gather_input = [&](const Tensor& local, Tensor& saved) -> Tensor {
+    if (!tp.sp()) return saved = local;
+    if (tp.opt.recompute_allgather) {
+      saved = local;
+      Tensor full = pooled(tp, "ag_input", {M, d}, dt, dev);
+      tp_gather_rows(tp, local, full);
+      return full;
+    }
+    saved = Tensor::empty({M, d}, dt, dev);
+    tp_gather_rows(tp, local, saved);
+    return saved;
+  };
+  // residual + the row-parallel GEMM's output summed over tp (this rank's rows with SP).
+  auto row_parallel = [&](const Tensor& in, int64_t K, size_t w, const Tensor& residual) {
+    Tensor out = f32({Mx, d}, dev);
+    out.copy_from(residual);
+    if (!tp.on()) {
+      linear(in, unit_.gemm_weights(w), out, d, K, dt, true);
+      return out;
+    }
+    Tensor part = pooled(tp, "row_out", {M, d}, DType::f32, dev);
+    linear(in, unit_.gemm_weights(w), part, d, K, dt, false);
+    Tensor sum = part;
+    if (tp.sp()) {
+      sum = pooled(tp, "row_out_rs", {Mx, d}, DType::f32, dev);
+      tp_reduce_scatter_rows(tp, part, sum);
+    } else {
+      tp_all_reduce(tp, part);
+    }
+    if (run) {
+      float* o = out.data<float>();
+      const float* s = sum.data<float>();
+#pragma omp parallel for
+      for (int64_t i = 0; i < Mx * d; ++i) o[i] += s[i];
+    }
+    return out;
+  };
+
   a.x = x;
-  a.rstd1 = f32({M}, dev);
+  a.rstd1 = f32({Mx}, dev);
+  Tensor xn1_full;
   {
-    Tensor xn1 = f32({M, d}, dev);
+    Tensor xn1 = f32({Mx, d}, dev);
     if (run)
-      cpu::rmsnorm_forward(x.data<float>(), P[kNorm1].value.data<float>(), M, d, eps,
+      cpu::rmsnorm_forward(x.data<float>(), P[kNorm1].value.data<float>(), Mx, d, eps,
                            xn1.data<float>(), a.rstd1.data<float>());
-    a.xn1 = to_compute(xn1, dt);
+    xn1_full = gather_input(to_compute(xn1, dt), a.xn1);
   }
   a.qkv = f32({M, nqkv}, dev);
-  linear(a.xn1, unit_.gemm_weights(kQ), a.qkv, nqkv, d, dt, false);
+  linear(xn1_full, unit_.gemm_weights(kQ), a.qkv, nqkv, d, dt, false);
+  xn1_full = Tensor();
   a.attn = f32({M, Hq * hd}, dev);
   a.lse = f32({ctx.B, Hq, ctx.T}, dev);
   if (run) {
@@ -113,59 +220,93 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
     cpu::attention_forward(s, q, q + Hq * hd, q + (Hq + Hkv) * hd, a.attn.data<float>(),
                            a.lse.data<float>());
   }
-  a.h = f32({M, d}, dev);
-  a.h.copy_from(x);
-  linear(to_compute(a.attn, dt), unit_.gemm_weights(kO), a.h, d, Hq * hd, dt, true);
+  a.h = row_parallel(to_compute(a.attn, dt), Hq * hd, kO, x);
 
-  a.rstd2 = f32({M}, dev);
+  a.rstd2 = f32({Mx}, dev);
+  Tensor xn2_full;
   {
-    Tensor xn2 = f32({M, d}, dev);
+    Tensor xn2 = f32({Mx, d}, dev);
     if (run)
-      cpu::rmsnorm_forward(a.h.data<float>(), P[kNorm2].value.data<float>(), M, d, eps,
+      cpu::rmsnorm_forward(a.h.data<float>(), P[kNorm2].value.data<float>(), Mx, d, eps,
                            xn2.data<float>(), a.rstd2.data<float>());
-    a.xn2 = to_compute(xn2, dt);
+    xn2_full = gather_input(to_compute(xn2, dt), a.xn2);
   }
   a.gu = f32({M, 2 * F}, dev);
-  linear(a.xn2, unit_.gemm_weights(kGate), a.gu, 2 * F, d, dt, false);
+  linear(xn2_full, unit_.gemm_weights(kGate), a.gu, 2 * F, d, dt, false);
+  xn2_full = Tensor();
   {
     Tensor act = f32({M, F}, dev);
     if (run) cpu::swiglu_forward(a.gu.data<float>(), M, F, act.data<float>());
     a.act = to_compute(act, dt);
   }
-  Tensor out = f32({M, d}, dev);
-  out.copy_from(a.h);
-  linear(a.act, unit_.gemm_weights(kDown), out, d, F, dt, true);
-  return out;
+  return row_parallel(a.act, F, kDown, a.h);
 }
 
 void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a) {
+  const TpRuntime none;
+  const TpRuntime& tp = tp_ ? *tp_ : none;
+  const int tpn = tp.on() ? tp.opt.size() : 1;
   const int64_t M = ctx.tokens(), d = c_.hidden_size, hd = c_.head_dim();
-  const int64_t Hq = c_.num_attention_heads, Hkv = c_.num_key_value_heads;
-  const int64_t F = c_.intermediate_size, nqkv = (Hq + 2 * Hkv) * hd;
+  const int64_t Hq = c_.num_attention_heads / tpn, Hkv = c_.num_key_value_heads / tpn;
+  const int64_t F = c_.intermediate_size / tpn, nqkv = (Hq + 2 * Hkv) * hd;
+  const int64_t Mx = tp.sp() ? M / tpn : M;
   auto& P = unit_.params();
   const Device dev = dy.device();
   const DType dt = ctx.compute;
   const bool run = live(dy);
 
+  // The gradient w.r.t. a row-parallel GEMM's output, for every row (the backward of the
+  // reduce-scatter is an all-gather).
+  auto full_dy = [&]() -> Tensor {
+    if (!tp.sp()) return to_compute(dy, dt);
+    Tensor g = pooled(tp, "ag_dy", {M, d}, DType::f32, dev);
+    tp_gather_rows(tp, dy, g);
+    return to_compute(g, dt);
+  };
+  // The saved input of a column-parallel GEMM, every row.
+  auto full_input = [&](const Tensor& saved) -> Tensor {
+    if (!tp.sp() || !tp.opt.recompute_allgather) return saved;
+    Tensor full = pooled(tp, "ag_input", {M, d}, dt, dev);
+    tp_gather_rows(tp, saved, full);
+    return full;
+  };
+  // dx = dy w of a column-parallel GEMM, summed over tp (this rank's rows with SP).
+  auto column_dx = [&](const Tensor& dout, const Tensor& in, size_t w, int64_t N) -> Tensor {
+    if (!tp.on()) {
+      Tensor dx = f32({M, d}, dev);
+      linear_backward(dout, in, unit_.gemm_weights(w), unit_.grad_data(w), &dx, N, d, dt);
+      return dx;
+    }
+    Tensor part = pooled(tp, "col_dx", {M, d}, DType::f32, dev);
+    linear_backward(dout, in, unit_.gemm_weights(w), unit_.grad_data(w), &part, N, d, dt);
+    if (!tp.sp()) {
+      tp_all_reduce(tp, part);
+      return part;
+    }
+    Tensor dx = pooled(tp, "col_dx_rs", {Mx, d}, DType::f32, dev);
+    tp_reduce_scatter_rows(tp, part, dx);
+    return dx;
+  };
+
   // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
   {
-    // The gate/up gradient overwrites the saved gate/up projections (last read here).
     Tensor dgu = a.gu;
     a.gu = Tensor();
     {
       Tensor dact = f32({M, F}, dev);
-      linear_backward(to_compute(dy, dt), a.act, unit_.gemm_weights(kDown), unit_.grad_data(kDown),
-                      &dact, d, F, dt);
+      linear_backward(full_dy(), a.act, unit_.gemm_weights(kDown), unit_.grad_data(kDown), &dact, d,
+                      F, dt);
       a.act = Tensor();
       if (run) cpu::swiglu_backward(dact.data<float>(), dgu.data<float>(), M, F, dgu.data<float>());
     }
-    Tensor dxn2 = f32({M, d}, dev);
-    linear_backward(to_compute(dgu, dt), a.xn2, unit_.gemm_weights(kGate), unit_.grad_data(kGate),
-                    &dxn2, 2 * F, d, dt);
+    Tensor dxn2 = column_dx(to_compute(dgu, dt), full_input(a.xn2), kGate, 2 * F);
+    dgu = Tensor();
     a.xn2 = Tensor();
-    if (run)
-      cpu::rmsnorm_backward(dxn2.data<float>(), a.h.data<float>(), P[kNorm2].value.data<float>(),
-                            a.rstd2.data<float>(), M, d, dy.data<float>(), unit_.grad_data(kNorm2));
+    tp_summed_norm_grad(tp, unit_.grad_data(kNorm2), d, dev, [&](float* g) {
+      if (run)
+        cpu::rmsnorm_backward(dxn2.data<float>(), a.h.data<float>(), P[kNorm2].value.data<float>(),
+                              a.rstd2.data<float>(), Mx, d, dy.data<float>(), g);
+    });
     a.h = a.rstd2 = Tensor();
   }
   // Attention branch: h = x + o(attention(rope(qkv(norm1(x))))).
@@ -173,7 +314,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     Tensor dqkv = f32({M, nqkv}, dev);
     {
       Tensor dattn = f32({M, Hq * hd}, dev);
-      linear_backward(to_compute(dy, dt), to_compute(a.attn, dt), unit_.gemm_weights(kO),
+      linear_backward(full_dy(), to_compute(a.attn, dt), unit_.gemm_weights(kO),
                       unit_.grad_data(kO), &dattn, d, Hq * hd, dt);
       if (run) {
         const float* q = a.qkv.data<float>();
@@ -188,33 +329,52 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       }
       a.attn = a.lse = a.qkv = Tensor();
     }
-    Tensor dxn1 = f32({M, d}, dev);
-    linear_backward(to_compute(dqkv, dt), a.xn1, unit_.gemm_weights(kQ), unit_.grad_data(kQ), &dxn1,
-                    nqkv, d, dt);
+    Tensor dxn1 = column_dx(to_compute(dqkv, dt), full_input(a.xn1), kQ, nqkv);
+    dqkv = Tensor();
     a.xn1 = Tensor();
-    if (run)
-      cpu::rmsnorm_backward(dxn1.data<float>(), a.x.data<float>(), P[kNorm1].value.data<float>(),
-                            a.rstd1.data<float>(), M, d, dy.data<float>(), unit_.grad_data(kNorm1));
+    tp_summed_norm_grad(tp, unit_.grad_data(kNorm1), d, dev, [&](float* g) {
+      if (run)
+        cpu::rmsnorm_backward(dxn1.data<float>(), a.x.data<float>(), P[kNorm1].value.data<float>(),
+                              a.rstd1.data<float>(), Mx, d, dy.data<float>(), g);
+    });
   }
   a = BlockActs();
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard)
+LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard,
+                       TpOptions tp)
     : config_(config), compute_(compute), device_(device), shard_(shard) {
   config_.validate("model config");
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
              "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
+  const int n = tp.size(), r = tp.rank();
+  if (n > 1) {
+    // Refused rather than replicating kv heads (docs/design.md, "Tensor parallelism").
+    for (auto [what, v] :
+         {std::pair<const char*, int64_t>{"num_attention_heads", config_.num_attention_heads},
+          {"num_key_value_heads", config_.num_key_value_heads},
+          {"intermediate_size", config_.intermediate_size},
+          {"vocab_size", config_.vocab_size}})
+      LOOM_CHECK(v % n == 0, "tensor parallelism: model ", what, " = ", v,
+                 " is not divisible by parallelism.tp = ", n, " (every tp rank holds ", what,
+                 " / tp; kv heads are not replicated)");
+  } else {
+    tp.group = nullptr;
+  }
+  tp_ = std::make_unique<TpRuntime>();
+  tp_->opt = tp;
+  tp_->pool = &pool_;
   const bool bf = compute == DType::bf16;
-  const int64_t d = config_.hidden_size, V = config_.vocab_size;
-  embed_ = std::make_unique<ParamUnit>(
-      "embed",
-      std::vector<ParamSpec>{
-          {"model.embed_tokens.weight", {V, d}, Init::normal, 0.02f, true, true}},
-      bf, device, shard);
+  const int64_t d = config_.hidden_size, V = config_.vocab_size / n;
+  ParamSpec emb{
+      "model.embed_tokens.weight", {V, d}, Init::normal, 0.02f, true, true, TpSplit::rows, r, n};
+  embed_ = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, device, shard);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
-    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard));
+    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard, tp_.get()));
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
-  if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}});
+  if (!config_.tie_word_embeddings)
+    head.push_back(
+        {"lm_head.weight", {V, d}, Init::normal, 0.02f, true, false, TpSplit::rows, r, n});
   head_ = std::make_unique<ParamUnit>("head", head, bf, device, shard);
 }
 
@@ -238,20 +398,20 @@ void LlamaModel::init_weights(uint64_t seed) {
 void LlamaModel::load_hf(const SafetensorsDir& dir) {
   for (ParamUnit* u : units()) {
     if (!u->sharded()) {
-      for (auto& p : u->params()) dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+      for (auto& p : u->params()) {
+        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+        else
+          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
+                           p.value.data<float>());
+      }
       u->refresh_bf16();
       continue;
     }
-    // Only the rows that hold this rank's slice are read (and converted).
     float* shard = u->master_shard().data<float>();
-    std::vector<float> rows;
     for (const ShardSlice& s : u->shard_slices()) {
       const ParamSpec& spec = u->params()[s.param].spec;
-      const int64_t row = spec.shape.empty() ? 1 : shape_numel(spec.shape) / spec.shape[0];
-      const int64_t r0 = s.begin / row, r1 = (s.begin + s.count - 1) / row + 1;
-      rows.resize(size_t((r1 - r0) * row));
-      dir.read_f32(spec.name, spec.shape, rows.data(), r0, r1 - r0);
-      std::copy_n(rows.data() + (s.begin - r0 * row), s.count, shard + s.shard_offset);
+      read_param_slice(dir, spec.name, spec, s.begin, s.count, shard + s.shard_offset);
     }
   }
 }
@@ -268,7 +428,15 @@ const cpu::RopeTable& LlamaModel::rope_for(int64_t T) {
 
 double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                     int64_t T, float grad_scale) {
-  const int64_t M = B * T, d = config_.hidden_size, V = config_.vocab_size;
+  const TpRuntime& tp = *tp_;
+  const int tpn = tp.opt.size();
+  const int64_t M = B * T, d = config_.hidden_size, V = config_.vocab_size / tpn;
+  const int64_t v0 = int64_t(tp.opt.rank()) * V;  // first vocabulary row of this tp rank
+  LOOM_CHECK(
+      !tp.sp() || M % tpn == 0, "sequence parallelism: the micro-batch's B*T = ", B, "*", T, " = ",
+      M, " rows are not divisible by parallelism.tp = ", tpn,
+      " (each tp rank holds B*T / tp rows; or set parallelism.tp_sequence_parallel = false)");
+  const int64_t Mx = tp.sp() ? M / tpn : M;  // rows of the residual stream on this rank
   const bool run = device_ != Device::meta;
   StepContext ctx;
   ctx.B = B;
@@ -285,11 +453,35 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
     if (hooks_) (hooks_->*fn)(unit);
   };
 
-  Tensor x = f32({M, d}, device_);
+  Tensor x = f32({Mx, d}, device_);
   hook(&UnitHooks::before_forward, 0);
-  if (run)
-    cpu::embedding_forward(inputs, M, embed_->params()[0].value.data<float>(), V, d,
-                           x.data<float>());
+  if (!tp.on()) {
+    if (run)
+      cpu::embedding_forward(inputs, M, embed_->params()[0].value.data<float>(), V, d,
+                             x.data<float>());
+  } else {
+    // Vocabulary-parallel: rows of other ranks' tokens are zero here; the sum over tp is the
+    // embedding (this rank's rows of it with sequence parallelism).
+    Tensor part = pooled(tp, "row_out", {M, d}, DType::f32, device_);
+    if (run) {
+      const float* table = embed_->params()[0].value.data<float>();
+      float* o = part.data<float>();
+#pragma omp parallel for
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t t = int64_t(inputs[m]) - v0;
+        if (t >= 0 && t < V)
+          std::copy_n(table + t * d, d, o + m * d);
+        else
+          std::fill_n(o + m * d, d, 0.0f);
+      }
+    }
+    if (tp.sp()) {
+      tp_reduce_scatter_rows(tp, part, x);
+    } else {
+      tp_all_reduce(tp, part);
+      x.copy_from(part);
+    }
+  }
   hook(&UnitHooks::after_forward, 0);
 
   std::vector<BlockActs> acts(blocks_.size());
@@ -307,15 +499,20 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   hook(&UnitHooks::before_backward, head_unit);
   {
     const Param& norm = head_->params()[0];
-    Tensor rstd = f32({M}, device_), xf = f32({M, d}, device_);
+    Tensor rstd = f32({Mx}, device_), xf = f32({Mx, d}, device_);
     if (run)
-      cpu::rmsnorm_forward(x.data<float>(), norm.value.data<float>(), M, d,
+      cpu::rmsnorm_forward(x.data<float>(), norm.value.data<float>(), Mx, d,
                            float(config_.rms_norm_eps), xf.data<float>(), rstd.data<float>());
     Tensor xf_c = to_compute(xf, compute_);
     xf = Tensor();
+    if (tp.sp()) {
+      Tensor full = pooled(tp, "ag_input", {M, d}, compute_, device_);
+      tp_gather_rows(tp, xf_c, full);
+      xf_c = full;
+    }
     ParamUnit& out_unit = config_.tie_word_embeddings ? *embed_ : *head_;
     const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
-    Tensor dxf = f32({M, d}, device_);
+    Tensor dxf = tp.on() ? pooled(tp, "col_dx", {M, d}, DType::f32, device_) : f32({M, d}, device_);
     if (run) {
       cpu::LinearCrossEntropyArgs ce;
       ce.x = xf_c.raw();
@@ -329,14 +526,22 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
       ce.dx = dxf.data<float>();
       ce.dw = out_unit.grad_data(out_index);
       ce.chunk_rows = loss_chunk_rows(config_, B, T, compute_);
-      loss = cpu::linear_cross_entropy(ce);
+      loss = tp.on() ? vocab_parallel_cross_entropy(ce, v0) : cpu::linear_cross_entropy(ce);
     }
     xf_c = Tensor();
-    dx = Tensor::zeros({M, d}, DType::f32, device_);
-    if (run) {
-      cpu::rmsnorm_backward(dxf.data<float>(), x.data<float>(), norm.value.data<float>(),
-                            rstd.data<float>(), M, d, dx.data<float>(), head_->grad_data(0));
+    if (tp.sp()) {
+      Tensor mine = pooled(tp, "col_dx_rs", {Mx, d}, DType::f32, device_);
+      tp_reduce_scatter_rows(tp, dxf, mine);
+      dxf = mine;
+    } else if (tp.on()) {
+      tp_all_reduce(tp, dxf);
     }
+    dx = Tensor::zeros({Mx, d}, DType::f32, device_);
+    tp_summed_norm_grad(tp, head_->grad_data(0), d, device_, [&](float* g) {
+      if (run)
+        cpu::rmsnorm_backward(dxf.data<float>(), x.data<float>(), norm.value.data<float>(),
+                              rstd.data<float>(), Mx, d, dx.data<float>(), g);
+    });
   }
   hook(&UnitHooks::after_backward, head_unit);
   x = Tensor();
@@ -346,8 +551,103 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
     hook(&UnitHooks::after_backward, l + 1);
   }
   hook(&UnitHooks::before_backward, 0);
-  if (run) cpu::embedding_backward(inputs, M, dx.data<float>(), V, d, embed_->grad_data(0));
+  if (!tp.on()) {
+    if (run) cpu::embedding_backward(inputs, M, dx.data<float>(), V, d, embed_->grad_data(0));
+  } else {
+    Tensor full = dx;
+    if (tp.sp()) {
+      full = pooled(tp, "ag_dy", {M, d}, DType::f32, device_);
+      tp_gather_rows(tp, dx, full);
+    }
+    if (run) {
+      // Rows of this rank's vocabulary only; serial in token order (a token may repeat).
+      float* g = embed_->grad_data(0);
+      const float* s = full.data<float>();
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t t = int64_t(inputs[m]) - v0;
+        if (t < 0 || t >= V) continue;
+        float* gr = g + t * d;
+        const float* sr = s + m * d;
+        for (int64_t i = 0; i < d; ++i) gr[i] += sr[i];
+      }
+    }
+  }
   hook(&UnitHooks::after_backward, 0);
+  return loss;
+}
+
+double LlamaModel::vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArgs& a, int64_t v0) {
+  // Loss parallel: this rank's logits [rows, V/tp] per chunk; the row's log-sum-exp combines
+  // the ranks' local ones (an all-gather of [tp, N]), the target logit comes from the rank that
+  // owns it (an all-reduce sum of the masked target logit). dx is this rank's part (the caller
+  // sums it over tp); dW is this rank's rows, exactly.
+  const TpRuntime& tp = *tp_;
+  const int n = tp.opt.size();
+  const int64_t N = a.N, D = a.D, V = a.V;
+  const int64_t rows = std::max<int64_t>(1, std::min(a.chunk_rows > 0 ? a.chunk_rows : 64, N));
+  const size_t es = dtype_size(a.ab);
+  const char* xb = static_cast<const char*>(a.x);
+  Tensor lse_all = pooled(tp, "ce_lse_all", {int64_t(n), N}, DType::f32, Device::cpu);
+  Tensor lse = lse_all.narrow(0, tp.opt.rank(), 1).view({N});
+  Tensor tgt = pooled(tp, "ce_target", {N}, DType::f32, Device::cpu);
+  Tensor logits = pooled(tp, "ce_logits", {rows, V}, DType::f32, Device::cpu);
+  for (int64_t i = 0; i < N; ++i)
+    LOOM_CHECK(a.targets[i] < V * n, "cross-entropy: target ", a.targets[i], " of row ", i,
+               " is outside the vocabulary of ", V * n);
+  float* L = logits.data<float>();
+  float* ls = lse.data<float>();
+  float* tg = tgt.data<float>();
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t nr = std::min(rows, N - r0);
+    cpu::linear_forward(xb + size_t(r0 * D) * es, a.w, L, nr, V, D, a.ab, false);
+#pragma omp parallel for
+    for (int64_t i = 0; i < nr; ++i) {
+      const float* l = L + i * V;
+      float mx = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, l[v]);
+      double s = 0;
+      for (int64_t v = 0; v < V; ++v) s += std::exp(double(l[v] - mx));
+      ls[r0 + i] = float(double(mx) + std::log(s));
+      const int64_t t = int64_t(a.targets[r0 + i]);
+      tg[r0 + i] = (t >= v0 && t < v0 + V) ? l[t - v0] : 0.0f;
+    }
+  }
+  // In place: this rank's row of lse_all is its input block.
+  tp.opt.group->all_gather(lse, lse_all.view({int64_t(n) * N}))->wait();
+  tp_all_reduce(tp, tgt);
+  const float* la = lse_all.data<float>();
+  double loss = 0;
+  std::vector<float> glse(size_t(N), 0.0f);
+  for (int64_t i = 0; i < N; ++i) {
+    float mx = -INFINITY;
+    for (int r = 0; r < n; ++r) mx = std::max(mx, la[r * N + i]);
+    double s = 0;
+    for (int r = 0; r < n; ++r) s += std::exp(double(la[r * N + i] - mx));
+    glse[size_t(i)] = float(double(mx) + std::log(s));
+    if (a.targets[i] >= 0) loss += double(glse[size_t(i)]) - double(tg[i]);
+  }
+  Tensor dl_c =
+      a.ab == DType::f32 ? logits : pooled(tp, "ce_dlogits", {rows, V}, DType::bf16, Device::cpu);
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t nr = std::min(rows, N - r0);
+    cpu::linear_forward(xb + size_t(r0 * D) * es, a.w, L, nr, V, D, a.ab, false);
+#pragma omp parallel for
+    for (int64_t i = 0; i < nr; ++i) {
+      float* l = L + i * V;
+      const int64_t t = int64_t(a.targets[r0 + i]);
+      if (t < 0) {
+        std::fill_n(l, V, 0.0f);
+        continue;
+      }
+      const float g = glse[size_t(r0 + i)];
+      for (int64_t v = 0; v < V; ++v) l[v] = std::exp(l[v] - g) * a.grad_scale;
+      if (t >= v0 && t < v0 + V) l[t - v0] -= a.grad_scale;
+    }
+    if (a.ab == DType::bf16) cpu::cast_f32_to_bf16(L, dl_c.data<bf16>(), nr * V);
+    if (a.dx) cpu::linear_backward_input(dl_c.raw(), a.w, a.dx + r0 * D, nr, V, D, a.ab, false);
+    if (a.dw)
+      cpu::linear_backward_weight(dl_c.raw(), xb + size_t(r0 * D) * es, a.dw, nr, V, D, a.ab);
+  }
   return loss;
 }
 

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "dist/buffer_pool.hpp"
+#include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/cpu/rope.hpp"
 #include "model/llama_config.hpp"
 #include "model/param_unit.hpp"
@@ -15,6 +17,26 @@
 namespace loom {
 
 class SafetensorsDir;
+namespace dist {
+class ProcessGroup;
+}
+
+// Tensor parallelism (DESIGN.md decision 5; docs/design.md "Tensor parallelism").
+struct TpOptions {
+  dist::ProcessGroup* group = nullptr;  // the mesh's "tp" group; nullptr: none
+  bool sequence_parallel = true;        // shard the B*T rows outside attention and the MLP
+  bool recompute_allgather = false;     // all-gather a GEMM input again in backward
+  int size() const;
+  int rank() const;
+};
+
+// What a block needs for tensor parallelism at run time (null group: none).
+struct TpRuntime {
+  TpOptions opt;
+  dist::BufferPool* pool = nullptr;
+  bool on() const { return opt.size() > 1; }
+  bool sp() const { return on() && opt.sequence_parallel; }
+};
 
 // Indices of a block's parameters in its unit: q, k, v adjacent (read as one fused GEMM
 // matrix), gate and up adjacent (likewise).
@@ -48,11 +70,12 @@ struct BlockActs {
 class TransformerBlock {
  public:
   TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
-                   ShardLayout shard = {});
+                   ShardLayout shard = {}, const TpRuntime* tp = nullptr);
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
 
-  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`.
+  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
+  // the output hold this tp rank's M / tp rows.
   Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
   // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
   // the block's input; parameter gradients accumulate. Frees `acts`.
@@ -60,6 +83,7 @@ class TransformerBlock {
 
  private:
   const LlamaConfig& c_;
+  const TpRuntime* tp_;
   ParamUnit unit_;
 };
 
@@ -83,8 +107,11 @@ class UnitHooks {
 // param_unit.hpp); forward_backward then needs hooks that materialize the units.
 class LlamaModel {
  public:
+  // With tensor parallelism each unit holds this tp rank's slices of the parameters (global
+  // names, local shapes; ParamSpec::split); a config whose heads, kv heads, ffn size or
+  // vocabulary tp does not divide is refused.
   LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu,
-             ShardLayout shard = {});
+             ShardLayout shard = {}, TpOptions tp = {});
 
   const LlamaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }
@@ -92,6 +119,8 @@ class LlamaModel {
   int64_t num_params() const;
 
   const ShardLayout& shard_layout() const { return shard_; }
+  const TpOptions& tp() const { return tp_->opt; }
+  size_t comm_buffer_bytes() const { return pool_.bytes(); }
   // Not owned; nullptr for none. Must outlive the calls of forward_backward.
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
 
@@ -112,11 +141,14 @@ class LlamaModel {
 
  private:
   const cpu::RopeTable& rope_for(int64_t T);
+  double vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArgs& a, int64_t v0);
 
   LlamaConfig config_;
   DType compute_;
   Device device_;
   ShardLayout shard_;
+  dist::BufferPool pool_;
+  std::unique_ptr<TpRuntime> tp_;  // stable address: the blocks point at it
   UnitHooks* hooks_ = nullptr;
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;

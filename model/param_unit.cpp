@@ -8,6 +8,13 @@
 
 namespace loom {
 
+Shape ParamSpec::global_shape() const {
+  Shape g = shape;
+  if (split == TpSplit::rows) g[0] *= tp_count;
+  if (split == TpSplit::cols) g[1] *= tp_count;
+  return g;
+}
+
 ParamUnit::ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_mirror,
                      Device device, ShardLayout shard)
     : name_(std::move(name)), device_(device), bf16_(bf16_mirror), shard_(shard) {
@@ -83,8 +90,11 @@ void ParamUnit::init_weights(uint64_t seed) {
     if (spec.init == Init::ones) {
       std::fill(out, out + s.count, 1.0f);
     } else {
-      // Sample (element index) of the parameter's stream: the same value on every layout.
-      philox_normal(philox_key(seed, spec.name), s.begin, s.count, 0.0f, spec.std, out);
+      // Sample (global element index) of the parameter's stream: the same value on every layout.
+      const auto key = philox_key(seed, spec.name);
+      spec.for_global_runs(s.begin, s.count, [&](int64_t g, int64_t n, int64_t local) {
+        philox_normal(key, g, n, 0.0f, spec.std, out + (local - s.begin));
+      });
     }
   }
   refresh_bf16();

@@ -21,6 +21,7 @@
 //     for the GEMMs (a tied output head), exactly as the unsharded mirror is made.
 // An unsharded unit (N = 1) is the single-process unit: everything is always materialized, the
 // master and gradient "shards" are the whole flat buffers, and materialize/release do nothing.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -31,14 +32,46 @@ namespace loom {
 
 enum class Init { normal, ones };
 
+// How tensor parallelism splits a parameter (DESIGN.md decision 5, Megatron): `rows` (column
+// parallel: q, k, v, gate, up; the vocabulary rows of the embedding and the output head) keeps
+// rows [rank R/tp, (rank + 1) R/tp), `cols` (row parallel: o, down) columns [rank C/tp, ...).
+enum class TpSplit { none, rows, cols };
+
 struct ParamSpec {
   std::string name;  // global Hugging Face name
-  Shape shape;
+  Shape shape;       // this tp rank's local shape (the global shape without tensor parallelism)
   Init init = Init::normal;
   float std = 0.02f;
   bool decay = true;       // weight decay applies (not to norms)
   bool f32_value = false;  // read as f32 by non-GEMM kernels (norms, the embedding lookup)
+  TpSplit split = TpSplit::none;
+  int tp_rank = 0, tp_count = 1;
+
+  // The shape of the whole tensor (the checkpoint's, Hugging Face's).
+  Shape global_shape() const;
+  // Elements [local_begin, local_begin + count) of the local tensor, as runs of consecutive
+  // global (row-major) element indices: fn(global_begin, n, local_offset) per run. A row-parallel
+  // slice is one run per row.
+  template <class Fn>
+  void for_global_runs(int64_t local_begin, int64_t count, Fn&& fn) const;
 };
+
+template <class Fn>
+void ParamSpec::for_global_runs(int64_t local_begin, int64_t count, Fn&& fn) const {
+  const int64_t local_numel = shape_numel(shape);
+  if (split == TpSplit::none || tp_count == 1) {
+    fn(local_begin, count, local_begin);
+  } else if (split == TpSplit::rows) {
+    fn(int64_t(tp_rank) * local_numel + local_begin, count, local_begin);
+  } else {
+    const int64_t lc = shape[1], gc = lc * tp_count;
+    for (int64_t i = local_begin, end = local_begin + count; i < end;) {
+      const int64_t r = i / lc, c = i % lc, n = std::min(end - i, lc - c);
+      fn(r * gc + int64_t(tp_rank) * lc + c, n, i);
+      i += n;
+    }
+  }
+}
 
 struct Param {
   ParamSpec spec;
@@ -47,6 +80,23 @@ struct Param {
   Tensor grad;         // f32 gradient (view)
   Tensor value_bf16;   // bf16 mirror (view; undefined without bf16 mixed precision)
 };
+
+// Elements [local_begin, local_begin + count) of this tp rank's part of `spec`, read from the
+// global tensor `name` of a safetensors reader (SafetensorsDir or SafetensorsFile): only the
+// rows that hold them are read.
+template <class Reader>
+void read_param_slice(const Reader& f, const std::string& name, const ParamSpec& spec,
+                      int64_t local_begin, int64_t count, float* out) {
+  const Shape g = spec.global_shape();
+  const int64_t row = g.empty() ? 1 : shape_numel(g) / g[0];
+  std::vector<float> rows;
+  spec.for_global_runs(local_begin, count, [&](int64_t gb, int64_t n, int64_t local) {
+    const int64_t r0 = gb / row, r1 = (gb + n - 1) / row + 1;
+    rows.resize(size_t((r1 - r0) * row));
+    f.read_f32(name, g, rows.data(), r0, r1 - r0);
+    std::copy_n(rows.data() + (gb - r0 * row), n, out + (local - local_begin));
+  });
+}
 
 // This rank's place among the ranks that shard a unit.
 struct ShardLayout {

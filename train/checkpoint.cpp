@@ -97,9 +97,29 @@ Tensor full_flat(ParamUnit& u, const Tensor& shard_buffer, dist::ProcessGroup* s
   return parallel::gather_full(*shard, shard_buffer);
 }
 
+// The global tensor of a parameter from every tp rank's local part (gathered over `tp`).
+Tensor global_tensor(const ParamSpec& spec, const Tensor& local, dist::ProcessGroup* tp) {
+  if (spec.split == TpSplit::none || spec.tp_count == 1) return local;
+  LOOM_CHECK(tp != nullptr && tp->size() == spec.tp_count, "save_checkpoint: ", spec.name,
+             " is split over ", spec.tp_count, " tp ranks but no matching tp group was given");
+  const int64_t n = local.numel(), k = spec.tp_count;
+  Tensor in = Tensor::empty({n}, DType::f32), all = Tensor::empty({k * n}, DType::f32);
+  in.copy_from(local.view({n}));
+  tp->all_gather(in, all)->wait();
+  if (spec.split == TpSplit::rows) return all.view(spec.global_shape());
+  // Columns: rank r's [R, C/tp] block goes to columns [r C/tp, (r + 1) C/tp) of each row.
+  Tensor g = Tensor::empty(spec.global_shape(), DType::f32);
+  const int64_t R = spec.shape[0], lc = spec.shape[1];
+  const float* a = all.data<float>();
+  float* o = g.data<float>();
+  for (int64_t r = 0; r < k; ++r)
+    for (int64_t i = 0; i < R; ++i) std::copy_n(a + r * n + i * lc, lc, o + i * lc * k + r * lc);
+  return g;
+}
+
 // Weights and moments of each parameter as full tensors shaped like the parameter, in unit
 // order (every rank gathers; the writer writes).
-void full_tensors(LlamaModel& model, AdamW& opt, dist::ProcessGroup* shard,
+void full_tensors(LlamaModel& model, AdamW& opt, dist::ProcessGroup* shard, dist::ProcessGroup* tp,
                   std::vector<NamedTensor>& weights, std::vector<NamedTensor>& moments) {
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i) {
@@ -109,9 +129,12 @@ void full_tensors(LlamaModel& model, AdamW& opt, dist::ProcessGroup* shard,
     const Tensor v = full_flat(u, opt.exp_avg_sq()[i], shard);
     for (const Param& p : u.params()) {
       const int64_t n = shape_numel(p.spec.shape);
-      weights.push_back({p.spec.name, w.narrow(0, p.offset, n).view(p.spec.shape)});
-      moments.push_back({p.spec.name + ".exp_avg", m.narrow(0, p.offset, n).view(p.spec.shape)});
-      moments.push_back({p.spec.name + ".exp_avg_sq", v.narrow(0, p.offset, n).view(p.spec.shape)});
+      auto part = [&](const Tensor& flat) {
+        return global_tensor(p.spec, flat.narrow(0, p.offset, n).view(p.spec.shape), tp);
+      };
+      weights.push_back({p.spec.name, part(w)});
+      moments.push_back({p.spec.name + ".exp_avg", part(m)});
+      moments.push_back({p.spec.name + ".exp_avg_sq", part(v)});
     }
   }
 }
@@ -121,18 +144,13 @@ void read_shard(const SafetensorsFile& f, const std::string& name, ParamUnit& u,
                 float* shard_buffer) {
   const ParamSpec& spec = u.params()[param].spec;
   if (!u.sharded()) {
-    f.read_f32(name, spec.shape, shard_buffer + u.params()[param].offset);
+    read_param_slice(f, name, spec, 0, shape_numel(spec.shape),
+                     shard_buffer + u.params()[param].offset);
     return;
   }
-  const int64_t row = spec.shape.empty() ? 1 : shape_numel(spec.shape) / spec.shape[0];
-  std::vector<float> rows;
-  for (const ShardSlice& s : u.shard_slices()) {
-    if (s.param != param) continue;
-    const int64_t r0 = s.begin / row, r1 = (s.begin + s.count - 1) / row + 1;
-    rows.resize(size_t((r1 - r0) * row));
-    f.read_f32(name, spec.shape, rows.data(), r0, r1 - r0);
-    std::copy_n(rows.data() + (s.begin - r0 * row), s.count, shard_buffer + s.shard_offset);
-  }
+  for (const ShardSlice& s : u.shard_slices())
+    if (s.param == param)
+      read_param_slice(f, name, spec, s.begin, s.count, shard_buffer + s.shard_offset);
 }
 
 }  // namespace
@@ -221,7 +239,7 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
              optimizer.steps_taken(), " steps but the state says step ", state.step);
   std::vector<NamedTensor> weights, moments;
-  full_tensors(model, optimizer, comm.shard, weights, moments);
+  full_tensors(model, optimizer, comm.shard, comm.tp, weights, moments);
   const bool writer = !comm.world || comm.world->rank() == 0;
   std::string path = (fs::path(root) / checkpoint_name(state.step)).string(), error;
   if (writer) {

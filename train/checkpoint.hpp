@@ -32,6 +32,7 @@ class ProcessGroup;
 struct CheckpointComm {
   dist::ProcessGroup* shard = nullptr;
   dist::ProcessGroup* world = nullptr;
+  dist::ProcessGroup* tp = nullptr;  // tensor parallelism: slices gathered to global tensors
 };
 struct TrainState {
   int64_t step = 0;       // optimizer steps completed

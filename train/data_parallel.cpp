@@ -38,6 +38,7 @@ DpGroups dp_groups(dist::Mesh* mesh) {
   g.size = g.dp->size();
   if (mesh->size("dp_shard") > 1) g.shard = &mesh->group("dp_shard");
   g.replicate = &mesh->group("dp_replicate");
+  if (mesh->size("tp") > 1) g.tp = &mesh->group("tp");
   return g;
 }
 
@@ -47,7 +48,11 @@ DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job
   m.groups = groups;
   const ShardLayout layout{groups.shard ? groups.shard->rank() : 0,
                            groups.shard ? groups.shard->size() : 1};
-  m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout);
+  TpOptions tp;
+  tp.group = groups.tp;
+  tp.sequence_parallel = job.parallelism.tp_sequence_parallel;
+  tp.recompute_allgather = job.parallelism.tp_recompute_allgather;
+  m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout, tp);
   const DType reduce = dtype_from_name(job.training.mixed_precision_reduce);
   if (groups.shard) {
     parallel::FsdpConfig fc;

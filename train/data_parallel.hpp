@@ -33,6 +33,7 @@ struct DpGroups {
   dist::ProcessGroup* dp = nullptr;         // all data-parallel ranks
   dist::ProcessGroup* shard = nullptr;      // FSDP's dp_shard group when its size is > 1
   dist::ProcessGroup* replicate = nullptr;  // dp_replicate (HSDP, or DDP alone)
+  dist::ProcessGroup* tp = nullptr;         // the tensor-parallel group when its size is > 1
   int64_t rank = 0, size = 1;               // this rank's place in `dp`
 };
 DpGroups dp_groups(dist::Mesh* mesh);

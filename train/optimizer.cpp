@@ -51,26 +51,48 @@ void AdamW::step(float lr) {
   }
 }
 
+namespace {
+
+// The sum over a group of each rank's double, the same on every rank: collectives carry no f64,
+// so each rank's value goes as two floats (hi + lo, about 48 bits) and every rank adds the
+// gathered parts in rank order.
+double group_sum(dist::ProcessGroup* group, double x) {
+  if (!group || group->size() == 1) return x;
+  const int n = group->size();
+  Tensor mine = Tensor::empty({2}, DType::f32);
+  Tensor all = Tensor::empty({2 * n}, DType::f32);
+  const float hi = float(x);
+  mine.data<float>()[0] = hi;
+  mine.data<float>()[1] = float(x - double(hi));
+  group->all_gather(mine, all)->wait();
+  double s = 0;
+  for (int r = 0; r < n; ++r)
+    s += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
+  return s;
+}
+
+}  // namespace
+
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
-                      dist::ProcessGroup* shard_group) {
+                      dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group) {
+  const int tp = tp_group ? tp_group->size() : 1;
   double ss = 0;
-  for (ParamUnit* u : units)
-    if (u->device() != Device::meta)
-      ss += cpu::sum_squares(u->grad_shard().data<float>(), u->shard_numel());
-  if (shard_group && shard_group->size() > 1) {
-    // Collectives carry no f64: each rank's sum goes as two floats (hi + lo, about 48 bits), and
-    // every rank adds the gathered parts in rank order, so all ranks clip by the same factor.
-    const int n = shard_group->size();
-    Tensor mine = Tensor::empty({2}, DType::f32);
-    Tensor all = Tensor::empty({2 * n}, DType::f32);
-    const float hi = float(ss);
-    mine.data<float>()[0] = hi;
-    mine.data<float>()[1] = float(ss - double(hi));
-    shard_group->all_gather(mine, all)->wait();
-    ss = 0;
-    for (int r = 0; r < n; ++r)
-      ss += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
+  for (ParamUnit* u : units) {
+    if (u->device() == Device::meta) continue;
+    const float* g = u->grad_shard().data<float>();
+    if (tp == 1) {
+      ss += cpu::sum_squares(g, u->shard_numel());
+      continue;
+    }
+    // Parameters that tensor parallelism does not split (norms) hold the same gradient on every
+    // tp rank: each rank counts 1/tp of them (exact for tp a power of two), so the sum over tp
+    // counts them once.
+    for (const ShardSlice& s : u->shard_slices()) {
+      const double part = cpu::sum_squares(g + s.shard_offset, s.count);
+      ss += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
+    }
   }
+  ss = group_sum(tp_group, group_sum(shard_group, ss));
   const double norm = std::sqrt(ss);
   if (max_norm > 0 && norm > max_norm) {
     // PyTorch adds 1e-6 to the norm in the denominator; do the same so clipped runs match.

@@ -41,7 +41,10 @@ class AdamW {
 // by max_norm / norm (PyTorch's clip_grad_norm_). Returns the norm before clipping.
 // `shard_group`: the ranks over which sharded units are split (their gradient shards are summed
 // over it, in rank order, so every rank gets the same norm); nullptr when nothing is sharded.
+// `tp_group`: the tensor-parallel group (split parameters summed over it, replicated ones
+// counted once); nullptr without tensor parallelism.
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
-                      dist::ProcessGroup* shard_group = nullptr);
+                      dist::ProcessGroup* shard_group = nullptr,
+                      dist::ProcessGroup* tp_group = nullptr);
 
 }  // namespace loom

@@ -57,11 +57,11 @@ void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
                " ranks, but this is one process (launch with `mpirun -np ", world,
                " loom train ...`)");
   }
-  for (auto [dim, size] : {std::pair<const char*, int64_t>{"tp", p.tp}, {"cp", p.cp}, {"pp", p.pp}})
-    LOOM_CHECK(
-        size == 1, "parallelism.", dim, " = ", size,
-        " is not supported yet (data parallelism only: dp_replicate and dp_shard); expected ", dim,
-        " = 1");
+  for (auto [dim, size] : {std::pair<const char*, int64_t>{"cp", p.cp}, {"pp", p.pp}})
+    LOOM_CHECK(size == 1, "parallelism.", dim, " = ", size,
+               " is not supported yet (data and tensor parallelism only: dp_replicate, dp_shard, "
+               "tp); expected ",
+               dim, " = 1");
   LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
              c.activation_checkpoint.mode,
              "\" is not supported by the trainer yet: expected \"none\"");
@@ -141,6 +141,7 @@ struct Trainer::State {
   dist::Mesh* mesh = nullptr;
   dist::ProcessGroup* dp = nullptr;     // all data-parallel ranks (nullptr: one process)
   dist::ProcessGroup* shard = nullptr;  // FSDP's dp_shard group (nullptr: nothing sharded)
+  dist::ProcessGroup* tp = nullptr;     // tensor parallelism (nullptr: none)
   int64_t dp_rank = 0, dp_size = 1;
   bool writer = true;  // world rank 0: prints, writes metrics and checkpoints
   std::unique_ptr<FILE, FileCloser> devnull;
@@ -177,6 +178,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     s.dp_size = g.size;
     s.dp_rank = g.rank;
     s.shard = g.shard;
+    s.tp = g.tp;
     s.writer = s.mesh->world_rank() == 0;
     shard_count = s.mesh->size("dp_shard");
     if (!s.writer) {
@@ -395,7 +397,7 @@ TrainResult Trainer::run() {
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j)};
     result.last_checkpoint =
         save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
-                        {s.shard, s.mesh ? &s.mesh->world() : nullptr});
+                        {s.shard, s.mesh ? &s.mesh->world() : nullptr, s.tp});
     if (s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
     char buf[32];
@@ -420,7 +422,7 @@ TrainResult Trainer::run() {
     }
     s.par.finish_step();
     const double loss = dp_sum(s.dp, loss_sum) / double(tokens_per_step);
-    const double norm = clip_grad_norm(s.par.model->units(), j.training.max_norm, s.shard);
+    const double norm = clip_grad_norm(s.par.model->units(), j.training.max_norm, s.shard, s.tp);
     const double lr = s.schedule.at(step);
 
     StepMetrics m;

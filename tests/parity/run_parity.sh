@@ -3,8 +3,8 @@
 #   run_parity.sh LOOM MPIEXEC COMPARE SOURCE_DIR NAME NP TOLERANCE [--key=value ...]
 # Trains the debug model for 20 steps under `mpirun -np NP` with the given overrides, and the
 # single-process reference over the same global batches (local_batch_size 4, grad_accum_steps =
-# NP x the run's accumulation: micro-batch m of the reference is exactly the batch of dp rank
-# m mod NP), then compares per-step losses and final weights (parity_compare).
+# DP x the run's accumulation with DP = NP / tp: micro-batch m of the reference is exactly the
+# batch of dp rank m mod DP), then compares per-step losses and final weights (parity_compare).
 # A reference override is given as --ref:key=value (e.g. the param dtype of the reference).
 # PARITY_EXPECT=mismatch inverts the verdict: exit 0 only when the comparison ran to the end and
 # reported the run out of tolerance.
@@ -15,14 +15,18 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/loom_parity_${name}.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 
-run_args=() ref_args=() accum=1
+run_args=() ref_args=() accum=1 tp=1
 for a in "$@"; do
   case $a in
     --ref:*) ref_args+=("--${a#--ref:}") ;;
     --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
+    --parallelism.tp=*) tp=${a#*=}; run_args+=("$a") ;;
+    --model.*) run_args+=("$a"); ref_args+=("$a") ;;  # the same model for both runs
     *) run_args+=("$a") ;;
   esac
 done
+# The tp ranks of a dp rank see the same batch: the reference accumulates over the dp ranks only.
+dp=$((np / tp))
 
 # The corpus: text of the repository itself, tokenized with a small trained vocabulary.
 cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
@@ -31,7 +35,7 @@ cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
 
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=20
   --training.local_batch_size=4 --checkpoint.interval=0)
-"$loom" train "${common[@]}" --training.grad_accum_steps=$((np * accum)) \
+"$loom" train "${common[@]}" --training.grad_accum_steps=$((dp * accum)) \
   --metrics.jsonl="$work/ref.jsonl" --checkpoint.dir="$work/ref" "${ref_args[@]}" >"$work/ref.log" 2>&1 ||
   { cat "$work/ref.log"; exit 1; }
 "$mpiexec" --oversubscribe --allow-run-as-root -np "$np" "$loom" train "${common[@]}" \
