@@ -355,9 +355,10 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
           {"num_key_value_heads", config_.num_key_value_heads},
           {"intermediate_size", config_.intermediate_size},
           {"vocab_size", config_.vocab_size}})
-      LOOM_CHECK(v % n == 0, "tensor parallelism: model ", what, " = ", v,
-                 " is not divisible by parallelism.tp = ", n, " (every tp rank holds ", what,
-                 " / tp; kv heads are not replicated)");
+      LOOM_CHECK(
+          v % n == 0, "tensor parallelism: model ", what, " = ", v,
+          " is not divisible by parallelism.tp = ", n, " (every tp rank holds ", what, " / tp",
+          std::string(what) == "num_key_value_heads" ? "; kv heads are not replicated" : "", ")");
   } else {
     tp.group = nullptr;
   }

@@ -1,0 +1,58 @@
+#!/bin/bash
+# Tensor parallelism refuses what it cannot split, on every rank, with a message naming the
+# quantity and tp: heads, kv heads, ffn size, vocabulary not divisible by tp, and (sequence
+# parallel) B*T rows not divisible by tp. The same layouts with a dividing value must train.
+#   tp_errors.sh LOOM MPIEXEC SOURCE_DIR
+set -euo pipefail
+loom=$1 mpiexec=$2 src=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tp_errors.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
+cat "$src"/docs/design.md >"$work/corpus.txt"
+"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
+  --save-tokenizer "$work/tok.json" >/dev/null
+base="$src/tests/parity/tp_debug.json"
+model() {  # model NAME KEY VALUE: tp_debug.json with one key changed
+  sed "s/\"$2\": [0-9]*/\"$2\": $3/" "$base" >"$work/$1.json"
+}
+model heads num_attention_heads 12  # hidden 96 below: head_dim 8
+sed -i 's/"hidden_size": 64/"hidden_size": 96/; s/"num_key_value_heads": 4/"num_key_value_heads": 2/' "$work/heads.json"
+model kv num_key_value_heads 2
+model ffn intermediate_size 162
+model vocab vocab_size 514
+common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
+  --training.local_batch_size=1 --checkpoint.interval=0)
+status=0
+expect() {  # expect NP PATTERN ARGS...: the run fails and its output names PATTERN
+  local np=$1 pat=$2
+  shift 2
+  local rc=0
+  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ] && grep -q -- "$pat" "$work/out.log"; then
+    echo "ok: np $np $* -> $(grep -m1 -o -- "$pat.*" "$work/out.log" | cut -c1-150)"
+  else
+    echo "FAILED: np $np $* (exit $rc), expected an error naming '$pat':"
+    tail -5 "$work/out.log"
+    status=1
+  fi
+}
+works() {
+  local np=$1
+  shift
+  if "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1; then
+    echo "ok: np $np $* trains"
+  else
+    echo "FAILED: np $np $* should train:"
+    tail -5 "$work/out.log"
+    status=1
+  fi
+}
+expect 8 "num_attention_heads = 12 is not divisible by parallelism.tp = 8" --parallelism.tp=8 --model.config="$work/heads.json"
+expect 4 "num_key_value_heads = 2 is not divisible by parallelism.tp = 4" --parallelism.tp=4 --model.config="$work/kv.json"
+expect 4 "intermediate_size = 162 is not divisible by parallelism.tp = 4" --parallelism.tp=4 --model.config="$work/ffn.json"
+expect 4 "vocab_size = 514 is not divisible by parallelism.tp = 4" --parallelism.tp=4 --model.config="$work/vocab.json"
+expect 2 "B\*T = 1\*63 = 63 rows are not divisible by parallelism.tp = 2" --parallelism.tp=2 --training.seq_len=63 --model.config="$base"
+works 2 --parallelism.tp=2 --training.seq_len=63 --parallelism.tp_sequence_parallel=false --model.config="$base"
+works 2 --parallelism.tp=2 --model.config="$work/ffn.json"
+exit $status

@@ -1,0 +1,40 @@
+#!/bin/bash
+# A checkpoint taken under TP 2 (sequence parallel) holds global tensors: it resumes under one
+# process, TP 4 and FSDP 2 x TP 2 (same global batch) with the next-step loss of the
+# uninterrupted TP 2 run within 5e-5 relative (TP sums in another order, so not to the last digit),
+# which needs every rank's slices read back from the right rows and columns.
+#   tp_restart.sh LOOM MPIEXEC SOURCE_DIR
+set -euo pipefail
+loom=$1 mpiexec=$2 src=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tp_restart.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
+cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
+  --save-tokenizer "$work/tok.json" >/dev/null
+common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=4
+  --model.config="$src/tests/parity/tp_debug.json")
+"${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --parallelism.tp=2 \
+  --checkpoint.dir="$work/ck" --checkpoint.interval=10 --checkpoint.keep=0 \
+  --metrics.jsonl="$work/full.jsonl" >"$work/full.log" 2>&1 || { cat "$work/full.log"; exit 1; }
+rm -rf "$work/ck/step-00000012"
+want=$(grep '"step": 11,' "$work/full.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
+status=0
+for layout in "1" "4 --parallelism.tp=4" "4 --parallelism.tp=2 --parallelism.dp_shard=2 --training.local_batch_size=2"; do
+  set -- $layout
+  np=$1
+  shift
+  rm -rf "$work/ck2" "$work/res.jsonl"
+  cp -r "$work/ck" "$work/ck2"
+  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" --training.steps=11 --checkpoint.dir="$work/ck2" \
+    --checkpoint.resume=true --metrics.jsonl="$work/res.jsonl" "$@" >"$work/res.log" 2>&1 ||
+    { cat "$work/res.log"; exit 1; }
+  grep -q "resumed from .*step-00000010 (step 10)" "$work/res.log" ||
+    { echo "np $np $*: did not resume from step 10"; cat "$work/res.log"; exit 1; }
+  got=$(grep '"step": 11,' "$work/res.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
+  rel=$(awk -v a="$got" -v b="$want" 'BEGIN { d = a - b; if (d < 0) d = -d; print d / b }')
+  echo "np $np $*: step 11 loss $got (uninterrupted TP 2: $want; relative difference $rel)"
+  awk -v r="$rel" 'BEGIN { exit !(r <= 5e-5) }' || status=1
+done
+exit $status
