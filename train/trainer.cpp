@@ -45,8 +45,8 @@ std::string gib(size_t bytes) {
   return buf;
 }
 
-// Without a mesh one process is the whole world; with one, only data parallelism is supported
-// yet.
+// Without a mesh one process is the whole world; with one, data and tensor parallelism are
+// supported (not cp, pp).
 void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
   const auto& p = c.parallelism;
   if (!mesh) {
