@@ -62,9 +62,9 @@ double median(std::vector<double> v) {
 
 struct MemoryModel {
   size_t params = 0, grads = 0, optimizer = 0, mirror = 0, gathered = 0, full_grad = 0,
-         activations = 0, head = 0;
+         activations = 0, head = 0, comm = 0;
   size_t total() const {
-    return params + grads + optimizer + mirror + gathered + full_grad + activations + head;
+    return params + grads + optimizer + mirror + gathered + full_grad + activations + head + comm;
   }
 };
 
@@ -88,13 +88,25 @@ MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
     if (tied) mm.full_grad += 4 * size_t(units[0]->padded_numel());
   }
   const LlamaConfig& c = m.model->config();
-  mm.activations = LlamaModel::saved_activation_bytes(c, B, T, compute);
-  // Inside the fused output projection + loss: the last block's output x, the normalized xf in
-  // the compute dtype, its gradient dxf (f32), rstd, and the loss's chunk of logits.
+  const TpOptions& tp = m.model->tp();
+  const int n = tp.size();
+  const bool sp = n > 1 && tp.sequence_parallel;
+  mm.activations =
+      LlamaModel::saved_activation_bytes(c, B, T, compute, n, sp, tp.recompute_allgather);
   const size_t M = size_t(B * T), d = size_t(c.hidden_size);
-  mm.head = M * d * (4 + dtype_size(compute) + 4) + M * 4 +
-            size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size) *
-                (4 + (compute == DType::bf16 ? 2 : 0));
+  if (n == 1) {
+    // Inside the fused output projection + loss: the last block's output x, the normalized xf
+    // in the compute dtype, its gradient dxf (f32), rstd, and the loss's chunk of logits.
+    mm.head = M * d * (4 + dtype_size(compute) + 4) + M * 4 +
+              size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size) *
+                  (4 + (compute == DType::bf16 ? 2 : 0));
+  } else {
+    // With tp: x, xf (compute dtype) and rstd of this rank's rows; the gathered xf, dxf, the
+    // logits chunk and lse are pooled communication buffers (mm.comm, what the pool holds).
+    const size_t Mx = sp ? M / size_t(n) : M;
+    mm.head = Mx * d * (4 + dtype_size(compute)) + Mx * 4 + M * 4 /* the loss's glse */;
+    mm.comm = m.model->comm_buffer_bytes();
+  }
   return mm;
 }
 
@@ -108,7 +120,10 @@ uint64_t ring_all_reduce(uint64_t bytes, int n) {
 // Bytes one rank sends per step with G micro-batches, by the byte model at the top of the file.
 uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
   const DpGroups& g = m.groups;
-  if (!g.dp || g.size == 1) return 0;
+  const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
+  const uint64_t tp = m.model->tp_bytes_per_micro_batch(B, T) * uint64_t(G) +
+                      (g.tp ? ring_all_gather(8, g.tp->size()) : 0);  // + the gradient norm
+  if (!g.dp || g.size == 1) return tp;
   const uint64_t rsize = dtype_size(dtype_from_name(job.training.mixed_precision_reduce));
   std::vector<ParamUnit*> units = m.model->units();
   uint64_t per_micro = 0, per_step = ring_all_gather(8, int(g.size));  // the loss
@@ -129,7 +144,7 @@ uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
     for (ParamUnit* u : units)
       per_step += ring_all_reduce(uint64_t(u->numel()) * rsize, int(g.size));
   }
-  return per_micro * uint64_t(G) + per_step;
+  return per_micro * uint64_t(G) + per_step + tp;
 }
 
 // Every group the data-parallel step communicates on, each once (ranges of dims with the same
@@ -138,7 +153,7 @@ std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh) {
   std::vector<dist::ProcessGroup*> out;
   if (!mesh) return out;
   std::set<dist::ProcessGroup*> seen;
-  for (const char* name : {"dp", "dp_shard", "dp_replicate", "world"}) {
+  for (const char* name : {"dp", "dp_shard", "dp_replicate", "tp", "world"}) {
     dist::ProcessGroup* g = name == std::string("world") ? &mesh->world() : &mesh->group(name);
     if (seen.insert(g).second) out.push_back(g);
   }
@@ -243,7 +258,7 @@ int bench_command(const Args& args) {
       loss += par.forward_backward(inputs.data(), targets.data(), B, T, grad_scale, m + 1 == G);
     par.finish_step();
     loss = dp_sum(par.groups.dp, loss);
-    clip_grad_norm(model.units(), job.training.max_norm, par.groups.shard);
+    clip_grad_norm(model.units(), job.training.max_norm, par.groups.shard, par.groups.tp);
     opt.step(float(job.optimizer.lr));
     auto t1 = std::chrono::steady_clock::now();
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
@@ -296,12 +311,12 @@ int bench_command(const Args& args) {
                   load_before.c_str(), load_average().c_str(), steps, warmup);
       std::printf(
           "  expected memory per rank: shards %.2f MiB (params %.2f + grads %.2f + AdamW %.2f%s) + "
-          "gathered weights %.2f + full gradient %.2f + activations %.2f + head workspace %.2f = "
-          "%.2f MiB\n",
+          "gathered weights %.2f + full gradient %.2f + activations %.2f + head workspace %.2f + "
+          "communication buffers %.2f = %.2f MiB\n",
           double(mm.params + mm.grads + mm.optimizer + mm.mirror) / MiB, mm.params / MiB,
           mm.grads / MiB, mm.optimizer / MiB,
           mm.mirror ? (" + bf16 " + std::to_string(mm.mirror / MiB)).c_str() : "",
-          mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB, mm.head / MiB,
+          mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB, mm.head / MiB, mm.comm / MiB,
           mm.total() / MiB);
       std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
                   "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",

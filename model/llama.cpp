@@ -657,20 +657,42 @@ int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, 
   // of the step's saved activations, so the peak stays what the memory model predicts; larger
   // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
   const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
-  const auto budget = 0.02 * double(saved_activation_bytes(c, B, T, compute));
+  const auto budget = 0.02 * double(saved_activation_bytes(c, B, T, compute));  // tp: same rows
   const int64_t rows = int64_t(budget / per_row) / 16 * 16;
   return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
 }
 
-size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T,
-                                          DType compute) {
-  const size_t M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
-  const size_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, F = c.intermediate_size;
+size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                          int tp, bool sp, bool recompute) {
+  const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
+  const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
+  const size_t F = c.intermediate_size / n;
+  const size_t Mx = tp > 1 && sp ? M / n : M;             // rows of the residual stream
+  const size_t Mn = tp > 1 && sp && !recompute ? M : Mx;  // rows of the saved norm outputs
   const size_t cs = dtype_size(compute);
   // x, h (f32); xn1, xn2 (compute dtype); rstd1, rstd2; qkv, attn, lse (f32); gu (f32); act.
-  size_t per_block = M * d * 4 * 2 + M * d * cs * 2 + M * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
+  size_t per_block = Mx * d * 4 * 2 + Mn * d * cs * 2 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
                      M * Hq * hd * 4 + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * 4 + M * F * cs;
   return per_block * size_t(c.num_hidden_layers);
+}
+
+uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+  const int n = tp_->opt.size();
+  if (n == 1) return 0;
+  // The ProcessGroup's ring convention (docs/design.md, "Distributed runtime").
+  auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = blocks_.size();
+  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
+  const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
+  if (!tp_->sp()) return ar(M * d * 4) * (2 + 4 * L) + loss;
+  const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
+  const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
+  const uint64_t per_block = 2 * ag_x + 2 * f32                   // forward
+                             + 2 * f32 + 2 * f32 + 2 * ar(d * 4)  // backward: dy, dx, norms
+                             + (tp_->opt.recompute_allgather ? 2 * ag_x : 0);
+  return f32                                              // embedding reduce-scatter
+         + per_block * L + ag_x + loss + f32 + ar(d * 4)  // head
+         + f32;                                           // embedding backward all-gather
 }
 
 }  // namespace loom

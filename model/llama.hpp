@@ -135,7 +135,11 @@ class LlamaModel {
                           float grad_scale);
 
   // Bytes of activations one micro-batch saves (the analytic figure of the memory model).
-  static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
+  // With tensor parallelism (tp ranks, sequence parallel, recompute_allgather): one tp rank's.
+  static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                       int tp = 1, bool sp = false, bool recompute = false);
+  // Bytes this rank sends on the tp group in one micro-batch (the analytic figure).
+  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const;
   // Rows per chunk of the fused output projection + loss.
   static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
