@@ -101,10 +101,13 @@ MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
               size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size) *
                   (4 + (compute == DType::bf16 ? 2 : 0));
   } else {
-    // With tp: x, xf (compute dtype) and rstd of this rank's rows; the gathered xf, dxf, the
-    // logits chunk and lse are pooled communication buffers (mm.comm, what the pool holds).
+    // With tp: x, xf (compute dtype) and rstd of this rank's rows, the loss's logits chunk of
+    // the local vocabulary; the gathered xf, dxf and the lse are pooled communication buffers
+    // (mm.comm, what the pool holds).
     const size_t Mx = sp ? M / size_t(n) : M;
-    mm.head = Mx * d * (4 + dtype_size(compute)) + Mx * 4 + M * 4 /* the loss's glse */;
+    mm.head = Mx * d * (4 + dtype_size(compute)) + Mx * 4 + M * 4 /* the loss's glse */ +
+              size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size / n) *
+                  (4 + (compute == DType::bf16 ? 2 : 0));
     mm.comm = m.model->comm_buffer_bytes();
   }
   return mm;

@@ -591,7 +591,9 @@ double LlamaModel::vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArg
   Tensor lse_all = pooled(tp, "ce_lse_all", {int64_t(n), N}, DType::f32, Device::cpu);
   Tensor lse = lse_all.narrow(0, tp.opt.rank(), 1).view({N});
   Tensor tgt = pooled(tp, "ce_target", {N}, DType::f32, Device::cpu);
-  Tensor logits = pooled(tp, "ce_logits", {rows, V}, DType::f32, Device::cpu);
+  // The logits chunk is the loss's workspace (sized by the memory budget of loss_chunk_rows),
+  // not a communication buffer: allocated here, as the single-process loss does.
+  Tensor logits = Tensor::empty({rows, V}, DType::f32);
   for (int64_t i = 0; i < N; ++i)
     LOOM_CHECK(a.targets[i] < V * n, "cross-entropy: target ", a.targets[i], " of row ", i,
                " is outside the vocabulary of ", V * n);
