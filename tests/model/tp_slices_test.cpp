@@ -60,11 +60,21 @@ std::vector<std::vector<float>> assemble(int tp, int dp) {
       flat.insert(flat.end(), m, m + u.shard_numel());
       params = u.params();
     }
+    // Placed by the Megatron layout written out here (not by for_global_runs, which init also
+    // uses: placing by it would make the comparison a tautology).
     for (size_t p = 0; p < params.size(); ++p) {
       const ParamSpec& s = params[p].spec;
-      s.for_global_runs(0, shape_numel(s.shape), [&](int64_t g, int64_t k, int64_t local) {
-        std::memcpy(out[p].data() + g, flat.data() + params[p].offset + local, size_t(k) * 4);
-      });
+      const float* v = flat.data() + params[p].offset;
+      const int64_t n = shape_numel(s.shape);
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t g = i;
+        if (s.split == TpSplit::rows) g = r * n + i;
+        if (s.split == TpSplit::cols) {
+          const int64_t lc = s.shape[1];
+          g = (i / lc) * lc * tp + r * lc + i % lc;
+        }
+        out[p][size_t(g)] = v[i];
+      }
     }
   }
   return out;
