@@ -157,19 +157,46 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   const float eps = float(c_.rms_norm_eps);
   const bool run = live(x);
 
-  // A column-parallel GEMM's input: with sequence parallelism the rows of every tp rank. Kept
-  // for backward (a new tensor), or, when backward gathers again, a pooled buffer.
-  auto gather_input = [&](const Tensor& local, Tensor& saved) -> Tensor {
-    if (!tp.sp()) return saved = local;
+  // A column-parallel GEMM, y [M, N] = input w^T, whose input is `local` (this rank's rows with
+  // SP): with SP the input of every row is gathered, and kept for backward in `saved` (a new
+  // tensor), or, when backward gathers again, only in a pooled buffer. Async: the gather runs
+  // while the local rows' GEMM is computed in chunks, MPI driven (Work::test) between chunks.
+  auto column_parallel = [&](const Tensor& local, Tensor& saved, size_t w, Tensor& y, int64_t N) {
+    if (!tp.sp()) {
+      saved = local;
+      linear(local, unit_.gemm_weights(w), y, N, d, dt, false);
+      return;
+    }
+    Tensor full;
     if (tp.opt.recompute_allgather) {
       saved = local;
-      Tensor full = pooled(tp, "ag_input", {M, d}, dt, dev);
-      tp_gather_rows(tp, local, full);
-      return full;
+      full = pooled(tp, "ag_input", {M, d}, dt, dev);
+    } else {
+      saved = full = Tensor::empty({M, d}, dt, dev);
     }
-    saved = Tensor::empty({M, d}, dt, dev);
-    tp_gather_rows(tp, local, saved);
-    return saved;
+    if (!tp.opt.async || !run) {
+      tp_gather_rows(tp, local, full);
+      linear(full, unit_.gemm_weights(w), y, N, d, dt, false);
+      return;
+    }
+    auto work = tp.opt.group->all_gather(local.view({local.numel()}), full.view({full.numel()}));
+    const int64_t r0 = int64_t(tp.opt.rank()) * Mx, chunks = 4;
+    const int64_t step = (Mx + chunks - 1) / chunks;
+    for (int64_t i = 0; i < Mx; i += step) {
+      const int64_t n = std::min(step, Mx - i);
+      Tensor out = y.narrow(0, r0 + i, n);
+      linear(local.narrow(0, i, n), unit_.gemm_weights(w), out, N, d, dt, false);
+      work->test();
+    }
+    work->wait();
+    if (r0 > 0) {
+      Tensor out = y.narrow(0, 0, r0);
+      linear(full.narrow(0, 0, r0), unit_.gemm_weights(w), out, N, d, dt, false);
+    }
+    if (r0 + Mx < M) {
+      Tensor out = y.narrow(0, r0 + Mx, M - r0 - Mx);
+      linear(full.narrow(0, r0 + Mx, M - r0 - Mx), unit_.gemm_weights(w), out, N, d, dt, false);
+    }
   };
   // residual + the row-parallel GEMM's output summed over tp (this rank's rows with SP).
   auto row_parallel = [&](const Tensor& in, int64_t K, size_t w, const Tensor& residual) {
@@ -199,17 +226,14 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
 
   a.x = x;
   a.rstd1 = f32({Mx}, dev);
-  Tensor xn1_full;
   {
     Tensor xn1 = f32({Mx, d}, dev);
     if (run)
       cpu::rmsnorm_forward(x.data<float>(), P[kNorm1].value.data<float>(), Mx, d, eps,
                            xn1.data<float>(), a.rstd1.data<float>());
-    xn1_full = gather_input(to_compute(xn1, dt), a.xn1);
+    a.qkv = f32({M, nqkv}, dev);
+    column_parallel(to_compute(xn1, dt), a.xn1, kQ, a.qkv, nqkv);
   }
-  a.qkv = f32({M, nqkv}, dev);
-  linear(xn1_full, unit_.gemm_weights(kQ), a.qkv, nqkv, d, dt, false);
-  xn1_full = Tensor();
   a.attn = f32({M, Hq * hd}, dev);
   a.lse = f32({ctx.B, Hq, ctx.T}, dev);
   if (run) {
@@ -223,17 +247,14 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   a.h = row_parallel(to_compute(a.attn, dt), Hq * hd, kO, x);
 
   a.rstd2 = f32({Mx}, dev);
-  Tensor xn2_full;
   {
     Tensor xn2 = f32({Mx, d}, dev);
     if (run)
       cpu::rmsnorm_forward(a.h.data<float>(), P[kNorm2].value.data<float>(), Mx, d, eps,
                            xn2.data<float>(), a.rstd2.data<float>());
-    xn2_full = gather_input(to_compute(xn2, dt), a.xn2);
+    a.gu = f32({M, 2 * F}, dev);
+    column_parallel(to_compute(xn2, dt), a.xn2, kGate, a.gu, 2 * F);
   }
-  a.gu = f32({M, 2 * F}, dev);
-  linear(xn2_full, unit_.gemm_weights(kGate), a.gu, 2 * F, d, dt, false);
-  xn2_full = Tensor();
   {
     Tensor act = f32({M, F}, dev);
     if (run) cpu::swiglu_forward(a.gu.data<float>(), M, F, act.data<float>());

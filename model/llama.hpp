@@ -26,6 +26,9 @@ struct TpOptions {
   dist::ProcessGroup* group = nullptr;  // the mesh's "tp" group; nullptr: none
   bool sequence_parallel = true;        // shard the B*T rows outside attention and the MLP
   bool recompute_allgather = false;     // all-gather a GEMM input again in backward
+  // "Async TP": with SP, the forward all-gather before q/k/v and gate/up runs while the GEMM of
+  // this rank's own rows (which need no gather) is computed in chunks, driving MPI between them.
+  bool async = false;
   int size() const;
   int rank() const;
 };

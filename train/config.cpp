@@ -83,6 +83,7 @@ std::vector<Key> keys_of(JobConfig& c) {
        {"default", "always", "never"}},
       {"parallelism", "tp_sequence_parallel", &c.parallelism.tp_sequence_parallel},
       {"parallelism", "tp_recompute_allgather", &c.parallelism.tp_recompute_allgather},
+      {"parallelism", "tp_async", &c.parallelism.tp_async},
       {"parallelism", "cp_rotate_method", &c.parallelism.cp_rotate_method, {"p2p", "allgather"}},
       {"parallelism",
        "pp_schedule",

@@ -70,6 +70,7 @@ struct JobConfig {
     std::string fsdp_reshard_after_forward = "default";  // default | always | never
     bool tp_sequence_parallel = true;
     bool tp_recompute_allgather = false;
+    bool tp_async = false;  // overlap SP's forward all-gathers with the local rows' GEMM
     std::string cp_rotate_method = "p2p";  // p2p | allgather
     std::string pp_schedule = "1f1b";      // 1f1b | gpipe | interleaved_1f1b
     bool operator==(const Parallelism&) const = default;

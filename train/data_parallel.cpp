@@ -52,6 +52,7 @@ DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job
   tp.group = groups.tp;
   tp.sequence_parallel = job.parallelism.tp_sequence_parallel;
   tp.recompute_allgather = job.parallelism.tp_recompute_allgather;
+  tp.async = job.parallelism.tp_async;
   m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout, tp);
   const DType reduce = dtype_from_name(job.training.mixed_precision_reduce);
   if (groups.shard) {
