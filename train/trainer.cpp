@@ -183,7 +183,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     s.shard = g.shard;
     s.tp = g.tp;
     s.writer = s.mesh->world_rank() == 0;
-    shard_count = s.mesh->size("dp_shard");
+    shard_count = g.shard ? g.shard->size() : 1;  // dp_shard x cp
     if (!s.writer) {
       s.devnull.reset(std::fopen("/dev/null", "w"));
       LOOM_CHECK(s.devnull != nullptr, "cannot open /dev/null");
@@ -208,7 +208,8 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.schedule = LrSchedule::from_config(j);
 
   // Memory, before anything is allocated or mapped.
-  s.mem = estimate_training_memory(s.mc, s.B, s.T, s.compute);
+  // With context parallelism a rank saves the activations of its seq_len / cp tokens.
+  s.mem = estimate_training_memory(s.mc, s.B, s.T / j.parallelism.cp, s.compute);
   if (shard_count > 1) {
     // FSDP: every rank holds 1/N of the weights, gradients and moments (the gathered units in
     // flight are not counted here).
