@@ -1,7 +1,7 @@
 #!/bin/bash
 # Longest trainable sequence under a per-rank memory cap (--memory.limit_gb, the allocator's
 # limit) for cp = 1, 2, 4, 8 (FSDP over the cp ranks, local batch 1), and tokens/s at that length.
-#   bench/cp_bench.sh BUILD_DIR [LIMIT_GB] [MODEL_CONFIG]
+#   [CPS="1 2 4"] bench/cp_bench.sh BUILD_DIR [LIMIT_GB] [MODEL_CONFIG]
 # A length "fits" when 3 training steps complete under the cap. Search: doubling from 256, then
 # bisection down to a step of 2*cp*64 tokens. No activation checkpointing exists yet, so every
 # rank keeps all of its layers' activations of its seq_len / cp tokens.
@@ -21,12 +21,12 @@ fits() {  # fits CP LEN: 0 when 3 steps train under the cap; the last step's lin
     --training.seq_len="$len" --training.local_batch_size=1 --training.steps=3 \
     --checkpoint.interval=0 --memory.limit_gb="$limit" --parallelism.dp_shard=1 \
     --parallelism.cp="$cp" >"$work/log" 2>&1 || return 1
-  grep "^step 3/3" "$work/log" >"$work/last"
+  grep -ao "step 3/3 [^[:cntrl:]]*" "$work/log" >"$work/last"
 }
 printf "memory.limit_gb = %s per rank, model %s, local batch 1\n" "$limit" "$model"
 printf "%4s %10s %12s %10s\n" cp max_seq tokens/s vs_cp1
 base=0
-for cp in 1 2 4 8; do
+for cp in ${CPS:-1 2 4 8}; do
   q=$((2 * cp * 64))  # granularity
   lo=0 hi=$q
   while fits "$cp" "$hi"; do lo=$hi; hi=$((hi * 2)); done
