@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "dist/process_group.hpp"
 #include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/cpu/embedding.hpp"
@@ -92,7 +94,137 @@ void tp_summed_norm_grad(const TpRuntime& tp, float* grad, int64_t d, Device dev
   for (int64_t i = 0; i < d; ++i) grad[i] += p[i];
 }
 
+// Context parallelism: ring attention over the cp group (docs/design.md "Context parallel").
+// K and V of this rank's tokens are packed into kv [M, 2*Hkv*hd] (k heads then v heads) so one
+// message carries both; the block kernel reads them with kv_stride = 2*Hkv*hd.
+void pack_kv(const float* qkv, int64_t M, int64_t nqkv, int64_t off, int64_t w, float* kv) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m) std::copy_n(qkv + m * nqkv + off, w, kv + m * w);
+}
+void unpack_kv(const float* kv, int64_t M, int64_t nqkv, int64_t off, int64_t w, float* qkv) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m) std::copy_n(kv + m * w, w, qkv + m * nqkv + off);
+}
+
+struct RingDims {
+  int64_t Hq, Hkv, hd, nqkv;
+  cpu::BlockShape block(const StepContext& ctx) const {
+    return {ctx.B, ctx.T, ctx.T, Hq, Hkv, hd, nqkv, 2 * Hkv * hd, 1.0f / std::sqrt(float(hd))};
+  }
+};
+
+// Whether the queries of this rank see any key of cp rank `src` (with the zigzag layout always;
+// the kernel itself skips the masked entries of a block without computing their scores).
+bool block_has_work(const StepContext& ctx, int r, int src) {
+  return cpu::causal_entries(ctx.cp_pos[r].data(), ctx.T, ctx.cp_pos[src].data(), ctx.T) > 0;
+}
+
+void ring_attention_forward(const StepContext& ctx, const CpOptions& cp, const RingDims& g,
+                            const float* qkv, float* out, float* lse) {
+  dist::ProcessGroup& grp = *cp.group;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t M = ctx.B * ctx.T, kvw = 2 * g.Hkv * g.hd, Hq = g.Hq, hd = g.hd;
+  const cpu::BlockShape bs = g.block(ctx);
+  std::fill_n(out, M * Hq * hd, 0.0f);
+  std::fill_n(lse, ctx.B * Hq * ctx.T, -std::numeric_limits<float>::infinity());
+  Tensor bo = f32({M, Hq * hd}, Device::cpu), bl = f32({ctx.B * Hq * ctx.T}, Device::cpu);
+  auto consume = [&](const float* kv, int src) {
+    if (!block_has_work(ctx, r, src)) return;
+    cpu::attention_block_forward(bs, qkv, kv, kv + g.Hkv * hd, ctx.cp_pos[r].data(),
+                                 ctx.cp_pos[src].data(), bo.data<float>(), bl.data<float>());
+    cpu::attention_merge(ctx.B, ctx.T, Hq, hd, out, lse, bo.data<float>(), bl.data<float>());
+  };
+  if (cp.allgather) {
+    Tensor all = f32({n, M, kvw}, Device::cpu);
+    pack_kv(qkv, M, g.nqkv, Hq * hd, kvw, all[r].data<float>());
+    grp.all_gather(all[r], all)->wait();
+    for (int s = 0; s < n; ++s) consume(all[s].data<float>(), s);
+    return;
+  }
+  Tensor cur = f32({M, kvw}, Device::cpu), nxt = f32({M, kvw}, Device::cpu);
+  pack_kv(qkv, M, g.nqkv, Hq * hd, kvw, cur.data<float>());
+  for (int i = 0; i < n; ++i) {
+    // The next block's transfer is in flight while this one is computed.
+    std::unique_ptr<dist::Work> sw, rw;
+    if (i + 1 < n) {
+      sw = grp.send(cur, (r + 1) % n, i);
+      rw = grp.recv(nxt, (r + n - 1) % n, i);
+    }
+    consume(cur.data<float>(), (r + n - i) % n);
+    if (sw) {
+      sw->wait();
+      rw->wait();
+      std::swap(cur, nxt);
+    }
+  }
+}
+
+// dqkv [M, nqkv] is overwritten: dq from every block this rank's queries took part in, dk/dv from
+// every rank's queries against this rank's keys (accumulators that travel the ring with K/V and
+// come home after cp hops; with allgather, one reduce-scatter).
+void ring_attention_backward(const StepContext& ctx, const CpOptions& cp, const RingDims& g,
+                             const float* qkv, const float* out, const float* lse,
+                             const float* dout, float* dqkv) {
+  dist::ProcessGroup& grp = *cp.group;
+  const int n = cp.size(), r = cp.rank();
+  const int64_t M = ctx.B * ctx.T, kvw = 2 * g.Hkv * g.hd, Hq = g.Hq, hd = g.hd;
+  const cpu::BlockShape bs = g.block(ctx);
+  Tensor delta = f32({ctx.B * Hq * ctx.T}, Device::cpu);
+  cpu::attention_delta(ctx.B, ctx.T, Hq, hd, out, dout, delta.data<float>());
+  std::fill_n(dqkv, M * g.nqkv, 0.0f);
+  auto consume = [&](const float* kv, float* dkv, int src) {
+    if (!block_has_work(ctx, r, src)) return;
+    cpu::attention_block_backward(bs, qkv, kv, kv + g.Hkv * hd, ctx.cp_pos[r].data(),
+                                  ctx.cp_pos[src].data(), lse, delta.data<float>(), dout, dqkv, dkv,
+                                  dkv + g.Hkv * hd);
+  };
+  Tensor own = f32({M, kvw}, Device::cpu);
+  if (cp.allgather) {
+    Tensor all = f32({n, M, kvw}, Device::cpu);
+    Tensor dall = Tensor::zeros({n, M, kvw}, DType::f32, Device::cpu);
+    pack_kv(qkv, M, g.nqkv, Hq * hd, kvw, all[r].data<float>());
+    grp.all_gather(all[r], all)->wait();
+    for (int s = 0; s < n; ++s) consume(all[s].data<float>(), dall[s].data<float>(), s);
+    grp.reduce_scatter(dall, own, dist::ReduceOp::sum)->wait();
+  } else {
+    Tensor cur = f32({M, kvw}, Device::cpu), nxt = f32({M, kvw}, Device::cpu);
+    Tensor dcur = Tensor::zeros({M, kvw}, DType::f32, Device::cpu);
+    Tensor dnxt = f32({M, kvw}, Device::cpu);
+    pack_kv(qkv, M, g.nqkv, Hq * hd, kvw, cur.data<float>());
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    for (int i = 0; i < n; ++i) {
+      std::unique_ptr<dist::Work> sw, rw;
+      if (i + 1 < n) {
+        sw = grp.send(cur, next, 2 * i);
+        rw = grp.recv(nxt, prev, 2 * i);
+      }
+      consume(cur.data<float>(), dcur.data<float>(), (r + n - i) % n);
+      // The accumulator of block (r - i) moves on after its update; after the n-th hop every
+      // rank holds its own keys' gradient.
+      auto ds = grp.send(dcur, next, 2 * i + 1);
+      auto dr = grp.recv(dnxt, prev, 2 * i + 1);
+      if (sw) {
+        sw->wait();
+        rw->wait();
+        std::swap(cur, nxt);
+      }
+      ds->wait();
+      dr->wait();
+      std::swap(dcur, dnxt);
+    }
+    own = dcur;
+  }
+  unpack_kv(own.data<float>(), M, g.nqkv, Hq * hd, kvw, dqkv);
+}
+
 }  // namespace
+
+int CpOptions::size() const {
+  return group ? group->size() : 1;
+}
+int CpOptions::rank() const {
+  return group ? group->rank() : 0;
+}
 
 int TpOptions::size() const {
   return group ? group->size() : 1;
@@ -240,9 +372,14 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
     float* q = a.qkv.data<float>();
     cpu::rope_forward(q, ctx.B, ctx.T, Hq, hd, nqkv, ctx.positions.data(), *ctx.rope);
     cpu::rope_forward(q + Hq * hd, ctx.B, ctx.T, Hkv, hd, nqkv, ctx.positions.data(), *ctx.rope);
-    cpu::AttentionShape s{ctx.B, ctx.T, Hq, Hkv, hd, nqkv, nqkv, 1.0f / std::sqrt(float(hd))};
-    cpu::attention_forward(s, q, q + Hq * hd, q + (Hq + Hkv) * hd, a.attn.data<float>(),
-                           a.lse.data<float>());
+    if (tp_ && tp_->cp.size() > 1) {
+      ring_attention_forward(ctx, tp_->cp, {Hq, Hkv, hd, nqkv}, q, a.attn.data<float>(),
+                             a.lse.data<float>());
+    } else {
+      cpu::AttentionShape s{ctx.B, ctx.T, Hq, Hkv, hd, nqkv, nqkv, 1.0f / std::sqrt(float(hd))};
+      cpu::attention_forward(s, q, q + Hq * hd, q + (Hq + Hkv) * hd, a.attn.data<float>(),
+                             a.lse.data<float>());
+    }
   }
   a.h = row_parallel(to_compute(a.attn, dt), Hq * hd, kO, x);
 
@@ -340,10 +477,15 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       if (run) {
         const float* q = a.qkv.data<float>();
         float* dq = dqkv.data<float>();
-        cpu::AttentionShape s{ctx.B, ctx.T, Hq, Hkv, hd, nqkv, nqkv, 1.0f / std::sqrt(float(hd))};
-        cpu::attention_backward(s, q, q + Hq * hd, q + (Hq + Hkv) * hd, a.attn.data<float>(),
-                                a.lse.data<float>(), dattn.data<float>(), dq, dq + Hq * hd,
-                                dq + (Hq + Hkv) * hd);
+        if (tp_ && tp_->cp.size() > 1) {
+          ring_attention_backward(ctx, tp_->cp, {Hq, Hkv, hd, nqkv}, q, a.attn.data<float>(),
+                                  a.lse.data<float>(), dattn.data<float>(), dq);
+        } else {
+          cpu::AttentionShape s{ctx.B, ctx.T, Hq, Hkv, hd, nqkv, nqkv, 1.0f / std::sqrt(float(hd))};
+          cpu::attention_backward(s, q, q + Hq * hd, q + (Hq + Hkv) * hd, a.attn.data<float>(),
+                                  a.lse.data<float>(), dattn.data<float>(), dq, dq + Hq * hd,
+                                  dq + (Hq + Hkv) * hd);
+        }
         cpu::rope_backward(dq, ctx.B, ctx.T, Hq, hd, nqkv, ctx.positions.data(), *ctx.rope);
         cpu::rope_backward(dq + Hq * hd, ctx.B, ctx.T, Hkv, hd, nqkv, ctx.positions.data(),
                            *ctx.rope);
@@ -363,7 +505,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard,
-                       TpOptions tp)
+                       TpOptions tp, CpOptions cp)
     : config_(config), compute_(compute), device_(device), shard_(shard) {
   config_.validate("model config");
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
@@ -385,6 +527,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
   }
   tp_ = std::make_unique<TpRuntime>();
   tp_->opt = tp;
+  if (cp.size() <= 1) cp.group = nullptr;
+  tp_->cp = cp;
   tp_->pool = &pool_;
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size / n;
@@ -465,8 +609,16 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
   ctx.T = T;
   ctx.compute = compute_;
   ctx.positions.resize(T);
-  for (int64_t t = 0; t < T; ++t) ctx.positions[t] = int32_t(t);
-  ctx.rope = &rope_for(T);
+  if (tp.cp.size() > 1) {
+    const int n = tp.cp.size();
+    for (int s = 0; s < n; ++s)
+      ctx.cp_pos.push_back(cpu::cp_positions(T * n, n, s, tp.sp() ? tpn : 1));
+    for (int64_t t = 0; t < T; ++t) ctx.positions[t] = int32_t(ctx.cp_pos[tp.cp.rank()][t]);
+    ctx.rope = &rope_for(T * n);
+  } else {
+    for (int64_t t = 0; t < T; ++t) ctx.positions[t] = int32_t(t);
+    ctx.rope = &rope_for(T);
+  }
 
   LOOM_CHECK(hooks_ || !shard_.sharded(),
              "forward_backward: a sharded model needs hooks that materialize its units");

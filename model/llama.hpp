@@ -33,9 +33,20 @@ struct TpOptions {
   int rank() const;
 };
 
-// What a block needs for tensor parallelism at run time (null group: none).
+// Context parallelism (docs/design.md "Context parallel"): the sequence of every sample is cut
+// into 2*cp chunks, cp rank r holds chunks r and 2*cp-1-r (cpu::cp_positions); attention runs as
+// ring attention over the group (K/V rotate by send/recv, or one all-gather).
+struct CpOptions {
+  dist::ProcessGroup* group = nullptr;  // the mesh's "cp" group; nullptr: none
+  bool allgather = false;               // parallelism.cp_rotate_method = "allgather"
+  int size() const;
+  int rank() const;
+};
+
+// What a block needs for tensor and context parallelism at run time (null group: none).
 struct TpRuntime {
   TpOptions opt;
+  CpOptions cp;
   dist::BufferPool* pool = nullptr;
   bool on() const { return opt.size() > 1; }
   bool sp() const { return on() && opt.sequence_parallel; }
@@ -50,6 +61,9 @@ struct StepContext {
   int64_t B = 0, T = 0;
   DType compute = DType::f32;      // what GEMMs read: f32, or bf16 (fp32 accumulation)
   std::vector<int32_t> positions;  // global position of each of the T tokens
+  // With context parallelism: T is this rank's length (T_global / cp) and cp_pos[r] holds the
+  // global positions of cp rank r's T tokens (positions is cp_pos[own rank]).
+  std::vector<std::vector<int64_t>> cp_pos;
   const cpu::RopeTable* rope = nullptr;
   int64_t tokens() const { return B * T; }
 };
@@ -114,7 +128,7 @@ class LlamaModel {
   // names, local shapes; ParamSpec::split); a config whose heads, kv heads, ffn size or
   // vocabulary tp does not divide is refused.
   LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu,
-             ShardLayout shard = {}, TpOptions tp = {});
+             ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {});
 
   const LlamaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }
@@ -132,8 +146,11 @@ class LlamaModel {
   void load_hf(const SafetensorsDir& dir);
   void zero_grad();
 
-  // Forward and backward of one micro-batch: inputs/targets [B, T]. Returns the sum of the
-  // per-token losses; gradients of (grad_scale * that sum) accumulate into the units.
+  const CpOptions& cp() const { return tp_->cp; }
+
+  // Forward and backward of one micro-batch: inputs/targets [B, T]. With context parallelism
+  // they are this cp rank's tokens (T = seq_len / cp, at positions cpu::cp_positions). Returns the
+  // sum of the per-token losses; gradients of (grad_scale * that sum) accumulate into the units.
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale);
 

@@ -1,6 +1,9 @@
 #include "train/data_parallel.hpp"
 
+#include <vector>
+
 #include "core/error.hpp"
+#include "kernels/cpu/attention_block.hpp"
 
 namespace loom {
 
@@ -36,7 +39,12 @@ DpGroups dp_groups(dist::Mesh* mesh) {
   g.dp = &mesh->group("dp");
   g.rank = g.dp->rank();
   g.size = g.dp->size();
-  if (mesh->size("dp_shard") > 1) g.shard = &mesh->group("dp_shard");
+  // Context parallelism: FSDP shards over the flattened dp_shard x cp ranks (each cp rank holds
+  // part of every sample, so its gradient is a partial sum like a dp rank's), and with cp the
+  // gradients reduce over dp_shard x cp.
+  if (mesh->size("cp") > 1) g.cp = &mesh->group("cp");
+  if (mesh->size("dp_shard") * mesh->size("cp") > 1)
+    g.shard = &mesh->group(mesh->size("cp") > 1 ? "dp_shard,cp" : "dp_shard");
   g.replicate = &mesh->group("dp_replicate");
   if (mesh->size("tp") > 1) g.tp = &mesh->group("tp");
   return g;
@@ -53,7 +61,10 @@ DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job
   tp.sequence_parallel = job.parallelism.tp_sequence_parallel;
   tp.recompute_allgather = job.parallelism.tp_recompute_allgather;
   tp.async = job.parallelism.tp_async;
-  m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout, tp);
+  CpOptions cp;
+  cp.group = groups.cp;
+  cp.allgather = job.parallelism.cp_rotate_method == "allgather";
+  m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout, tp, cp);
   const DType reduce = dtype_from_name(job.training.mixed_precision_reduce);
   if (groups.shard) {
     parallel::FsdpConfig fc;
@@ -69,9 +80,26 @@ DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job
 double DpModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                  int64_t T, float grad_scale, bool last) {
   if (ddp) ddp->set_sync(last);
-  const double loss = model->forward_backward(inputs, targets, B, T, grad_scale);
+  if (!groups.cp) {
+    const double loss = model->forward_backward(inputs, targets, B, T, grad_scale);
+    if (fsdp) fsdp->finish_backward();
+    return loss;
+  }
+  // Context parallelism: this cp rank takes its chunks of every sample (the same samples on
+  // every cp rank of a dp rank); the loss is summed over the cp group.
+  const int n = groups.cp->size();
+  const int sp_tp = groups.tp && model->tp().sequence_parallel ? groups.tp->size() : 1;
+  const auto pos = cpu::cp_positions(T, n, groups.cp->rank(), sp_tp);
+  const int64_t Tl = int64_t(pos.size());
+  std::vector<int32_t> in(size_t(B * Tl)), tg(size_t(B * Tl));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Tl; ++t) {
+      in[size_t(b * Tl + t)] = inputs[b * T + pos[size_t(t)]];
+      tg[size_t(b * Tl + t)] = targets[b * T + pos[size_t(t)]];
+    }
+  const double loss = model->forward_backward(in.data(), tg.data(), B, Tl, grad_scale);
   if (fsdp) fsdp->finish_backward();
-  return loss;
+  return dp_sum(groups.cp, loss);
 }
 
 void DpModel::finish_step() {

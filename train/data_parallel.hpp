@@ -31,9 +31,10 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command);
 // The data-parallel groups of a mesh (all nullptr, rank 0 of 1 without one).
 struct DpGroups {
   dist::ProcessGroup* dp = nullptr;         // all data-parallel ranks
-  dist::ProcessGroup* shard = nullptr;      // FSDP's dp_shard group when its size is > 1
+  dist::ProcessGroup* shard = nullptr;      // FSDP's dp_shard (x cp) group when its size is > 1
   dist::ProcessGroup* replicate = nullptr;  // dp_replicate (HSDP, or DDP alone)
   dist::ProcessGroup* tp = nullptr;         // the tensor-parallel group when its size is > 1
+  dist::ProcessGroup* cp = nullptr;         // the context-parallel group when its size is > 1
   int64_t rank = 0, size = 1;               // this rank's place in `dp`
 };
 DpGroups dp_groups(dist::Mesh* mesh);

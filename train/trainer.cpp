@@ -11,6 +11,7 @@
 #include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "dist/mesh.hpp"
+#include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
@@ -45,8 +46,8 @@ std::string gib(size_t bytes) {
   return buf;
 }
 
-// Without a mesh one process is the whole world; with one, data and tensor parallelism are
-// supported (not cp, pp).
+// Without a mesh one process is the whole world; with one, data, tensor and context parallelism
+// are supported (not pp).
 void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
   const auto& p = c.parallelism;
   if (!mesh) {
@@ -57,11 +58,13 @@ void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
                " ranks, but this is one process (launch with `mpirun -np ", world,
                " loom train ...`)");
   }
-  for (auto [dim, size] : {std::pair<const char*, int64_t>{"cp", p.cp}, {"pp", p.pp}})
-    LOOM_CHECK(size == 1, "parallelism.", dim, " = ", size,
-               " is not supported yet (data and tensor parallelism only: dp_replicate, dp_shard, "
-               "tp); expected ",
-               dim, " = 1");
+  LOOM_CHECK(p.pp == 1, "parallelism.pp = ", p.pp,
+             " is not supported yet (data, tensor and context parallelism only: dp_replicate, "
+             "dp_shard, tp, cp); expected pp = 1");
+  // Context parallelism cuts each sequence into 2*cp chunks (and, with sequence parallelism,
+  // each rank's rows into tp parts): refused here, before any work, when seq_len does not split.
+  if (p.cp > 1)
+    cpu::cp_positions(c.training.seq_len, p.cp, 0, p.tp > 1 && p.tp_sequence_parallel ? p.tp : 1);
   LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
              c.activation_checkpoint.mode,
              "\" is not supported by the trainer yet: expected \"none\"");
@@ -180,7 +183,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     s.shard = g.shard;
     s.tp = g.tp;
     s.writer = s.mesh->world_rank() == 0;
-    shard_count = s.mesh->size("dp_shard");
+    shard_count = g.shard ? g.shard->size() : 1;  // dp_shard x cp
     if (!s.writer) {
       s.devnull.reset(std::fopen("/dev/null", "w"));
       LOOM_CHECK(s.devnull != nullptr, "cannot open /dev/null");
@@ -205,7 +208,8 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.schedule = LrSchedule::from_config(j);
 
   // Memory, before anything is allocated or mapped.
-  s.mem = estimate_training_memory(s.mc, s.B, s.T, s.compute);
+  // With context parallelism a rank saves the activations of its seq_len / cp tokens.
+  s.mem = estimate_training_memory(s.mc, s.B, s.T / j.parallelism.cp, s.compute);
   if (shard_count > 1) {
     // FSDP: every rank holds 1/N of the weights, gradients and moments (the gathered units in
     // flight are not counted here).

@@ -15,18 +15,20 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/loom_parity_${name}.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 
-run_args=() ref_args=() accum=1 tp=1
+run_args=() ref_args=() accum=1 tp=1 cp=1
 for a in "$@"; do
   case $a in
     --ref:*) ref_args+=("--${a#--ref:}") ;;
     --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
     --parallelism.tp=*) tp=${a#*=}; run_args+=("$a") ;;
+    --parallelism.cp=*) cp=${a#*=}; run_args+=("$a") ;;
     --model.*) run_args+=("$a"); ref_args+=("$a") ;;  # the same model for both runs
     *) run_args+=("$a") ;;
   esac
 done
-# The tp ranks of a dp rank see the same batch: the reference accumulates over the dp ranks only.
-dp=$((np / tp))
+# The tp and cp ranks of a dp rank see the same batch: the reference accumulates over the dp ranks
+# only.
+dp=$((np / tp / cp))
 
 # The corpus: text of the repository itself, tokenized with a small trained vocabulary.
 cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"

@@ -1,0 +1,58 @@
+#pragma once
+// Attention of one block of queries against one block of keys, for context parallelism (ring
+// attention): each cp rank holds some chunks of every sequence, so queries and keys carry their
+// GLOBAL token positions and causality is decided by those (key visible iff k_pos <= q_pos).
+// Partial results of several key blocks combine by their log-sum-exp (attention_merge); the
+// backward of a block pair needs only the FINAL out and lse of the query rows (flash backward:
+// p = exp(s - lse), ds = p * (dp - Di) with Di = rowsum(dO * O)), so ring steps in backward are
+// independent and their dq/dk/dv contributions add up.
+#include <cstdint>
+#include <vector>
+
+namespace loom::cpu {
+
+// Layouts as in attention.hpp, with separate query and key lengths:
+//   q[b, t, h, :]   at q + (b*Tq + t)*q_stride + h*D       (t < Tq, h < Hq)
+//   k/v[b, t, g, :] at k + (b*Tk + t)*kv_stride + g*D      (t < Tk, g < Hkv, g = h / (Hq/Hkv))
+//   out[b, t, h, :] at out + (b*Tq + t)*Hq*D + h*D
+//   lse[b, h, t]    at lse + (b*Hq + h)*Tq + t
+// q_pos[Tq], k_pos[Tk]: global positions, the same for every sample of the batch.
+struct BlockShape {
+  int64_t B = 0, Tq = 0, Tk = 0, Hq = 0, Hkv = 0, D = 0;
+  int64_t q_stride = 0, kv_stride = 0;
+  float scale = 0;
+};
+
+// Global positions held by cp rank `rank` of `cp` (load-balanced "zigzag" layout): the sequence
+// of T tokens is cut into 2*cp chunks and the rank holds chunks rank and 2*cp-1-rank, so every
+// rank computes the same number of causal score entries. With sequence parallelism over a TP
+// group of `sp_tp` ranks each chunk pair is further split by tp, so T must be divisible by
+// 2*cp*sp_tp; a loom::Error names T and the divisor otherwise.
+std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp = 1);
+
+// Number of (query, key) pairs with k_pos <= q_pos: the score entries a block computes (per
+// sample and head). Zero means the block is skipped.
+int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);
+
+// out/lse of the queries against this key block alone. A row that sees no key gets out = 0 and
+// lse = -inf, which attention_merge treats as "no contribution".
+void attention_block_forward(const BlockShape& s, const float* q, const float* k, const float* v,
+                             const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse);
+
+// Folds a partial result (out_b, lse_b) into the running one (out_a, lse_a), in place:
+// lse = log(e^lse_a + e^lse_b), out = e^(lse_a-lse) out_a + e^(lse_b-lse) out_b.
+void attention_merge(int64_t B, int64_t Tq, int64_t Hq, int64_t D, float* out_a, float* lse_a,
+                     const float* out_b, const float* lse_b);
+
+// delta[b, h, t] = sum_d dout[b,t,h,d] * out[b,t,h,d] (Di of the flash backward), once per step.
+void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* out,
+                     const float* dout, float* delta);
+
+// Adds this block pair's contributions to dq (layout of q) and to dk, dv (layout of k, v), given
+// the FINAL lse of the query rows and their delta. Accumulates: the caller zeroes once.
+void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,
+                              const int64_t* q_pos, const int64_t* k_pos, const float* lse,
+                              const float* delta, const float* dout, float* dq, float* dk,
+                              float* dv);
+
+}  // namespace loom::cpu

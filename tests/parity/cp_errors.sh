@@ -1,0 +1,48 @@
+#!/bin/bash
+# Context parallelism refuses a seq_len it cannot cut into 2*cp chunks (2*cp*tp with sequence
+# parallelism), on every rank, naming seq_len and the divisor; a dividing seq_len trains.
+#   cp_errors.sh LOOM MPIEXEC SOURCE_DIR
+set -euo pipefail
+loom=$1 mpiexec=$2 src=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/loom_cp_errors.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
+cat "$src"/docs/design.md >"$work/corpus.txt"
+"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
+  --save-tokenizer "$work/tok.json" >/dev/null
+common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
+  --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=1)
+tp_model="--model.config=$src/tests/parity/tp_debug.json"
+status=0
+expect() {  # expect NP PATTERN ARGS...: the run fails and its output names PATTERN
+  local np=$1 pat=$2
+  shift 2
+  local rc=0
+  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ] && grep -q -- "$pat" "$work/out.log"; then
+    echo "ok: np $np $* -> $(grep -m1 -o -- "$pat.*" "$work/out.log" | cut -c1-150)"
+  else
+    echo "FAILED: np $np $* (exit $rc), expected an error naming '$pat':"
+    tail -5 "$work/out.log"
+    status=1
+  fi
+}
+works() {
+  local np=$1
+  shift
+  if "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1; then
+    echo "ok: np $np $* trains"
+  else
+    echo "FAILED: np $np $* should train:"
+    tail -5 "$work/out.log"
+    status=1
+  fi
+}
+expect 4 "sequence length 60 must be divisible by 2\*cp = 8" --parallelism.cp=4 --training.seq_len=60
+works 4 --parallelism.cp=4 --training.seq_len=56
+expect 4 "sequence length 68 must be divisible by 2\*cp\*tp (sequence parallel) = 8" \
+  --parallelism.cp=2 --parallelism.tp=2 --training.seq_len=68 "$tp_model"
+works 4 --parallelism.cp=2 --parallelism.tp=2 --parallelism.tp_sequence_parallel=false \
+  --training.seq_len=68 "$tp_model"
+exit $status
