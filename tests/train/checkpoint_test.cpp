@@ -12,6 +12,7 @@
 #include "core/philox.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "tests/test_util.hpp"
 #include "train/optimizer.hpp"
 
 namespace fs = std::filesystem;
@@ -35,17 +36,7 @@ class TempDir {
   fs::path dir_;
 };
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 LlamaConfig tiny(int64_t layers = 2, int64_t dim = 32) {
   LlamaConfig c;

@@ -17,6 +17,7 @@
 
 #include "core/error.hpp"
 #include "model/llama.hpp"
+#include "tests/test_util.hpp"
 #include "train/checkpoint.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
@@ -32,17 +33,7 @@ std::string source_dir() {
   return s && *s ? s : fs::path(__FILE__).parent_path().parent_path().parent_path().string();
 }
 
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-}
+using loom::test::expect_error;
 
 std::string read_text(const std::string& path) {
   std::ifstream f(path);
