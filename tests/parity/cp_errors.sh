@@ -14,31 +14,7 @@ cat "$src"/docs/design.md >"$work/corpus.txt"
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
   --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=1)
 tp_model="--model.config=$src/tests/parity/tp_debug.json"
-status=0
-expect() {  # expect NP PATTERN ARGS...: the run fails and its output names PATTERN
-  local np=$1 pat=$2
-  shift 2
-  local rc=0
-  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1 || rc=$?
-  if [ "$rc" != 0 ] && grep -q -- "$pat" "$work/out.log"; then
-    echo "ok: np $np $* -> $(grep -m1 -o -- "$pat.*" "$work/out.log" | cut -c1-150)"
-  else
-    echo "FAILED: np $np $* (exit $rc), expected an error naming '$pat':"
-    tail -5 "$work/out.log"
-    status=1
-  fi
-}
-works() {
-  local np=$1
-  shift
-  if "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1; then
-    echo "ok: np $np $* trains"
-  else
-    echo "FAILED: np $np $* should train:"
-    tail -5 "$work/out.log"
-    status=1
-  fi
-}
+source "$(dirname "$0")/error_checks.sh"
 expect 4 "sequence length 60 must be divisible by 2\*cp = 8" --parallelism.cp=4 --training.seq_len=60
 works 4 --parallelism.cp=4 --training.seq_len=56
 expect 4 "sequence length 68 must be divisible by 2\*cp\*tp (sequence parallel) = 8" \

@@ -23,31 +23,7 @@ model ffn intermediate_size 162
 model vocab vocab_size 514
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
   --training.local_batch_size=1 --checkpoint.interval=0)
-status=0
-expect() {  # expect NP PATTERN ARGS...: the run fails and its output names PATTERN
-  local np=$1 pat=$2
-  shift 2
-  local rc=0
-  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1 || rc=$?
-  if [ "$rc" != 0 ] && grep -q -- "$pat" "$work/out.log"; then
-    echo "ok: np $np $* -> $(grep -m1 -o -- "$pat.*" "$work/out.log" | cut -c1-150)"
-  else
-    echo "FAILED: np $np $* (exit $rc), expected an error naming '$pat':"
-    tail -5 "$work/out.log"
-    status=1
-  fi
-}
-works() {
-  local np=$1
-  shift
-  if "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "$@" >"$work/out.log" 2>&1; then
-    echo "ok: np $np $* trains"
-  else
-    echo "FAILED: np $np $* should train:"
-    tail -5 "$work/out.log"
-    status=1
-  fi
-}
+source "$(dirname "$0")/error_checks.sh"
 expect 8 "num_attention_heads = 12 is not divisible by parallelism.tp = 8" --parallelism.tp=8 --model.config="$work/heads.json"
 expect 4 "num_key_value_heads = 2 is not divisible by parallelism.tp = 4" --parallelism.tp=4 --model.config="$work/kv.json"
 expect 4 "intermediate_size = 162 is not divisible by parallelism.tp = 4" --parallelism.tp=4 --model.config="$work/ffn.json"
