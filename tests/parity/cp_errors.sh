@@ -4,13 +4,8 @@
 #   cp_errors.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
-work=$(mktemp -d "${TMPDIR:-/tmp}/loom_cp_errors.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
-cat "$src"/docs/design.md >"$work/corpus.txt"
-"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
-  --save-tokenizer "$work/tok.json" >/dev/null
+source "$(dirname "$0")/setup.sh"
+parity_setup cp_errors "$src"/docs/design.md
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
   --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=1)
 tp_model="--model.config=$src/tests/parity/tp_debug.json"

@@ -5,13 +5,8 @@
 #   tp_errors.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
-work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tp_errors.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
-cat "$src"/docs/design.md >"$work/corpus.txt"
-"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
-  --save-tokenizer "$work/tok.json" >/dev/null
+source "$(dirname "$0")/setup.sh"
+parity_setup tp_errors "$src"/docs/design.md
 base="$src/tests/parity/tp_debug.json"
 model() {  # model NAME KEY VALUE: tp_debug.json with one key changed
   sed "s/\"$2\": [0-9]*/\"$2\": $3/" "$base" >"$work/$1.json"

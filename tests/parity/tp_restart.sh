@@ -6,13 +6,8 @@
 #   tp_restart.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
-work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tp_restart.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
-"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
-  --save-tokenizer "$work/tok.json" >/dev/null
+source "$(dirname "$0")/setup.sh"
+parity_setup tp_restart "$src"/docs/design.md "$src"/train/*.cpp
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=4
   --model.config="$src/tests/parity/tp_debug.json")
 "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --parallelism.tp=2 \
