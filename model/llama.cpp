@@ -191,32 +191,45 @@ void ring_attention_backward(const StepContext& ctx, const CpOptions& cp, const 
     for (int s = 0; s < n; ++s) consume(all[s].data<float>(), dall[s].data<float>(), s);
     grp.reduce_scatter(dall, own, dist::ReduceOp::sum)->wait();
   } else {
+    // dK/dV accumulators travel with their K/V block: the one for block (r - i) arrives from the
+    // previous rank while this rank computes block (r - i)'s contribution into `part`, so the hop
+    // overlaps compute; the sum is sent on at once. After n hops each rank holds its own keys'.
     Tensor cur = f32({M, kvw}, Device::cpu), nxt = f32({M, kvw}, Device::cpu);
-    Tensor dcur = Tensor::zeros({M, kvw}, DType::f32, Device::cpu);
-    Tensor dnxt = f32({M, kvw}, Device::cpu);
+    Tensor part = f32({M, kvw}, Device::cpu), in = f32({M, kvw}, Device::cpu);
+    Tensor out_acc = f32({M, kvw}, Device::cpu);
     pack_kv(qkv, M, g.nqkv, Hq * hd, kvw, cur.data<float>());
     const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::unique_ptr<dist::Work> acc_send, acc_recv;
     for (int i = 0; i < n; ++i) {
       std::unique_ptr<dist::Work> sw, rw;
       if (i + 1 < n) {
         sw = grp.send(cur, next, 2 * i);
         rw = grp.recv(nxt, prev, 2 * i);
       }
-      consume(cur.data<float>(), dcur.data<float>(), (r + n - i) % n);
-      // The accumulator of block (r - i) moves on after its update; after the n-th hop every
-      // rank holds its own keys' gradient.
-      auto ds = grp.send(dcur, next, 2 * i + 1);
-      auto dr = grp.recv(dnxt, prev, 2 * i + 1);
+      part.zero_();
+      consume(cur.data<float>(), part.data<float>(), (r + n - i) % n);
+      if (acc_send) acc_send->wait();
+      if (i == 0) {
+        std::swap(part, out_acc);
+      } else {
+        acc_recv->wait();
+        float* a = in.data<float>();
+        const float* p = part.data<float>();
+#pragma omp parallel for schedule(static)
+        for (int64_t e = 0; e < M * kvw; ++e) a[e] += p[e];
+        std::swap(in, out_acc);
+      }
+      acc_send = grp.send(out_acc, next, 2 * i + 1);
+      acc_recv = grp.recv(in, prev, 2 * i + 1);
       if (sw) {
         sw->wait();
         rw->wait();
         std::swap(cur, nxt);
       }
-      ds->wait();
-      dr->wait();
-      std::swap(dcur, dnxt);
     }
-    own = dcur;
+    acc_send->wait();
+    acc_recv->wait();
+    own = in;
   }
   unpack_kv(own.data<float>(), M, g.nqkv, Hq * hd, kvw, dqkv);
 }

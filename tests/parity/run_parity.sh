@@ -22,7 +22,7 @@ for a in "$@"; do
     --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
     --parallelism.tp=*) tp=${a#*=}; run_args+=("$a") ;;
     --parallelism.cp=*) cp=${a#*=}; run_args+=("$a") ;;
-    --model.*) run_args+=("$a"); ref_args+=("$a") ;;  # the same model for both runs
+    --model.* | --training.seq_len=*) run_args+=("$a"); ref_args+=("$a") ;;  # same for both runs
     *) run_args+=("$a") ;;
   esac
 done
