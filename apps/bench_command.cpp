@@ -280,7 +280,9 @@ int bench_command(const Args& args) {
   const double flops = mc.flops_per_token(T) * tokens_per_s;
   const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
 
-  const MemoryModel mm = memory_model(par, compute, B, T);
+  // With context parallelism a rank holds the activations of its T / cp tokens.
+  const MemoryModel mm =
+      memory_model(par, compute, B, T / (par.groups.cp ? par.groups.cp->size() : 1));
   const size_t n = size_t(model.num_params());
   const double mem_ratio = double(st.peak_allocated) / double(mm.total());
   const uint64_t timed = uint64_t(std::max(steps, 1));
