@@ -336,7 +336,8 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
   const float eps = float(c_.rms_norm_eps);
   const bool run = live(x);
   // `op` drops the norm and SwiGLU outputs after their GEMM; backward recomputes them (and,
-  // with SP, gathers the norm outputs again, as with recompute_allgather).
+  // with SP, gathers the norm outputs again, as with recompute_allgather). Neither `op` nor
+  // `full` keeps a gathered GEMM input: it goes to the pooled buffer.
   const bool op = mode == ActivationCheckpoint::Mode::op;
 
   // A column-parallel GEMM, y [M, N] = input w^T, whose input is `local` (this rank's rows with
@@ -350,7 +351,7 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
       return;
     }
     Tensor full;
-    if (tp.opt.recompute_allgather || op) {
+    if (tp.opt.recompute_allgather || mode != ActivationCheckpoint::Mode::none) {
       saved = local;
       full = pooled(tp, "ag_input", {M, d}, dt, dev);
     } else {
