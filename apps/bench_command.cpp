@@ -15,7 +15,8 @@
 //     block (kept by `default` and `never`, prefetched by `always`), every unit the policy keeps
 //     after forward (`never`: all; the tied embedding), each as ParamUnit's gathered buffer
 //   + the head's full f32 gradient (and the tied embedding's)
-//   + the saved activations of the local batch (LlamaModel::saved_activation_bytes)
+//   + the saved activations of the local batch at their peak, by the [activation_checkpoint]
+//     policy (LlamaModel::saved_activation_bytes)
 //   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits).
 // DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations.
 // Byte model (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
@@ -91,8 +92,8 @@ MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
   const TpOptions& tp = m.model->tp();
   const int n = tp.size();
   const bool sp = n > 1 && tp.sequence_parallel;
-  mm.activations =
-      LlamaModel::saved_activation_bytes(c, B, T, compute, n, sp, tp.recompute_allgather);
+  mm.activations = LlamaModel::saved_activation_bytes(
+      c, B, T, compute, n, sp, tp.recompute_allgather, m.model->activation_checkpoint());
   const size_t M = size_t(B * T), d = size_t(c.hidden_size);
   if (n == 1) {
     // Inside the fused output projection + loss: the last block's output x, the normalized xf
@@ -279,7 +280,9 @@ int bench_command(const Args& args) {
   const double flops = mc.flops_per_token(T) * tokens_per_s;
   const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
 
-  const MemoryModel mm = memory_model(par, compute, B, T);
+  // With context parallelism a rank holds the activations of its T / cp tokens.
+  const MemoryModel mm =
+      memory_model(par, compute, B, T / (par.groups.cp ? par.groups.cp->size() : 1));
   const size_t n = size_t(model.num_params());
   const double mem_ratio = double(st.peak_allocated) / double(mm.total());
   const uint64_t timed = uint64_t(std::max(steps, 1));

@@ -1,6 +1,7 @@
 #include "model/llama.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 
@@ -250,6 +251,36 @@ int TpOptions::rank() const {
   return group ? group->rank() : 0;
 }
 
+ActivationCheckpoint ActivationCheckpoint::parse(const std::string& mode,
+                                                 const std::string& selective_option) {
+  ActivationCheckpoint ac;
+  if (mode == "none") return ac;
+  if (mode == "full") {
+    ac.mode = Mode::full;
+    return ac;
+  }
+  LOOM_CHECK(mode == "selective", "activation_checkpoint.mode = \"", mode,
+             "\": expected \"none\", \"full\" or \"selective\"");
+  if (selective_option == "op") {
+    ac.mode = Mode::op;
+    return ac;
+  }
+  int n = 0;
+  const char* end = selective_option.data() + selective_option.size();
+  auto r = std::from_chars(selective_option.data(), end, n);
+  LOOM_CHECK(!selective_option.empty() && r.ec == std::errc() && r.ptr == end && n >= 1,
+             "activation_checkpoint.selective_option = \"", selective_option,
+             "\": expected \"op\" or a positive integer N");
+  ac.mode = Mode::full;
+  ac.every_n = n;
+  return ac;
+}
+
+ActivationCheckpoint::Mode ActivationCheckpoint::block_mode(int64_t layer) const {
+  if (mode == Mode::full && layer % every_n != 0) return Mode::none;
+  return mode;
+}
+
 size_t BlockActs::bytes() const {
   size_t n = 0;
   for (const Tensor* t : {&x, &rstd1, &xn1, &qkv, &attn, &lse, &h, &rstd2, &xn2, &gu, &act})
@@ -293,6 +324,18 @@ TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf1
             shard) {}
 
 Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
+  Tensor out = run_forward(ctx, x, a, ac_, true);
+  if (ac_ == ActivationCheckpoint::Mode::full) {
+    // Only the input stays; backward recomputes the rest from it.
+    Tensor input = a.x;
+    a = BlockActs();
+    a.x = input;
+  }
+  return out;
+}
+
+Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, BlockActs& a,
+                                     ActivationCheckpoint::Mode mode, bool output) const {
   const TpRuntime none;
   const TpRuntime& tp = tp_ ? *tp_ : none;
   const int tpn = tp.on() ? tp.opt.size() : 1;
@@ -305,6 +348,10 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   const DType dt = ctx.compute;
   const float eps = float(c_.rms_norm_eps);
   const bool run = live(x);
+  // `op` drops the norm and SwiGLU outputs after their GEMM; backward recomputes them (and,
+  // with SP, gathers the norm outputs again, as with recompute_allgather). Neither `op` nor
+  // `full` keeps a gathered GEMM input: it goes to the pooled buffer.
+  const bool op = mode == ActivationCheckpoint::Mode::op;
 
   // A column-parallel GEMM, y [M, N] = input w^T, whose input is `local` (this rank's rows with
   // SP): with SP the input of every row is gathered, and kept for backward in `saved` (a new
@@ -317,7 +364,7 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
       return;
     }
     Tensor full;
-    if (tp.opt.recompute_allgather) {
+    if (tp.opt.recompute_allgather || mode != ActivationCheckpoint::Mode::none) {
       saved = local;
       full = pooled(tp, "ag_input", {M, d}, dt, dev);
     } else {
@@ -382,6 +429,7 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
                            xn1.data<float>(), a.rstd1.data<float>());
     a.qkv = f32({M, nqkv}, dev);
     column_parallel(to_compute(xn1, dt), a.xn1, kQ, a.qkv, nqkv);
+    if (op) a.xn1 = Tensor();
   }
   a.attn = f32({M, Hq * hd}, dev);
   a.lse = f32({ctx.B, Hq, ctx.T}, dev);
@@ -408,13 +456,17 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
                            xn2.data<float>(), a.rstd2.data<float>());
     a.gu = f32({M, 2 * F}, dev);
     column_parallel(to_compute(xn2, dt), a.xn2, kGate, a.gu, 2 * F);
+    if (op) a.xn2 = Tensor();
   }
   {
     Tensor act = f32({M, F}, dev);
     if (run) cpu::swiglu_forward(a.gu.data<float>(), M, F, act.data<float>());
     a.act = to_compute(act, dt);
   }
-  return row_parallel(a.act, F, kDown, a.h);
+  if (!output) return Tensor();
+  Tensor out = row_parallel(a.act, F, kDown, a.h);
+  if (op) a.act = Tensor();
+  return out;
 }
 
 void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a) {
@@ -429,6 +481,13 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
   const Device dev = dy.device();
   const DType dt = ctx.compute;
   const bool run = live(dy);
+  const float eps = float(c_.rms_norm_eps);
+  // `full` saved the input only: the forward runs again (tp and cp communication included),
+  // after the unit's before_backward hook, so FSDP has gathered the weights it reads.
+  if (!a.h.defined()) {
+    const Tensor x = a.x;
+    run_forward(ctx, x, a, ActivationCheckpoint::Mode::none, false);
+  }
 
   // The gradient w.r.t. a row-parallel GEMM's output, for every row (the backward of the
   // reduce-scatter is an all-gather).
@@ -438,12 +497,21 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     tp_gather_rows(tp, dy, g);
     return to_compute(g, dt);
   };
-  // The saved input of a column-parallel GEMM, every row.
-  auto full_input = [&](const Tensor& saved) -> Tensor {
-    if (!tp.sp() || !tp.opt.recompute_allgather) return saved;
+  auto gather_input = [&](const Tensor& local) -> Tensor {
     Tensor full = pooled(tp, "ag_input", {M, d}, dt, dev);
-    tp_gather_rows(tp, saved, full);
+    tp_gather_rows(tp, local, full);
     return full;
+  };
+  // The input of a column-parallel GEMM, every row: the norm output `saved`, or, when `op`
+  // dropped it, recomputed from the norm's input (the same kernel on the same input: the same
+  // bits) and, with SP, gathered again.
+  auto norm_output = [&](const Tensor& saved, const Tensor& in, size_t w) -> Tensor {
+    if (saved.defined()) return tp.sp() && tp.opt.recompute_allgather ? gather_input(saved) : saved;
+    Tensor xn = f32({Mx, d}, dev), rstd = f32({Mx}, dev);
+    if (run)
+      cpu::rmsnorm_forward(in.data<float>(), P[w].value.data<float>(), Mx, d, eps, xn.data<float>(),
+                           rstd.data<float>());
+    return tp.sp() ? gather_input(to_compute(xn, dt)) : to_compute(xn, dt);
   };
   // dx = dy w of a column-parallel GEMM, summed over tp (this rank's rows with SP).
   auto column_dx = [&](const Tensor& dout, const Tensor& in, size_t w, int64_t N) -> Tensor {
@@ -469,12 +537,19 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     a.gu = Tensor();
     {
       Tensor dact = f32({M, F}, dev);
+      if (!a.act.defined()) {
+        // `op`: silu(gate) * up again, before the SwiGLU backward overwrites gu; in bf16 dact
+        // holds the f32 result until it is rounded.
+        Tensor act = dt == DType::f32 ? f32({M, F}, dev) : dact;
+        if (run) cpu::swiglu_forward(dgu.data<float>(), M, F, act.data<float>());
+        a.act = to_compute(act, dt);
+      }
       linear_backward(full_dy(), a.act, unit_.gemm_weights(kDown), unit_.grad_data(kDown), &dact, d,
                       F, dt);
       a.act = Tensor();
       if (run) cpu::swiglu_backward(dact.data<float>(), dgu.data<float>(), M, F, dgu.data<float>());
     }
-    Tensor dxn2 = column_dx(to_compute(dgu, dt), full_input(a.xn2), kGate, 2 * F);
+    Tensor dxn2 = column_dx(to_compute(dgu, dt), norm_output(a.xn2, a.h, kNorm2), kGate, 2 * F);
     dgu = Tensor();
     a.xn2 = Tensor();
     tp_summed_norm_grad(tp, unit_.grad_data(kNorm2), d, dev, [&](float* g) {
@@ -509,7 +584,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       }
       a.attn = a.lse = a.qkv = Tensor();
     }
-    Tensor dxn1 = column_dx(to_compute(dqkv, dt), full_input(a.xn1), kQ, nqkv);
+    Tensor dxn1 = column_dx(to_compute(dqkv, dt), norm_output(a.xn1, a.x, kNorm1), kQ, nqkv);
     dqkv = Tensor();
     a.xn1 = Tensor();
     tp_summed_norm_grad(tp, unit_.grad_data(kNorm1), d, dev, [&](float* g) {
@@ -601,6 +676,13 @@ void LlamaModel::load_hf(const SafetensorsDir& dir) {
 
 void LlamaModel::zero_grad() {
   for (ParamUnit* u : units()) u->zero_grad();
+}
+
+void LlamaModel::set_activation_checkpoint(const ActivationCheckpoint& ac) {
+  LOOM_CHECK(ac.every_n >= 1, "activation checkpointing: every_n = ", ac.every_n,
+             ", expected a positive integer");
+  ac_ = ac;
+  for (size_t l = 0; l < blocks_.size(); ++l) blocks_[l]->set_checkpoint(ac.block_mode(int64_t(l)));
 }
 
 const cpu::RopeTable& LlamaModel::rope_for(int64_t T) {
@@ -855,17 +937,40 @@ int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, 
 }
 
 size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                          int tp, bool sp, bool recompute) {
+                                          int tp, bool sp, bool recompute,
+                                          const ActivationCheckpoint& ac) {
   const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
   const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
   const size_t F = c.intermediate_size / n;
   const size_t Mx = tp > 1 && sp ? M / n : M;             // rows of the residual stream
   const size_t Mn = tp > 1 && sp && !recompute ? M : Mx;  // rows of the saved norm outputs
   const size_t cs = dtype_size(compute);
-  // x, h (f32); xn1, xn2 (compute dtype); rstd1, rstd2; qkv, attn, lse (f32); gu (f32); act.
-  size_t per_block = Mx * d * 4 * 2 + Mn * d * cs * 2 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
-                     M * Hq * hd * 4 + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * 4 + M * F * cs;
-  return per_block * size_t(c.num_hidden_layers);
+  const size_t input = Mx * d * 4;  // x (f32)
+  // h (f32), rstd1, rstd2; qkv, attn, lse (f32); gu (f32): what `op` saves besides x.
+  const size_t op_block = input + Mx * d * 4 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
+                          M * Hq * hd * 4 + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * 4;
+  // + xn1, xn2 (compute dtype) and act.
+  const size_t block = op_block + Mn * d * cs * 2 + M * F * cs;
+  const size_t L = size_t(c.num_hidden_layers);
+  switch (ac.mode) {
+    case ActivationCheckpoint::Mode::none:
+      return block * L;
+    case ActivationCheckpoint::Mode::op:
+      // The backward of a block holds its recomputed act (the norm output recomputed later is
+      // smaller).
+      return op_block * L + M * F * cs;
+    case ActivationCheckpoint::Mode::full:
+      break;
+  }
+  // At the head every block's saved tensors; in the backward of a recomputed block l, blocks
+  // 0..l-1's plus block l's whole set. The last recomputed block gives the largest of those.
+  size_t all = 0, peak = 0;
+  for (size_t l = 0; l < L; ++l) {
+    const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+    if (full) peak = all + block;
+    all += full ? input : block;
+  }
+  return std::max(all, peak);
 }
 
 uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
@@ -876,15 +981,24 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
   const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = blocks_.size();
   const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
   const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
-  if (!tp_->sp()) return ar(M * d * 4) * (2 + 4 * L) + loss;
+  uint64_t recomputed = 0;                      // blocks whose forward runs again in backward
+  for (uint64_t l = 0; l < L; ++l)
+    recomputed += ac_.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+  // Without SP a recomputed forward all-reduces the attention output once more.
+  if (!tp_->sp()) return ar(M * d * 4) * (2 + 4 * L + recomputed) + loss;
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
   const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
   const uint64_t per_block = 2 * ag_x + 2 * f32                   // forward
                              + 2 * f32 + 2 * f32 + 2 * ar(d * 4)  // backward: dy, dx, norms
                              + (tp_->opt.recompute_allgather ? 2 * ag_x : 0);
-  return f32                                              // embedding reduce-scatter
-         + per_block * L + ag_x + loss + f32 + ar(d * 4)  // head
-         + f32;                                           // embedding backward all-gather
+  // `op` gathers the recomputed norm outputs in backward (as recompute_allgather does).
+  const uint64_t op =
+      ac_.mode == ActivationCheckpoint::Mode::op && !tp_->opt.recompute_allgather ? 2 * ag_x : 0;
+  // A recomputed forward: the two gathers and the attention's reduce-scatter (not the MLP's).
+  return f32                                                     // embedding reduce-scatter
+         + (per_block + op) * L + recomputed * (2 * ag_x + f32)  // blocks
+         + ag_x + loss + f32 + ar(d * 4)                         // head
+         + f32;                                                  // embedding backward all-gather
 }
 
 }  // namespace loom

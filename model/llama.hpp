@@ -68,6 +68,24 @@ struct StepContext {
   int64_t tokens() const { return B * T; }
 };
 
+// Activation checkpointing (DESIGN.md decision 8; docs/design.md "Activation checkpointing"):
+// what a block's forward saves versus what its backward recomputes. Recomputation runs the same
+// deterministic kernels on the same inputs, so every mode gives bit-identical results.
+struct ActivationCheckpoint {
+  enum class Mode {
+    none,  // save everything
+    full,  // save the block input only; backward re-runs the block's forward first
+    op,    // save GEMM and attention outputs; recompute the norm and SwiGLU outputs they read
+  };
+  Mode mode = Mode::none;
+  int every_n = 1;  // full: only blocks with layer % every_n == 0; the others save everything
+  // [activation_checkpoint] mode ("none", "full", "selective") and selective_option ("op" or a
+  // positive N: every N-th block full); anything else is a loom::Error.
+  static ActivationCheckpoint parse(const std::string& mode, const std::string& selective_option);
+  Mode block_mode(int64_t layer) const;
+  bool operator==(const ActivationCheckpoint&) const = default;
+};
+
 // Saved activations of one transformer block.
 struct BlockActs {
   Tensor x;      // block input [M, d]
@@ -81,6 +99,7 @@ struct BlockActs {
   Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
   Tensor gu;     // gate and up projections [M, 2F]
   Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
+  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, xn2 and act.
   size_t bytes() const;
 };
 
@@ -90,18 +109,28 @@ class TransformerBlock {
                    ShardLayout shard = {}, const TpRuntime* tp = nullptr);
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
+  // What forward saves (none, full or op; see ActivationCheckpoint).
+  void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
 
   // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
   // the output hold this tp rank's M / tp rows.
   Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
   // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
-  // the block's input; parameter gradients accumulate. Frees `acts`.
+  // the block's input; parameter gradients accumulate. Recomputes what forward did not save
+  // (with tp or cp that re-runs their communication), then frees `acts`.
   void backward(const StepContext& ctx, Tensor& dy, BlockActs& acts);
 
  private:
+  // `mode` says what to keep in `acts`; without `output` the down projection is skipped (the
+  // recomputation of a `full` block needs everything but the output) and an empty tensor
+  // returned.
+  Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
+                     ActivationCheckpoint::Mode mode, bool output) const;
+
   const LlamaConfig& c_;
   const TpRuntime* tp_;
   ParamUnit unit_;
+  ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
 };
 
 // Called by LlamaModel::forward_backward around the work of each unit, unit i in units() order
@@ -140,6 +169,9 @@ class LlamaModel {
   size_t comm_buffer_bytes() const { return pool_.bytes(); }
   // Not owned; nullptr for none. Must outlive the calls of forward_backward.
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
+  // Activation checkpointing of every block (default: none).
+  void set_activation_checkpoint(const ActivationCheckpoint& ac);
+  const ActivationCheckpoint& activation_checkpoint() const { return ac_; }
 
   void init_weights(uint64_t seed);
   // Every parameter, shapes checked; a sharded model reads only its shards' slices.
@@ -154,10 +186,14 @@ class LlamaModel {
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale);
 
-  // Bytes of activations one micro-batch saves (the analytic figure of the memory model).
-  // With tensor parallelism (tp ranks, sequence parallel, recompute_allgather): one tp rank's.
+  // Bytes of activations one micro-batch holds at its peak (the analytic figure of the memory
+  // model): without checkpointing every block's saved tensors; with it, the larger of what the
+  // blocks save and, for the last block recomputed in backward, what the blocks before it save
+  // plus that block's recomputed tensors. With tensor parallelism (tp ranks, sequence parallel,
+  // recompute_allgather): one tp rank's.
   static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                       int tp = 1, bool sp = false, bool recompute = false);
+                                       int tp = 1, bool sp = false, bool recompute = false,
+                                       const ActivationCheckpoint& ac = {});
   // Bytes this rank sends on the tp group in one micro-batch (the analytic figure).
   uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const;
   // Rows per chunk of the fused output projection + loss.
@@ -174,6 +210,7 @@ class LlamaModel {
   dist::BufferPool pool_;
   std::unique_ptr<TpRuntime> tp_;  // stable address: the blocks point at it
   UnitHooks* hooks_ = nullptr;
+  ActivationCheckpoint ac_;
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   std::unique_ptr<ParamUnit> head_;

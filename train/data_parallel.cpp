@@ -65,6 +65,8 @@ DpModel make_dp_model(const LlamaConfig& mc, DType compute, const JobConfig& job
   cp.group = groups.cp;
   cp.allgather = job.parallelism.cp_rotate_method == "allgather";
   m.model = std::make_unique<LlamaModel>(mc, compute, Device::cpu, layout, tp, cp);
+  m.model->set_activation_checkpoint(ActivationCheckpoint::parse(
+      job.activation_checkpoint.mode, job.activation_checkpoint.selective_option));
   const DType reduce = dtype_from_name(job.training.mixed_precision_reduce);
   if (groups.shard) {
     parallel::FsdpConfig fc;

@@ -65,9 +65,6 @@ void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
   // each rank's rows into tp parts): refused here, before any work, when seq_len does not split.
   if (p.cp > 1)
     cpu::cp_positions(c.training.seq_len, p.cp, 0, p.tp > 1 && p.tp_sequence_parallel ? p.tp : 1);
-  LOOM_CHECK(c.activation_checkpoint.mode == "none", "activation_checkpoint.mode = \"",
-             c.activation_checkpoint.mode,
-             "\" is not supported by the trainer yet: expected \"none\"");
 }
 
 // The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
@@ -116,14 +113,15 @@ struct FileCloser {
 }  // namespace
 
 MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
-                                        DType compute) {
+                                        DType compute, const ActivationCheckpoint& ac) {
   MemoryEstimate m;
   m.params = size_t(c.num_params());
   m.weights = 4 * m.params;
   m.grads = 4 * m.params;
   m.optimizer = 8 * m.params;
   m.mirror = compute == DType::bf16 ? 2 * m.params : 0;
-  m.activations = LlamaModel::saved_activation_bytes(c, batch, seq_len, compute);
+  m.activations =
+      LlamaModel::saved_activation_bytes(c, batch, seq_len, compute, 1, false, false, ac);
   return m;
 }
 
@@ -209,7 +207,10 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
 
   // Memory, before anything is allocated or mapped.
   // With context parallelism a rank saves the activations of its seq_len / cp tokens.
-  s.mem = estimate_training_memory(s.mc, s.B, s.T / j.parallelism.cp, s.compute);
+  s.mem = estimate_training_memory(
+      s.mc, s.B, s.T / j.parallelism.cp, s.compute,
+      ActivationCheckpoint::parse(j.activation_checkpoint.mode,
+                                  j.activation_checkpoint.selective_option));
   if (shard_count > 1) {
     // FSDP: every rank holds 1/N of the weights, gradients and moments (the gathered units in
     // flight are not counted here).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "model/llama.hpp"
 #include "model/llama_config.hpp"
 #include "train/config.hpp"
 
@@ -70,7 +71,7 @@ struct MemoryEstimate {
   size_t total() const { return weights + grads + optimizer + mirror + activations; }
 };
 MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
-                                        DType compute);
+                                        DType compute, const ActivationCheckpoint& ac = {});
 size_t mem_available_bytes();  // MemAvailable of /proc/meminfo (0 if it cannot be read)
 
 class Trainer {

@@ -334,6 +334,41 @@ TEST(Trainer, GradientAccumulationIsEquivalent) {
   EXPECT_GT(rel_l2(weights(other), w[0]), 1e-4);
 }
 
+// Activation checkpointing recomputes with the same kernels on the same inputs: the trainer takes
+// every mode, and every mode trains to the same bits (weights and AdamW moments), with a smaller
+// activation estimate than saving everything.
+TEST(Trainer, ActivationCheckpointModesAreBitIdentical) {
+  Job job;
+  auto train = [&](const std::vector<std::string>& ac) {
+    std::vector<std::string> ov{"--training.steps=2", "--training.mixed_precision_param=bfloat16"};
+    ov.insert(ov.end(), ac.begin(), ac.end());
+    Trainer t(job.config(ov), job.options());
+    const TrainResult r = t.run();
+    return std::pair{r.steps, state_bits(t)};
+  };
+  const auto none = train({});
+  for (const std::vector<std::string>& ac :
+       {std::vector<std::string>{"--activation_checkpoint.mode=full"},
+        {"--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=2"},
+        {"--activation_checkpoint.mode=selective",
+         "--activation_checkpoint.selective_option=op"}}) {
+    const auto got = train(ac);
+    ASSERT_EQ(got.first.size(), none.first.size());
+    for (size_t i = 0; i < got.first.size(); ++i)
+      EXPECT_EQ(got.first[i].loss, none.first[i].loss) << ac.back() << " step " << i + 1;
+    EXPECT_EQ(got.second, none.second) << ac.back();
+  }
+  const LlamaConfig mc = LlamaConfig::from_file(job.path("model.json"));
+  const size_t all = estimate_training_memory(mc, 2, 16, DType::f32).activations;
+  for (const auto& [mode, option] :
+       {std::pair{"full", "op"}, {"selective", "op"}, {"selective", "2"}})
+    EXPECT_LT(
+        estimate_training_memory(mc, 2, 16, DType::f32, ActivationCheckpoint::parse(mode, option))
+            .activations,
+        all)
+        << mode << " " << option;
+}
+
 TEST(Trainer, NonFiniteLossStopsWithoutSaving) {
   Job job;
   Trainer t(job.config({"--optimizer.lr=1e30", "--training.steps=20", "--checkpoint.interval=1",
@@ -423,7 +458,10 @@ TEST(Trainer, ConfigErrorsBeforeAnyWork) {
   };
   err({"--parallelism.tp=2"}, {"parallelism", "tp=2", "2 ranks"});
   err({"--parallelism.dp_shard=4"}, {"dp_shard=4", "4 ranks"});
-  err({"--activation_checkpoint.mode=full"}, {"activation_checkpoint.mode", "full"});
+  err({"--activation_checkpoint.mode=partial"},
+      {"activation_checkpoint.mode", "partial", "none", "full", "selective"});
+  err({"--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=0"},
+      {"activation_checkpoint.selective_option", "op", "positive integer"});
   err({"--data.path="}, {"data.path", "empty"});
   err({"--data.path=" + job.path("absent")}, {"data.path", job.path("absent")});
   err({"--data.path=" + job.path("")}, {"train"});  // a directory without train-*.bin shards
