@@ -1,7 +1,9 @@
 // Times the non-GEMM CPU kernels at the shapes of the two benchmark models (configs/bench-tiny:
 // dim 288, ffn 768, 6/6 heads of 48, vocab 4096; configs/bench-small: dim 512, ffn 1376, 8/4
 // heads of 64, vocab 8192), with 2048 tokens per step (B=8, T=256). gemm_bench covers the GEMMs
-// and the fused linear cross-entropy.
+// and the fused linear cross-entropy. The ring_* rows time context-parallel (ring) attention
+// blocks at debug-like shapes (B=1, 8/4 heads, T 4096 and 16384, cp 2 and 4) against full
+// attention divided by cp (ideal_* rows, ring_ratio lines).
 // Usage: kernel_bench [FILTER] [REPS]
 //   FILTER: run only the kernels whose name contains it (e.g. swiglu, _bwd, adamw).
 //   REPS: timed calls per kernel (default 20), after 2 untimed warm-up calls.
@@ -28,6 +30,7 @@
 #include "core/dtype.hpp"
 #include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/embedding.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
@@ -84,10 +87,11 @@ class Bench {
   bool wants(const std::string& kernel) const { return kernel.find(filter_) != std::string::npos; }
 
   // Times f and prints a row; `amount` is bytes (unit "GB/s") or FLOPs (unit "GFLOP/s").
+  // Returns the median time in seconds (0 if the kernel was filtered out).
   template <class F>
-  void run(const std::string& kernel, const std::string& shape, double amount, const char* unit,
-           const char* counted, F&& f) {
-    if (!wants(kernel)) return;
+  double run(const std::string& kernel, const std::string& shape, double amount, const char* unit,
+             const char* counted, F&& f) {
+    if (!wants(kernel)) return 0;
     for (int i = 0; i < kWarmup; ++i) f();
     std::vector<double> t(static_cast<size_t>(reps_));
     for (double& s : t) {
@@ -100,6 +104,7 @@ class Bench {
     std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s\n", kernel.c_str(), shape.c_str(),
                 median * 1e3, t.front() * 1e3, amount / median * 1e-9, unit, counted);
     std::fflush(stdout);
+    return median;
   }
 
  private:
@@ -211,6 +216,74 @@ void bench_attention(Bench& b, const Model& m) {
   });
 }
 
+// Context parallelism (ring attention) at debug-like shapes: what cp rank 0 computes per layer,
+// its queries against every rank's key block in ring order (block forward + merge; delta + block
+// backward), against the ideal: full causal attention over the whole sequence divided by cp (the
+// zigzag layout gives every rank exactly 1/cp of the causal entries). The ratio is the cost of
+// cutting the work into blocks (tile pairs straddling chunk boundaries, merges, delta).
+void bench_ring(Bench& b) {
+  if (!b.wants({"ring_fwd", "ring_bwd", "ideal_fwd", "ideal_bwd"})) return;
+  constexpr int64_t B = 1, Hq = 8, Hkv = 4;
+  for (int64_t D : {64, 48})
+    for (int64_t T : {4096, 16384})
+      for (int64_t cp : {2, 4}) {
+        const int64_t n = T / cp, stride = (Hq + 2 * Hkv) * D, kvs = 2 * Hkv * D;
+        const float scale = 1.0f / std::sqrt(float(D));
+        const auto shape = format("T%lld cp%lld D%lld", (long long)T, (long long)cp, (long long)D);
+        // Rank 0's causal entries (per head): T(T+1)/2 / cp.
+        const double product = 2.0 * B * Hq * double(T) * double(T + 1) / 2 * D / double(cp);
+        std::vector<std::vector<int64_t>> pos;
+        for (int64_t r = 0; r < cp; ++r) pos.push_back(cpu::cp_positions(T, cp, r));
+        // Every rank's K/V block holds the same values: the timing does not depend on them.
+        auto qkv = random_floats(B * n * stride, 1), kv = random_floats(B * n * kvs, 2);
+        auto dout = random_floats(B * n * Hq * D, 3);
+        std::vector<float> out(dout.size()), lse(B * Hq * n), bo(out.size()), bl(lse.size());
+        std::vector<float> delta(lse.size()), dqkv(qkv.size()), dkv(kv.size());
+        const cpu::BlockShape bs{B, n, n, Hq, Hkv, D, stride, kvs, scale};
+        const auto fwd = [&] {
+          std::fill(out.begin(), out.end(), 0.0f);
+          std::fill(lse.begin(), lse.end(), -INFINITY);
+          for (int64_t s = 0; s < cp; ++s) {
+            cpu::attention_block_forward(bs, qkv.data(), kv.data(), kv.data() + Hkv * D,
+                                         pos[0].data(), pos[s].data(), bo.data(), bl.data());
+            cpu::attention_merge(B, n, Hq, D, out.data(), lse.data(), bo.data(), bl.data());
+          }
+        };
+        const double rf =
+            b.run("ring_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV (rank 0's share)", fwd);
+        if (rf == 0) fwd();  // backward needs out and lse
+        const double rb = b.run(
+            "ring_bwd", shape, 5 * product, "GFLOP/s", "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
+              cpu::attention_delta(B, n, Hq, D, out.data(), dout.data(), delta.data());
+              for (int64_t s = 0; s < cp; ++s)
+                cpu::attention_block_backward(bs, qkv.data(), kv.data(), kv.data() + Hkv * D,
+                                              pos[0].data(), pos[s].data(), lse.data(),
+                                              delta.data(), dout.data(), dqkv.data(), dkv.data(),
+                                              dkv.data() + Hkv * D);
+            });
+        // Ideal: the whole sequence on one rank, time divided by cp.
+        auto fq = random_floats(B * T * stride, 4), fo = random_floats(B * T * Hq * D, 5);
+        std::vector<float> fl(B * Hq * T), fd(fq.size()), fdo(fo.size());
+        float *q = fq.data(), *dq = fd.data();
+        const cpu::AttentionShape as{B, T, Hq, Hkv, D, stride, stride, scale};
+        const double idf = b.run(
+            "ideal_fwd", shape, 2 * product * double(cp), "GFLOP/s", "full T, whole time", [&] {
+              cpu::attention_forward(as, q, q + Hq * D, q + (Hq + Hkv) * D, fo.data(), fl.data());
+            });
+        const double idb = b.run(
+            "ideal_bwd", shape, 5 * product * double(cp), "GFLOP/s", "full T, whole time", [&] {
+              cpu::attention_backward(as, q, q + Hq * D, q + (Hq + Hkv) * D, fo.data(), fl.data(),
+                                      fdo.data(), dq, dq + Hq * D, dq + (Hq + Hkv) * D);
+            });
+        if (rf > 0 && idf > 0)
+          std::printf("%-18s %-24s ring/ideal fwd %.2fx  (ideal = full / cp = %.3f ms)\n",
+                      "ring_ratio", shape.c_str(), rf / (idf / double(cp)), idf / double(cp) * 1e3);
+        if (rb > 0 && idb > 0)
+          std::printf("%-18s %-24s ring/ideal bwd %.2fx  (ideal = full / cp = %.3f ms)\n",
+                      "ring_ratio", shape.c_str(), rb / (idb / double(cp)), idb / double(cp) * 1e3);
+      }
+}
+
 std::string loadavg() {
   std::ifstream f("/proc/loadavg");
   std::string a, b, c;
@@ -252,6 +325,7 @@ int main(int argc, char** argv) {
     bench_adamw(b, m);
     bench_attention(b, m);
   }
+  bench_ring(b);
   std::printf("load average at the end: %s\n", loadavg().c_str());
   return 0;
 }

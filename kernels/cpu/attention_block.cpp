@@ -2,14 +2,27 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <omp.h>
+
 #include "core/error.hpp"
+#include "kernels/cpu/attention_tiles.hpp"
+#include "kernels/cpu/vec_math.hpp"
+
+// See attention_tiles.hpp: the ABI note on v16 does not apply to functions internal to this file.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace loom::cpu {
 namespace {
+
+using namespace tiles;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 void check(const BlockShape& s, const char* who) {
   LOOM_CHECK(s.B > 0 && s.Tq > 0 && s.Tk > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
@@ -19,18 +32,378 @@ void check(const BlockShape& s, const char* who) {
   LOOM_CHECK(s.q_stride >= s.Hq * s.D, who, ": q_stride ", s.q_stride, " < Hq*D = ", s.Hq * s.D);
   LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, who, ": kv_stride ", s.kv_stride,
              " < Hkv*D = ", s.Hkv * s.D);
+  LOOM_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale must be finite and > 0, got ",
+             s.scale);
 }
 
-inline float dotf(const float* a, const float* b, int64_t n) {
-  float sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// Positions of a block cut into tiles of `tile`: padded to whole tiles with `pad`, and the range
+// [lo, hi] of every tile's real positions.
+struct Tiles {
+  Tiles(const int64_t* pos, int64_t n, int64_t tile, int64_t pad)
+      : count((n + tile - 1) / tile), padded(static_cast<size_t>(count * tile), pad) {
+    std::copy_n(pos, n, padded.begin());
+    for (int64_t t = 0; t < count; ++t) {
+      const auto [mn, mx] = std::minmax_element(pos + t * tile, pos + std::min(n, (t + 1) * tile));
+      lo.push_back(*mn);
+      hi.push_back(*mx);
+    }
+  }
+  int64_t count;
+  std::vector<int64_t> padded, lo, hi;
+};
+
+// What a (query tile, key tile) pair computes: nothing when every key follows every query, the
+// whole tile when every key precedes (or equals) every query, masked entries otherwise.
+enum class Pair { none, all, masked };
+inline Pair classify(const Tiles& qt, int64_t qi, const Tiles& kt, int64_t kj) {
+  if (kt.lo[kj] > qt.hi[qi]) return Pair::none;
+  return kt.hi[kj] <= qt.lo[qi] ? Pair::all : Pair::masked;
 }
 
-// Keys visible to a query at position p: the k_pos entries <= p. Positions inside a chunk are
-// increasing but a block may hold two chunks, so the test is per key.
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Tile indices ordered by decreasing number of partner tiles they work with (ties by index): the
+// dynamic schedule then hands out the heaviest units first.
+std::vector<int64_t> heaviest_first(const Tiles& a, const Tiles& b, bool a_is_query) {
+  std::vector<int64_t> work(static_cast<size_t>(a.count), 0), order(work.size());
+  for (int64_t i = 0; i < a.count; ++i)
+    for (int64_t j = 0; j < b.count; ++j)
+      work[i] += (a_is_query ? classify(a, i, b, j) : classify(b, j, a, i)) != Pair::none;
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  return order;
+}
+
+inline void report_progress(const std::function<void()>* progress) {
+  if (*progress && omp_get_thread_num() == 0) (*progress)();
+}
+
+template <int ND>
+void forward_impl(const BlockShape& s, const float* q, const float* k, const float* v,
+                  const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
+                  const std::function<void()>* progress) {
+  const int64_t Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, D = s.D, G = s.Hq / s.Hkv;
+  const int64_t qs = s.q_stride, kvs = s.kv_stride;
+  // Padding: a padded query sees nothing, a padded key is seen by nobody.
+  const Tiles qtiles(q_pos, Tq, kBq, std::numeric_limits<int64_t>::min());
+  const Tiles ktiles(k_pos, Tk, kBk, std::numeric_limits<int64_t>::max());
+  const int64_t nqt = qtiles.count, nkt = ktiles.count;
+  const std::vector<int64_t> order = heaviest_first(qtiles, ktiles, true);
+  const int64_t units = s.B * Hq * nqt;
+  // Scores live in base-2 units: q is pre-scaled by scale*log2(e) so that exp becomes exp2.
+  const float c = s.scale * kLog2e;
+#pragma omp parallel
+  {
+    Scratch scratch(lines(D * kBq) + lines(kBk * kBq) + lines(kBq * D) + 3 * kBq);
+    float* qt = scratch.take(D * kBq);    // Q^T of the tile, [D][kBq]
+    float* st = scratch.take(kBk * kBq);  // S^T then P^T of a tile pair, [kBk][kBq]
+    float* o = scratch.take(kBq * D);     // unnormalized output rows, [kBq][D]
+    float* m = scratch.take(kBq);         // running max (base 2)
+    float* l = scratch.take(kBq);         // running sum
+    float* alpha = scratch.take(kBq);     // rescale factor of the current key tile
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t qi = order[u % nqt];
+      const int64_t b = u / nqt / Hq, h = u / nqt % Hq, g = h / G;
+      const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+      const int64_t nvq = (nq + kW - 1) / kW;
+      const int64_t* qp = qtiles.padded.data() + q0;
+      transpose_tile(q + (b * Tq + q0) * qs + h * D, qs, nq, nvq * kW, D, qt, kBq, c);
+      std::fill(m, m + kBq, kNegInf);
+      std::fill(l, l + kBq, 0.0f);
+      std::fill(o, o + nq * D, 0.0f);
+      bool first = true;
+      for (int64_t kj = 0; kj < nkt; ++kj) {
+        const Pair pair = classify(qtiles, qi, ktiles, kj);
+        if (pair == Pair::none) continue;
+        const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+        const float* kb = k + (b * Tk + k0) * kvs + g * D;
+        const float* vb = v + (b * Tk + k0) * kvs + g * D;
+        scores(Score{kb, kvs, qt, kBq, st, kBq, D}, nk,
+               [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nvq); });
+        if (pair == Pair::masked) {
+          // -inf, so that exp2 gives the masked entries exactly 0.
+          const int64_t* kp = ktiles.padded.data() + k0;
+          for (int64_t j = 0; j < nk; ++j) {
+            const int64_t kpj = kp[j];
+            float* row = st + j * kBq;
+#pragma omp simd
+            for (int64_t i = 0; i < nvq * kW; ++i) row[i] = kpj <= qp[i] ? row[i] : kNegInf;
+          }
+        }
+        // Online softmax, vectorized over 16 queries at a time. A query that has seen no key
+        // yet has a running max of -inf; subtracting 0 instead keeps exp2's argument at -inf
+        // (giving 0) where -inf - -inf would give NaN.
+        for (int64_t vq = 0; vq < nvq; ++vq) {
+          float* col = st + vq * kW;
+          v16 mt = load(col);
+          for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
+          const v16 mo = load(m + vq * kW);
+          const v16 mn = vmax(mo, mt);
+          const v16 ms = mn == splat(kNegInf) ? v16{} : mn;
+          const v16 al = vexp2(mo - ms);
+          v16 sum{};
+          for (int64_t j = 0; j < nk; ++j) {
+            const v16 p = vexp2(load(col + j * kBq) - ms);
+            store(col + j * kBq, p);
+            sum += p;
+          }
+          store(l + vq * kW, load(l + vq * kW) * al + sum);
+          store(m + vq * kW, mn);
+          store(alpha + vq * kW, al);
+        }
+        // O = alpha * O + P V; before the first key tile O is zero and alpha is not needed.
+        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D, first ? nullptr : alpha}, nq,
+                       [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nk); });
+        first = false;
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* orow = out + ((b * Tq + q0 + i) * Hq + h) * D;
+        float& li = lse[(b * Hq + h) * Tq + q0 + i];
+        if (l[i] == 0) {  // no visible key in this block (l >= 1 otherwise: the max gives 1)
+          std::fill_n(orow, D, 0.0f);
+          li = kNegInf;
+          continue;
+        }
+        const float inv = 1.0f / l[i];
+        for (int64_t d = 0; d < D; ++d) orow[d] = o[i * D + d] * inv;
+        li = (m[i] + std::log2(l[i])) * kLn2;
+      }
+      report_progress(progress);
+    }
+  }
+}
+
+// Backward of one block pair, as attention.cpp's: the scores of a (query tile, key tile) pair
+// are recomputed from q, k and the final lse, then feed dV += P^T dO, dK += dS^T Q, dQ += dS K.
+// Work is split so that every output element has a single writer and a summation order that
+// does not depend on the number of threads:
+//  - fused scheme, units (batch, kv group): a unit owns dk/dv of the group and dq of the group's
+//    heads, and walks key tiles in order, adding each key tile's dq contribution in place;
+//  - split scheme, when there are too few (batch, kv group) units to feed the threads: units
+//    (batch, kv group, key tile) compute dk/dv, then units (batch, head, query tile) recompute P
+//    and dS to add dq, walking key tiles in the same order.
+// Both run the same kernels in the same order for each output element, so the results are
+// bit-identical whichever scheme (and thread count) is used.
+template <int ND>
+class Backward {
+ public:
+  Backward(const BlockShape& s, const float* q, const float* k, const float* v,
+           const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
+           const float* dout, float* dq, float* dk, float* dv)
+      : B(s.B),
+        Tq(s.Tq),
+        Tk(s.Tk),
+        Hq(s.Hq),
+        Hkv(s.Hkv),
+        D(s.D),
+        G(s.Hq / s.Hkv),
+        qs(s.q_stride),
+        kvs(s.kv_stride),
+        os(s.Hq * s.D),
+        qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
+        ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
+        c(s.scale * kLog2e),
+        scale(s.scale),
+        q(q),
+        k(k),
+        v(v),
+        lse(lse),
+        di(di),
+        dout(dout),
+        dq(dq),
+        dk(dk),
+        dv(dv) {}
+
+  struct Buffers {
+    explicit Buffers(int64_t D)
+        : mem(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D)),
+          kt(mem.take(D * kBk)),
+          vt(mem.take(D * kBk)),
+          p(mem.take(kBq * kBk)),
+          ds(mem.take(kBq * kBk)),
+          dkacc(mem.take(kBk * D)),
+          dvacc(mem.take(kBk * D)) {}
+    Scratch mem;
+    float* kt;     // K^T of the key tile, [D][kBk]
+    float* vt;     // V^T
+    float* p;      // S then P, [kBq][kBk]
+    float* ds;     // dP then dS (times scale)
+    float* dkacc;  // [kBk][D]
+    float* dvacc;
+  };
+
+  // dk/dv of key tile kj of (b, g), over the group's heads and all query tiles that see it;
+  // with_dq also adds this key tile's contribution to dq (fused scheme).
+  void key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj, bool with_dq) const {
+    bool any = false;
+    for (int64_t qi = 0; qi < qtiles.count; ++qi)
+      any = any || classify(qtiles, qi, ktiles, kj) != Pair::none;
+    if (!any) return;
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+    load_kv_tile(w, b, g, k0, nk);
+    for (int64_t j = 0; j < nk; ++j) {
+      std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * D);
+      std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * D);
+    }
+    for (int64_t h = g * G; h < (g + 1) * G; ++h)
+      for (int64_t qi = 0; qi < qtiles.count; ++qi) {
+        const Pair pair = classify(qtiles, qi, ktiles, kj);
+        if (pair == Pair::none) continue;
+        const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+        probs_and_grads(w, b, h, qi, kj, pair);
+        const auto queries = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nq); };
+        accumulate<ND>(Accum{w.p, 1, kBk, dout + (b * Tq + q0) * os + h * D, os, w.dvacc, D, D}, nk,
+                       queries);
+        accumulate<ND>(Accum{w.ds, 1, kBk, q + (b * Tq + q0) * qs + h * D, qs, w.dkacc, D, D}, nk,
+                       queries);
+        if (with_dq) add_dq(w, b, h, qi, kj);
+      }
+    for (int64_t j = 0; j < nk; ++j) {
+      std::copy_n(w.dkacc + j * D, D, dk + (b * Tk + k0 + j) * kvs + g * D);
+      std::copy_n(w.dvacc + j * D, D, dv + (b * Tk + k0 + j) * kvs + g * D);
+    }
+  }
+
+  // dq of query tile qi of head h (split scheme), from all key tiles in order.
+  void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+    for (int64_t kj = 0; kj < ktiles.count; ++kj) {
+      const Pair pair = classify(qtiles, qi, ktiles, kj);
+      if (pair == Pair::none) continue;
+      const int64_t k0 = kj * kBk;
+      load_kv_tile(w, b, h / G, k0, std::min(kBk, Tk - k0));
+      probs_and_grads(w, b, h, qi, kj, pair);
+      add_dq(w, b, h, qi, kj);
+    }
+  }
+
+  const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
+  const Tiles qtiles, ktiles;
+
+ private:
+  void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
+    transpose_tile(k + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
+    transpose_tile(v + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.vt, kBk, 1.0f);
+  }
+
+  // P (exact zeros where masked, and on rows that see no key at all: lse = -inf) into w.p and
+  // dS * scale into w.ds, [kBq][kBk], zero past the tile's keys.
+  void probs_and_grads(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t kj, Pair pair) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+    const int64_t nvk = (nk + kW - 1) / kW;
+    const auto key_vectors = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nvk); };
+    scores(Score{q + (b * Tq + q0) * qs + h * D, qs, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
+    scores(Score{dout + (b * Tq + q0) * os + h * D, os, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
+    v16i iota;
+    for (int l = 0; l < kW; ++l) iota[l] = l;
+    const float* lrow = lse + (b * Hq + h) * Tq + q0;
+    const float* drow = di + (b * Hq + h) * Tq + q0;
+    for (int64_t i = 0; i < nq; ++i) {
+      float* prow = w.p + i * kBk;
+      float* dsrow = w.ds + i * kBk;
+      const int64_t nv = lrow[i] == kNegInf ? 0 : nvk;
+      const float l2 = lrow[i] * kLog2e, dval = drow[i];
+      for (int64_t vk = 0; vk < nv; ++vk) {
+        const v16i visible = iota + int32_t(vk * kW) < int32_t(nk);
+        v16 pv = vexp2(load(prow + vk * kW) * c - l2);
+        pv = visible ? pv : v16{};
+        store(prow + vk * kW, pv);
+        store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - dval) * scale);
+      }
+      for (int64_t vk = nv; vk < kBk / kW; ++vk) {
+        store(prow + vk * kW, v16{});
+        store(dsrow + vk * kW, v16{});
+      }
+    }
+    if (pair != Pair::masked) return;
+    // Selects, not products: an invisible entry's P may be huge (its score is not bounded by
+    // the row's lse), and its dS even inf.
+    const int64_t* qp = qtiles.padded.data() + q0;
+    const int64_t* kp = ktiles.padded.data() + k0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t qpi = qp[i];
+      float* prow = w.p + i * kBk;
+      float* dsrow = w.ds + i * kBk;
+#pragma omp simd
+      for (int64_t j = 0; j < nvk * kW; ++j) {
+        const bool vis = kp[j] <= qpi;
+        prow[j] = vis ? prow[j] : 0.0f;
+        dsrow[j] = vis ? dsrow[j] : 0.0f;
+      }
+    }
+  }
+
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j].
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t kj) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+    accumulate<ND>(Accum{w.ds, kBk, 1, k + (b * Tk + k0) * kvs + (h / G) * D, kvs,
+                         dq + (b * Tq + q0) * qs + h * D, qs, D},
+                   nq, [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nk); });
+  }
+
+  const float c, scale;
+  const float *q, *k, *v, *lse, *di, *dout;
+  float *dq, *dk, *dv;
+};
+
+template <int ND>
+void backward_impl(const BlockShape& s, const float* q, const float* k, const float* v,
+                   const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* delta,
+                   const float* dout, float* dq, float* dk, float* dv,
+                   const std::function<void()>* progress) {
+  const Backward<ND> bw(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv);
+  const int64_t groups = s.B * s.Hkv, nkt = bw.ktiles.count, nqt = bw.qtiles.count;
+  const int64_t threads = omp_get_max_threads();
+  // Fraction of the threads that the fused scheme keeps busy with equal-sized units.
+  const double busy = double(groups) / double(threads * ((groups + threads - 1) / threads));
+  if (busy >= 0.7) {
+#pragma omp parallel
+    {
+      typename Backward<ND>::Buffers w(s.D);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < groups; ++u)
+        for (int64_t kj = 0; kj < nkt; ++kj) {
+          bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
+          report_progress(progress);
+        }
+    }
+    return;
+  }
+  const std::vector<int64_t> korder = heaviest_first(bw.ktiles, bw.qtiles, false);
+  const std::vector<int64_t> qorder = heaviest_first(bw.qtiles, bw.ktiles, true);
+#pragma omp parallel
+  {
+    typename Backward<ND>::Buffers w(s.D);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t u = 0; u < groups * nkt; ++u) {
+      const int64_t bg = u % groups;
+      bw.key_tile(w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
+      report_progress(progress);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < s.B * s.Hq * nqt; ++u) {
+      const int64_t bh = u % (s.B * s.Hq);
+      bw.query_tile(w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
+      report_progress(progress);
+    }
+  }
+}
+
+template <int ND>
+struct ForwardOp {
+  template <class... Args>
+  static void run(Args... args) {
+    forward_impl<ND>(args...);
+  }
+};
+template <int ND>
+struct BackwardOp {
+  template <class... Args>
+  static void run(Args... args) {
+    backward_impl<ND>(args...);
+  }
+};
 
 }  // namespace
 
@@ -59,45 +432,15 @@ int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, i
 }
 
 void attention_block_forward(const BlockShape& s, const float* q, const float* k, const float* v,
-                             const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse) {
+                             const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
+                             const std::function<void()>& progress) {
   check(s, "attention_block_forward");
-  const int64_t group = s.Hq / s.Hkv, D = s.D;
-#pragma omp parallel
-  {
-    std::vector<float> p(static_cast<size_t>(s.Tk));
-#pragma omp for collapse(3) schedule(static)
-    for (int64_t b = 0; b < s.B; ++b)
-      for (int64_t h = 0; h < s.Hq; ++h)
-        for (int64_t i = 0; i < s.Tq; ++i) {
-          const float* qi = q + (b * s.Tq + i) * s.q_stride + h * D;
-          const float* kb = k + b * s.Tk * s.kv_stride + (h / group) * D;
-          const float* vb = v + b * s.Tk * s.kv_stride + (h / group) * D;
-          float* o = out + (b * s.Tq + i) * s.Hq * D + h * D;
-          float m = kNegInf;
-          for (int64_t j = 0; j < s.Tk; ++j) {
-            p[j] = k_pos[j] <= q_pos[i] ? dotf(qi, kb + j * s.kv_stride, D) * s.scale : kNegInf;
-            m = std::max(m, p[j]);
-          }
-          std::fill(o, o + D, 0.0f);
-          float& l = lse[(b * s.Hq + h) * s.Tq + i];
-          if (m == kNegInf) {
-            l = kNegInf;
-            continue;
-          }
-          float sum = 0;
-          for (int64_t j = 0; j < s.Tk; ++j) {
-            if (p[j] == kNegInf) continue;
-            const float e = std::exp(p[j] - m);
-            sum += e;
-            const float* vj = vb + j * s.kv_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] += e * vj[d];
-          }
-          const float inv = 1.0f / sum;
-          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-          l = m + std::log(sum);
-        }
-  }
+  LOOM_CHECK(q && k && v && q_pos && k_pos && out && lse,
+             "attention_block_forward: null pointer among q, k, v, q_pos, k_pos, out, lse");
+  // Thread 0 may finish no unit at all when the other threads take them all (a small block, or
+  // thread 0 descheduled): one call up front starts the transfer in any case.
+  if (progress) progress();
+  dispatch_head_dim<ForwardOp>(s.D, s, q, k, v, q_pos, k_pos, out, lse, &progress);
 }
 
 void attention_merge(int64_t B, int64_t Tq, int64_t Hq, int64_t D, float* out_a, float* lse_a,
@@ -132,50 +475,21 @@ void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* 
     for (int64_t h = 0; h < Hq; ++h)
       for (int64_t t = 0; t < Tq; ++t) {
         const int64_t o = (b * Tq + t) * Hq * D + h * D;
-        delta[(b * Hq + h) * Tq + t] = dotf(out + o, dout + o, D);
+        delta[(b * Hq + h) * Tq + t] = dot(out + o, dout + o, D);
       }
 }
 
 void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,
                               const int64_t* q_pos, const int64_t* k_pos, const float* lse,
                               const float* delta, const float* dout, float* dq, float* dk,
-                              float* dv) {
+                              float* dv, const std::function<void()>& progress) {
   check(s, "attention_block_backward");
-  const int64_t group = s.Hq / s.Hkv, D = s.D;
-  // One task per (sample, kv head): dk/dv rows of that kv head are written by it alone, and so
-  // are the dq rows of the query heads of its group, so no two threads touch the same output.
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t g = 0; g < s.Hkv; ++g) {
-      const float* kb = k + b * s.Tk * s.kv_stride + g * D;
-      const float* vb = v + b * s.Tk * s.kv_stride + g * D;
-      float* dkb = dk + b * s.Tk * s.kv_stride + g * D;
-      float* dvb = dv + b * s.Tk * s.kv_stride + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h)
-        for (int64_t i = 0; i < s.Tq; ++i) {
-          const int64_t li = (b * s.Hq + h) * s.Tq + i;
-          const float l = lse[li], di = delta[li];
-          if (l == kNegInf) continue;
-          const float* qi = q + (b * s.Tq + i) * s.q_stride + h * D;
-          float* dqi = dq + (b * s.Tq + i) * s.q_stride + h * D;
-          const float* doi = dout + (b * s.Tq + i) * s.Hq * D + h * D;
-          for (int64_t j = 0; j < s.Tk; ++j) {
-            if (k_pos[j] > q_pos[i]) continue;
-            const float* kj = kb + j * s.kv_stride;
-            const float* vj = vb + j * s.kv_stride;
-            const float p = std::exp(dotf(qi, kj, D) * s.scale - l);
-            const float ds = p * (dotf(doi, vj, D) - di) * s.scale;
-            float* dkj = dkb + j * s.kv_stride;
-            float* dvj = dvb + j * s.kv_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) {
-              dqi[d] += ds * kj[d];
-              dkj[d] += ds * qi[d];
-              dvj[d] += p * doi[d];
-            }
-          }
-        }
-    }
+  LOOM_CHECK(q && k && v && q_pos && k_pos && lse && delta && dout && dq && dk && dv,
+             "attention_block_backward: null pointer among q, k, v, q_pos, k_pos, lse, delta, "
+             "dout, dq, dk, dv");
+  if (progress) progress();  // as in attention_block_forward
+  dispatch_head_dim<BackwardOp>(s.D, s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv,
+                                &progress);
 }
 
 }  // namespace loom::cpu

@@ -7,6 +7,7 @@
 // p = exp(s - lse), ds = p * (dp - Di) with Di = rowsum(dO * O)), so ring steps in backward are
 // independent and their dq/dk/dv contributions add up.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace loom::cpu {
@@ -34,10 +35,21 @@ std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t s
 // sample and head). Zero means the block is skipped.
 int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);
 
+// Both block kernels are tiled flash kernels (64x64 tiles, as attention.cpp); positions are
+// arbitrary (unsorted, a tile may straddle two chunks): a tile pair is skipped when its earliest
+// key follows its latest query, computed unmasked when its latest key precedes its earliest
+// query, masked entry by entry otherwise. Results do not depend on the number of threads.
+//
+// progress, when set, is called once on entry and then between work units (never inside the
+// tile loops), only on OpenMP thread 0 of the kernel's team, i.e. the thread that called the
+// kernel, never concurrently: a ring step uses it to poll the nonblocking K/V transfer in flight
+// (MPI moves data only inside MPI calls; FUNNELED threading).
+
 // out/lse of the queries against this key block alone. A row that sees no key gets out = 0 and
 // lse = -inf, which attention_merge treats as "no contribution".
 void attention_block_forward(const BlockShape& s, const float* q, const float* k, const float* v,
-                             const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse);
+                             const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
+                             const std::function<void()>& progress = {});
 
 // Folds a partial result (out_b, lse_b) into the running one (out_a, lse_a), in place:
 // lse = log(e^lse_a + e^lse_b), out = e^(lse_a-lse) out_a + e^(lse_b-lse) out_b.
@@ -53,6 +65,6 @@ void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* 
 void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,
                               const int64_t* q_pos, const int64_t* k_pos, const float* lse,
                               const float* delta, const float* dout, float* dq, float* dk,
-                              float* dv);
+                              float* dv, const std::function<void()>& progress = {});
 
 }  // namespace loom::cpu

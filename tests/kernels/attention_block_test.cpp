@@ -1,10 +1,19 @@
 // Block attention with global positions (the kernel of ring attention): each simulated cp rank's
 // queries against every rank's keys, merged by lse, must equal plain causal attention over the
 // whole sequence (fp64 reference); the summed block backward must equal fp64 finite differences.
+// Single blocks (tiled kernels: several 64-wide tiles, zigzag and unsorted positions, empty rows)
+// against a naive fp64 block reference, thread-count determinism and the progress hook.
 #include "kernels/cpu/attention_block.hpp"
 
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <random>
+#include <string>
+#include <thread>
 
 #include "tests/test_util.hpp"
 
@@ -229,6 +238,392 @@ TEST(AttentionBlock, SequenceNotDivisibleIsAnError) {
   test::expect_error([] { cpu::cp_positions(24, 2, 1, 4); }, {"24", "2*cp*tp", "16"});
   EXPECT_EQ(cpu::cp_positions(8, 2, 1), (std::vector<int64_t>{2, 3, 4, 5}));
   EXPECT_EQ(cpu::cp_positions(8, 2, 0), (std::vector<int64_t>{0, 1, 6, 7}));
+}
+
+// ---- single blocks against a naive fp64 block reference -------------------------------------
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A block as the model lays it out: q inside fused qkv rows (q_stride > Hq*D), k and v packed
+// side by side in the travelling kv buffer.
+struct Block {
+  int64_t B, Hq, Hkv, D;
+  std::vector<int64_t> qp, kp;
+  std::string name;
+
+  int64_t Tq() const { return int64_t(qp.size()); }
+  int64_t Tk() const { return int64_t(kp.size()); }
+  int64_t qs() const { return (Hq + 2 * Hkv) * D; }
+  int64_t kvs() const { return 2 * Hkv * D; }
+  BlockShape shape() const {
+    return {B, Tq(), Tk(), Hq, Hkv, D, qs(), kvs(), float(1.0 / std::sqrt(double(D)))};
+  }
+  size_t q_size() const { return size_t(B * Tq() * qs()); }
+  size_t kv_size() const { return size_t(B * Tk() * kvs()); }
+  size_t out_size() const { return size_t(B * Tq() * Hq * D); }
+  size_t lse_size() const { return size_t(B * Hq * Tq()); }
+  size_t q_at(int64_t b, int64_t t, int64_t h) const {
+    return size_t((b * Tq() + t) * qs() + h * D);
+  }
+  size_t k_at(int64_t b, int64_t t, int64_t g) const {
+    return size_t((b * Tk() + t) * kvs() + g * D);
+  }
+  size_t v_at(int64_t b, int64_t t, int64_t g) const { return k_at(b, t, g) + size_t(Hkv * D); }
+  size_t o_at(int64_t b, int64_t t, int64_t h) const {
+    return size_t(((b * Tq() + t) * Hq + h) * D);
+  }
+  size_t l_at(int64_t b, int64_t h, int64_t t) const { return size_t((b * Hq + h) * Tq() + t); }
+};
+
+template <class T>
+double dot_d(const T* a, const T* b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+// out/lse of the block in fp64 (rows that see no key: out 0, lse -inf).
+template <class T>
+void block_forward_ref(const Block& c, const std::vector<T>& q, const std::vector<T>& kv,
+                       std::vector<double>& out, std::vector<double>& lse) {
+  const double scale = 1.0 / std::sqrt(double(c.D));
+  out.assign(c.out_size(), 0.0);
+  lse.assign(c.lse_size(), -kInf);
+  std::vector<double> s(static_cast<size_t>(c.Tk()));
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t i = 0; i < c.Tq(); ++i) {
+        const int64_t g = h / (c.Hq / c.Hkv);
+        double m = -kInf;
+        for (int64_t j = 0; j < c.Tk(); ++j) {
+          s[j] = c.kp[j] <= c.qp[i] ? dot_d(&q[c.q_at(b, i, h)], &kv[c.k_at(b, j, g)], c.D) * scale
+                                    : -kInf;
+          m = std::max(m, s[j]);
+        }
+        if (m == -kInf) continue;
+        double sum = 0;
+        for (int64_t j = 0; j < c.Tk(); ++j) sum += s[j] == -kInf ? 0.0 : std::exp(s[j] - m);
+        for (int64_t j = 0; j < c.Tk(); ++j) {
+          if (s[j] == -kInf) continue;
+          const double p = std::exp(s[j] - m) / sum;
+          for (int64_t e = 0; e < c.D; ++e) out[c.o_at(b, i, h) + e] += p * kv[c.v_at(b, j, g) + e];
+        }
+        lse[c.l_at(b, h, i)] = m + std::log(sum);
+      }
+}
+
+// This block's contributions to dq, dk, dv given the final lse and delta of the query rows
+// (p = exp(s - lse), ds = p (dO.v - delta) scale), in fp64; dq in q's layout, dkv in kv's.
+void block_backward_ref(const Block& c, const std::vector<float>& q, const std::vector<float>& kv,
+                        const std::vector<float>& lse, const std::vector<float>& delta,
+                        const std::vector<float>& dout, std::vector<double>& dq,
+                        std::vector<double>& dkv) {
+  const double scale = 1.0 / std::sqrt(double(c.D));
+  dq.assign(c.q_size(), 0.0);
+  dkv.assign(c.kv_size(), 0.0);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t i = 0; i < c.Tq(); ++i) {
+        const int64_t g = h / (c.Hq / c.Hkv);
+        const double l = lse[c.l_at(b, h, i)], di = delta[c.l_at(b, h, i)];
+        if (l == -kInf) continue;
+        const float* qi = &q[c.q_at(b, i, h)];
+        const float* doi = &dout[c.o_at(b, i, h)];
+        for (int64_t j = 0; j < c.Tk(); ++j) {
+          if (c.kp[j] > c.qp[i]) continue;
+          const float* kj = &kv[c.k_at(b, j, g)];
+          const float* vj = &kv[c.v_at(b, j, g)];
+          const double p = std::exp(dot_d(qi, kj, c.D) * scale - l);
+          const double ds = p * (dot_d(doi, vj, c.D) - di) * scale;
+          for (int64_t e = 0; e < c.D; ++e) {
+            dq[c.q_at(b, i, h) + e] += ds * kj[e];
+            dkv[c.k_at(b, j, g) + e] += ds * qi[e];
+            dkv[c.v_at(b, j, g) + e] += p * doi[e];
+          }
+        }
+      }
+}
+
+std::vector<int64_t> zigzag(int64_t cp, int64_t rank, int64_t chunk) {
+  return cpu::cp_positions(2 * cp * chunk, cp, rank);
+}
+std::vector<int64_t> random_positions(int64_t n, int64_t lo, int64_t hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> u(lo, hi - 1);
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  for (auto& x : p) x = u(rng);  // unsorted, with repeats (equal positions are visible)
+  return p;
+}
+std::vector<int64_t> range(int64_t lo, int64_t n) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) p[i] = lo + i;
+  return p;
+}
+
+// Position layouts for B=2, Hq=4, Hkv=2 and head dim D.
+std::vector<Block> cases(int64_t D) {
+  std::vector<Block> v;
+  const auto add = [&](std::vector<int64_t> qp, std::vector<int64_t> kp, std::string name) {
+    v.push_back({2, 4, 2, D, std::move(qp), std::move(kp), name + " D=" + std::to_string(D)});
+  };
+  // Zigzag blocks: chunks of 37, 65 and 50 tokens, so tiles straddle the two chunks of a rank.
+  add(zigzag(2, 0, 37), zigzag(2, 0, 37), "zigzag cp2 chunk37 q0 k0");
+  add(zigzag(2, 0, 37), zigzag(2, 1, 37), "zigzag cp2 chunk37 q0 k1");
+  add(zigzag(2, 1, 37), zigzag(2, 0, 37), "zigzag cp2 chunk37 q1 k0");
+  add(zigzag(3, 1, 65), zigzag(3, 2, 65), "zigzag cp3 chunk65 q1 k2");
+  add(zigzag(3, 2, 65), zigzag(3, 2, 65), "zigzag cp3 chunk65 q2 k2");
+  add(zigzag(4, 3, 25), zigzag(4, 0, 25), "zigzag cp4 chunk25 q3 k0");
+  add(zigzag(4, 0, 25), zigzag(4, 3, 25), "zigzag cp4 chunk25 q0 k3");
+  // Unsorted positions with repeats, awkward lengths (1, 37, 64, 65, 130, 200).
+  add(random_positions(37, 0, 300, 1), random_positions(200, 0, 300, 2), "random 37x200");
+  add(random_positions(130, 0, 300, 3), random_positions(65, 0, 300, 4), "random 130x65");
+  add(random_positions(64, 0, 100, 5), random_positions(64, 0, 100, 6), "random 64x64");
+  add(random_positions(1, 150, 151, 7), random_positions(65, 0, 300, 8), "random 1x65");
+  add(random_positions(200, 0, 300, 9), random_positions(1, 100, 101, 10), "random 200x1");
+  // Queries below 120 see no key (lse -inf, out 0), in tiles mixed with queries that do.
+  add(random_positions(130, 0, 400, 11), random_positions(65, 120, 400, 12), "some rows empty");
+  add(range(0, 200), range(0, 200), "causal self 200");
+  add(range(300, 65), random_positions(130, 0, 300, 13), "fully visible");
+  add(range(0, 65), range(65, 37), "fully masked");
+  return v;
+}
+
+struct BlockData {
+  std::vector<float> q, kv, dout, lse, delta, dq0, dkv0;
+};
+
+// Random inputs; lse/delta of the backward as if other blocks also contributed (final lse >= this
+// block's, random delta), and some rows with no key here still seeing keys elsewhere.
+BlockData make_data(const Block& c, uint64_t seed) {
+  BlockData d;
+  d.q = test::randn(c.q_size(), seed);
+  d.kv = test::randn(c.kv_size(), seed + 1);
+  d.dout = test::randn(c.out_size(), seed + 2);
+  std::vector<double> out, lse;
+  block_forward_ref(c, d.q, d.kv, out, lse);
+  const auto off = test::randn(lse.size(), seed + 3, 0.5f);
+  d.lse.resize(lse.size());
+  for (size_t i = 0; i < lse.size(); ++i)
+    d.lse[i] = lse[i] == -kInf ? (i % 2 ? 1.5f : -INFINITY) : float(lse[i] + std::abs(off[i]));
+  d.delta = test::randn(lse.size(), seed + 4, 0.5f);
+  d.dq0 = test::randn(c.q_size(), seed + 5);
+  d.dkv0 = test::randn(c.kv_size(), seed + 6);
+  return d;
+}
+
+void run_forward(const Block& c, const BlockData& d, std::vector<float>& out,
+                 std::vector<float>& lse, const std::function<void()>& progress = {}) {
+  out.assign(c.out_size(), 7.0f);  // garbage: every element must be written
+  lse.assign(c.lse_size(), 7.0f);
+  cpu::attention_block_forward(c.shape(), d.q.data(), d.kv.data(), d.kv.data() + c.Hkv * c.D,
+                               c.qp.data(), c.kp.data(), out.data(), lse.data(), progress);
+}
+
+void run_backward(const Block& c, const BlockData& d, std::vector<float>& dq,
+                  std::vector<float>& dkv, const std::function<void()>& progress = {}) {
+  dq = d.dq0;
+  dkv = d.dkv0;
+  cpu::attention_block_backward(c.shape(), d.q.data(), d.kv.data(), d.kv.data() + c.Hkv * c.D,
+                                c.qp.data(), c.kp.data(), d.lse.data(), d.delta.data(),
+                                d.dout.data(), dq.data(), dkv.data(), dkv.data() + c.Hkv * c.D,
+                                progress);
+}
+
+// What the backward added onto the initial values.
+std::vector<double> added(const std::vector<float>& now, const std::vector<float>& before) {
+  std::vector<double> a(now.size());
+  for (size_t i = 0; i < a.size(); ++i) a[i] = double(now[i]) - double(before[i]);
+  return a;
+}
+
+TEST(AttentionBlock, ForwardMatchesNaiveBlock) {
+  for (int64_t D : {16, 48, 64, 20}) {  // ND = 1, 3, 4 and the generic path
+    uint64_t seed = 100;
+    for (const Block& c : cases(D)) {
+      const BlockData d = make_data(c, seed += 10);
+      std::vector<double> ro, rl;
+      block_forward_ref(c, d.q, d.kv, ro, rl);
+      std::vector<float> out, lse;
+      run_forward(c, d, out, lse);
+      // fp32 dot products of length <= 64 and exp2 within 1 ulp, over <= 200 keys: errors
+      // ~1e-6 on outputs that are convex combinations of N(0,1) values; 2e-5 leaves room, while a
+      // wrong mask, a missed rescale or a wrong tile edge is off by >= 1e-2.
+      int64_t empty = 0;
+      for (size_t i = 0; i < rl.size(); ++i) {
+        if (rl[i] == -kInf) {
+          ++empty;
+          ASSERT_EQ(lse[i], -INFINITY) << c.name << " row " << i;
+        } else {
+          ASSERT_NEAR(lse[i], rl[i], 2e-5) << c.name << " row " << i;
+        }
+      }
+      for (float x : out) ASSERT_FALSE(std::isnan(x)) << c.name;
+      EXPECT_LT(test::max_abs_diff(out, ro), 2e-5) << c.name;
+      // Rows with no visible key are exactly zero (the merge relies on it).
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.Hq; ++h)
+          for (int64_t t = 0; t < c.Tq(); ++t)
+            if (rl[c.l_at(b, h, t)] == -kInf) {
+              for (int64_t e = 0; e < c.D; ++e) ASSERT_EQ(out[c.o_at(b, t, h) + e], 0.0f);
+            }
+      // The layouts do what their names say.
+      if (c.name.rfind("fully masked", 0) == 0) {
+        EXPECT_EQ(empty, int64_t(rl.size())) << c.name;
+      }
+      if (c.name.rfind("fully visible", 0) == 0 || c.name.rfind("causal", 0) == 0) {
+        EXPECT_EQ(empty, 0) << c.name;
+      }
+      if (c.name.rfind("some rows empty", 0) == 0) {
+        EXPECT_GT(empty, 0) << c.name;
+        EXPECT_LT(empty, int64_t(rl.size())) << c.name;
+      }
+    }
+  }
+}
+
+TEST(AttentionBlock, BackwardMatchesNaiveBlock) {
+  for (int64_t D : {16, 48, 64, 20}) {
+    uint64_t seed = 500;
+    for (const Block& c : cases(D)) {
+      const BlockData d = make_data(c, seed += 10);
+      std::vector<double> rdq, rdkv;
+      block_backward_ref(c, d.q, d.kv, d.lse, d.delta, d.dout, rdq, rdkv);
+      std::vector<float> dq, dkv;
+      run_backward(c, d, dq, dkv);
+      for (float x : dq) ASSERT_FALSE(std::isnan(x)) << c.name;
+      for (float x : dkv) ASSERT_FALSE(std::isnan(x)) << c.name;
+      if (c.name.rfind("fully masked", 0) == 0) {
+        // Nothing visible: the accumulators are untouched, bit for bit.
+        EXPECT_EQ(dq, d.dq0) << c.name;
+        EXPECT_EQ(dkv, d.dkv0) << c.name;
+        continue;
+      }
+      // The kernel adds onto non-zero initial values (subtracting them back costs ~1e-7
+      // absolute). fp32 products over <= 200 terms: ~1e-6 relative; 2e-5 catches a wrong mask
+      // entry, a dropped delta or a missing scale (>= 1e-2), and overwriting instead of adding
+      // (O(1)).
+      EXPECT_LT(test::rel_l2(added(dq, d.dq0), rdq), 2e-5) << c.name;
+      EXPECT_LT(test::rel_l2(added(dkv, d.dkv0), rdkv), 2e-5) << c.name;
+    }
+  }
+}
+
+// The kernel's gradient (dq, dk, dv of loss = sum(out * w) for the block alone, whose final lse
+// is its own) against fp64 central differences of the naive block forward, on a subset of the
+// coordinates: two query and two key tiles, unsorted positions, some rows seeing no key, and
+// the generic head-dim path.
+TEST(AttentionBlock, BackwardMatchesFiniteDifferences) {
+  const Block c{1,   2, 1, 20, random_positions(70, 0, 120, 41), random_positions(67, 30, 150, 42),
+                "fd"};
+  BlockData d;
+  d.q = test::randn(c.q_size(), 43);
+  d.kv = test::randn(c.kv_size(), 44);
+  d.dout = test::randn(c.out_size(), 45);  // w
+  std::vector<float> out, lse;
+  run_forward(c, d, out, lse);
+  d.lse = lse;
+  d.delta.resize(lse.size());
+  cpu::attention_delta(c.B, c.Tq(), c.Hq, c.D, out.data(), d.dout.data(), d.delta.data());
+  d.dq0.assign(c.q_size(), 0.0f);
+  d.dkv0.assign(c.kv_size(), 0.0f);
+  std::vector<float> dq, dkv;
+  run_backward(c, d, dq, dkv);
+  EXPECT_GT(std::count(lse.begin(), lse.end(), -INFINITY), 0);
+
+  // Coordinates: every 7th of q and of kv (q's own columns and the k and v halves).
+  std::vector<std::pair<bool, size_t>> at;  // (is q, index)
+  for (size_t i = 0; i < c.q_size(); i += 7)
+    if (int64_t(i) % c.qs() < c.Hq * c.D) at.push_back({true, i});
+  for (size_t i = 3; i < c.kv_size(); i += 7) at.push_back({false, i});
+  std::vector<double> x0(at.size()), kernel(at.size());
+  for (size_t n = 0; n < at.size(); ++n) {
+    x0[n] = at[n].first ? d.q[at[n].second] : d.kv[at[n].second];
+    kernel[n] = at[n].first ? dq[at[n].second] : dkv[at[n].second];
+  }
+  const auto num = test::numeric_grad(
+      [&](const std::vector<double>& x) {
+        auto q = test::to_double(d.q), kv = test::to_double(d.kv);
+        for (size_t n = 0; n < at.size(); ++n) (at[n].first ? q : kv)[at[n].second] = x[n];
+        std::vector<double> o, l;
+        block_forward_ref(c, q, kv, o, l);
+        double f = 0;
+        for (size_t i = 0; i < o.size(); ++i) f += o[i] * d.dout[i];
+        return f;
+      },
+      x0);
+  // fp32 kernel against the fp64 derivative (central-difference error ~1e-9): ~1e-6 relative;
+  // a sign, scale or mask error is O(1e-1).
+  EXPECT_LT(test::rel_l2(kernel, num), 2e-5);
+}
+
+// Bit-identical results with 1 and 2 threads. B=1, Hkv=1: one (batch, kv group) unit, so two
+// threads run the backward's split scheme and one thread its fused scheme; B=2, Hkv=2: both fused.
+TEST(AttentionBlock, ResultsDoNotDependOnThreadCount) {
+  const int threads = omp_get_max_threads();
+  for (const auto& [B, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {2, 2}}) {
+    const Block c{B, 4, Hkv, 48, zigzag(3, 1, 70), zigzag(3, 2, 70), "threads"};
+    const BlockData d = make_data(c, 77);
+    std::vector<float> out[2], lse[2], dq[2], dkv[2];
+    for (int n : {1, 2}) {
+      omp_set_num_threads(n);
+      run_forward(c, d, out[n - 1], lse[n - 1]);
+      run_backward(c, d, dq[n - 1], dkv[n - 1]);
+    }
+    omp_set_num_threads(threads);
+    EXPECT_EQ(out[0], out[1]) << "B=" << B << " Hkv=" << Hkv;
+    EXPECT_EQ(lse[0], lse[1]) << "B=" << B << " Hkv=" << Hkv;
+    EXPECT_EQ(dq[0], dq[1]) << "B=" << B << " Hkv=" << Hkv;
+    EXPECT_EQ(dkv[0], dkv[1]) << "B=" << B << " Hkv=" << Hkv;
+    EXPECT_NE(dq[0], d.dq0);  // the comparison is not between untouched buffers
+  }
+}
+
+// The progress hook runs on the calling thread only (OpenMP thread 0), never two at a time, and
+// changes nothing in the results. With one thread, every unit ends with a call, so there are
+// more calls than the one on entry (with two, thread 0 may find every unit taken).
+TEST(AttentionBlock, ProgressHookIsCalledOnTheCallingThread) {
+  const int threads = omp_get_max_threads();
+  for (int n : {1, 2})
+    for (const auto& [B, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {2, 2}}) {
+      omp_set_num_threads(n);
+      const Block c{B, 4, Hkv, 64, zigzag(2, 0, 100), zigzag(2, 1, 100), "progress"};
+      const BlockData d = make_data(c, 88);
+      const auto caller = std::this_thread::get_id();
+      std::atomic<int> calls{0}, inside{0}, wrong{0};
+      const std::function<void()> hook = [&] {
+        if (inside.fetch_add(1) != 0 || std::this_thread::get_id() != caller) ++wrong;
+        ++calls;
+        inside.fetch_sub(1);
+      };
+      std::vector<float> out, lse, out_h, lse_h, dq, dkv, dq_h, dkv_h;
+      run_forward(c, d, out, lse);
+      run_forward(c, d, out_h, lse_h, hook);
+      const int fwd_calls = calls.load();
+      run_backward(c, d, dq, dkv);
+      run_backward(c, d, dq_h, dkv_h, hook);
+      const int bwd_calls = calls.load() - fwd_calls;
+      omp_set_num_threads(threads);
+      const std::string what = "threads=" + std::to_string(n) + " B=" + std::to_string(B);
+      EXPECT_GT(fwd_calls, n == 1 ? 1 : 0) << what;
+      EXPECT_GT(bwd_calls, n == 1 ? 1 : 0) << what;
+      EXPECT_EQ(wrong.load(), 0) << what;
+      EXPECT_EQ(out, out_h) << what;
+      EXPECT_EQ(lse, lse_h) << what;
+      EXPECT_EQ(dq, dq_h) << what;
+      EXPECT_EQ(dkv, dkv_h) << what;
+    }
+}
+
+TEST(AttentionBlock, BadShapeIsAnError) {
+  const Block c{1, 3, 2, 16, range(0, 4), range(0, 4), "bad"};
+  const BlockData d = make_data({1, 2, 1, 16, range(0, 4), range(0, 4), "ok"}, 1);
+  std::vector<float> out(64), lse(16);
+  test::expect_error(
+      [&] {
+        cpu::attention_block_forward(c.shape(), d.q.data(), d.kv.data(), d.kv.data(), c.qp.data(),
+                                     c.kp.data(), out.data(), lse.data());
+      },
+      {"attention_block_forward", "Hq (3)", "multiple of Hkv (2)"});
 }
 
 }  // namespace
