@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "dist/process_group.hpp"
@@ -124,6 +125,16 @@ bool block_has_work(const StepContext& ctx, int r, int src) {
   return *std::min_element(k.begin(), k.end()) <= *std::max_element(q.begin(), q.end());
 }
 
+// The block kernel calls this between its work units: Open MPI moves the data of nonblocking
+// send/recv only inside MPI calls, so without polling a transfer posted before the block would
+// happen in the wait after it, not during it.
+std::function<void()> in_flight(std::vector<dist::Work*> works) {
+  return [works = std::move(works)] {
+    for (dist::Work* w : works)
+      if (w) w->test();
+  };
+}
+
 void ring_attention_forward(const StepContext& ctx, const CpOptions& cp, const RingDims& g,
                             const float* qkv, float* out, float* lse) {
   dist::ProcessGroup& grp = *cp.group;
@@ -133,10 +144,11 @@ void ring_attention_forward(const StepContext& ctx, const CpOptions& cp, const R
   std::fill_n(out, M * Hq * hd, 0.0f);
   std::fill_n(lse, ctx.B * Hq * ctx.T, -std::numeric_limits<float>::infinity());
   Tensor bo = f32({M, Hq * hd}, Device::cpu), bl = f32({ctx.B * Hq * ctx.T}, Device::cpu);
-  auto consume = [&](const float* kv, int src) {
+  auto consume = [&](const float* kv, int src, const std::function<void()>& progress = {}) {
     if (!block_has_work(ctx, r, src)) return;
     cpu::attention_block_forward(bs, qkv, kv, kv + g.Hkv * hd, ctx.cp_pos[r].data(),
-                                 ctx.cp_pos[src].data(), bo.data<float>(), bl.data<float>());
+                                 ctx.cp_pos[src].data(), bo.data<float>(), bl.data<float>(),
+                                 progress);
     cpu::attention_merge(ctx.B, ctx.T, Hq, hd, out, lse, bo.data<float>(), bl.data<float>());
   };
   if (cp.allgather) {
@@ -155,7 +167,7 @@ void ring_attention_forward(const StepContext& ctx, const CpOptions& cp, const R
       sw = grp.send(cur, (r + 1) % n, i);
       rw = grp.recv(nxt, (r + n - 1) % n, i);
     }
-    consume(cur.data<float>(), (r + n - i) % n);
+    consume(cur.data<float>(), (r + n - i) % n, in_flight({sw.get(), rw.get()}));
     if (sw) {
       sw->wait();
       rw->wait();
@@ -177,11 +189,12 @@ void ring_attention_backward(const StepContext& ctx, const CpOptions& cp, const 
   Tensor delta = f32({ctx.B * Hq * ctx.T}, Device::cpu);
   cpu::attention_delta(ctx.B, ctx.T, Hq, hd, out, dout, delta.data<float>());
   std::fill_n(dqkv, M * g.nqkv, 0.0f);
-  auto consume = [&](const float* kv, float* dkv, int src) {
+  auto consume = [&](const float* kv, float* dkv, int src,
+                     const std::function<void()>& progress = {}) {
     if (!block_has_work(ctx, r, src)) return;
     cpu::attention_block_backward(bs, qkv, kv, kv + g.Hkv * hd, ctx.cp_pos[r].data(),
                                   ctx.cp_pos[src].data(), lse, delta.data<float>(), dout, dqkv, dkv,
-                                  dkv + g.Hkv * hd);
+                                  dkv + g.Hkv * hd, progress);
   };
   Tensor own = f32({M, kvw}, Device::cpu);
   if (cp.allgather) {
@@ -208,7 +221,8 @@ void ring_attention_backward(const StepContext& ctx, const CpOptions& cp, const 
         rw = grp.recv(nxt, prev, 2 * i);
       }
       part.zero_();
-      consume(cur.data<float>(), part.data<float>(), (r + n - i) % n);
+      consume(cur.data<float>(), part.data<float>(), (r + n - i) % n,
+              in_flight({sw.get(), rw.get(), acc_send.get(), acc_recv.get()}));
       if (acc_send) acc_send->wait();
       if (i == 0) {
         std::swap(part, out_acc);
