@@ -3,8 +3,8 @@
 // heads of 64, vocab 8192), with 2048 tokens per step (B=8, T=256). gemm_bench covers the GEMMs
 // and the fused linear cross-entropy. The ring_* rows time context-parallel (ring) attention
 // blocks at debug-like shapes (B=1, 8/4 heads, T 4096 and 16384, cp 2 and 4) against full
-// attention divided by cp (ideal_* rows, ring_ratio lines).
-// Usage: kernel_bench [FILTER] [REPS]
+// attention divided by cp (ring_ideal_* rows, ring_ratio lines); one warm-up call each, and the
+// large shapes take seconds per call: `kernel_bench ring 3`. Usage: kernel_bench [FILTER] [REPS]
 //   FILTER: run only the kernels whose name contains it (e.g. swiglu, _bwd, adamw).
 //   REPS: timed calls per kernel (default 20), after 2 untimed warm-up calls.
 // Each row: the median and the fastest call, and the rate of the median call: GB/s for the
@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -91,8 +92,13 @@ class Bench {
   template <class F>
   double run(const std::string& kernel, const std::string& shape, double amount, const char* unit,
              const char* counted, F&& f) {
+    return run(kernel, shape, amount, unit, counted, kWarmup, f);
+  }
+  template <class F>
+  double run(const std::string& kernel, const std::string& shape, double amount, const char* unit,
+             const char* counted, int warmup, F&& f) {
     if (!wants(kernel)) return 0;
-    for (int i = 0; i < kWarmup; ++i) f();
+    for (int i = 0; i < warmup; ++i) f();
     std::vector<double> t(static_cast<size_t>(reps_));
     for (double& s : t) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -222,16 +228,33 @@ void bench_attention(Bench& b, const Model& m) {
 // zigzag layout gives every rank exactly 1/cp of the causal entries). The ratio is the cost of
 // cutting the work into blocks (tile pairs straddling chunk boundaries, merges, delta).
 void bench_ring(Bench& b) {
-  if (!b.wants({"ring_fwd", "ring_bwd", "ideal_fwd", "ideal_bwd"})) return;
+  if (!b.wants({"ring_fwd", "ring_bwd", "ring_ideal_fwd", "ring_ideal_bwd"})) return;
   constexpr int64_t B = 1, Hq = 8, Hkv = 4;
   for (int64_t D : {64, 48})
-    for (int64_t T : {4096, 16384})
+    for (int64_t T : {4096, 16384}) {
+      const int64_t stride = (Hq + 2 * Hkv) * D, kvs = 2 * Hkv * D;
+      const float scale = 1.0f / std::sqrt(float(D));
+      // One T x T x D product over the causal entries, per head.
+      const double product = 2.0 * B * Hq * double(T) * double(T + 1) / 2 * D;
+      // Ideal: the whole sequence on one rank.
+      double idf = 0, idb = 0;
+      {
+        auto q = random_floats(B * T * stride, 4), o = random_floats(B * T * Hq * D, 5);
+        std::vector<float> l(B * Hq * T), dq(q.size()), dout(o.size());
+        const float* k = q.data() + Hq * D;
+        const float* v = k + Hkv * D;
+        const cpu::AttentionShape as{B, T, Hq, Hkv, D, stride, stride, scale};
+        const auto shape = format("T%lld D%lld", (long long)T, (long long)D);
+        idf = b.run("ring_ideal_fwd", shape, 2 * product, "GFLOP/s", "full T", /*warmup=*/1,
+                    [&] { cpu::attention_forward(as, q.data(), k, v, o.data(), l.data()); });
+        idb = b.run("ring_ideal_bwd", shape, 5 * product, "GFLOP/s", "full T", /*warmup=*/1, [&] {
+          cpu::attention_backward(as, q.data(), k, v, o.data(), l.data(), dout.data(), dq.data(),
+                                  dq.data() + Hq * D, dq.data() + (Hq + Hkv) * D);
+        });
+      }
       for (int64_t cp : {2, 4}) {
-        const int64_t n = T / cp, stride = (Hq + 2 * Hkv) * D, kvs = 2 * Hkv * D;
-        const float scale = 1.0f / std::sqrt(float(D));
+        const int64_t n = T / cp;
         const auto shape = format("T%lld cp%lld D%lld", (long long)T, (long long)cp, (long long)D);
-        // Rank 0's causal entries (per head): T(T+1)/2 / cp.
-        const double product = 2.0 * B * Hq * double(T) * double(T + 1) / 2 * D / double(cp);
         std::vector<std::vector<int64_t>> pos;
         for (int64_t r = 0; r < cp; ++r) pos.push_back(cpu::cp_positions(T, cp, r));
         // Every rank's K/V block holds the same values: the timing does not depend on them.
@@ -239,49 +262,40 @@ void bench_ring(Bench& b) {
         auto dout = random_floats(B * n * Hq * D, 3);
         std::vector<float> out(dout.size()), lse(B * Hq * n), bo(out.size()), bl(lse.size());
         std::vector<float> delta(lse.size()), dqkv(qkv.size()), dkv(kv.size());
+        const float* k = kv.data();
+        const float* v = k + Hkv * D;
         const cpu::BlockShape bs{B, n, n, Hq, Hkv, D, stride, kvs, scale};
         const auto fwd = [&] {
           std::fill(out.begin(), out.end(), 0.0f);
           std::fill(lse.begin(), lse.end(), -INFINITY);
           for (int64_t s = 0; s < cp; ++s) {
-            cpu::attention_block_forward(bs, qkv.data(), kv.data(), kv.data() + Hkv * D,
-                                         pos[0].data(), pos[s].data(), bo.data(), bl.data());
+            cpu::attention_block_forward(bs, qkv.data(), k, v, pos[0].data(), pos[s].data(),
+                                         bo.data(), bl.data());
             cpu::attention_merge(B, n, Hq, D, out.data(), lse.data(), bo.data(), bl.data());
           }
         };
-        const double rf =
-            b.run("ring_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV (rank 0's share)", fwd);
+        // Rank 0 has 1/cp of the causal entries.
+        const double rf = b.run("ring_fwd", shape, 2 * product / double(cp), "GFLOP/s",
+                                "rank 0's share", /*warmup=*/1, fwd);
         if (rf == 0) fwd();  // backward needs out and lse
-        const double rb = b.run(
-            "ring_bwd", shape, 5 * product, "GFLOP/s", "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
-              cpu::attention_delta(B, n, Hq, D, out.data(), dout.data(), delta.data());
-              for (int64_t s = 0; s < cp; ++s)
-                cpu::attention_block_backward(bs, qkv.data(), kv.data(), kv.data() + Hkv * D,
-                                              pos[0].data(), pos[s].data(), lse.data(),
-                                              delta.data(), dout.data(), dqkv.data(), dkv.data(),
-                                              dkv.data() + Hkv * D);
-            });
-        // Ideal: the whole sequence on one rank, time divided by cp.
-        auto fq = random_floats(B * T * stride, 4), fo = random_floats(B * T * Hq * D, 5);
-        std::vector<float> fl(B * Hq * T), fd(fq.size()), fdo(fo.size());
-        float *q = fq.data(), *dq = fd.data();
-        const cpu::AttentionShape as{B, T, Hq, Hkv, D, stride, stride, scale};
-        const double idf = b.run(
-            "ideal_fwd", shape, 2 * product * double(cp), "GFLOP/s", "full T, whole time", [&] {
-              cpu::attention_forward(as, q, q + Hq * D, q + (Hq + Hkv) * D, fo.data(), fl.data());
-            });
-        const double idb = b.run(
-            "ideal_bwd", shape, 5 * product * double(cp), "GFLOP/s", "full T, whole time", [&] {
-              cpu::attention_backward(as, q, q + Hq * D, q + (Hq + Hkv) * D, fo.data(), fl.data(),
-                                      fdo.data(), dq, dq + Hq * D, dq + (Hq + Hkv) * D);
-            });
-        if (rf > 0 && idf > 0)
-          std::printf("%-18s %-24s ring/ideal fwd %.2fx  (ideal = full / cp = %.3f ms)\n",
-                      "ring_ratio", shape.c_str(), rf / (idf / double(cp)), idf / double(cp) * 1e3);
-        if (rb > 0 && idb > 0)
-          std::printf("%-18s %-24s ring/ideal bwd %.2fx  (ideal = full / cp = %.3f ms)\n",
-                      "ring_ratio", shape.c_str(), rb / (idb / double(cp)), idb / double(cp) * 1e3);
+        const double rb =
+            b.run("ring_bwd", shape, 5 * product / double(cp), "GFLOP/s", "rank 0's share",
+                  /*warmup=*/1, [&] {
+                    cpu::attention_delta(B, n, Hq, D, out.data(), dout.data(), delta.data());
+                    float* dk = dkv.data();
+                    for (int64_t s = 0; s < cp; ++s)
+                      cpu::attention_block_backward(bs, qkv.data(), k, v, pos[0].data(),
+                                                    pos[s].data(), lse.data(), delta.data(),
+                                                    dout.data(), dqkv.data(), dk, dk + Hkv * D);
+                  });
+        for (const auto& [what, ring, ideal] :
+             {std::tuple<const char*, double, double>{"fwd", rf, idf}, {"bwd", rb, idb}})
+          if (ring > 0 && ideal > 0)
+            std::printf("%-18s %-24s %.2fx ideal (full T / cp = %.3f ms)\n",
+                        (std::string("ring_ratio_") + what).c_str(), shape.c_str(),
+                        ring / (ideal / double(cp)), ideal / double(cp) * 1e3);
       }
+    }
 }
 
 std::string loadavg() {
