@@ -1,12 +1,14 @@
 #!/bin/bash
 # Longest trainable sequence under a per-rank memory cap (--memory.limit_gb, the allocator's
 # limit) for cp = 1, 2, 4, 8 (FSDP over the cp ranks, local batch 1), and tokens/s at that length.
-#   [CPS="1 2 4 8"] [AC=none|full] bench/cp_bench.sh BUILD_DIR [LIMIT_GB] [MODEL_CONFIG]
+#   [CPS="1 2 4 8"] [AC=none|full] [FIXED=LEN] bench/cp_bench.sh BUILD_DIR [LIMIT_GB] [MODEL_CONFIG]
 # A length "fits" when 2 training steps complete under the cap (the peak is reached in the first
 # step; the second one proves the optimizer state fits too). The search starts at cp x the cp 1
 # result (linear scaling), gallops up or down by doubling, then bisects to a step of 2*cp*64
 # tokens. tokens/s is the last of 4 steps at the longest length (cp ranks share this machine's
 # cores, so compare the trend, not the absolute figure, with a real cluster).
+# FIXED=LEN adds a second table: every cp at the same seq_len (no cap), tokens/s and peak memory
+# per rank, i.e. what cp costs in throughput at equal work.
 set -euo pipefail
 build=$1 limit=${2:-0.05} model=${3:-debug} ac=${AC:-none} cps=${CPS:-1 2 4 8}
 first=${cps%% *}
@@ -57,4 +59,15 @@ for cp in $cps; do
   [ "$cp" = "$first" ] && base=$lo
   printf "%4s %10s %12s %10s %8s\n" "$cp" "$lo" "$tps" \
     "$(awk -v a="$lo" -v b="$base" 'BEGIN{printf "%.2fx", b ? a / b : 0}')" "$tries"
+done
+[ -z "${FIXED:-}" ] && exit 0
+printf "\nseq_len %s for every cp, no cap:\n%4s %12s %14s\n" "$FIXED" cp tokens/s "peak per rank"
+for cp in $cps; do
+  limit=0
+  if run "$cp" "$FIXED" 4; then
+    printf "%4s %12s %14s\n" "$cp" "$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)" \
+      "$(grep -o 'mem [0-9.]* [GMK]iB' "$work/last" | cut -d' ' -f2-)"
+  else
+    printf "%4s %12s\n" "$cp" "failed"
+  fi
 done
