@@ -8,7 +8,7 @@
 # tokens. tokens/s is the last of 4 steps at the longest length (cp ranks share this machine's
 # cores, so compare the trend, not the absolute figure, with a real cluster).
 # FIXED=LEN adds a second table: every cp at the same seq_len (no cap), tokens/s and peak memory
-# per rank, i.e. what cp costs in throughput at equal work.
+# per rank, i.e. what cp costs in throughput at equal work. LIMIT_GB 0 runs only that table.
 set -euo pipefail
 build=$1 limit=${2:-0.05} model=${3:-debug} ac=${AC:-none} cps=${CPS:-1 2 4 8}
 first=${cps%% *}
@@ -29,41 +29,44 @@ run() {  # run CP LEN STEPS: 0 when STEPS steps train under the cap; the last st
   grep -ao "step $steps/$steps [^[:cntrl:]]*" "$work/log" >"$work/last"
 }
 fits() { run "$1" "$2" 2; }
-printf "memory.limit_gb = %s per rank, model %s, local batch 1, activation_checkpoint %s\n" \
-  "$limit" "$model" "$ac"
-printf "%4s %10s %12s %10s %8s\n" cp max_seq tokens/s vs_cp1 tries
-base=0
-for cp in $cps; do
-  q=$((2 * cp * 64))  # granularity
-  guess=$((base > 0 ? base * cp / q * q : q))
-  [ "$guess" -lt "$q" ] && guess=$q
-  tries=1
-  if fits "$cp" "$guess"; then
-    lo=$guess hi=$((guess * 2))
-    while tries=$((tries + 1)) && fits "$cp" "$hi"; do lo=$hi; hi=$((hi * 2)); done
-  else
-    hi=$guess lo=$((guess / 2 / q * q))
-    while [ "$lo" -gt 0 ] && tries=$((tries + 1)) && ! fits "$cp" "$lo"; do
-      hi=$lo; lo=$((lo / 2 / q * q))
+search() {
+  printf "memory.limit_gb = %s per rank, model %s, local batch 1, activation_checkpoint %s\n" \
+    "$limit" "$model" "$ac"
+  printf "%4s %10s %12s %10s %8s\n" cp max_seq tokens/s vs_cp1 tries
+  base=0
+  for cp in $cps; do
+    q=$((2 * cp * 64))  # granularity
+    guess=$((base > 0 ? base * cp / q * q : q))
+    [ "$guess" -lt "$q" ] && guess=$q
+    tries=1
+    if fits "$cp" "$guess"; then
+      lo=$guess hi=$((guess * 2))
+      while tries=$((tries + 1)) && fits "$cp" "$hi"; do lo=$hi; hi=$((hi * 2)); done
+    else
+      hi=$guess lo=$((guess / 2 / q * q))
+      while [ "$lo" -gt 0 ] && tries=$((tries + 1)) && ! fits "$cp" "$lo"; do
+        hi=$lo; lo=$((lo / 2 / q * q))
+      done
+    fi
+    while [ $((hi - lo)) -gt "$q" ]; do
+      mid=$(((lo + hi) / 2 / q * q))
+      tries=$((tries + 1))
+      if fits "$cp" "$mid"; then lo=$mid; else hi=$mid; fi
     done
-  fi
-  while [ $((hi - lo)) -gt "$q" ]; do
-    mid=$(((lo + hi) / 2 / q * q))
-    tries=$((tries + 1))
-    if fits "$cp" "$mid"; then lo=$mid; else hi=$mid; fi
+    tps="-"
+    if [ "$lo" -gt 0 ] && run "$cp" "$lo" 4; then
+      tps=$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)
+    fi
+    [ "$cp" = "$first" ] && base=$lo
+    printf "%4s %10s %12s %10s %8s\n" "$cp" "$lo" "$tps" \
+      "$(awk -v a="$lo" -v b="$base" 'BEGIN{printf "%.2fx", b ? a / b : 0}')" "$tries"
   done
-  tps="-"
-  if [ "$lo" -gt 0 ] && run "$cp" "$lo" 4; then
-    tps=$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)
-  fi
-  [ "$cp" = "$first" ] && base=$lo
-  printf "%4s %10s %12s %10s %8s\n" "$cp" "$lo" "$tps" \
-    "$(awk -v a="$lo" -v b="$base" 'BEGIN{printf "%.2fx", b ? a / b : 0}')" "$tries"
-done
+}
+[ "$limit" != 0 ] && search
 [ -z "${FIXED:-}" ] && exit 0
+limit=0
 printf "\nseq_len %s for every cp, no cap:\n%4s %12s %14s\n" "$FIXED" cp tokens/s "peak per rank"
 for cp in $cps; do
-  limit=0
   if run "$cp" "$FIXED" 4; then
     printf "%4s %12s %14s\n" "$cp" "$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)" \
       "$(grep -o 'mem [0-9.]* [GMK]iB' "$work/last" | cut -d' ' -f2-)"
