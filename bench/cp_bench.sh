@@ -6,7 +6,9 @@
 # step; the second one proves the optimizer state fits too). The search starts at cp x the cp 1
 # result (linear scaling), gallops up or down by doubling, then bisects to a step of 2*cp*64
 # tokens. tokens/s is the last of 4 steps at the longest length (cp ranks share this machine's
-# cores, so compare the trend, not the absolute figure, with a real cluster).
+# cores, so compare the trend, not the absolute figure, with a real cluster). Every rank runs
+# OMP_NUM_THREADS threads (default 1): cp 1 uses one core where cp >= 2 uses min(cp, cores), so
+# the tables also print tokens/s per core in use.
 # FIXED=LEN adds a second table: every cp at the same seq_len (no cap), tokens/s and peak memory
 # per rank, i.e. what cp costs in throughput at equal work. LIMIT_GB 0 runs only that table.
 set -euo pipefail
@@ -29,10 +31,17 @@ run() {  # run CP LEN STEPS: 0 when STEPS steps train under the cap; the last st
   grep -ao "step $steps/$steps [^[:cntrl:]]*" "$work/log" >"$work/last"
 }
 fits() { run "$1" "$2" 2; }
+tps() {  # tps CP: "TOKENS/S PER_CORE" of the step line in $work/last
+  local t cores
+  t=$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)
+  cores=$((OMP_NUM_THREADS * $1 < $(getconf _NPROCESSORS_ONLN) ? OMP_NUM_THREADS * $1 : $(getconf _NPROCESSORS_ONLN)))
+  awk -v t="$t" -v c="$cores" 'BEGIN{v = t; if (t ~ /k$/) v = substr(t, 1, length(t) - 1) * 1000;
+    printf "%s %.0f", t, v / c}'
+}
 search() {
   printf "memory.limit_gb = %s per rank, model %s, local batch 1, activation_checkpoint %s\n" \
     "$limit" "$model" "$ac"
-  printf "%4s %10s %12s %10s %8s\n" cp max_seq tokens/s vs_cp1 tries
+  printf "%4s %10s %12s %10s %10s %8s\n" cp max_seq tokens/s per_core vs_cp1 tries
   base=0
   for cp in $cps; do
     q=$((2 * cp * 64))  # granularity
@@ -53,22 +62,21 @@ search() {
       tries=$((tries + 1))
       if fits "$cp" "$mid"; then lo=$mid; else hi=$mid; fi
     done
-    tps="-"
-    if [ "$lo" -gt 0 ] && run "$cp" "$lo" 4; then
-      tps=$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)
-    fi
+    rate="- -"
+    if [ "$lo" -gt 0 ] && run "$cp" "$lo" 4; then rate=$(tps "$cp"); fi
     [ "$cp" = "$first" ] && base=$lo
-    printf "%4s %10s %12s %10s %8s\n" "$cp" "$lo" "$tps" \
+    printf "%4s %10s %12s %10s %10s %8s\n" "$cp" "$lo" ${rate} \
       "$(awk -v a="$lo" -v b="$base" 'BEGIN{printf "%.2fx", b ? a / b : 0}')" "$tries"
   done
 }
 [ "$limit" != 0 ] && search
 [ -z "${FIXED:-}" ] && exit 0
 limit=0
-printf "\nseq_len %s for every cp, no cap:\n%4s %12s %14s\n" "$FIXED" cp tokens/s "peak per rank"
+printf "\nseq_len %s for every cp, no cap:\n%4s %12s %10s %14s\n" "$FIXED" cp tokens/s per_core \
+  "peak per rank"
 for cp in $cps; do
   if run "$cp" "$FIXED" 4; then
-    printf "%4s %12s %14s\n" "$cp" "$(grep -o '[0-9.]*k\? tok/s' "$work/last" | cut -d' ' -f1)" \
+    printf "%4s %12s %10s %14s\n" "$cp" $(tps "$cp") \
       "$(grep -o 'mem [0-9.]* [GMK]iB' "$work/last" | cut -d' ' -f2-)"
   else
     printf "%4s %12s\n" "$cp" "failed"
