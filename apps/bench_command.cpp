@@ -24,7 +24,12 @@
 // backward for the units released after forward, and a reduce-scatter (N - 1) x S x reduce size;
 // per step: HSDP's all-reduce of each gradient shard over dp_replicate, the gradient norm's
 // all-gather of 8 bytes over dp_shard, and the loss's all-gather of 8 bytes over dp. DDP: one
-// all-reduce of each unit's gradient per step plus the loss's all-gather.
+// all-reduce of each unit's gradient per step plus the loss's all-gather. Context parallelism
+// (FSDP then spans dp_shard x cp) adds per micro-batch ring attention's K/V and dK/dV transfers
+// (LlamaModel::cp_bytes_per_micro_batch) and the 8-byte sum of the loss over cp. Not in the
+// memory model: ring attention's working set in backward (five K/V-sized buffers with p2p), so
+// under cp the measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full
+// activation checkpointing, where a block's backward is the peak).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -124,13 +129,19 @@ uint64_t ring_all_reduce(uint64_t bytes, int n) {
 // Bytes one rank sends per step with G micro-batches, by the byte model at the top of the file.
 uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
   const DpGroups& g = m.groups;
-  const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
-  const uint64_t tp = m.model->tp_bytes_per_micro_batch(B, T) * uint64_t(G) +
-                      (g.tp ? ring_all_gather(8, g.tp->size()) : 0);  // + the gradient norm
-  if (!g.dp || g.size == 1) return tp;
+  // With context parallelism a rank holds T / cp tokens of each sample.
+  const int64_t B = job.training.local_batch_size,
+                T = job.training.seq_len / (g.cp ? g.cp->size() : 1);
+  // Per micro-batch: tp's and cp's collectives and the 8-byte sum of the loss over cp.
+  const uint64_t tp =
+      (m.model->tp_bytes_per_micro_batch(B, T) + m.model->cp_bytes_per_micro_batch(B, T) +
+       (g.cp ? ring_all_gather(8, g.cp->size()) : 0)) *
+          uint64_t(G) +
+      (g.tp ? ring_all_gather(8, g.tp->size()) : 0);  // + the gradient norm
+  if (!m.fsdp && !m.ddp) return tp;
   const uint64_t rsize = dtype_size(dtype_from_name(job.training.mixed_precision_reduce));
   std::vector<ParamUnit*> units = m.model->units();
-  uint64_t per_micro = 0, per_step = ring_all_gather(8, int(g.size));  // the loss
+  uint64_t per_micro = 0, per_step = g.dp ? ring_all_gather(8, int(g.size)) : 0;  // the loss
   if (m.fsdp) {
     const int n = g.shard->size();
     for (size_t i = 0; i < units.size(); ++i) {
@@ -153,14 +164,12 @@ uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
 
 // Every group the data-parallel step communicates on, each once (ranges of dims with the same
 // ranks share one group).
-std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh) {
+std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh, const DpGroups& dp) {
   std::vector<dist::ProcessGroup*> out;
   if (!mesh) return out;
   std::set<dist::ProcessGroup*> seen;
-  for (const char* name : {"dp", "dp_shard", "dp_replicate", "tp", "world"}) {
-    dist::ProcessGroup* g = name == std::string("world") ? &mesh->world() : &mesh->group(name);
-    if (seen.insert(g).second) out.push_back(g);
-  }
+  for (dist::ProcessGroup* g : {dp.dp, dp.shard, dp.replicate, dp.tp, dp.cp, &mesh->world()})
+    if (g && seen.insert(g).second) out.push_back(g);
   return out;
 }
 
@@ -247,7 +256,7 @@ int bench_command(const Args& args) {
       targets[b * T + t] = int32_t(u[b * (T + 1) + t + 1] * mc.vocab_size);
     }
 
-  const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh);
+  const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh, par.groups);
   const float grad_scale = float(1.0 / double(G * B * T * dp_size));
   std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {

@@ -1015,4 +1015,20 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
          + f32;                                                  // embedding backward all-gather
 }
 
+uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+  const int n = tp_->cp.size();
+  if (n == 1) return 0;
+  const uint64_t k = uint64_t(n - 1), tpn = uint64_t(tp_->opt.size());
+  // One K/V block: this rank's B*T rows of the local kv heads' K and V, f32.
+  const uint64_t kv = uint64_t(B * T) * 2 * uint64_t(config_.num_key_value_heads) / tpn *
+                      uint64_t(config_.head_dim()) * 4;
+  uint64_t recomputed = 0;  // blocks whose forward (and so the ring) runs again in backward
+  for (size_t l = 0; l < blocks_.size(); ++l)
+    recomputed += ac_.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+  // p2p: forward sends K/V n-1 times; backward the same plus n hops of the dK/dV accumulator.
+  // allgather: the same K/V bytes by all-gather, and a reduce-scatter of n blocks of dK/dV.
+  const uint64_t forward = k * kv, backward = tp_->cp.allgather ? 2 * k * kv : (2 * k + 1) * kv;
+  return (forward + backward) * uint64_t(blocks_.size()) + forward * recomputed;
+}
+
 }  // namespace loom

@@ -196,6 +196,9 @@ class LlamaModel {
                                        const ActivationCheckpoint& ac = {});
   // Bytes this rank sends on the tp group in one micro-batch (the analytic figure).
   uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const;
+  // Bytes this rank sends on the cp group in one micro-batch of T tokens per sample on this rank
+  // (ring attention's K/V, and dK/dV in backward; the analytic figure).
+  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const;
   // Rows per chunk of the fused output projection + loss.
   static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
