@@ -68,9 +68,10 @@ double median(std::vector<double> v) {
 
 struct MemoryModel {
   size_t params = 0, grads = 0, optimizer = 0, mirror = 0, gathered = 0, full_grad = 0,
-         activations = 0, head = 0, comm = 0;
+         activations = 0, head = 0, comm = 0, ring = 0;
   size_t total() const {
-    return params + grads + optimizer + mirror + gathered + full_grad + activations + head + comm;
+    return params + grads + optimizer + mirror + gathered + full_grad + activations + head + comm +
+           ring;
   }
 };
 
@@ -116,6 +117,11 @@ MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
                   (4 + (compute == DType::bf16 ? 2 : 0));
     mm.comm = m.model->comm_buffer_bytes();
   }
+  // With cp the peak moves into the last block's backward: what it frees there (the head's
+  // workspace and gradient, its own MLP activations) and what it adds besides the ring (its
+  // gradient, dqkv, dattn) about cancel, so the ring's working set adds on top (measured within
+  // 1.5% on bench-tiny cp 2, p2p and allgather, with and without full checkpointing).
+  mm.ring = m.model->ring_working_bytes(B, T);
   return mm;
 }
 
@@ -315,6 +321,9 @@ int bench_command(const Args& args) {
     }
     if (writer) {
       const double MiB = 1024.0 * 1024.0;
+      char ring_text[64] = "";
+      if (mm.ring)
+        std::snprintf(ring_text, sizeof ring_text, " + ring attention %.2f", mm.ring / MiB);
       std::printf(
           "loom bench step: %s (%s), %s over %d ranks (%s, reshard %s, reduce %s), local batch "
           "%ld x %ld x seq %ld, %zu parameters\n",
@@ -327,12 +336,12 @@ int bench_command(const Args& args) {
       std::printf(
           "  expected memory per rank: shards %.2f MiB (params %.2f + grads %.2f + AdamW %.2f%s) + "
           "gathered weights %.2f + full gradient %.2f + activations %.2f + head workspace %.2f + "
-          "communication buffers %.2f = %.2f MiB\n",
+          "communication buffers %.2f%s = %.2f MiB\n",
           double(mm.params + mm.grads + mm.optimizer + mm.mirror) / MiB, mm.params / MiB,
           mm.grads / MiB, mm.optimizer / MiB,
           mm.mirror ? (" + bf16 " + std::to_string(mm.mirror / MiB)).c_str() : "",
           mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB, mm.head / MiB, mm.comm / MiB,
-          mm.total() / MiB);
+          ring_text, mm.total() / MiB);
       std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
                   "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",
                   "tokens/s");

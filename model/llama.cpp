@@ -1031,4 +1031,14 @@ uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
   return (forward + backward) * uint64_t(blocks_.size()) + forward * recomputed;
 }
 
+size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {
+  const int n = tp_->cp.size();
+  if (n == 1) return 0;
+  const size_t tpn = size_t(tp_->opt.size()), Hkv = size_t(config_.num_key_value_heads) / tpn;
+  const size_t Hq = size_t(config_.num_attention_heads) / tpn, hd = size_t(config_.head_dim());
+  const size_t kv = size_t(B * T) * 2 * Hkv * hd * 4;
+  const size_t blocks = tp_->cp.allgather ? 2 * size_t(n) + 1 : 5;
+  return blocks * kv + size_t(B * T) * Hq * 4;
+}
+
 }  // namespace loom

@@ -199,6 +199,11 @@ class LlamaModel {
   // Bytes this rank sends on the cp group in one micro-batch of T tokens per sample on this rank
   // (ring attention's K/V, and dK/dV in backward; the analytic figure).
   uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const;
+  // Ring attention's working set in a block's backward, the largest it holds (0 without cp):
+  // K/V blocks and dK/dV accumulators (p2p: the block in hand, the one arriving, the partial
+  // sum, the accumulator arriving and the one leaving; allgather: all cp blocks, their dK/dV,
+  // this rank's sum) and Di.
+  size_t ring_working_bytes(int64_t B, int64_t T) const;
   // Rows per chunk of the fused output projection + loss.
   static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
