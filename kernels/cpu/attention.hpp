@@ -1,7 +1,8 @@
 #pragma once
 // Causal grouped-query attention computed flash-style: query tiles against key tiles with an
 // online softmax, so the T x T score matrix never exists whole. Saves the row log-sum-exp for
-// backward, which recomputes the scores tile by tile.
+// backward, which recomputes the scores tile by tile. Implemented by the block kernels of
+// attention_block.hpp with positions 0..T-1 (one kernel for plain and ring attention).
 #include <cstdint>
 
 namespace loom::cpu {

@@ -36,20 +36,28 @@ void check(const BlockShape& s, const char* who) {
              s.scale);
 }
 
-// Positions of a block cut into tiles of `tile`: padded to whole tiles with `pad`, and the range
-// [lo, hi] of every tile's real positions.
+// Positions of a block cut into tiles of `tile`: padded to whole tiles with `pad`, the range
+// [lo, hi] of every tile's real positions, and whether they are a run of consecutive positions
+// (every tile of plain causal attention, every tile inside one zigzag chunk).
 struct Tiles {
   Tiles(const int64_t* pos, int64_t n, int64_t tile, int64_t pad)
       : count((n + tile - 1) / tile), padded(static_cast<size_t>(count * tile), pad) {
     std::copy_n(pos, n, padded.begin());
     for (int64_t t = 0; t < count; ++t) {
-      const auto [mn, mx] = std::minmax_element(pos + t * tile, pos + std::min(n, (t + 1) * tile));
+      const int64_t* first = pos + t * tile;
+      const int64_t* last = pos + std::min(n, (t + 1) * tile);
+      const auto [mn, mx] = std::minmax_element(first, last);
       lo.push_back(*mn);
       hi.push_back(*mx);
+      bool consecutive = true;
+      for (const int64_t* p = first + 1; p < last; ++p)
+        consecutive = consecutive && *p == p[-1] + 1;
+      run.push_back(consecutive);
     }
   }
   int64_t count;
   std::vector<int64_t> padded, lo, hi;
+  std::vector<char> run;
 };
 
 // What a (query tile, key tile) pair computes: nothing when every key follows every query, the
@@ -59,6 +67,34 @@ inline Pair classify(const Tiles& qt, int64_t qi, const Tiles& kt, int64_t kj) {
   if (kt.lo[kj] > qt.hi[qi]) return Pair::none;
   return kt.hi[kj] <= qt.lo[qi] ? Pair::all : Pair::masked;
 }
+
+// Which entries of a pair of tiles (nq queries from q0, nk keys from k0) are visible. When both
+// tiles are runs, key j is visible to query i iff j + off <= i (off = first key position - first
+// query position), so the kernels skip whole vectors and rows past the diagonal, as plain causal
+// attention does; otherwise (a tile straddling two zigzag chunks) each entry is selected by
+// position.
+struct PairMask {
+  PairMask(const Tiles& qt, int64_t qi, const Tiles& kt, int64_t kj, int64_t nq, int64_t nk)
+      : kind(classify(qt, qi, kt, kj)),
+        diagonal(kind == Pair::masked && qt.run[qi] && kt.run[kj]),
+        off(kt.padded[kj * kBk] - qt.padded[qi * kBq]),
+        nq(nq),
+        nk(nk) {}
+  // Keys [0, key_limit(i)) hold every key query i may see.
+  int64_t key_limit(int64_t i) const {
+    return diagonal ? std::clamp<int64_t>(i - off + 1, 0, nk) : nk;
+  }
+  // Queries [first_query(j), nq) hold every query that may see key j.
+  int64_t first_query(int64_t j) const {
+    return diagonal ? std::clamp<int64_t>(j + off, 0, nq) : 0;
+  }
+  // Entries within those ranges still to be selected by position.
+  bool by_position() const { return kind == Pair::masked && !diagonal; }
+
+  Pair kind;
+  bool diagonal;
+  int64_t off, nq, nk;
+};
 
 // Tile indices ordered by decreasing number of partner tiles they work with (ties by index): the
 // dynamic schedule then hands out the heaviest units first.
@@ -113,15 +149,20 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
       std::fill(o, o + nq * D, 0.0f);
       bool first = true;
       for (int64_t kj = 0; kj < nkt; ++kj) {
-        const Pair pair = classify(qtiles, qi, ktiles, kj);
-        if (pair == Pair::none) continue;
         const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+        if (mask.kind == Pair::none) continue;
         const float* kb = k + (b * Tk + k0) * kvs + g * D;
         const float* vb = v + (b * Tk + k0) * kvs + g * D;
-        scores(Score{kb, kvs, qt, kBq, st, kBq, D}, nk,
-               [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nvq); });
-        if (pair == Pair::masked) {
-          // -inf, so that exp2 gives the masked entries exactly 0.
+        // Rows are keys: row block [r0, r1) needs the query vectors from key r0's first query.
+        scores(Score{kb, kvs, qt, kBq, st, kBq, D}, nk, [&](int64_t r0, int64_t) {
+          return std::pair<int64_t, int64_t>(mask.first_query(r0) / kW, nvq);
+        });
+        // Masked entries get -inf, so that exp2 gives them exactly 0.
+        if (mask.diagonal) {
+          for (int64_t j = 0; j < nk; ++j)
+            std::fill_n(st + j * kBq, std::min(mask.first_query(j), nvq * kW), kNegInf);
+        } else if (mask.by_position()) {
           const int64_t* kp = ktiles.padded.data() + k0;
           for (int64_t j = 0; j < nk; ++j) {
             const int64_t kpj = kp[j];
@@ -153,7 +194,9 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
         }
         // O = alpha * O + P V; before the first key tile O is zero and alpha is not needed.
         accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D, first ? nullptr : alpha}, nq,
-                       [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nk); });
+                       [&](int64_t, int64_t r1) {
+                         return std::pair<int64_t, int64_t>(0, mask.key_limit(r1 - 1));
+                       });
         first = false;
       }
       for (int64_t i = 0; i < nq; ++i) {
@@ -173,7 +216,7 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
   }
 }
 
-// Backward of one block pair, as attention.cpp's: the scores of a (query tile, key tile) pair
+// Backward of one block pair (flash backward): the scores of a (query tile, key tile) pair
 // are recomputed from q, k and the final lse, then feed dV += P^T dO, dK += dS^T Q, dQ += dS K.
 // Work is split so that every output element has a single writer and a summation order that
 // does not depend on the number of threads:
@@ -200,6 +243,7 @@ class Backward {
         qs(s.q_stride),
         kvs(s.kv_stride),
         os(s.Hq * s.D),
+        overwrite(!s.accumulate),
         qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
         ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
         c(s.scale * kLog2e),
@@ -235,28 +279,43 @@ class Backward {
   // dk/dv of key tile kj of (b, g), over the group's heads and all query tiles that see it;
   // with_dq also adds this key tile's contribution to dq (fused scheme).
   void key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj, bool with_dq) const {
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
     bool any = false;
     for (int64_t qi = 0; qi < qtiles.count; ++qi)
       any = any || classify(qtiles, qi, ktiles, kj) != Pair::none;
-    if (!any) return;
-    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+    if (!any) {
+      if (overwrite)
+        for (int64_t j = 0; j < nk; ++j) {
+          std::fill_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
+          std::fill_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
+        }
+      return;
+    }
     load_kv_tile(w, b, g, k0, nk);
-    for (int64_t j = 0; j < nk; ++j) {
-      std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * D);
-      std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * D);
+    if (overwrite) {
+      std::fill_n(w.dkacc, nk * D, 0.0f);
+      std::fill_n(w.dvacc, nk * D, 0.0f);
+    } else {
+      for (int64_t j = 0; j < nk; ++j) {
+        std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * D);
+        std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * D);
+      }
     }
     for (int64_t h = g * G; h < (g + 1) * G; ++h)
       for (int64_t qi = 0; qi < qtiles.count; ++qi) {
-        const Pair pair = classify(qtiles, qi, ktiles, kj);
-        if (pair == Pair::none) continue;
         const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-        probs_and_grads(w, b, h, qi, kj, pair);
-        const auto queries = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nq); };
+        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+        if (mask.kind == Pair::none) continue;
+        probs_and_grads(w, b, h, q0, k0, mask);
+        // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
+        const auto queries = [&](int64_t r0, int64_t) {
+          return std::pair<int64_t, int64_t>(mask.first_query(r0), nq);
+        };
         accumulate<ND>(Accum{w.p, 1, kBk, dout + (b * Tq + q0) * os + h * D, os, w.dvacc, D, D}, nk,
                        queries);
         accumulate<ND>(Accum{w.ds, 1, kBk, q + (b * Tq + q0) * qs + h * D, qs, w.dkacc, D, D}, nk,
                        queries);
-        if (with_dq) add_dq(w, b, h, qi, kj);
+        if (with_dq) add_dq(w, b, h, q0, k0, mask);
       }
     for (int64_t j = 0; j < nk; ++j) {
       std::copy_n(w.dkacc + j * D, D, dk + (b * Tk + k0 + j) * kvs + g * D);
@@ -266,17 +325,26 @@ class Backward {
 
   // dq of query tile qi of head h (split scheme), from all key tiles in order.
   void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    if (overwrite)
+      for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
     for (int64_t kj = 0; kj < ktiles.count; ++kj) {
-      const Pair pair = classify(qtiles, qi, ktiles, kj);
-      if (pair == Pair::none) continue;
-      const int64_t k0 = kj * kBk;
-      load_kv_tile(w, b, h / G, k0, std::min(kBk, Tk - k0));
-      probs_and_grads(w, b, h, qi, kj, pair);
-      add_dq(w, b, h, qi, kj);
+      const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+      const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+      if (mask.kind == Pair::none) continue;
+      load_kv_tile(w, b, h / G, k0, nk);
+      probs_and_grads(w, b, h, q0, k0, mask);
+      add_dq(w, b, h, q0, k0, mask);
     }
   }
 
+  // Zeroes the dq rows of (b, g)'s heads before the fused scheme adds into them (overwrite).
+  void zero_dq(int64_t b, int64_t g) const {
+    for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
+  }
+
   const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
+  const bool overwrite;
   const Tiles qtiles, ktiles;
 
  private:
@@ -287,11 +355,14 @@ class Backward {
 
   // P (exact zeros where masked, and on rows that see no key at all: lse = -inf) into w.p and
   // dS * scale into w.ds, [kBq][kBk], zero past the tile's keys.
-  void probs_and_grads(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t kj, Pair pair) const {
-    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+  void probs_and_grads(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t k0,
+                       const PairMask& mask) const {
+    const int64_t nq = mask.nq, nk = mask.nk;
     const int64_t nvk = (nk + kW - 1) / kW;
-    const auto key_vectors = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nvk); };
+    // Rows are queries: row block [r0, r1) needs the key vectors up to query r1 - 1's limit.
+    const auto key_vectors = [&](int64_t, int64_t r1) {
+      return std::pair<int64_t, int64_t>(0, (mask.key_limit(r1 - 1) + kW - 1) / kW);
+    };
     scores(Score{q + (b * Tq + q0) * qs + h * D, qs, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
     scores(Score{dout + (b * Tq + q0) * os + h * D, os, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
     v16i iota;
@@ -301,10 +372,11 @@ class Backward {
     for (int64_t i = 0; i < nq; ++i) {
       float* prow = w.p + i * kBk;
       float* dsrow = w.ds + i * kBk;
-      const int64_t nv = lrow[i] == kNegInf ? 0 : nvk;
+      const int64_t lim = lrow[i] == kNegInf ? 0 : mask.key_limit(i);
+      const int64_t nv = (lim + kW - 1) / kW;
       const float l2 = lrow[i] * kLog2e, dval = drow[i];
       for (int64_t vk = 0; vk < nv; ++vk) {
-        const v16i visible = iota + int32_t(vk * kW) < int32_t(nk);
+        const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
         v16 pv = vexp2(load(prow + vk * kW) * c - l2);
         pv = visible ? pv : v16{};
         store(prow + vk * kW, pv);
@@ -315,7 +387,7 @@ class Backward {
         store(dsrow + vk * kW, v16{});
       }
     }
-    if (pair != Pair::masked) return;
+    if (!mask.by_position()) return;
     // Selects, not products: an invisible entry's P may be huge (its score is not bounded by
     // the row's lse), and its dS even inf.
     const int64_t* qp = qtiles.padded.data() + q0;
@@ -333,13 +405,14 @@ class Backward {
     }
   }
 
-  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j].
-  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t kj) const {
-    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see.
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t k0,
+              const PairMask& mask) const {
     accumulate<ND>(Accum{w.ds, kBk, 1, k + (b * Tk + k0) * kvs + (h / G) * D, kvs,
                          dq + (b * Tq + q0) * qs + h * D, qs, D},
-                   nq, [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, nk); });
+                   mask.nq, [&](int64_t, int64_t r1) {
+                     return std::pair<int64_t, int64_t>(0, mask.key_limit(r1 - 1));
+                   });
   }
 
   const float c, scale;
@@ -362,11 +435,13 @@ void backward_impl(const BlockShape& s, const float* q, const float* k, const fl
     {
       typename Backward<ND>::Buffers w(s.D);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < groups; ++u)
+      for (int64_t u = 0; u < groups; ++u) {
+        if (bw.overwrite) bw.zero_dq(u / s.Hkv, u % s.Hkv);
         for (int64_t kj = 0; kj < nkt; ++kj) {
           bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
           report_progress(progress);
         }
+      }
     }
     return;
   }
@@ -470,13 +545,13 @@ void attention_merge(int64_t B, int64_t Tq, int64_t Hq, int64_t D, float* out_a,
 
 void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* out,
                      const float* dout, float* delta) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b)
+  // Token-major, as out and dout are laid out.
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * Tq; ++bt) {
+    const int64_t b = bt / Tq, t = bt % Tq;
     for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t t = 0; t < Tq; ++t) {
-        const int64_t o = (b * Tq + t) * Hq * D + h * D;
-        delta[(b * Hq + h) * Tq + t] = dot(out + o, dout + o, D);
-      }
+      delta[(b * Hq + h) * Tq + t] = dot(out + (bt * Hq + h) * D, dout + (bt * Hq + h) * D, D);
+  }
 }
 
 void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,

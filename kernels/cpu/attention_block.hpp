@@ -22,6 +22,7 @@ struct BlockShape {
   int64_t B = 0, Tq = 0, Tk = 0, Hq = 0, Hkv = 0, D = 0;
   int64_t q_stride = 0, kv_stride = 0;
   float scale = 0;
+  bool accumulate = true;  // backward: add into dq, dk, dv; false: overwrite them
 };
 
 // Global positions held by cp rank `rank` of `cp` (load-balanced "zigzag" layout): the sequence
@@ -35,10 +36,12 @@ std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t s
 // sample and head). Zero means the block is skipped.
 int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);
 
-// Both block kernels are tiled flash kernels (64x64 tiles, as attention.cpp); positions are
-// arbitrary (unsorted, a tile may straddle two chunks): a tile pair is skipped when its earliest
-// key follows its latest query, computed unmasked when its latest key precedes its earliest
-// query, masked entry by entry otherwise. Results do not depend on the number of threads.
+// Both block kernels are tiled flash kernels (64x64 tiles; plain causal attention in
+// attention.hpp is these kernels with positions 0..T-1). Positions are arbitrary (unsorted, a tile
+// may straddle two chunks): a tile pair is skipped when its earliest key follows its latest query,
+// computed unmasked when its latest key precedes its earliest query, and otherwise masked: past
+// the diagonal, skipping whole vectors, when both tiles are runs of consecutive positions; entry
+// by entry when not. Results do not depend on the number of threads.
 //
 // progress, when set, is called once on entry and then between work units (never inside the
 // tile loops), only on OpenMP thread 0 of the kernel's team, i.e. the thread that called the
@@ -61,7 +64,8 @@ void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* 
                      const float* dout, float* delta);
 
 // Adds this block pair's contributions to dq (layout of q) and to dk, dv (layout of k, v), given
-// the FINAL lse of the query rows and their delta. Accumulates: the caller zeroes once.
+// the FINAL lse of the query rows and their delta. Accumulates (the caller zeroes once), unless
+// s.accumulate is false: then dq, dk, dv are overwritten.
 void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,
                               const int64_t* q_pos, const int64_t* k_pos, const float* lse,
                               const float* delta, const float* dout, float* dq, float* dk,

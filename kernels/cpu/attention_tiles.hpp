@@ -1,7 +1,7 @@
 #pragma once
-// Tile primitives of the flash attention kernels (attention.cpp, attention_block.cpp): register
-// transposes, the "score" and "accumulate" micro-kernels, per-thread scratch and the head-dim
-// dispatch. Internal to those two files; not part of the kernel interface.
+// Tile primitives of the flash attention kernels (attention_block.cpp, which also serves causal
+// attention for attention.cpp): register transposes, the "score" and "accumulate" micro-kernels,
+// per-thread scratch and the head-dim dispatch. Internal; not part of the kernel interface.
 #include <cstdint>
 #include <memory>
 #include <utility>
