@@ -995,9 +995,7 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
   const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = blocks_.size();
   const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
   const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
-  uint64_t recomputed = 0;                      // blocks whose forward runs again in backward
-  for (uint64_t l = 0; l < L; ++l)
-    recomputed += ac_.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+  const uint64_t recomputed = recomputed_blocks();
   // Without SP a recomputed forward all-reduces the attention output once more.
   if (!tp_->sp()) return ar(M * d * 4) * (2 + 4 * L + recomputed) + loss;
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
@@ -1015,30 +1013,37 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
          + f32;                                                  // embedding backward all-gather
 }
 
+int64_t LlamaModel::recomputed_blocks() const {
+  int64_t n = 0;
+  for (size_t l = 0; l < blocks_.size(); ++l)
+    n += ac_.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+  return n;
+}
+
+size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
+  // This rank's B*T rows of the local kv heads' K and V, f32.
+  const size_t tpn = size_t(tp_->opt.size());
+  return size_t(B * T) * 2 * size_t(config_.num_key_value_heads) / tpn *
+         size_t(config_.head_dim()) * 4;
+}
+
 uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
   const int n = tp_->cp.size();
   if (n == 1) return 0;
-  const uint64_t k = uint64_t(n - 1), tpn = uint64_t(tp_->opt.size());
-  // One K/V block: this rank's B*T rows of the local kv heads' K and V, f32.
-  const uint64_t kv = uint64_t(B * T) * 2 * uint64_t(config_.num_key_value_heads) / tpn *
-                      uint64_t(config_.head_dim()) * 4;
-  uint64_t recomputed = 0;  // blocks whose forward (and so the ring) runs again in backward
-  for (size_t l = 0; l < blocks_.size(); ++l)
-    recomputed += ac_.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+  const uint64_t k = uint64_t(n - 1), kv = ring_kv_bytes(B, T);
   // p2p: forward sends K/V n-1 times; backward the same plus n hops of the dK/dV accumulator.
   // allgather: the same K/V bytes by all-gather, and a reduce-scatter of n blocks of dK/dV.
+  // The forward runs again for the blocks that full checkpointing recomputes.
   const uint64_t forward = k * kv, backward = tp_->cp.allgather ? 2 * k * kv : (2 * k + 1) * kv;
-  return (forward + backward) * uint64_t(blocks_.size()) + forward * recomputed;
+  return (forward + backward) * uint64_t(blocks_.size()) + forward * uint64_t(recomputed_blocks());
 }
 
 size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {
   const int n = tp_->cp.size();
   if (n == 1) return 0;
-  const size_t tpn = size_t(tp_->opt.size()), Hkv = size_t(config_.num_key_value_heads) / tpn;
-  const size_t Hq = size_t(config_.num_attention_heads) / tpn, hd = size_t(config_.head_dim());
-  const size_t kv = size_t(B * T) * 2 * Hkv * hd * 4;
+  const size_t Hq = size_t(config_.num_attention_heads / tp_->opt.size());
   const size_t blocks = tp_->cp.allgather ? 2 * size_t(n) + 1 : 5;
-  return blocks * kv + size_t(B * T) * Hq * 4;
+  return blocks * ring_kv_bytes(B, T) + size_t(B * T) * Hq * 4;
 }
 
 }  // namespace loom
