@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
       libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
-      libopenblas0-pthread
+      libopenblas0-pthread ocl-icd-opencl-dev libhwy-dev
       libopenmpi-dev openmpi-bin)
 missing=()
 # Node (for the tokenizer parity tests) may come from NodeSource with npm bundled; only install
