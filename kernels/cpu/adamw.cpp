@@ -1,15 +1,22 @@
 #include "kernels/cpu/adamw.hpp"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
-namespace loom::cpu {
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/adamw.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr int64_t kParallelMin = int64_t{1} << 15;
 
@@ -17,20 +24,14 @@ constexpr int64_t kParallelMin = int64_t{1} << 15;
 // roots.
 constexpr int64_t kBlock = 512;
 
-// With math-errno on (the build's default), GCC will not vectorize std::sqrt in a loop, and a
-// per-element function attribute or pragma does not lift that; so the one step that needs it is
-// done here explicitly. IEEE sqrt is correctly rounded on every path, so results are identical.
+// GCC will not vectorize std::sqrt in a loop unless math-errno is off for the whole function, so
+// the one step that needs it uses Highway's vector sqrt. IEEE sqrt is correctly rounded on every
+// target, so results are identical across tiers.
 void sqrt_inplace(float* x, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = int64_t(hn::Lanes(d));
   int64_t i = 0;
-#if defined(__AVX512F__)
-  // The masked form: GCC 12 warns that the plain one's undefined pass-through is uninitialized.
-  for (; i + 16 <= n; i += 16) {
-    const __m512 a = _mm512_loadu_ps(x + i);
-    _mm512_storeu_ps(x + i, _mm512_mask_sqrt_ps(a, 0xffff, a));
-  }
-#elif defined(__AVX__)
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
-#endif
+  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::Sqrt(hn::LoadU(d, x + i)), d, x + i);
   for (; i < n; ++i) x[i] = std::sqrt(x[i]);
 }
 
@@ -79,6 +80,25 @@ void adamw_loop(float* p, const float* g, float* m, float* v, bf16* pb, int64_t 
 
 }  // namespace
 
+void adamw_loop_impl(float* p, const float* g, float* m, float* v, bf16* pb, int64_t n, float decay,
+                     float w1, bool lerp_from_end, float b2, float one_minus_b2, float step_size,
+                     float bc2_sqrt, float eps) {
+  if (pb != nullptr)
+    adamw_loop<true>(p, g, m, v, pb, n, decay, w1, lerp_from_end, b2, one_minus_b2, step_size,
+                     bc2_sqrt, eps);
+  else
+    adamw_loop<false>(p, g, m, v, nullptr, n, decay, w1, lerp_from_end, b2, one_minus_b2, step_size,
+                      bc2_sqrt, eps);
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+
+HWY_EXPORT(adamw_loop_impl);
+
 void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
                 bf16* param_bf16) {
   LOOM_CHECK(n >= 0, "adamw_step: element count must be >= 0, got ", n);
@@ -97,13 +117,10 @@ void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, f
   const float w1 = float(1.0 - b1);
   const float step_size = float(lr / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
-  if (param_bf16 != nullptr) {
-    adamw_loop<true>(param, grad, m, v, param_bf16, n, decay, w1, w1 >= 0.5f, a.beta2,
-                     float(1.0 - b2), step_size, bc2_sqrt, a.eps);
-  } else {
-    adamw_loop<false>(param, grad, m, v, nullptr, n, decay, w1, w1 >= 0.5f, a.beta2,
-                      float(1.0 - b2), step_size, bc2_sqrt, a.eps);
-  }
+  LOOM_DISPATCH(adamw_loop_impl)
+  (param, grad, m, v, param_bf16, n, decay, w1, w1 >= 0.5f, a.beta2, float(1.0 - b2), step_size,
+   bc2_sqrt, a.eps);
 }
 
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

@@ -12,29 +12,26 @@
 #include <omp.h>
 
 #include "core/error.hpp"
-#include "kernels/cpu/attention_tiles.hpp"
-#include "kernels/cpu/vec_math.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
-// See attention_tiles.hpp: the ABI note on v16 does not apply to functions internal to this file.
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention_block.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "kernels/cpu/attention_tiles-inl.hpp"
+#include "kernels/cpu/vec_math-inl.hpp"
+
+// See vec_math-inl.hpp: the ABI note on vectors does not apply to functions internal to this file.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-namespace loom::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
 
 using namespace tiles;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-void check(const BlockShape& s, const char* who) {
-  LOOM_CHECK(s.B > 0 && s.Tq > 0 && s.Tk > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
-             ": B, Tq, Tk, Hq, Hkv, D must be positive, got B=", s.B, " Tq=", s.Tq, " Tk=", s.Tk,
-             " Hq=", s.Hq, " Hkv=", s.Hkv, " D=", s.D);
-  LOOM_CHECK(s.Hq % s.Hkv == 0, who, ": Hq (", s.Hq, ") must be a multiple of Hkv (", s.Hkv, ")");
-  LOOM_CHECK(s.q_stride >= s.Hq * s.D, who, ": q_stride ", s.q_stride, " < Hq*D = ", s.Hq * s.D);
-  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, who, ": kv_stride ", s.kv_stride,
-             " < Hkv*D = ", s.Hkv * s.D);
-  LOOM_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale must be finite and > 0, got ",
-             s.scale);
-}
 
 // Positions of a block cut into tiles of `tile`: padded to whole tiles with `pad`, the range
 // [lo, hi] of every tile's real positions, and whether they are a run of consecutive positions
@@ -176,15 +173,15 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
         // (giving 0) where -inf - -inf would give NaN.
         for (int64_t vq = 0; vq < nvq; ++vq) {
           float* col = st + vq * kW;
-          v16 mt = load(col);
+          vf mt = load(col);
           for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
-          const v16 mo = load(m + vq * kW);
-          const v16 mn = vmax(mo, mt);
-          const v16 ms = mn == splat(kNegInf) ? v16{} : mn;
-          const v16 al = vexp2(mo - ms);
-          v16 sum{};
+          const vf mo = load(m + vq * kW);
+          const vf mn = vmax(mo, mt);
+          const vf ms = mn == splat(kNegInf) ? vf{} : mn;
+          const vf al = vexp2(mo - ms);
+          vf sum{};
           for (int64_t j = 0; j < nk; ++j) {
-            const v16 p = vexp2(load(col + j * kBq) - ms);
+            const vf p = vexp2(load(col + j * kBq) - ms);
             store(col + j * kBq, p);
             sum += p;
           }
@@ -365,7 +362,7 @@ class Backward {
     };
     scores(Score{q + (b * Tq + q0) * qs + h * D, qs, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
     scores(Score{dout + (b * Tq + q0) * os + h * D, os, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
-    v16i iota;
+    vi iota;
     for (int l = 0; l < kW; ++l) iota[l] = l;
     const float* lrow = lse + (b * Hq + h) * Tq + q0;
     const float* drow = di + (b * Hq + h) * Tq + q0;
@@ -376,15 +373,15 @@ class Backward {
       const int64_t nv = (lim + kW - 1) / kW;
       const float l2 = lrow[i] * kLog2e, dval = drow[i];
       for (int64_t vk = 0; vk < nv; ++vk) {
-        const v16i visible = iota + int32_t(vk * kW) < int32_t(lim);
-        v16 pv = vexp2(load(prow + vk * kW) * c - l2);
-        pv = visible ? pv : v16{};
+        const vi visible = iota + int32_t(vk * kW) < int32_t(lim);
+        vf pv = vexp2(load(prow + vk * kW) * c - l2);
+        pv = visible ? pv : vf{};
         store(prow + vk * kW, pv);
         store(dsrow + vk * kW, pv * (load(dsrow + vk * kW) - dval) * scale);
       }
       for (int64_t vk = nv; vk < kBk / kW; ++vk) {
-        store(prow + vk * kW, v16{});
-        store(dsrow + vk * kW, v16{});
+        store(prow + vk * kW, vf{});
+        store(dsrow + vk * kW, vf{});
       }
     }
     if (!mask.by_position()) return;
@@ -482,6 +479,83 @@ struct BackwardOp {
 
 }  // namespace
 
+void attention_block_forward_impl(const BlockShape& s, const float* q, const float* k,
+                                  const float* v, const int64_t* q_pos, const int64_t* k_pos,
+                                  float* out, float* lse, const std::function<void()>* progress) {
+  dispatch_head_dim<ForwardOp>(s.D, s, q, k, v, q_pos, k_pos, out, lse, progress);
+}
+
+void attention_block_backward_impl(const BlockShape& s, const float* q, const float* k,
+                                   const float* v, const int64_t* q_pos, const int64_t* k_pos,
+                                   const float* lse, const float* delta, const float* dout,
+                                   float* dq, float* dk, float* dv,
+                                   const std::function<void()>* progress) {
+  dispatch_head_dim<BackwardOp>(s.D, s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv,
+                                progress);
+}
+
+void attention_merge_impl(int64_t B, int64_t Tq, int64_t Hq, int64_t D, float* out_a, float* lse_a,
+                          const float* out_b, const float* lse_b) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t t = 0; t < Tq; ++t) {
+        const int64_t li = (b * Hq + h) * Tq + t;
+        const float la = lse_a[li], lb = lse_b[li];
+        if (lb == kNegInf) continue;
+        float* oa = out_a + (b * Tq + t) * Hq * D + h * D;
+        const float* ob = out_b + (b * Tq + t) * Hq * D + h * D;
+        if (la == kNegInf) {
+          std::copy(ob, ob + D, oa);
+          lse_a[li] = lb;
+          continue;
+        }
+        const float m = std::max(la, lb);
+        const float l = m + std::log(std::exp(la - m) + std::exp(lb - m));
+        const float wa = std::exp(la - l), wb = std::exp(lb - l);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) oa[d] = wa * oa[d] + wb * ob[d];
+        lse_a[li] = l;
+      }
+}
+
+void attention_delta_impl(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* out,
+                          const float* dout, float* delta) {
+  // Token-major, as out and dout are laid out.
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * Tq; ++bt) {
+    const int64_t b = bt / Tq, t = bt % Tq;
+    for (int64_t h = 0; h < Hq; ++h)
+      delta[(b * Hq + h) * Tq + t] = dot(out + (bt * Hq + h) * D, dout + (bt * Hq + h) * D, D);
+  }
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+namespace {
+
+void check(const BlockShape& s, const char* who) {
+  LOOM_CHECK(s.B > 0 && s.Tq > 0 && s.Tk > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
+             ": B, Tq, Tk, Hq, Hkv, D must be positive, got B=", s.B, " Tq=", s.Tq, " Tk=", s.Tk,
+             " Hq=", s.Hq, " Hkv=", s.Hkv, " D=", s.D);
+  LOOM_CHECK(s.Hq % s.Hkv == 0, who, ": Hq (", s.Hq, ") must be a multiple of Hkv (", s.Hkv, ")");
+  LOOM_CHECK(s.q_stride >= s.Hq * s.D, who, ": q_stride ", s.q_stride, " < Hq*D = ", s.Hq * s.D);
+  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, who, ": kv_stride ", s.kv_stride,
+             " < Hkv*D = ", s.Hkv * s.D);
+  LOOM_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale must be finite and > 0, got ",
+             s.scale);
+}
+
+}  // namespace
+
+HWY_EXPORT(attention_block_forward_impl);
+HWY_EXPORT(attention_block_backward_impl);
+HWY_EXPORT(attention_merge_impl);
+HWY_EXPORT(attention_delta_impl);
+
 std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp) {
   LOOM_CHECK(cp >= 1 && rank >= 0 && rank < cp && sp_tp >= 1,
              "cp_positions: need cp >= 1, 0 <= rank < cp, tp >= 1; got cp=", cp, " rank=", rank,
@@ -515,43 +589,17 @@ void attention_block_forward(const BlockShape& s, const float* q, const float* k
   // Thread 0 may finish no unit at all when the other threads take them all (a small block, or
   // thread 0 descheduled): one call up front starts the transfer in any case.
   if (progress) progress();
-  dispatch_head_dim<ForwardOp>(s.D, s, q, k, v, q_pos, k_pos, out, lse, &progress);
+  LOOM_DISPATCH(attention_block_forward_impl)(s, q, k, v, q_pos, k_pos, out, lse, &progress);
 }
 
 void attention_merge(int64_t B, int64_t Tq, int64_t Hq, int64_t D, float* out_a, float* lse_a,
                      const float* out_b, const float* lse_b) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t t = 0; t < Tq; ++t) {
-        const int64_t li = (b * Hq + h) * Tq + t;
-        const float la = lse_a[li], lb = lse_b[li];
-        if (lb == kNegInf) continue;
-        float* oa = out_a + (b * Tq + t) * Hq * D + h * D;
-        const float* ob = out_b + (b * Tq + t) * Hq * D + h * D;
-        if (la == kNegInf) {
-          std::copy(ob, ob + D, oa);
-          lse_a[li] = lb;
-          continue;
-        }
-        const float m = std::max(la, lb);
-        const float l = m + std::log(std::exp(la - m) + std::exp(lb - m));
-        const float wa = std::exp(la - l), wb = std::exp(lb - l);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oa[d] = wa * oa[d] + wb * ob[d];
-        lse_a[li] = l;
-      }
+  LOOM_DISPATCH(attention_merge_impl)(B, Tq, Hq, D, out_a, lse_a, out_b, lse_b);
 }
 
 void attention_delta(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const float* out,
                      const float* dout, float* delta) {
-  // Token-major, as out and dout are laid out.
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * Tq; ++bt) {
-    const int64_t b = bt / Tq, t = bt % Tq;
-    for (int64_t h = 0; h < Hq; ++h)
-      delta[(b * Hq + h) * Tq + t] = dot(out + (bt * Hq + h) * D, dout + (bt * Hq + h) * D, D);
-  }
+  LOOM_DISPATCH(attention_delta_impl)(B, Tq, Hq, D, out, dout, delta);
 }
 
 void attention_block_backward(const BlockShape& s, const float* q, const float* k, const float* v,
@@ -563,8 +611,9 @@ void attention_block_backward(const BlockShape& s, const float* q, const float* 
              "attention_block_backward: null pointer among q, k, v, q_pos, k_pos, lse, delta, "
              "dout, dq, dk, dv");
   if (progress) progress();  // as in attention_block_forward
-  dispatch_head_dim<BackwardOp>(s.D, s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv,
-                                &progress);
+  LOOM_DISPATCH(attention_block_backward_impl)
+  (s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv, &progress);
 }
 
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

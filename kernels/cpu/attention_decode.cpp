@@ -7,56 +7,70 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "kernels/cpu/vec_math.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
-// The 64-byte vector type v16 (vec_math.hpp) is split into narrower registers without AVX-512; GCC
-// then warns that the ABI of functions passing it differs, which does not matter for functions
-// local to this file.
+// Compiled once per CPU tier (cpu_isa.hpp); the public function below dispatches to the tier in
+// use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention_decode.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "kernels/cpu/vec_math-inl.hpp"
+
+// Vectors passed by value: see vec_math-inl.hpp.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-namespace loom::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
 
 // Folds two vectors of partial sums into one: lanes of x and y in alternating blocks of B, the
 // two halves of each 2B-block added.
 template <int B, int... L>
-constexpr v16i fold_mask(bool hi, std::integer_sequence<int, L...>) {
-  return v16i{(((L / B) % 2) ? int(kW) : 0) + (L / (2 * B)) * 2 * B + L % B + (hi ? B : 0)...};
+constexpr vi fold_mask(bool hi, std::integer_sequence<int, L...>) {
+  return vi{(((L / B) % 2) ? int(kW) : 0) + (L / (2 * B)) * 2 * B + L % B + (hi ? B : 0)...};
 }
 template <int B>
-inline v16 fold(v16 x, v16 y) {
+inline vf fold(vf x, vf y) {
   constexpr auto seq = std::make_integer_sequence<int, int(kW)>();
-  constexpr v16i lo = fold_mask<B>(false, seq), hi = fold_mask<B>(true, seq);
+  constexpr vi lo = fold_mask<B>(false, seq), hi = fold_mask<B>(true, seq);
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
-// Sixteen horizontal sums in four rounds of shuffles and adds (instead of sixteen serial
-// reductions). The rounds leave the sum of a[i] in lane bitrev4(i).
-inline v16 reduce16(const v16* a) {
-  v16 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) b[i] = fold<8>(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) c[i] = fold<4>(b[2 * i], b[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) d[i] = fold<2>(c[2 * i], c[2 * i + 1]);
-  return fold<1>(d[0], d[1]);
+// kW horizontal sums in log2(kW) rounds of shuffles and adds (instead of kW serial reductions):
+// round B folds pairs of vectors in blocks of B lanes. a[bitrev(i)] ends in lane i.
+template <int B>
+inline void fold_rounds(vf* a, int n) {
+  for (int i = 0; i < n / 2; ++i) a[i] = fold<B>(a[2 * i], a[2 * i + 1]);
+  if constexpr (B > 1) fold_rounds<B / 2>(a, n / 2);
 }
-constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vf reduce_lanes(vf* a) {
+  fold_rounds<int(kW) / 2>(a, int(kW));
+  return a[0];
+}
+constexpr int bitrev(int i) {
+  int r = 0;
+  for (int b = 1; b < kW; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
+}
 
-// sr[j] = q . k_j for the nj keys at kb + j*stride, 16 keys per vector of results; NC is D/16
-// when it is a small constant (the loops unroll), 0 for any D. sr must hold nj rounded up to 16.
+// sr[j] = q . k_j for the nj keys at kb + j*stride, kW keys per vector of results; NC is D/kW
+// when it is a small constant (the loops unroll), 0 for any D. sr must hold nj rounded up to kW.
 template <int NC>
 void scores(const float* qr, const float* kb, int64_t stride, int64_t nj, int64_t D, float* sr) {
   const int64_t nc = NC ? NC : D / kW;
   for (int64_t jb = 0; jb < nj; jb += kW) {
     const int64_t n = std::min(kW, nj - jb);
-    v16 acc[kW];
+    vf acc[kW];
     for (int j = 0; j < kW; ++j) {
-      v16 a{};
+      vf a{};
       if (j < n) {
         const float* kj = kb + (jb + j) * stride;
         for (int64_t c = 0; c < nc; ++c) a += load(qr + c * kW) * load(kj + c * kW);
       }
-      acc[kBitrev4[j]] = a;  // so key j's sum lands in lane j
+      acc[bitrev(j)] = a;  // so key j's sum lands in lane j
     }
-    store(sr + jb, reduce16(acc));
+    store(sr + jb, reduce_lanes(acc));
     for (int64_t j = 0; j < n && nc * kW < D; ++j)
       for (int64_t d = nc * kW; d < D; ++d) sr[jb + j] += qr[d] * kb[(jb + j) * stride + d];
   }
@@ -69,17 +83,17 @@ void accumulate_pv(const float* p, const float* vb, int64_t stride, int64_t nj, 
                    float alpha, float* __restrict ar) {
   const int64_t nc = NC ? NC : D / kW;
   if constexpr (NC > 0) {
-    v16 a[NC];
+    vf a[NC];
     for (int c = 0; c < NC; ++c) a[c] = load(ar + c * kW) * alpha;
     for (int64_t j = 0; j < nj; ++j) {
-      const v16 pj = v16{} + p[j];
+      const vf pj = vf{} + p[j];
       const float* vj = vb + j * stride;
       for (int c = 0; c < NC; ++c) a[c] += pj * load(vj + c * kW);
     }
     for (int c = 0; c < NC; ++c) store(ar + c * kW, a[c]);
   } else {
     for (int64_t c = 0; c < nc; ++c) {
-      v16 a = load(ar + c * kW) * alpha;
+      vf a = load(ar + c * kW) * alpha;
       for (int64_t j = 0; j < nj; ++j) a += p[j] * load(vb + j * stride + c * kW);
       store(ar + c * kW, a);
     }
@@ -113,7 +127,7 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
   float* acc = w.acc.data();
   float* sc = w.sc.data();
   float m[kRows], l[kRows];
-  int64_t lim[kRows];  // keys [0, lim) are visible to the row
+  int64_t lim[kRows] = {};  // keys [0, lim) are visible to the row
   // Scores in base 2: the scale and log2(e) are folded into the query once.
   const float mul = s.scale * kLog2e;
   for (int64_t r = 0; r < R; ++r) {
@@ -142,10 +156,10 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
       // The first tile always holds key 0, which every row sees, so m is finite from then on.
       const float mnew = std::max(m[r], tmax);
       const float alpha = std::exp2(m[r] - mnew);
-      v16 psum{};
-      const v16 mv = v16{} + mnew;
+      vf psum{};
+      const vf mv = vf{} + mnew;
       for (int64_t j = 0; j < npad; j += kW) {
-        const v16 p = vexp2(load(sr + j) - mv);
+        const vf p = vexp2(load(sr + j) - mv);
         store(sr + j, p);
         psum += p;
       }
@@ -166,20 +180,8 @@ void decode_unit(const DecodeShape& s, const float* q, const float* k, const flo
 
 }  // namespace
 
-void attention_decode(const DecodeShape& s, const float* q, const float* k, const float* v,
-                      float* out) {
-  LOOM_CHECK(s.Tq >= 0 && s.L >= s.Tq, "attention_decode: need 0 <= Tq <= L, got Tq=", s.Tq,
-             " L=", s.L);
-  LOOM_CHECK(s.Hkv > 0 && s.Hq > 0 && s.Hq % s.Hkv == 0,
-             "attention_decode: Hq must be a positive multiple of Hkv, got Hq=", s.Hq,
-             " Hkv=", s.Hkv);
-  LOOM_CHECK(s.D > 0, "attention_decode: head dim must be > 0, got ", s.D);
-  LOOM_CHECK(s.q_stride >= s.Hq * s.D, "attention_decode: q_stride (", s.q_stride,
-             ") must be >= Hq*D (", s.Hq * s.D, ")");
-  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, "attention_decode: kv_stride (", s.kv_stride,
-             ") must be >= Hkv*D (", s.Hkv * s.D, ")");
-  if (s.Tq == 0) return;
-  LOOM_CHECK(q && k && v && out, "attention_decode: null pointer");
+void attention_decode_impl(const DecodeShape& s, const float* q, const float* k, const float* v,
+                           float* out) {
   const int64_t rows = s.Tq * (s.Hq / s.Hkv);
   const int64_t blocks = (rows + kRows - 1) / kRows, units = s.Hkv * blocks;
   // A short cache is a few microseconds of work: less than waking the other threads.
@@ -216,4 +218,30 @@ void attention_decode(const DecodeShape& s, const float* q, const float* k, cons
   }
 }
 
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+
+HWY_EXPORT(attention_decode_impl);
+
+void attention_decode(const DecodeShape& s, const float* q, const float* k, const float* v,
+                      float* out) {
+  LOOM_CHECK(s.Tq >= 0 && s.L >= s.Tq, "attention_decode: need 0 <= Tq <= L, got Tq=", s.Tq,
+             " L=", s.L);
+  LOOM_CHECK(s.Hkv > 0 && s.Hq > 0 && s.Hq % s.Hkv == 0,
+             "attention_decode: Hq must be a positive multiple of Hkv, got Hq=", s.Hq,
+             " Hkv=", s.Hkv);
+  LOOM_CHECK(s.D > 0, "attention_decode: head dim must be > 0, got ", s.D);
+  LOOM_CHECK(s.q_stride >= s.Hq * s.D, "attention_decode: q_stride (", s.q_stride,
+             ") must be >= Hq*D (", s.Hq * s.D, ")");
+  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, "attention_decode: kv_stride (", s.kv_stride,
+             ") must be >= Hkv*D (", s.Hkv * s.D, ")");
+  if (s.Tq == 0) return;
+  LOOM_CHECK(q && k && v && out, "attention_decode: null pointer");
+  LOOM_DISPATCH(attention_decode_impl)(s, q, k, v, out);
+}
+
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

@@ -5,19 +5,20 @@
 
 #include "core/error.hpp"
 #include "core/tensor.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
-#include "kernels/cpu/vec_math.hpp"
 
-namespace loom::cpu {
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/cross_entropy.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "kernels/cpu/vec_math-inl.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
-
-// The default chunk is the number of rows whose f32 logits take this much memory. The dW update
-// reads and writes all of dW once per chunk, so its cost relative to the GEMM work falls with the
-// rows of a chunk: at N=2048, D=512, V=8192 (one core, CPU time), 128 rows (4 MiB) took 189 ms in
-// bf16 and 312 ms in f32, 512 rows (16 MiB) 147 and 265 ms, and 2048 rows 138 and 272 ms. 16 MiB
-// is past the knee (with two threads too: 512 rows within 5% of 2048, 128 rows 30% slower) while
-// keeping the scratch bounded for large vocabularies.
-constexpr int64_t kChunkBytes = int64_t{16} << 20;
 
 // Softmax of one row of logits in place, turned into d(loss)/d(logits) = (softmax - onehot) *
 // scale; returns the row's loss lse - logit[t]. `out16` (bf16 mode) receives the gradient
@@ -56,6 +57,45 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
 
 }  // namespace
 
+// The loss of rows [0, c) of a chunk of logits L (V per row), turned into their gradients.
+double softmax_rows_impl(float* L, bf16* G16, int64_t c, int64_t V, const int32_t* tg, float scale,
+                         bool need_grad) {
+  double loss = 0;
+#pragma omp parallel for schedule(static) reduction(+ : loss)
+  for (int64_t i = 0; i < c; ++i) {
+    float* row = L + i * V;
+    bf16* row16 = G16 ? G16 + i * V : nullptr;
+    if (tg[i] < 0) {  // ignored: no loss, zero gradient
+      if (row16)
+        std::fill_n(row16, V, bf16{});
+      else if (need_grad)
+        std::fill_n(row, V, 0.0f);
+      continue;
+    }
+    loss += softmax_grad_row(row, V, tg[i], scale, need_grad, row16);
+  }
+  return loss;
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+namespace {
+
+// The default chunk is the number of rows whose f32 logits take this much memory. The dW update
+// reads and writes all of dW once per chunk, so its cost relative to the GEMM work falls with the
+// rows of a chunk: at N=2048, D=512, V=8192 (one core, CPU time), 128 rows (4 MiB) took 189 ms in
+// bf16 and 312 ms in f32, 512 rows (16 MiB) 147 and 265 ms, and 2048 rows 138 and 272 ms. 16 MiB
+// is past the knee (with two threads too: 512 rows within 5% of 2048, 128 rows 30% slower) while
+// keeping the scratch bounded for large vocabularies.
+constexpr int64_t kChunkBytes = int64_t{16} << 20;
+
+}  // namespace
+
+HWY_EXPORT(softmax_rows_impl);
+
 double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   LOOM_CHECK(a.ab == DType::f32 || a.ab == DType::bf16,
              "linear_cross_entropy: x and w must be float32 or bfloat16, got ", dtype_name(a.ab));
@@ -91,19 +131,7 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
     const int64_t V = a.V;
     const float scale = a.grad_scale;
     const int32_t* tg = a.targets + r0;
-#pragma omp parallel for schedule(static) reduction(+ : loss)
-    for (int64_t i = 0; i < c; ++i) {
-      float* row = L + i * V;
-      bf16* row16 = G16 ? G16 + i * V : nullptr;
-      if (tg[i] < 0) {  // ignored: no loss, zero gradient
-        if (row16)
-          std::fill_n(row16, V, bf16{});
-        else if (need_grad)
-          std::fill_n(row, V, 0.0f);
-        continue;
-      }
-      loss += softmax_grad_row(row, V, tg[i], scale, need_grad, row16);
-    }
+    loss += LOOM_DISPATCH(softmax_rows_impl)(L, G16, c, V, tg, scale, need_grad);
     if (a.dx) linear_backward_input(dlogits, a.w, a.dx + r0 * a.D, c, a.V, a.D, a.ab, false);
     if (a.dw) linear_backward_weight(dlogits, xc, a.dw, c, a.V, a.D, a.ab);
   }
@@ -111,3 +139,4 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
 }
 
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

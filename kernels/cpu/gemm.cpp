@@ -12,6 +12,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
 namespace loom::cpu {
 namespace {
@@ -44,6 +45,7 @@ struct Context {
   std::map<Key, std::unique_ptr<Entry>> cache;
 
   static Context& get() {
+    cpu_isa();  // LOOM_CPU_ISA caps oneDNN's ISA, which must happen before the engine exists
     static Context ctx;
     return ctx;
   }

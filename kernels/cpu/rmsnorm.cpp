@@ -5,9 +5,16 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
-namespace loom::cpu {
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/rmsnorm.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
 
 // Rows are parallel work; below this many elements the thread team costs more than it saves.
@@ -19,17 +26,10 @@ constexpr int64_t kParallelMin = int64_t{1} << 14;
 // inputs (3 x rows x dim floats).
 constexpr int64_t kMaxChunks = 64;
 
-void check_args(const char* what, int64_t rows, int64_t dim) {
-  LOOM_CHECK(rows >= 0, what, ": rows must be >= 0, got ", rows);
-  LOOM_CHECK(dim > 0, what, ": dim must be > 0, got ", dim);
-}
-
 }  // namespace
 
-void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
-                     float* rstd) {
-  check_args("rmsnorm_forward", rows, dim);
-  LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
+void rmsnorm_forward_impl(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                          float* y, float* rstd) {
   const float inv_dim = 1.0f / float(dim);
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
@@ -48,10 +48,8 @@ void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, 
 
 // With xhat = x * rstd and g = dy * w:
 //   dx = rstd * (g - xhat * mean(g * xhat)),  dw = sum over rows of dy * xhat.
-void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
-                      int64_t rows, int64_t dim, float* dx, float* dw) {
-  check_args("rmsnorm_backward", rows, dim);
-  if (rows == 0) return;
+void rmsnorm_backward_impl(const float* dy, const float* x, const float* w, const float* rstd,
+                           int64_t rows, int64_t dim, float* dx, float* dw) {
   const int64_t chunk_rows = (rows + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   std::vector<float> partial(size_t(chunks * dim));
@@ -106,4 +104,36 @@ void rmsnorm_backward(const float* dy, const float* x, const float* w, const flo
   }
 }
 
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+namespace {
+
+void check_args(const char* what, int64_t rows, int64_t dim) {
+  LOOM_CHECK(rows >= 0, what, ": rows must be >= 0, got ", rows);
+  LOOM_CHECK(dim > 0, what, ": dim must be > 0, got ", dim);
+}
+
+}  // namespace
+
+HWY_EXPORT(rmsnorm_forward_impl);
+HWY_EXPORT(rmsnorm_backward_impl);
+
+void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
+                     float* rstd) {
+  check_args("rmsnorm_forward", rows, dim);
+  LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
+  LOOM_DISPATCH(rmsnorm_forward_impl)(x, w, rows, dim, eps, y, rstd);
+}
+
+void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
+                      int64_t rows, int64_t dim, float* dx, float* dw) {
+  check_args("rmsnorm_backward", rows, dim);
+  if (rows == 0) return;
+  LOOM_DISPATCH(rmsnorm_backward_impl)(dy, x, w, rstd, rows, dim, dx, dw);
+}
+
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

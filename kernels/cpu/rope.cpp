@@ -4,7 +4,57 @@
 #include <numbers>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/rope.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
+namespace {
+
+// sign = +1 rotates by +angle (forward), -1 by -angle (backward, the transpose).
+template <int Sign>
+void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
+            const int32_t* positions, const RopeTable& table) {
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t pos = positions[bt % T];
+    const float* __restrict c = table.cos.data() + pos * half;
+    const float* __restrict s = table.sin.data() + pos * half;
+    float* row = x + bt * row_stride;
+    for (int64_t h = 0; h < H; ++h) {
+      float* __restrict x1 = row + h * D;
+      float* __restrict x2 = x1 + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i], si = Sign * s[i];
+        x1[i] = a * c[i] - b * si;
+        x2[i] = b * c[i] + a * si;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rope_forward_impl(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
+                       const int32_t* positions, const RopeTable& table) {
+  rotate<1>(x, B, T, H, D, row_stride, positions, table);
+}
+
+void rope_backward_impl(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
+                        const int32_t* positions, const RopeTable& table) {
+  rotate<-1>(dx, B, T, H, D, row_stride, positions, table);
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 namespace loom::cpu {
 
 std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& s) {
@@ -76,41 +126,22 @@ void check_args(const char* who, int64_t B, int64_t T, int64_t H, int64_t D, int
                "] = ", positions[t], " is outside the table [0, ", table.num_positions, ")");
 }
 
-// sign = +1 rotates by +angle (forward), -1 by -angle (backward, the transpose).
-template <int Sign>
-void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
-            const int32_t* positions, const RopeTable& table) {
-  const int64_t half = D / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    const int64_t pos = positions[bt % T];
-    const float* __restrict c = table.cos.data() + pos * half;
-    const float* __restrict s = table.sin.data() + pos * half;
-    float* row = x + bt * row_stride;
-    for (int64_t h = 0; h < H; ++h) {
-      float* __restrict x1 = row + h * D;
-      float* __restrict x2 = x1 + half;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i], si = Sign * s[i];
-        x1[i] = a * c[i] - b * si;
-        x2[i] = b * c[i] + a * si;
-      }
-    }
-  }
-}
-
 }  // namespace
+
+HWY_EXPORT(rope_forward_impl);
+HWY_EXPORT(rope_backward_impl);
 
 void rope_forward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                   const int32_t* positions, const RopeTable& table) {
   check_args("rope_forward", B, T, H, D, row_stride, positions, table);
-  rotate<1>(x, B, T, H, D, row_stride, positions, table);
+  LOOM_DISPATCH(rope_forward_impl)(x, B, T, H, D, row_stride, positions, table);
 }
 
 void rope_backward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                    const int32_t* positions, const RopeTable& table) {
   check_args("rope_backward", B, T, H, D, row_stride, positions, table);
-  rotate<-1>(dx, B, T, H, D, row_stride, positions, table);
+  LOOM_DISPATCH(rope_backward_impl)(dx, B, T, H, D, row_stride, positions, table);
 }
 
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

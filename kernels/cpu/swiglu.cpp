@@ -3,10 +3,18 @@
 #include <cstdint>
 
 #include "core/error.hpp"
-#include "kernels/cpu/vec_math.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
-namespace loom::cpu {
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/swiglu.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
+#include "kernels/cpu/vec_math-inl.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 namespace {
 
 constexpr int64_t kParallelMin = int64_t{1} << 14;
@@ -15,15 +23,9 @@ inline float sigmoid(float x) {
   return 1.0f / (1.0f + vexp(-x));
 }
 
-void check_args(const char* what, int64_t rows, int64_t F) {
-  LOOM_CHECK(rows >= 0, what, ": rows must be >= 0, got ", rows);
-  LOOM_CHECK(F > 0, what, ": F (hidden size of the MLP) must be > 0, got ", F);
-}
-
 }  // namespace
 
-void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
-  check_args("swiglu_forward", rows, F);
+void swiglu_forward_impl(const float* gu, int64_t rows, int64_t F, float* h) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* __restrict g = gu + r * 2 * F;
@@ -35,8 +37,7 @@ void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
 }
 
 // With s = sigmoid(g): d silu(g)/dg = s + g s (1 - s) = s (1 + g (1 - s)).
-void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
-  check_args("swiglu_backward", rows, F);
+void swiglu_backward_impl(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     // No __restrict here: dgu may be gu itself (the model overwrites the saved gate/up in place).
@@ -56,4 +57,32 @@ void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, 
   }
 }
 
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+namespace {
+
+void check_args(const char* what, int64_t rows, int64_t F) {
+  LOOM_CHECK(rows >= 0, what, ": rows must be >= 0, got ", rows);
+  LOOM_CHECK(F > 0, what, ": F (hidden size of the MLP) must be > 0, got ", F);
+}
+
+}  // namespace
+
+HWY_EXPORT(swiglu_forward_impl);
+HWY_EXPORT(swiglu_backward_impl);
+
+void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
+  check_args("swiglu_forward", rows, F);
+  LOOM_DISPATCH(swiglu_forward_impl)(gu, rows, F, h);
+}
+
+void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
+  check_args("swiglu_backward", rows, F);
+  LOOM_DISPATCH(swiglu_backward_impl)(dh, gu, rows, F, dgu);
+}
+
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

@@ -1,40 +1,57 @@
-#pragma once
-// Vector helpers shared by the CPU kernels: a 16-float GCC vector type (one zmm register with
-// AVX-512, split by the compiler into narrower registers elsewhere, so every target builds), and
-// exp written out in plain arithmetic so that the loops calling it vectorize. glibc's vector expf
-// is only declared under -ffast-math, which the project does not use, and a scalar expf call per
-// element would dominate the kernels that need exp (SwiGLU, the softmax of cross-entropy, the
-// online softmax of attention).
+// Per-target vector helpers of the CPU kernels (included once per Highway target by each kernel
+// file, after hwy/highway.h, inside its foreach_target pass): a float vector type `vf` of kW lanes
+// (16 with AVX-512, 8 with AVX2, 4 on the SSE2 baseline), written with GCC vector extensions so
+// the same source compiles to each target's registers, and exp written out in plain arithmetic so
+// that the loops calling it vectorize. glibc's vector expf is only declared under -ffast-math,
+// which the project does not use, and a scalar expf call per element would dominate the kernels
+// that need exp (SwiGLU, the softmax of cross-entropy, the online softmax of attention).
 //
 // Both exps use one scheme: the result is 2^n e^r with n an integer and |r| <= ln2/2, e^r by its
 // degree-7 Taylor polynomial (truncation below 1e-8 relative, under f32 rounding), times 2^n
 // built directly in the exponent bits. Measured against a long double exp on every 7th float
 // bit pattern in the unclamped range: both below 0.93 ulp.
+
+// Highway's per-target include guard: the body is compiled once for every target.
+#if defined(LOOM_KERNELS_CPU_VEC_MATH_INL_) == defined(HWY_TARGET_TOGGLE)
+#ifdef LOOM_KERNELS_CPU_VEC_MATH_INL_
+#undef LOOM_KERNELS_CPU_VEC_MATH_INL_
+#else
+#define LOOM_KERNELS_CPU_VEC_MATH_INL_
+#endif
+
+#include <hwy/highway.h>
+
 #include <cstdint>
 #include <cstring>
 
-// Functions that pass the 64-byte vector by value get a different ABI when AVX-512 is off
-// (LOOM_NATIVE=OFF), and GCC warns about it; they are all inline and never cross a library
-// boundary, so the warning does not apply.
+// Functions passing vectors by value get another ABI on narrower targets, and GCC warns; they are
+// all inline, per target, and never cross a library boundary.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-namespace loom::cpu {
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned access
-// Floats per v16.
+// Floats per vector: one register of the target.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int64_t kW = 16;
+#elif HWY_TARGET == HWY_AVX2
+constexpr int64_t kW = 8;
+#else
+constexpr int64_t kW = 4;
+#endif
+typedef float vf __attribute__((vector_size(kW * 4)));
+typedef int32_t vi __attribute__((vector_size(kW * 4)));
+typedef float vfu __attribute__((vector_size(kW * 4), aligned(4), may_alias));  // unaligned
 
-inline v16 load(const float* p) {
-  return *reinterpret_cast<const v16u*>(p);
+inline vf load(const float* p) {
+  return *reinterpret_cast<const vfu*>(p);
 }
-inline void store(float* p, v16 x) {
-  *reinterpret_cast<v16u*>(p) = x;
+inline void store(float* p, vf x) {
+  *reinterpret_cast<vfu*>(p) = x;
 }
-inline v16 splat(float x) {
-  return v16{} + x;
+inline vf splat(float x) {
+  return vf{} + x;
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -48,7 +65,7 @@ namespace vec_math_detail {
 constexpr float kRound = 12582912.0f;
 constexpr int32_t kRoundBits = 0x4b400000;
 
-// e^r for |r| <= ln2/2 (works on float and on v16): Taylor polynomial of degree 7 by Horner.
+// e^r for |r| <= ln2/2 (works on float and on vf): Taylor polynomial of degree 7 by Horner.
 template <class V>
 inline V exp_taylor7(V r) {
   V p = V{} + 1.0f / 5040.0f;
@@ -86,23 +103,26 @@ inline float vexp(float x) {
   return exp_taylor7(r) * scale;
 }
 
-// 2^x on 16 lanes, for the attention kernels. They keep scores in base-2 units (log2(e) is folded
+// 2^x on kW lanes, for the attention kernels. They keep scores in base-2 units (log2(e) is folded
 // into the query scale once), so x splits exactly into n + f, |f| <= 1/2, with no Cody-Waite
 // step; e^(f ln2) then comes from the same polynomial as vexp. Clamping is chosen for masked
 // scores: x is clamped to [-127, 127], and x < -126.5 (in particular -inf) gives exactly 0, so a
 // masked score drops out of the softmax sum without a separate select. NaN propagates.
-inline v16 vexp2(v16 x) {
+inline vf vexp2(vf x) {
   using namespace vec_math_detail;
-  const v16 lo = splat(-127.0f), hi = splat(127.0f);
+  const vf lo = splat(-127.0f), hi = splat(127.0f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const v16 t = x + kRound;
-  const v16 f = x - (t - kRound);
-  const v16i n = __builtin_bit_cast(v16i, t) - kRoundBits;
-  const v16i bits = (n + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
-  return exp_taylor7(f * kLn2) * __builtin_bit_cast(v16, bits);
+  const vf t = x + kRound;
+  const vf f = x - (t - kRound);
+  const vi n = __builtin_bit_cast(vi, t) - kRoundBits;
+  const vi bits = (n + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
+  return exp_taylor7(f * kLn2) * __builtin_bit_cast(vf, bits);
 }
 
-}  // namespace loom::cpu
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
 
 #pragma GCC diagnostic pop
+
+#endif  // per-target include guard
