@@ -1,10 +1,12 @@
 // The `loom` command line: dispatches to the subcommands of DESIGN.md.
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
+#include "dist/mpi_process_group.hpp"
 
 namespace {
 
@@ -24,6 +26,18 @@ const char* kUsage =
     "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
     "      loss curves of one or several runs, train and validation\n";
 
+// Prints the error that ends this process (with its world rank when there are several) and,
+// when it is one rank of several, ends the whole job at once: its peers may be waiting for it in
+// a collective, and would wait there until the collective timeout. Returns 1 otherwise.
+int end_with_error(const std::string& cmd, const char* kind, const char* what) {
+  const loom::dist::WorldPlace world = loom::dist::mpi_world();
+  const std::string rank = world.size > 1 ? loom::str_cat("rank ", world.rank, ": ") : "";
+  std::fprintf(stderr, "%sloom %s: %s: %s\n", rank.c_str(), cmd.c_str(), kind, what);
+  std::fflush(stderr);  // the line must be out before MPI_Abort ends the process
+  loom::dist::abort_world_if_shared(1);
+  return 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -33,7 +47,13 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   loom::Args args(argv + 2, argv + argc);
+  // The commands that can run on several ranks start MPI here rather than inside the command, so
+  // that it outlives the command: an error thrown on one rank then unwinds the command without
+  // reaching MPI_Finalize (which waits for every rank) and arrives below with MPI still up, to
+  // end the job. start_distributed() finds MPI initialized and leaves finalizing to this one.
+  std::optional<loom::dist::MpiRuntime> mpi;
   try {
+    if ((cmd == "train" || cmd == "bench") && loom::dist::launched_under_mpi()) mpi.emplace();
     if (cmd == "bench") return loom::bench_command(args);
     if (cmd == "train") return loom::train_command(args);
     if (cmd == "tokenize") return loom::tokenize_command(args);
@@ -42,10 +62,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
-    return 1;
+    return end_with_error(cmd, "error", e.what());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom %s: internal error: %s\n", cmd.c_str(), e.what());
-    return 1;
+    return end_with_error(cmd, "internal error", e.what());
   }
 }

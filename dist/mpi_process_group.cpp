@@ -46,6 +46,22 @@ MpiRuntime::~MpiRuntime() {
   if (!finalized) MPI_Finalize();
 }
 
+WorldPlace mpi_world() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);  // both may be called before MPI_Init and after MPI_Finalize
+  WorldPlace w;
+  if (initialized && !finalized) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &w.size);
+  }
+  return w;
+}
+
+void abort_world_if_shared(int code) {
+  if (mpi_world().size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
 namespace detail {
 
 void bf16_sum_into(const bf16* in, bf16* inout, int64_t n) {

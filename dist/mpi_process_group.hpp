@@ -39,6 +39,20 @@ class MpiRuntime {
   int world_rank_ = 0, world_size_ = 1;
 };
 
+// This process's place in MPI_COMM_WORLD while MPI is up (initialized and not finalized);
+// rank 0 of 1 otherwise.
+struct WorldPlace {
+  int rank = 0, size = 1;
+};
+WorldPlace mpi_world();
+
+// For an error that ends this process: when MPI is up and the world has more than one rank,
+// MPI_Abort(MPI_COMM_WORLD, code), which ends every rank at once and does not return. The peers
+// may be waiting for this rank in a collective, and returning into MPI_Finalize instead (Open
+// MPI's waits for every rank) would leave the whole job stuck until the collective timeout.
+// Returns, doing nothing, on one process or when MPI is not up.
+void abort_world_if_shared(int code);
+
 // A group over all of MPI_COMM_WORLD (on a duplicated communicator). MPI must be initialized.
 std::unique_ptr<ProcessGroup> make_mpi_world_group(std::string name = "world");
 
