@@ -140,7 +140,7 @@ RingResult ring(const Dims& d, int64_t cp, const std::vector<float>& qkv,
   return res;
 }
 
-TEST(AttentionBlock, RingForwardMatchesFullCausalAttention) {
+TEST_ALL_ISAS(AttentionBlock, RingForwardMatchesFullCausalAttention) {
   for (int64_t cp : {1, 2, 3, 4}) {
     const Dims d{2, 2 * cp * 5, 6, 2, 7};  // chunks of 5, D=7: no size is a vector multiple
     const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 11 + cp);
@@ -158,7 +158,7 @@ TEST(AttentionBlock, RingForwardMatchesFullCausalAttention) {
   }
 }
 
-TEST(AttentionBlock, FullyMaskedBlockIsNeutralInMerge) {
+TEST_ALL_ISAS(AttentionBlock, FullyMaskedBlockIsNeutralInMerge) {
   const Dims d{1, 8, 2, 1, 3};
   const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 5);
   const std::vector<int64_t> qp{0, 1, 2, 3}, kp{4, 5, 6, 7};
@@ -176,7 +176,7 @@ TEST(AttentionBlock, FullyMaskedBlockIsNeutralInMerge) {
   EXPECT_EQ(la, la0);
 }
 
-TEST(AttentionBlock, RingBackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(AttentionBlock, RingBackwardMatchesFiniteDifferences) {
   for (int64_t cp : {2, 3}) {
     const Dims d{2, 2 * cp * 2, 4, 2, 3};
     const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 21 + cp);
@@ -436,7 +436,7 @@ std::vector<double> added(const std::vector<float>& now, const std::vector<float
   return a;
 }
 
-TEST(AttentionBlock, ForwardMatchesNaiveBlock) {
+TEST_ALL_ISAS(AttentionBlock, ForwardMatchesNaiveBlock) {
   for (int64_t D : {16, 48, 64, 20}) {  // ND = 1, 3, 4 and the generic path
     uint64_t seed = 100;
     for (const Block& c : cases(D)) {
@@ -481,7 +481,7 @@ TEST(AttentionBlock, ForwardMatchesNaiveBlock) {
   }
 }
 
-TEST(AttentionBlock, BackwardMatchesNaiveBlock) {
+TEST_ALL_ISAS(AttentionBlock, BackwardMatchesNaiveBlock) {
   for (int64_t D : {16, 48, 64, 20}) {
     uint64_t seed = 500;
     for (const Block& c : cases(D)) {
@@ -512,7 +512,7 @@ TEST(AttentionBlock, BackwardMatchesNaiveBlock) {
 // is its own) against fp64 central differences of the naive block forward, on a subset of the
 // coordinates: two query and two key tiles, unsorted positions, some rows seeing no key, and
 // the generic head-dim path.
-TEST(AttentionBlock, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(AttentionBlock, BackwardMatchesFiniteDifferences) {
   const Block c{1,   2, 1, 20, random_positions(70, 0, 120, 41), random_positions(67, 30, 150, 42),
                 "fd"};
   BlockData d;
@@ -558,7 +558,7 @@ TEST(AttentionBlock, BackwardMatchesFiniteDifferences) {
 
 // Bit-identical results with 1 and 2 threads. B=1, Hkv=1: one (batch, kv group) unit, so two
 // threads run the backward's split scheme and one thread its fused scheme; B=2, Hkv=2: both fused.
-TEST(AttentionBlock, ResultsDoNotDependOnThreadCount) {
+TEST_ALL_ISAS(AttentionBlock, ResultsDoNotDependOnThreadCount) {
   const int threads = omp_get_max_threads();
   for (const auto& [B, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {2, 2}}) {
     const Block c{B, 4, Hkv, 48, zigzag(3, 1, 70), zigzag(3, 2, 70), "threads"};

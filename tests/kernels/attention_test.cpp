@@ -221,7 +221,7 @@ const std::vector<Dims> kShapes = {
     {1, 129, 2, 2, 16}, {1, 50, 3, 3, 32},
 };
 
-TEST(Attention, ForwardMatchesNaiveFp64) {
+TEST_ALL_ISAS(Attention, ForwardMatchesNaiveFp64) {
   for (const Dims& d : kShapes) {
     for (float input_scale : {1.0f, 3.0f}) {  // 3.0: scores of std ~9 stress the online rescale
       Case c(d, 100 + d.T + d.D, input_scale);
@@ -235,7 +235,7 @@ TEST(Attention, ForwardMatchesNaiveFp64) {
   }
 }
 
-TEST(Attention, BackwardMatchesNaiveAnalyticFp64) {
+TEST_ALL_ISAS(Attention, BackwardMatchesNaiveAnalyticFp64) {
   for (const Dims& d : kShapes) {
     Case c(d, 200 + d.T + d.D);
     Result r = run_kernel(c, /*fused=*/false);
@@ -283,7 +283,7 @@ TEST(Attention, NaiveGradientMatchesFiniteDifferences) {
 
 // The kernel's fp32 gradient against fp64 central differences of the naive attention, on all
 // coordinates of a small problem and on sampled coordinates of one that spans several tiles.
-TEST(Attention, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(Attention, BackwardMatchesFiniteDifferences) {
   struct FdCase {
     Dims d;
     int64_t samples;  // 0: every coordinate
@@ -328,7 +328,7 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
 // q/k/v inside a fused buffer with gaps give bit-identical results to contiguous tensors (the
 // arithmetic does not depend on the strides), and the gaps of dq/dk/dv are untouched (checked in
 // run_kernel).
-TEST(Attention, StridedFusedLayoutMatchesContiguous) {
+TEST_ALL_ISAS(Attention, StridedFusedLayoutMatchesContiguous) {
   for (const Dims& d : {Dims{2, 130, 6, 2, 48}, Dims{2, 37, 4, 4, 64}, Dims{1, 70, 4, 2, 20}}) {
     Case c(d, 400 + d.T);
     Result a = run_kernel(c, /*fused=*/false);
@@ -345,7 +345,7 @@ TEST(Attention, StridedFusedLayoutMatchesContiguous) {
 // are bit-identical for any thread count. With few (batch, kv group) units per thread the
 // backward switches to its split scheme (dk/dv per key tile, dq per query tile), which must
 // agree bit for bit with the fused one and with the fp64 reference.
-TEST(Attention, DeterministicAcrossThreadCountsAndSchemes) {
+TEST_ALL_ISAS(Attention, DeterministicAcrossThreadCountsAndSchemes) {
   const int saved = omp_get_max_threads();
   // B*Hkv = 12, 1, 2, 1: with 4 threads the last three take the split scheme, with 1 the fused.
   for (const Dims& d : {Dims{2, 130, 6, 6, 64}, Dims{1, 200, 4, 1, 48}, Dims{2, 150, 2, 1, 64},

@@ -114,7 +114,7 @@ Result run(const Problem& p, int64_t chunk, std::vector<float> dw0 = {}) {
 // Loss against the fp64 reference. The kernel's loss is lse - logit per row from f32 logits
 // (errors ~1e-6 of the logits' size); 1e-5 relative is a few times that, while any wrong row,
 // missing chunk or mishandled ignored row changes the sum by a whole row's loss (> 1e-2 of it).
-TEST(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
+TEST_ALL_ISAS(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
   Problem p(37, 29, 1001, 1);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
@@ -136,7 +136,7 @@ TEST(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
 // Gradients against fp64 central differences of the naive loss. The f32 kernel's gradient is
 // accurate to ~1e-7 relative and the differences to ~1e-9, so 1e-5 leaves room for rounding yet
 // catches a wrong scale, sign, transposition, chunk offset or target row (all O(1) errors).
-TEST(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
+TEST_ALL_ISAS(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
   Problem p(11, 7, 101, 2);
   const auto xd = p.xd(), wd = p.wd();
   auto gx = test::numeric_grad(
@@ -158,7 +158,7 @@ TEST(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
   }
 }
 
-TEST(LinearCrossEntropy, WeightGradientAccumulates) {
+TEST_ALL_ISAS(LinearCrossEntropy, WeightGradientAccumulates) {
   Problem p(13, 9, 57, 3);
   const auto dw0 = randn(p.V * p.D, 99);
   const Result fresh = run(p, 5);
@@ -170,7 +170,7 @@ TEST(LinearCrossEntropy, WeightGradientAccumulates) {
   EXPECT_DOUBLE_EQ(acc.loss, fresh.loss);
 }
 
-TEST(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
+TEST_ALL_ISAS(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
   Problem p(19, 16, 333, 4);
   const Result with_grad = run(p, 6);
   const double loss_only = linear_cross_entropy({.x = p.x.data(),
@@ -197,7 +197,7 @@ TEST(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
 }
 
 // The automatic chunk (~16 MiB of logits: 1048 rows at V=4001) splits these rows in two.
-TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
+TEST_ALL_ISAS(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
   Problem p(1100, 6, 4001, 5);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
@@ -222,7 +222,7 @@ TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
 // row i are [0, -a_i], so its loss is log(1 + e^-a_i) (+ a_i for target 1) and
 // dx_i = -grad_scale * (p1_i - [t_i == 1]) with p1_i = e^-a_i / (1 + e^-a_i). f32 gives these to a
 // few 1e-7 relative; an exp off by 1e-5 anywhere in [0, 80] fails.
-TEST(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
+TEST_ALL_ISAS(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
   const int64_t N = 2001;
   std::vector<float> x(N), w = {0.0f, -1.0f}, dx(N);
   std::vector<int32_t> t(N);

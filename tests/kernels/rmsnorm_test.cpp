@@ -49,7 +49,7 @@ constexpr float kEps = 1e-5f;
 
 // f32 against fp64: per-element error is a few ulp (~1e-7 relative), so 1e-6 holds with margin,
 // while dividing by dim-1, dropping eps or forgetting w costs > 1e-4.
-TEST(RMSNorm, ForwardMatchesFp64Reference) {
+TEST_ALL_ISAS(RMSNorm, ForwardMatchesFp64Reference) {
   for (auto [rows, dim] : std::vector<Shape>{{37, 50}, {37, 288}, {37, 513}, {1, 7}}) {
     auto x = make_x(rows, dim, 1);
     auto w = make_w(dim, 2);
@@ -68,7 +68,7 @@ TEST(RMSNorm, ForwardMatchesFp64Reference) {
 // differences of the fp64 reference. The f32 kernel is good to ~1e-6 relative and the fp64 finite
 // differences to ~1e-9, so 1e-5 passes with margin; a wrong sign or a missing term in the
 // projection of dx, or a dw not scaled by rstd, is off by > 1e-2.
-TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(RMSNorm, BackwardMatchesFiniteDifferences) {
   for (auto [rows, dim] : std::vector<Shape>{{37, 50}, {37, 288}, {37, 513}, {301, 50}}) {
     auto x = make_x(rows, dim, 3);
     auto w = make_w(dim, 4);

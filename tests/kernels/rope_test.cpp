@@ -100,7 +100,7 @@ std::vector<RopeCase> cases() {
   };
 }
 
-TEST(Rope, ForwardMatchesNaive) {
+TEST_ALL_ISAS(Rope, ForwardMatchesNaive) {
   for (const RopeCase& c : cases()) {
     cpu::RopeScaling sc = c.llama3 ? llama31() : cpu::RopeScaling{};
     const auto table = cpu::rope_table(c.D, 20001, c.theta, sc);
@@ -129,7 +129,7 @@ TEST(Rope, ForwardMatchesNaive) {
 }
 
 // Backward is the transpose of forward: for L = sum(rope(x) * r), dL/dx = rope_backward(r).
-TEST(Rope, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(Rope, BackwardMatchesFiniteDifferences) {
   for (const RopeCase& c : cases()) {
     cpu::RopeScaling sc = c.llama3 ? llama31() : cpu::RopeScaling{};
     const auto table = cpu::rope_table(c.D, 20001, c.theta, sc);
@@ -157,7 +157,7 @@ TEST(Rope, BackwardMatchesFiniteDifferences) {
   }
 }
 
-TEST(Rope, ForwardThenBackwardIsIdentity) {
+TEST_ALL_ISAS(Rope, ForwardThenBackwardIsIdentity) {
   const auto table = cpu::rope_table(64, 30000, 500000.0, llama31());
   const std::vector<int32_t> pos = {29999, 0, 17, 4096, 8192, 12000, 5, 25000};
   std::vector<float> x = test::randn(3 * 8 * 4 * 64, 9);
