@@ -114,29 +114,31 @@ Result run(const Problem& p, int64_t chunk, std::vector<float> dw0 = {}) {
 // Loss against the fp64 reference. The kernel's loss is lse - logit per row from f32 logits
 // (errors ~1e-6 of the logits' size); 1e-5 relative is a few times that, while any wrong row,
 // missing chunk or mishandled ignored row changes the sum by a whole row's loss (> 1e-2 of it).
-TEST_ALL_ISAS(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
+TEST(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
   Problem p(37, 29, 1001, 1);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  for (int64_t chunk : {1, 7, 37, 0, 1000}) {
-    SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
-    const Result r = run(p, chunk);
-    EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
-    // f32 GEMMs over V=1001 and D=29 terms: observed ~1e-7; bugs are O(1).
-    EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
-    EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-    for (int64_t i = 0; i < p.N; ++i)
-      if (p.t[i] < 0) {
-        for (int64_t d = 0; d < p.D; ++d) ASSERT_EQ(r.dx[i * p.D + d], 0.0f) << "row " << i;
-      }
-  }
+  test::for_each_isa([&](Isa) {
+    for (int64_t chunk : {1, 7, 37, 0, 1000}) {
+      SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
+      const Result r = run(p, chunk);
+      EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
+      // f32 GEMMs over V=1001 and D=29 terms: observed ~1e-7; bugs are O(1).
+      EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
+      EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
+      for (int64_t i = 0; i < p.N; ++i)
+        if (p.t[i] < 0) {
+          for (int64_t d = 0; d < p.D; ++d) ASSERT_EQ(r.dx[i * p.D + d], 0.0f) << "row " << i;
+        }
+    }
+  });
 }
 
 // Gradients against fp64 central differences of the naive loss. The f32 kernel's gradient is
 // accurate to ~1e-7 relative and the differences to ~1e-9, so 1e-5 leaves room for rounding yet
 // catches a wrong scale, sign, transposition, chunk offset or target row (all O(1) errors).
-TEST_ALL_ISAS(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
+TEST(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
   Problem p(11, 7, 101, 2);
   const auto xd = p.xd(), wd = p.wd();
   auto gx = test::numeric_grad(
@@ -150,12 +152,14 @@ TEST_ALL_ISAS(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
   ref_grads(xd, wd, p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
   EXPECT_LT(rel_l2(rdx, gx), 1e-7);
   EXPECT_LT(rel_l2(rdw, gw), 1e-7);
-  for (int64_t chunk : {1, 4, 11}) {
-    SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
-    const Result r = run(p, chunk);
-    EXPECT_LT(rel_l2(r.dx, gx), 1e-5);
-    EXPECT_LT(rel_l2(r.dw, gw), 1e-5);
-  }
+  test::for_each_isa([&](Isa) {
+    for (int64_t chunk : {1, 4, 11}) {
+      SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
+      const Result r = run(p, chunk);
+      EXPECT_LT(rel_l2(r.dx, gx), 1e-5);
+      EXPECT_LT(rel_l2(r.dw, gw), 1e-5);
+    }
+  });
 }
 
 TEST_ALL_ISAS(LinearCrossEntropy, WeightGradientAccumulates) {
@@ -197,25 +201,27 @@ TEST_ALL_ISAS(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
 }
 
 // The automatic chunk (~16 MiB of logits: 1048 rows at V=4001) splits these rows in two.
-TEST_ALL_ISAS(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
+TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
   Problem p(1100, 6, 4001, 5);
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  Allocator& alloc = Allocator::get(Device::cpu);
-  alloc.reset_peak();
-  const auto before = alloc.stats();
-  const Result r = run(p, 0);
-  const auto after = alloc.stats();
-  EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
-  EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
-  EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-  // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
-  const size_t chunk_bytes = 1048u * 4001u * 4u;
-  EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
-  EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
-  EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
-  EXPECT_EQ(after.allocated, before.allocated);
+  test::for_each_isa([&](Isa) {
+    Allocator& alloc = Allocator::get(Device::cpu);
+    alloc.reset_peak();
+    const auto before = alloc.stats();
+    const Result r = run(p, 0);
+    const auto after = alloc.stats();
+    EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
+    EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
+    EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
+    // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
+    const size_t chunk_bytes = 1048u * 4001u * 4u;
+    EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
+    EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
+    EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
+    EXPECT_EQ(after.allocated, before.allocated);
+  });
 }
 
 // The kernel's own exp, probed across its range: with D=1, w=[0,-1] and x_i=a_i the logits of

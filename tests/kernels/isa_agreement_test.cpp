@@ -56,10 +56,10 @@ void expect_bitwise(const std::vector<std::vector<float>>& r, const char* what) 
 // swiglu_test: 1e-6 relative L2 forward and 1e-5 backward against fp64.
 TEST(IsaAgreement, SwiGLU) {
   const int64_t rows = 13, F = 771;  // F not a multiple of 4, 8 or 16
-  auto gu = test::randn(size_t(rows * 2 * F), 1, 4.0f);
-  auto dh = test::randn(size_t(rows * F), 2);
+  auto gu = test::randn(static_cast<size_t>(rows * 2 * F), 1, 4.0f);
+  auto dh = test::randn(static_cast<size_t>(rows * F), 2);
   auto fwd = per_tier([&] {
-    std::vector<float> h(size_t(rows * F));
+    std::vector<float> h(static_cast<size_t>(rows * F));
     cpu::swiglu_forward(gu.data(), rows, F, h.data());
     return h;
   });
@@ -75,10 +75,12 @@ TEST(IsaAgreement, SwiGLU) {
 // rmsnorm_test: 1e-6 forward (y and rstd), 1e-5 backward (dx, dw).
 TEST(IsaAgreement, RMSNorm) {
   const int64_t rows = 37, dim = 515;
-  auto x = test::randn(size_t(rows * dim), 3), w = test::randn(size_t(dim), 4);
+  auto x = test::randn(static_cast<size_t>(rows * dim), 3),
+       w = test::randn(static_cast<size_t>(dim), 4);
   auto dy = test::randn(x.size(), 5);
   auto r = per_tier([&] {
-    std::vector<float> y(x.size()), rstd(size_t(rows)), dx(x.size(), 0.0f), dw(size_t(dim), 0.0f);
+    std::vector<float> y(x.size()), rstd(static_cast<size_t>(rows)), dx(x.size(), 0.0f),
+        dw(static_cast<size_t>(dim), 0.0f);
     cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, 1e-5f, y.data(), rstd.data());
     cpu::rmsnorm_backward(dy.data(), x.data(), w.data(), rstd.data(), rows, dim, dx.data(),
                           dw.data());
@@ -100,7 +102,7 @@ TEST(IsaAgreement, Rope) {
   const auto table = cpu::rope_table(D, 64, 10000.0, {});
   std::vector<int32_t> pos(T);
   for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(3 * t + 1);
-  auto x0 = test::randn(size_t(B * T * stride), 6);
+  auto x0 = test::randn(static_cast<size_t>(B * T * stride), 6);
   auto r = per_tier([&] {
     auto x = x0;
     cpu::rope_forward(x.data(), B, T, H, D, stride, pos.data(), table);
@@ -114,9 +116,10 @@ TEST(IsaAgreement, Rope) {
 TEST(IsaAgreement, EmbeddingIsBitwise) {
   const int64_t n = 301, vocab = 53, dim = 77;
   auto tokens = test::random_tokens(n, vocab, 7);
-  auto table = test::randn(size_t(vocab * dim), 8), dout = test::randn(size_t(n * dim), 9);
+  auto table = test::randn(static_cast<size_t>(vocab * dim), 8),
+       dout = test::randn(static_cast<size_t>(n * dim), 9);
   auto fwd = per_tier([&] {
-    std::vector<float> out(size_t(n * dim));
+    std::vector<float> out(static_cast<size_t>(n * dim));
     cpu::embedding_forward(tokens.data(), n, table.data(), vocab, dim, out.data());
     return out;
   });
@@ -133,11 +136,12 @@ TEST(IsaAgreement, EmbeddingIsBitwise) {
 // scale/add are one IEEE operation per element, and sum_squares is within 1e-12 of the exact sum.
 TEST(IsaAgreement, CastsAndReductions) {
   const int64_t n = 10007;
-  auto x = test::randn(size_t(n), 10, 30.0f), y = test::randn(size_t(n), 11);
+  auto x = test::randn(static_cast<size_t>(n), 10, 30.0f),
+       y = test::randn(static_cast<size_t>(n), 11);
   auto r = per_tier([&] {
-    std::vector<bf16> b(size_t(n));
+    std::vector<bf16> b(static_cast<size_t>(n));
     cpu::cast_f32_to_bf16(x.data(), b.data(), n);
-    std::vector<float> back(size_t(n)), s = x, a = y;
+    std::vector<float> back(static_cast<size_t>(n)), s = x, a = y;
     cpu::cast_bf16_to_f32(b.data(), back.data(), n);
     cpu::scale_inplace(s.data(), n, 0.3f);
     cpu::add_inplace(a.data(), x.data(), n);
@@ -157,11 +161,11 @@ TEST(IsaAgreement, CastsAndReductions) {
 // relative; so tiers agree to 2e-6 and 2e-5 relative L2.
 TEST(IsaAgreement, AdamW) {
   const int64_t n = 1027;
-  auto p0 = test::randn(size_t(n), 12), g = test::randn(size_t(n), 13);
+  auto p0 = test::randn(static_cast<size_t>(n), 12), g = test::randn(static_cast<size_t>(n), 13);
   cpu::AdamWArgs a{.lr = 1e-2f, .weight_decay = 0.1f, .step = 3};
   auto r = per_tier([&] {
     auto p = p0;
-    std::vector<float> m(size_t(n), 0.01f), v(size_t(n), 0.02f);
+    std::vector<float> m(static_cast<size_t>(n), 0.01f), v(static_cast<size_t>(n), 0.02f);
     for (int step = 0; step < 3; ++step)
       cpu::adamw_step(a, p.data(), g.data(), m.data(), v.data(), n);
     return std::vector<std::vector<float>>{p, m, v};
@@ -176,7 +180,8 @@ TEST(IsaAgreement, AdamW) {
 // cross_entropy_test: loss within 1e-5 relative of fp64, dx and dw within 1e-5 relative L2.
 TEST(IsaAgreement, LinearCrossEntropyF32) {
   const int64_t N = 37, D = 20, V = 333;
-  auto x = test::randn(size_t(N * D), 14), w = test::randn(size_t(V * D), 15, 0.5f);
+  auto x = test::randn(static_cast<size_t>(N * D), 14),
+       w = test::randn(static_cast<size_t>(V * D), 15, 0.5f);
   auto t = test::random_tokens(N, V, 16);
   t[3] = -1;
   auto r = per_tier([&] {
@@ -211,11 +216,13 @@ TEST(IsaAgreement, Attention) {
                        Dims{2, 19, 2, 1, 16}}) {
     const cpu::AttentionShape s{d.B, d.T,        d.Hq,        d.Hkv,
                                 d.D, d.Hq * d.D, d.Hkv * d.D, 1.0f / std::sqrt(float(d.D))};
-    const size_t nq = size_t(d.B * d.T * d.Hq * d.D), nkv = size_t(d.B * d.T * d.Hkv * d.D);
+    const size_t nq = static_cast<size_t>(d.B * d.T * d.Hq * d.D),
+                 nkv = static_cast<size_t>(d.B * d.T * d.Hkv * d.D);
     auto q = test::randn(nq, 17), k = test::randn(nkv, 18), v = test::randn(nkv, 19);
     auto dout = test::randn(nq, 20);
     auto r = per_tier([&] {
-      std::vector<float> out(nq), lse(size_t(d.B * d.Hq * d.T)), dq(nq), dk(nkv), dv(nkv);
+      std::vector<float> out(nq), lse(static_cast<size_t>(d.B * d.Hq * d.T)), dq(nq), dk(nkv),
+          dv(nkv);
       cpu::attention_forward(s, q.data(), k.data(), v.data(), out.data(), lse.data());
       cpu::attention_backward(s, q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(),
                               dq.data(), dk.data(), dv.data());
@@ -247,11 +254,11 @@ TEST(IsaAgreement, AttentionDecode) {
   s.q_stride = s.Hq * s.D + 1;
   s.kv_stride = s.Hkv * s.D + 3;
   s.scale = 1.0f / std::sqrt(float(s.D));
-  auto q = test::randn(size_t(s.Tq * s.q_stride), 21),
-       k = test::randn(size_t(s.L * s.kv_stride), 22),
-       v = test::randn(size_t(s.L * s.kv_stride), 23);
+  auto q = test::randn(static_cast<size_t>(s.Tq * s.q_stride), 21),
+       k = test::randn(static_cast<size_t>(s.L * s.kv_stride), 22),
+       v = test::randn(static_cast<size_t>(s.L * s.kv_stride), 23);
   auto r = per_tier([&] {
-    std::vector<float> out(size_t(s.Tq * s.Hq * s.D));
+    std::vector<float> out(static_cast<size_t>(s.Tq * s.Hq * s.D));
     cpu::attention_decode(s, q.data(), k.data(), v.data(), out.data());
     return out;
   });
