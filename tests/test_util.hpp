@@ -107,12 +107,6 @@ void for_each_isa(Body&& body) {
   }
 }
 
-// True while for_each_isa runs a tier below the best one: tests may use smaller shapes there
-// (keeping the awkward sizes) so the suite stays fast.
-inline bool lower_tier() {
-  return cpu::active_kernel_isa() != kernel_isas().back();
-}
-
 }  // namespace loom::test
 
 // A test whose body runs once per kernel tier (test::for_each_isa), written like TEST:
