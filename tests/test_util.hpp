@@ -1,6 +1,6 @@
 #pragma once
-// Shared helpers of the unit tests: random inputs (never zeros), error measures, and fp64
-// central finite differences.
+// Shared helpers of the unit tests: random inputs (never zeros), error measures, fp64 central
+// finite differences, and running a kernel test on every CPU tier (for_each_isa, TEST_ALL_ISAS).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -111,7 +111,9 @@ void for_each_isa(Body&& body) {
 
 // A test whose body runs once per kernel tier (test::for_each_isa), written like TEST:
 //   TEST_ALL_ISAS(SwiGLU, Forward) { ... }
-// Fatal assertions end the body for that tier only.
+// Fatal assertions end the body for that tier only. Where the body computes an expensive fp64
+// reference or finite differences, use TEST and put for_each_isa around the kernel part instead,
+// so the reference is computed once.
 #define TEST_ALL_ISAS(suite, name)                                                    \
   static void suite##_##name##_AllIsas();                                             \
   TEST(suite, name) {                                                                 \
