@@ -1,6 +1,6 @@
 #pragma once
-// Shared helpers of the unit tests: random inputs (never zeros), error measures, and fp64
-// central finite differences.
+// Shared helpers of the unit tests: random inputs (never zeros), error measures, fp64 central
+// finite differences, and running a kernel test on every CPU tier (for_each_isa, TEST_ALL_ISAS).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
 namespace loom::test {
 
@@ -85,4 +86,37 @@ inline void expect_error(const std::function<void()>& f, const std::vector<std::
   ADD_FAILURE() << "expected a loom::Error";
 }
 
+// The kernel tiers this process may run, lowest first: those of cpu_isa().available up to
+// cpu_isa().kernels (so LOOM_CPU_ISA=avx2 leaves out avx512). Kernel tests run on each of them.
+inline std::vector<cpu::Isa> kernel_isas() {
+  const cpu::CpuIsa& c = cpu::cpu_isa();
+  std::vector<cpu::Isa> out;
+  for (cpu::Isa isa : c.available)
+    if (int(isa) <= int(c.kernels)) out.push_back(isa);
+  return out;
+}
+
+// Runs body(isa) once per kernel tier with the kernels dispatched to that tier and a trace naming
+// it on every failure. A fatal assertion in body ends that tier's run; the next tier still runs.
+template <class Body>
+void for_each_isa(Body&& body) {
+  for (cpu::Isa isa : kernel_isas()) {
+    SCOPED_TRACE(std::string("kernel tier ") + cpu::isa_name(isa));
+    cpu::ScopedKernelIsa scope(isa);
+    body(isa);
+  }
+}
+
 }  // namespace loom::test
+
+// A test whose body runs once per kernel tier (test::for_each_isa), written like TEST:
+//   TEST_ALL_ISAS(SwiGLU, Forward) { ... }
+// Fatal assertions end the body for that tier only. Where the body computes an expensive fp64
+// reference or finite differences, use TEST and put for_each_isa around the kernel part instead,
+// so the reference is computed once.
+#define TEST_ALL_ISAS(suite, name)                                                    \
+  static void suite##_##name##_AllIsas();                                             \
+  TEST(suite, name) {                                                                 \
+    ::loom::test::for_each_isa([](::loom::cpu::Isa) { suite##_##name##_AllIsas(); }); \
+  }                                                                                   \
+  static void suite##_##name##_AllIsas()

@@ -2,6 +2,7 @@
 
 #include <hwy/targets.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -10,8 +11,28 @@
 
 #include "core/error.hpp"
 
+// A probe compiled once per tier, like the kernel files (same HWY_DISABLED_TARGETS), so that
+// active_kernel_isa() asks the dispatch itself which tier's code runs.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/cpu_isa.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
+
+int64_t compiled_target_probe() {
+  return HWY_TARGET;
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 namespace loom::cpu {
 namespace {
+
+HWY_EXPORT(compiled_target_probe);
 
 // Highway targets of each tier, and everything above it (disabled to cap at the tier). The
 // kernels are compiled for HWY_AVX3, HWY_AVX2 and the static baseline only (CMakeLists.txt).
@@ -19,11 +40,22 @@ constexpr int64_t kAbove[] = {HWY_AVX2 | HWY_AVX3 | HWY_AVX3_DL, HWY_AVX3 | HWY_
                               HWY_AVX3_DL};
 constexpr int64_t kTarget[] = {HWY_STATIC_TARGET, HWY_AVX2, HWY_AVX3};
 
+// The Isa of a Highway target: the tier whose kernels it runs.
+Isa isa_of_target(int64_t target) {
+  if (target == HWY_AVX3) return Isa::avx512;
+  if (target == HWY_AVX2) return Isa::avx2;
+  return Isa::baseline;
+}
+
+// Tiers the CPU runs and this build has: the baseline tier is the static target, compiled only
+// when it is below AVX2 (a LOOM_NATIVE build on an AVX2 machine has no baseline kernels).
 std::vector<Isa> detect() {
-  const int64_t have = hwy::SupportedTargets();
-  std::vector<Isa> tiers{Isa::baseline};
+  const int64_t have = hwy::SupportedTargets() & HWY_TARGETS;
+  std::vector<Isa> tiers;
+  if (HWY_STATIC_TARGET > HWY_AVX2) tiers.push_back(Isa::baseline);  // larger bit: lower target
   if (have & HWY_AVX2) tiers.push_back(Isa::avx2);
   if (have & HWY_AVX3) tiers.push_back(Isa::avx512);
+  if (tiers.empty()) tiers.push_back(isa_of_target(HWY_STATIC_TARGET));
   return tiers;
 }
 
@@ -77,20 +109,12 @@ CpuIsa configure() {
   c.available = detect();
   const char* env = std::getenv("LOOM_CPU_ISA");
   c.requested = env && *env ? env : "native";
-  c.kernels = c.available.back();
+  try {
+    c.kernels = parse_cpu_isa(c.requested, c.available);
+  } catch (const Error& e) {
+    fail(e.what(), " [CPU: ", cpu_model_name(), "]");
+  }
   if (c.requested != "native") {
-    bool known = false, have = false;
-    for (Isa t : {Isa::baseline, Isa::avx2, Isa::avx512}) {
-      if (c.requested != isa_name(t)) continue;
-      known = true;
-      for (Isa a : c.available) have = have || a == t;
-      c.kernels = t;
-    }
-    LOOM_CHECK(known, "LOOM_CPU_ISA='", c.requested,
-               "' is not a tier; expected one of baseline, avx2, avx512, native (this CPU has ",
-               tier_list(c.available), ")");
-    LOOM_CHECK(have, "LOOM_CPU_ISA='", c.requested, "': this CPU (", cpu_model_name(),
-               ") lacks it; it has ", tier_list(c.available));
     hwy::DisableTargets(kAbove[int(c.kernels)]);
     // oneDNN takes the cap only before it has dispatched anything; cpu_isa() runs before the
     // first GEMM is built, and a refusal here would mean that promise was broken.
@@ -120,6 +144,28 @@ std::string cpuinfo(const std::string& key) {
 }
 
 }  // namespace
+
+Isa parse_cpu_isa(std::string_view value, const std::vector<Isa>& available) {
+  LOOM_CHECK(!available.empty(), "parse_cpu_isa: no available tiers");
+  std::string v(value);
+  for (char& ch : v) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  if (v.empty() || v == "native") return available.back();
+  for (Isa t : {Isa::baseline, Isa::avx2, Isa::avx512}) {
+    if (v != isa_name(t)) continue;
+    for (Isa a : available)
+      if (a == t) return t;
+    fail("LOOM_CPU_ISA='", value, "': this CPU lacks the ", isa_name(t), " tier; it has ",
+         tier_list(available));
+  }
+  fail("LOOM_CPU_ISA='", value,
+       "' is not a tier; expected one of baseline, avx2, avx512, native (this CPU has ",
+       tier_list(available), ")");
+}
+
+Isa active_kernel_isa() {
+  cpu_isa();
+  return isa_of_target(HWY_DYNAMIC_DISPATCH(compiled_target_probe)());
+}
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -161,7 +207,13 @@ std::string cpu_flags_summary() {
 }
 
 ScopedKernelIsa::ScopedKernelIsa(Isa isa) {
-  cpu_isa();
+  const CpuIsa& c = cpu_isa();
+  bool have = false;
+  for (Isa a : c.available) have = have || (a == isa && int(a) <= int(c.kernels));
+  LOOM_CHECK(have, "ScopedKernelIsa: tier ", isa_name(isa), " is not available (this process runs ",
+             tier_list(c.available), " capped at ", isa_name(c.kernels), ")");
+  // The mock replaces the detected targets (DisableTargets from LOOM_CPU_ISA still applies);
+  // Highway resets its dispatch tables, so the next call of each kernel picks `isa`'s code.
   hwy::SetSupportedTargetsForTest(kTarget[int(isa)] | HWY_STATIC_TARGET);
 }
 
@@ -170,3 +222,4 @@ ScopedKernelIsa::~ScopedKernelIsa() {
 }
 
 }  // namespace loom::cpu
+#endif  // HWY_ONCE

@@ -9,6 +9,7 @@
 //   avx512     AVX-512 (F, VL, DQ, BW) kernels, oneDNN up to AVX512_CORE_BF16 (no AMX)
 //   native     the best of everything the CPU has (the default)
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace loom::cpu {
@@ -32,11 +33,23 @@ struct CpuIsa {
 // loom::Error naming the tiers this CPU has when LOOM_CPU_ISA is unknown or unavailable.
 const CpuIsa& cpu_isa();
 
+// The tier LOOM_CPU_ISA=`value` selects on a CPU with the tiers `available` (lowest first, never
+// empty): "native" or "" is the best of `available`; a tier name (case-insensitive) must be one of
+// `available`. Otherwise throws loom::Error naming the value and listing `available`. Pure, so
+// tests can pretend to be an older CPU by passing a shorter list; cpu_isa() uses it.
+Isa parse_cpu_isa(std::string_view value, const std::vector<Isa>& available);
+
+// The tier whose code loom's kernels dispatch to right now: LOOM_CPU_ISA's cap, or the tier of an
+// enclosing ScopedKernelIsa. Asks Highway's dispatch itself (a probe compiled per tier, as the
+// kernels are), so it reports the code path that actually runs.
+Isa active_kernel_isa();
+
 // The CPU's model name and the instruction-set flags that matter to loom ("avx2 fma avx512f ...").
 std::string cpu_model_name();
 std::string cpu_flags_summary();
 
 // Runs loom's kernels at `isa` until destroyed (tests compare every tier with the reference).
+// `isa` must be one of cpu_isa().available and at most cpu_isa().kernels (loom::Error otherwise).
 // Not thread-safe: the dispatch table is process-wide.
 class ScopedKernelIsa {
  public:

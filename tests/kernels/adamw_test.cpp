@@ -49,7 +49,7 @@ double max_rel(const A& a, const std::vector<double>& b, double floor) {
 // ~10x at step 1), lr * wd * p ~ 1e-3 (decay applied after the update, or coupled into g, is off by
 // > 1e-5), and in the second config eps = 1e-3 against sqrt(vhat) ~ 1e-3 (eps inside the sqrt or
 // before bias correction is off by O(lr)).
-TEST(AdamW, MatchesFp64ReferenceOverSteps) {
+TEST_ALL_ISAS(AdamW, MatchesFp64ReferenceOverSteps) {
   struct Config {
     cpu::AdamWArgs a;
     float grad_scale;
@@ -88,7 +88,7 @@ TEST(AdamW, MatchesFp64ReferenceOverSteps) {
 }
 
 // Elementwise: the result must not depend on the thread count.
-TEST(AdamW, ThreadCountIndependent) {
+TEST_ALL_ISAS(AdamW, ThreadCountIndependent) {
   const int64_t n = 100003;
   auto p0 = test::randn(static_cast<size_t>(n), 1), g = test::randn(static_cast<size_t>(n), 2);
   auto m0 = test::randn(static_cast<size_t>(n), 3, 0.1f),

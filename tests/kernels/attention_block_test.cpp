@@ -146,19 +146,21 @@ TEST(AttentionBlock, RingForwardMatchesFullCausalAttention) {
     const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 11 + cp);
     std::vector<double> ro, rl;
     naive(d, test::to_double(qkv), ro, rl);
-    const auto res = ring(d, cp, qkv, nullptr);
-    // fp32 dot products of length 7 and a softmax over <= 40 keys: ~1e-7 relative; 1e-5 leaves
-    // room, while a wrong mask or merge weight is off by O(1e-1).
-    EXPECT_LT(test::rel_l2(res.out, ro), 1e-5) << "cp=" << cp;
-    EXPECT_LT(test::max_abs_diff(res.lse, rl), 1e-5) << "cp=" << cp;
-    // With the zigzag layout every rank pair has causal entries (rank r's late chunk
-    // 2cp-1-r >= cp sees some of every rank's keys), so no whole block is skipped; the masked
-    // chunk pairs inside a block are skipped entry by entry in the kernel (no dot product).
-    EXPECT_EQ(res.skipped, 0) << "cp=" << cp;
+    test::for_each_isa([&](cpu::Isa) {
+      const auto res = ring(d, cp, qkv, nullptr);
+      // fp32 dot products of length 7 and a softmax over <= 40 keys: ~1e-7 relative; 1e-5 leaves
+      // room, while a wrong mask or merge weight is off by O(1e-1).
+      EXPECT_LT(test::rel_l2(res.out, ro), 1e-5) << "cp=" << cp;
+      EXPECT_LT(test::max_abs_diff(res.lse, rl), 1e-5) << "cp=" << cp;
+      // With the zigzag layout every rank pair has causal entries (rank r's late chunk
+      // 2cp-1-r >= cp sees some of every rank's keys), so no whole block is skipped; the masked
+      // chunk pairs inside a block are skipped entry by entry in the kernel (no dot product).
+      EXPECT_EQ(res.skipped, 0) << "cp=" << cp;
+    });
   }
 }
 
-TEST(AttentionBlock, FullyMaskedBlockIsNeutralInMerge) {
+TEST_ALL_ISAS(AttentionBlock, FullyMaskedBlockIsNeutralInMerge) {
   const Dims d{1, 8, 2, 1, 3};
   const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 5);
   const std::vector<int64_t> qp{0, 1, 2, 3}, kp{4, 5, 6, 7};
@@ -181,8 +183,6 @@ TEST(AttentionBlock, RingBackwardMatchesFiniteDifferences) {
     const Dims d{2, 2 * cp * 2, 4, 2, 3};
     const auto qkv = test::randn(size_t(d.B * d.T * d.stride()), 21 + cp);
     const auto w = test::randn(size_t(d.B * d.T * d.Hq * d.D), 31 + cp);
-    // loss = sum(out * w), so dout = w.
-    const auto res = ring(d, cp, qkv, &w);
     const auto num = test::numeric_grad(
         [&](const std::vector<double>& x) {
           std::vector<double> o, l;
@@ -192,14 +192,18 @@ TEST(AttentionBlock, RingBackwardMatchesFiniteDifferences) {
           return f;
         },
         test::to_double(qkv));
-    // fp32 kernel vs exact fp64 gradient (fd error ~1e-9): expect ~1e-6; a missing Di term or a
-    // dk sent to the wrong rank is O(1).
-    EXPECT_LT(test::rel_l2(res.dqkv, num), 2e-5) << "cp=" << cp;
-    // Every rank's q, k and v got a gradient (none left at zero by a skipped accumulation).
-    for (size_t i = 0; i < num.size(); ++i)
-      if (std::abs(num[i]) > 1e-3) {
-        ASSERT_NE(res.dqkv[i], 0.0f) << i;
-      }
+    test::for_each_isa([&](cpu::Isa) {
+      // loss = sum(out * w), so dout = w.
+      const auto res = ring(d, cp, qkv, &w);
+      // fp32 kernel vs exact fp64 gradient (fd error ~1e-9): expect ~1e-6; a missing Di term or a
+      // dk sent to the wrong rank is O(1).
+      EXPECT_LT(test::rel_l2(res.dqkv, num), 2e-5) << "cp=" << cp;
+      // Every rank's q, k and v got a gradient (none left at zero by a skipped accumulation).
+      for (size_t i = 0; i < num.size(); ++i)
+        if (std::abs(num[i]) > 1e-3) {
+          ASSERT_NE(res.dqkv[i], 0.0f) << i;
+        }
+    });
   }
 }
 
@@ -443,40 +447,42 @@ TEST(AttentionBlock, ForwardMatchesNaiveBlock) {
       const BlockData d = make_data(c, seed += 10);
       std::vector<double> ro, rl;
       block_forward_ref(c, d.q, d.kv, ro, rl);
-      std::vector<float> out, lse;
-      run_forward(c, d, out, lse);
-      // fp32 dot products of length <= 64 and exp2 within 1 ulp, over <= 200 keys: errors
-      // ~1e-6 on outputs that are convex combinations of N(0,1) values; 2e-5 leaves room, while a
-      // wrong mask, a missed rescale or a wrong tile edge is off by >= 1e-2.
-      int64_t empty = 0;
-      for (size_t i = 0; i < rl.size(); ++i) {
-        if (rl[i] == -kInf) {
-          ++empty;
-          ASSERT_EQ(lse[i], -INFINITY) << c.name << " row " << i;
-        } else {
-          ASSERT_NEAR(lse[i], rl[i], 2e-5) << c.name << " row " << i;
+      test::for_each_isa([&](cpu::Isa) {
+        std::vector<float> out, lse;
+        run_forward(c, d, out, lse);
+        // fp32 dot products of length <= 64 and exp2 within 1 ulp, over <= 200 keys: errors
+        // ~1e-6 on outputs that are convex combinations of N(0,1) values; 2e-5 leaves room, while a
+        // wrong mask, a missed rescale or a wrong tile edge is off by >= 1e-2.
+        int64_t empty = 0;
+        for (size_t i = 0; i < rl.size(); ++i) {
+          if (rl[i] == -kInf) {
+            ++empty;
+            ASSERT_EQ(lse[i], -INFINITY) << c.name << " row " << i;
+          } else {
+            ASSERT_NEAR(lse[i], rl[i], 2e-5) << c.name << " row " << i;
+          }
         }
-      }
-      for (float x : out) ASSERT_FALSE(std::isnan(x)) << c.name;
-      EXPECT_LT(test::max_abs_diff(out, ro), 2e-5) << c.name;
-      // Rows with no visible key are exactly zero (the merge relies on it).
-      for (int64_t b = 0; b < c.B; ++b)
-        for (int64_t h = 0; h < c.Hq; ++h)
-          for (int64_t t = 0; t < c.Tq(); ++t)
-            if (rl[c.l_at(b, h, t)] == -kInf) {
-              for (int64_t e = 0; e < c.D; ++e) ASSERT_EQ(out[c.o_at(b, t, h) + e], 0.0f);
-            }
-      // The layouts do what their names say.
-      if (c.name.rfind("fully masked", 0) == 0) {
-        EXPECT_EQ(empty, int64_t(rl.size())) << c.name;
-      }
-      if (c.name.rfind("fully visible", 0) == 0 || c.name.rfind("causal", 0) == 0) {
-        EXPECT_EQ(empty, 0) << c.name;
-      }
-      if (c.name.rfind("some rows empty", 0) == 0) {
-        EXPECT_GT(empty, 0) << c.name;
-        EXPECT_LT(empty, int64_t(rl.size())) << c.name;
-      }
+        for (float x : out) ASSERT_FALSE(std::isnan(x)) << c.name;
+        EXPECT_LT(test::max_abs_diff(out, ro), 2e-5) << c.name;
+        // Rows with no visible key are exactly zero (the merge relies on it).
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t h = 0; h < c.Hq; ++h)
+            for (int64_t t = 0; t < c.Tq(); ++t)
+              if (rl[c.l_at(b, h, t)] == -kInf) {
+                for (int64_t e = 0; e < c.D; ++e) ASSERT_EQ(out[c.o_at(b, t, h) + e], 0.0f);
+              }
+        // The layouts do what their names say.
+        if (c.name.rfind("fully masked", 0) == 0) {
+          EXPECT_EQ(empty, int64_t(rl.size())) << c.name;
+        }
+        if (c.name.rfind("fully visible", 0) == 0 || c.name.rfind("causal", 0) == 0) {
+          EXPECT_EQ(empty, 0) << c.name;
+        }
+        if (c.name.rfind("some rows empty", 0) == 0) {
+          EXPECT_GT(empty, 0) << c.name;
+          EXPECT_LT(empty, int64_t(rl.size())) << c.name;
+        }
+      });
     }
   }
 }
@@ -488,22 +494,24 @@ TEST(AttentionBlock, BackwardMatchesNaiveBlock) {
       const BlockData d = make_data(c, seed += 10);
       std::vector<double> rdq, rdkv;
       block_backward_ref(c, d.q, d.kv, d.lse, d.delta, d.dout, rdq, rdkv);
-      std::vector<float> dq, dkv;
-      run_backward(c, d, dq, dkv);
-      for (float x : dq) ASSERT_FALSE(std::isnan(x)) << c.name;
-      for (float x : dkv) ASSERT_FALSE(std::isnan(x)) << c.name;
-      if (c.name.rfind("fully masked", 0) == 0) {
-        // Nothing visible: the accumulators are untouched, bit for bit.
-        EXPECT_EQ(dq, d.dq0) << c.name;
-        EXPECT_EQ(dkv, d.dkv0) << c.name;
-        continue;
-      }
-      // The kernel adds onto non-zero initial values (subtracting them back costs ~1e-7
-      // absolute). fp32 products over <= 200 terms: ~1e-6 relative; 2e-5 catches a wrong mask
-      // entry, a dropped delta or a missing scale (>= 1e-2), and overwriting instead of adding
-      // (O(1)).
-      EXPECT_LT(test::rel_l2(added(dq, d.dq0), rdq), 2e-5) << c.name;
-      EXPECT_LT(test::rel_l2(added(dkv, d.dkv0), rdkv), 2e-5) << c.name;
+      test::for_each_isa([&](cpu::Isa) {
+        std::vector<float> dq, dkv;
+        run_backward(c, d, dq, dkv);
+        for (float x : dq) ASSERT_FALSE(std::isnan(x)) << c.name;
+        for (float x : dkv) ASSERT_FALSE(std::isnan(x)) << c.name;
+        if (c.name.rfind("fully masked", 0) == 0) {
+          // Nothing visible: the accumulators are untouched, bit for bit.
+          EXPECT_EQ(dq, d.dq0) << c.name;
+          EXPECT_EQ(dkv, d.dkv0) << c.name;
+          return;
+        }
+        // The kernel adds onto non-zero initial values (subtracting them back costs ~1e-7
+        // absolute). fp32 products over <= 200 terms: ~1e-6 relative; 2e-5 catches a wrong mask
+        // entry, a dropped delta or a missing scale (>= 1e-2), and overwriting instead of adding
+        // (O(1)).
+        EXPECT_LT(test::rel_l2(added(dq, d.dq0), rdq), 2e-5) << c.name;
+        EXPECT_LT(test::rel_l2(added(dkv, d.dkv0), rdkv), 2e-5) << c.name;
+      });
     }
   }
 }
@@ -515,50 +523,55 @@ TEST(AttentionBlock, BackwardMatchesNaiveBlock) {
 TEST(AttentionBlock, BackwardMatchesFiniteDifferences) {
   const Block c{1,   2, 1, 20, random_positions(70, 0, 120, 41), random_positions(67, 30, 150, 42),
                 "fd"};
-  BlockData d;
-  d.q = test::randn(c.q_size(), 43);
-  d.kv = test::randn(c.kv_size(), 44);
-  d.dout = test::randn(c.out_size(), 45);  // w
-  std::vector<float> out, lse;
-  run_forward(c, d, out, lse);
-  d.lse = lse;
-  d.delta.resize(lse.size());
-  cpu::attention_delta(c.B, c.Tq(), c.Hq, c.D, out.data(), d.dout.data(), d.delta.data());
-  d.dq0.assign(c.q_size(), 0.0f);
-  d.dkv0.assign(c.kv_size(), 0.0f);
-  std::vector<float> dq, dkv;
-  run_backward(c, d, dq, dkv);
-  EXPECT_GT(std::count(lse.begin(), lse.end(), -INFINITY), 0);
+  BlockData d0;
+  d0.q = test::randn(c.q_size(), 43);
+  d0.kv = test::randn(c.kv_size(), 44);
+  d0.dout = test::randn(c.out_size(), 45);  // w
+  d0.dq0.assign(c.q_size(), 0.0f);
+  d0.dkv0.assign(c.kv_size(), 0.0f);
 
   // Coordinates: every 7th of q and of kv (q's own columns and the k and v halves).
   std::vector<std::pair<bool, size_t>> at;  // (is q, index)
   for (size_t i = 0; i < c.q_size(); i += 7)
     if (int64_t(i) % c.qs() < c.Hq * c.D) at.push_back({true, i});
   for (size_t i = 3; i < c.kv_size(); i += 7) at.push_back({false, i});
-  std::vector<double> x0(at.size()), kernel(at.size());
-  for (size_t n = 0; n < at.size(); ++n) {
-    x0[n] = at[n].first ? d.q[at[n].second] : d.kv[at[n].second];
-    kernel[n] = at[n].first ? dq[at[n].second] : dkv[at[n].second];
-  }
+  std::vector<double> x0(at.size());
+  for (size_t n = 0; n < at.size(); ++n)
+    x0[n] = at[n].first ? d0.q[at[n].second] : d0.kv[at[n].second];
   const auto num = test::numeric_grad(
       [&](const std::vector<double>& x) {
-        auto q = test::to_double(d.q), kv = test::to_double(d.kv);
+        auto q = test::to_double(d0.q), kv = test::to_double(d0.kv);
         for (size_t n = 0; n < at.size(); ++n) (at[n].first ? q : kv)[at[n].second] = x[n];
         std::vector<double> o, l;
         block_forward_ref(c, q, kv, o, l);
         double f = 0;
-        for (size_t i = 0; i < o.size(); ++i) f += o[i] * d.dout[i];
+        for (size_t i = 0; i < o.size(); ++i) f += o[i] * d0.dout[i];
         return f;
       },
       x0);
-  // fp32 kernel against the fp64 derivative (central-difference error ~1e-9): ~1e-6 relative;
-  // a sign, scale or mask error is O(1e-1).
-  EXPECT_LT(test::rel_l2(kernel, num), 2e-5);
+
+  test::for_each_isa([&](cpu::Isa) {
+    BlockData d = d0;
+    std::vector<float> out, lse;
+    run_forward(c, d, out, lse);
+    d.lse = lse;
+    d.delta.resize(lse.size());
+    cpu::attention_delta(c.B, c.Tq(), c.Hq, c.D, out.data(), d.dout.data(), d.delta.data());
+    std::vector<float> dq, dkv;
+    run_backward(c, d, dq, dkv);
+    EXPECT_GT(std::count(lse.begin(), lse.end(), -INFINITY), 0);
+    std::vector<double> kernel(at.size());
+    for (size_t n = 0; n < at.size(); ++n)
+      kernel[n] = at[n].first ? dq[at[n].second] : dkv[at[n].second];
+    // fp32 kernel against the fp64 derivative (central-difference error ~1e-9): ~1e-6 relative;
+    // a sign, scale or mask error is O(1e-1).
+    EXPECT_LT(test::rel_l2(kernel, num), 2e-5);
+  });
 }
 
 // Bit-identical results with 1 and 2 threads. B=1, Hkv=1: one (batch, kv group) unit, so two
 // threads run the backward's split scheme and one thread its fused scheme; B=2, Hkv=2: both fused.
-TEST(AttentionBlock, ResultsDoNotDependOnThreadCount) {
+TEST_ALL_ISAS(AttentionBlock, ResultsDoNotDependOnThreadCount) {
   const int threads = omp_get_max_threads();
   for (const auto& [B, Hkv] : {std::pair<int64_t, int64_t>{1, 1}, {2, 2}}) {
     const Block c{B, 4, Hkv, 48, zigzag(3, 1, 70), zigzag(3, 2, 70), "threads"};

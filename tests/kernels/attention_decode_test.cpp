@@ -78,7 +78,7 @@ void check_case(const Case& c, uint64_t seed) {
 
 }  // namespace
 
-TEST(AttentionDecode, MatchesNaiveFp64) {
+TEST_ALL_ISAS(AttentionDecode, MatchesNaiveFp64) {
   const Case cases[] = {
       {1, 1, 1, 1, 16, 1},      // the first token: one key
       {1, 37, 4, 2, 24, 1},     // one new token, D not a multiple of 16
@@ -95,7 +95,7 @@ TEST(AttentionDecode, MatchesNaiveFp64) {
   for (const Case& c : cases) check_case(c, seed += 10);
 }
 
-TEST(AttentionDecode, NoPastEqualsFlashForward) {
+TEST_ALL_ISAS(AttentionDecode, NoPastEqualsFlashForward) {
   // With no past, the decode kernel computes what training's attention computes.
   const int64_t T = 71, Hq = 8, Hkv = 2, D = 48;
   const int64_t qs = (Hq + 2 * Hkv) * D;
@@ -109,7 +109,7 @@ TEST(AttentionDecode, NoPastEqualsFlashForward) {
   EXPECT_LT(test::rel_l2(out, ref), 2e-6);
 }
 
-TEST(AttentionDecode, IncrementalEqualsAllAtOnce) {
+TEST_ALL_ISAS(AttentionDecode, IncrementalEqualsAllAtOnce) {
   // Feeding the queries one at a time (L growing) gives the rows of the all-at-once result.
   const int64_t T = 45, Hq = 4, Hkv = 2, D = 32, past = 10;
   DecodeShape all{T, past + T, Hq, Hkv, D, Hq * D, Hkv * D, 0.17f};

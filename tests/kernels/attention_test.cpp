@@ -225,12 +225,14 @@ TEST(Attention, ForwardMatchesNaiveFp64) {
   for (const Dims& d : kShapes) {
     for (float input_scale : {1.0f, 3.0f}) {  // 3.0: scores of std ~9 stress the online rescale
       Case c(d, 100 + d.T + d.D, input_scale);
-      Result r = run_kernel(c, /*fused=*/false, /*backward=*/false);
       std::vector<double> out, lse;
       naive_forward(d, c.dense(), c.scale, out, lse);
-      EXPECT_LT(test::rel_l2(r.out, out), kFwdTol) << name(d) << " input_scale=" << input_scale;
-      // lse inherits the absolute rounding of the fp32 scores, which grows with their size.
-      EXPECT_LT(test::max_abs_diff(r.lse, lse), kLseTol * input_scale * input_scale) << name(d);
+      test::for_each_isa([&](cpu::Isa) {
+        Result r = run_kernel(c, /*fused=*/false, /*backward=*/false);
+        EXPECT_LT(test::rel_l2(r.out, out), kFwdTol) << name(d) << " input_scale=" << input_scale;
+        // lse inherits the absolute rounding of the fp32 scores, which grows with their size.
+        EXPECT_LT(test::max_abs_diff(r.lse, lse), kLseTol * input_scale * input_scale) << name(d);
+      });
     }
   }
 }
@@ -238,18 +240,18 @@ TEST(Attention, ForwardMatchesNaiveFp64) {
 TEST(Attention, BackwardMatchesNaiveAnalyticFp64) {
   for (const Dims& d : kShapes) {
     Case c(d, 200 + d.T + d.D);
-    Result r = run_kernel(c, /*fused=*/false);
-    std::vector<double> out, lse;
-    naive_forward(d, c.dense(), c.scale, out, lse);
-    Dense g = naive_backward(d, c.dense(), test::to_double(c.dout), c.scale);
-    if (d.T == 1) {  // one key per query: P = 1, dS = 0, so dq = dk = 0 up to rounding
-      EXPECT_LT(test::max_abs_diff(r.dq, g.q), 1e-6) << name(d) << " dq";
-      EXPECT_LT(test::max_abs_diff(r.dk, g.k), 1e-6) << name(d) << " dk";
-    } else {
-      EXPECT_LT(test::rel_l2(r.dq, g.q), kBwdTol) << name(d) << " dq";
-      EXPECT_LT(test::rel_l2(r.dk, g.k), kBwdTol) << name(d) << " dk";
-    }
-    EXPECT_LT(test::rel_l2(r.dv, g.v), kBwdTol) << name(d) << " dv";
+    const Dense g = naive_backward(d, c.dense(), test::to_double(c.dout), c.scale);
+    test::for_each_isa([&](cpu::Isa) {
+      Result r = run_kernel(c, /*fused=*/false);
+      if (d.T == 1) {  // one key per query: P = 1, dS = 0, so dq = dk = 0 up to rounding
+        EXPECT_LT(test::max_abs_diff(r.dq, g.q), 1e-6) << name(d) << " dq";
+        EXPECT_LT(test::max_abs_diff(r.dk, g.k), 1e-6) << name(d) << " dk";
+      } else {
+        EXPECT_LT(test::rel_l2(r.dq, g.q), kBwdTol) << name(d) << " dq";
+        EXPECT_LT(test::rel_l2(r.dk, g.k), kBwdTol) << name(d) << " dk";
+      }
+      EXPECT_LT(test::rel_l2(r.dv, g.v), kBwdTol) << name(d) << " dv";
+    });
   }
 }
 
@@ -292,43 +294,49 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
                            FdCase{{1, 67, 4, 4, 64}, 150}}) {
     const Dims& d = fc.d;
     Case c(d, 300 + d.T);
-    Result res = run_kernel(c, /*fused=*/true);
     const Dense x = c.dense();
     const auto r = test::to_double(c.dout);
+    // Per input (q, k, v): the sampled coordinates and their central differences.
+    std::vector<int64_t> idx[3];
+    std::vector<double> num[3];
     for (int which = 0; which < 3; ++which) {
       const auto& p0 = which == 0 ? x.q : which == 1 ? x.k : x.v;
-      const auto& kern = which == 0 ? res.dq : which == 1 ? res.dk : res.dv;
-      std::vector<int64_t> idx;
       const int64_t n = int64_t(p0.size());
       if (fc.samples == 0) {
-        for (int64_t i = 0; i < n; ++i) idx.push_back(i);
+        for (int64_t i = 0; i < n; ++i) idx[which].push_back(i);
       } else {
         std::mt19937_64 rng(which + 11);
-        for (int64_t s = 0; s < fc.samples; ++s) idx.push_back(int64_t(rng() % uint64_t(n)));
+        for (int64_t s = 0; s < fc.samples; ++s) idx[which].push_back(int64_t(rng() % uint64_t(n)));
       }
-      std::vector<double> num, got;
       Dense y = x;
       auto& p = which == 0 ? y.q : which == 1 ? y.k : y.v;
       const double h = 1e-5;
-      for (int64_t i : idx) {
+      for (int64_t i : idx[which]) {
         const double v0 = p[i];
         p[i] = v0 + h;
         const double fp = naive_loss(d, y, r, c.scale);
         p[i] = v0 - h;
         const double fm = naive_loss(d, y, r, c.scale);
         p[i] = v0;
-        num.push_back((fp - fm) / (2 * h));
-        got.push_back(kern[i]);
+        num[which].push_back((fp - fm) / (2 * h));
       }
-      EXPECT_LT(test::rel_l2(got, num), kBwdTol) << name(d) << " input " << which;
     }
+    test::for_each_isa([&](cpu::Isa) {
+      Result res = run_kernel(c, /*fused=*/true);
+      for (int which = 0; which < 3; ++which) {
+        const auto& kern = which == 0 ? res.dq : which == 1 ? res.dk : res.dv;
+        std::vector<double> got;
+        for (int64_t i : idx[which]) got.push_back(kern[i]);
+        EXPECT_LT(test::rel_l2(got, num[which]), kBwdTol) << name(d) << " input " << which;
+      }
+    });
   }
 }
 
 // q/k/v inside a fused buffer with gaps give bit-identical results to contiguous tensors (the
 // arithmetic does not depend on the strides), and the gaps of dq/dk/dv are untouched (checked in
 // run_kernel).
-TEST(Attention, StridedFusedLayoutMatchesContiguous) {
+TEST_ALL_ISAS(Attention, StridedFusedLayoutMatchesContiguous) {
   for (const Dims& d : {Dims{2, 130, 6, 2, 48}, Dims{2, 37, 4, 4, 64}, Dims{1, 70, 4, 2, 20}}) {
     Case c(d, 400 + d.T);
     Result a = run_kernel(c, /*fused=*/false);
@@ -351,20 +359,22 @@ TEST(Attention, DeterministicAcrossThreadCountsAndSchemes) {
   for (const Dims& d : {Dims{2, 130, 6, 6, 64}, Dims{1, 200, 4, 1, 48}, Dims{2, 150, 2, 1, 64},
                         Dims{1, 70, 3, 1, 20}}) {
     Case c(d, 500 + d.T);
-    omp_set_num_threads(1);
-    Result one = run_kernel(c, true);
-    omp_set_num_threads(4);
-    Result four = run_kernel(c, true);
-    omp_set_num_threads(saved);
-    EXPECT_EQ(one.out, four.out) << name(d);
-    EXPECT_EQ(one.lse, four.lse) << name(d);
-    EXPECT_EQ(one.dq, four.dq) << name(d);
-    EXPECT_EQ(one.dk, four.dk) << name(d);
-    EXPECT_EQ(one.dv, four.dv) << name(d);
     const Dense g = naive_backward(d, c.dense(), test::to_double(c.dout), c.scale);
-    EXPECT_LT(test::rel_l2(four.dq, g.q), kBwdTol) << name(d);
-    EXPECT_LT(test::rel_l2(four.dk, g.k), kBwdTol) << name(d);
-    EXPECT_LT(test::rel_l2(four.dv, g.v), kBwdTol) << name(d);
+    test::for_each_isa([&](cpu::Isa) {
+      omp_set_num_threads(1);
+      Result one = run_kernel(c, true);
+      omp_set_num_threads(4);
+      Result four = run_kernel(c, true);
+      omp_set_num_threads(saved);
+      EXPECT_EQ(one.out, four.out) << name(d);
+      EXPECT_EQ(one.lse, four.lse) << name(d);
+      EXPECT_EQ(one.dq, four.dq) << name(d);
+      EXPECT_EQ(one.dk, four.dk) << name(d);
+      EXPECT_EQ(one.dv, four.dv) << name(d);
+      EXPECT_LT(test::rel_l2(four.dq, g.q), kBwdTol) << name(d);
+      EXPECT_LT(test::rel_l2(four.dk, g.k), kBwdTol) << name(d);
+      EXPECT_LT(test::rel_l2(four.dv, g.v), kBwdTol) << name(d);
+    });
   }
 }
 

@@ -26,7 +26,7 @@ float from_bits(uint32_t u) {
 // The vectorized cast must give the bits of the scalar reference (round to nearest even, NaN kept
 // NaN) everywhere. Every upper half is tried with the lower halves that decide rounding (below,
 // at and above the tie, odd and even), plus specials, so a truncating or tie-away cast fails.
-TEST(Cast, F32ToBf16MatchesScalarRoundingBitwise) {
+TEST_ALL_ISAS(Cast, F32ToBf16MatchesScalarRoundingBitwise) {
   std::vector<float> in;
   for (uint32_t hi = 0; hi < 0x10000u; ++hi) {
     for (uint32_t lo : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
@@ -55,7 +55,7 @@ TEST(Cast, F32ToBf16MatchesScalarRoundingBitwise) {
   EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(from_bits(0x7f800001u)))));
 }
 
-TEST(Cast, Bf16ToF32IsExactForAllPatterns) {
+TEST_ALL_ISAS(Cast, Bf16ToF32IsExactForAllPatterns) {
   std::vector<bf16> in(0x10000 + 13);
   for (size_t i = 0; i < in.size(); ++i) in[i].bits = uint16_t(i * 40503u);
   std::vector<float> out(in.size());
@@ -76,7 +76,7 @@ TEST(Cast, Bf16ToF32IsExactForAllPatterns) {
 
 // Against a long double sum; the relative 1e-12 bound is far below what an f32 accumulator
 // (~1e-7 relative) could reach, so accumulating in float would fail. Sizes straddle the block.
-TEST(Cast, SumSquaresIsDoubleAccurateAndThreadCountIndependent) {
+TEST_ALL_ISAS(Cast, SumSquaresIsDoubleAccurateAndThreadCountIndependent) {
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{13}, int64_t{65537}, int64_t{1000037}}) {
     auto x = test::randn(static_cast<size_t>(n), 11 + n, 3.0f);
     long double ref = 0;
@@ -96,7 +96,7 @@ TEST(Cast, SumSquaresIsDoubleAccurateAndThreadCountIndependent) {
   EXPECT_NEAR(cpu::sum_squares(big.data(), 37), 37e60, 37e60 * 1e-6);
 }
 
-TEST(Cast, ScaleAndAddInplaceAreExact) {
+TEST_ALL_ISAS(Cast, ScaleAndAddInplaceAreExact) {
   for (int64_t n : {int64_t{1}, int64_t{513}, int64_t{100003}}) {
     auto x = test::randn(static_cast<size_t>(n), 21);
     auto y = test::randn(static_cast<size_t>(n), 22);

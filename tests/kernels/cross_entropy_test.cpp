@@ -119,18 +119,20 @@ TEST(LinearCrossEntropy, LossMatchesReferenceOddVocab) {
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  for (int64_t chunk : {1, 7, 37, 0, 1000}) {
-    SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
-    const Result r = run(p, chunk);
-    EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
-    // f32 GEMMs over V=1001 and D=29 terms: observed ~1e-7; bugs are O(1).
-    EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
-    EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-    for (int64_t i = 0; i < p.N; ++i)
-      if (p.t[i] < 0) {
-        for (int64_t d = 0; d < p.D; ++d) ASSERT_EQ(r.dx[i * p.D + d], 0.0f) << "row " << i;
-      }
-  }
+  test::for_each_isa([&](Isa) {
+    for (int64_t chunk : {1, 7, 37, 0, 1000}) {
+      SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
+      const Result r = run(p, chunk);
+      EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
+      // f32 GEMMs over V=1001 and D=29 terms: observed ~1e-7; bugs are O(1).
+      EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
+      EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
+      for (int64_t i = 0; i < p.N; ++i)
+        if (p.t[i] < 0) {
+          for (int64_t d = 0; d < p.D; ++d) ASSERT_EQ(r.dx[i * p.D + d], 0.0f) << "row " << i;
+        }
+    }
+  });
 }
 
 // Gradients against fp64 central differences of the naive loss. The f32 kernel's gradient is
@@ -150,15 +152,17 @@ TEST(LinearCrossEntropy, GradientsMatchFiniteDifferences) {
   ref_grads(xd, wd, p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
   EXPECT_LT(rel_l2(rdx, gx), 1e-7);
   EXPECT_LT(rel_l2(rdw, gw), 1e-7);
-  for (int64_t chunk : {1, 4, 11}) {
-    SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
-    const Result r = run(p, chunk);
-    EXPECT_LT(rel_l2(r.dx, gx), 1e-5);
-    EXPECT_LT(rel_l2(r.dw, gw), 1e-5);
-  }
+  test::for_each_isa([&](Isa) {
+    for (int64_t chunk : {1, 4, 11}) {
+      SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
+      const Result r = run(p, chunk);
+      EXPECT_LT(rel_l2(r.dx, gx), 1e-5);
+      EXPECT_LT(rel_l2(r.dw, gw), 1e-5);
+    }
+  });
 }
 
-TEST(LinearCrossEntropy, WeightGradientAccumulates) {
+TEST_ALL_ISAS(LinearCrossEntropy, WeightGradientAccumulates) {
   Problem p(13, 9, 57, 3);
   const auto dw0 = randn(p.V * p.D, 99);
   const Result fresh = run(p, 5);
@@ -170,7 +174,7 @@ TEST(LinearCrossEntropy, WeightGradientAccumulates) {
   EXPECT_DOUBLE_EQ(acc.loss, fresh.loss);
 }
 
-TEST(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
+TEST_ALL_ISAS(LinearCrossEntropy, LossOnlyAndIgnoredRows) {
   Problem p(19, 16, 333, 4);
   const Result with_grad = run(p, 6);
   const double loss_only = linear_cross_entropy({.x = p.x.data(),
@@ -202,27 +206,29 @@ TEST(LinearCrossEntropy, DefaultChunkSpansSeveralChunks) {
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  Allocator& alloc = Allocator::get(Device::cpu);
-  alloc.reset_peak();
-  const auto before = alloc.stats();
-  const Result r = run(p, 0);
-  const auto after = alloc.stats();
-  EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
-  EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
-  EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
-  // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
-  const size_t chunk_bytes = 1048u * 4001u * 4u;
-  EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
-  EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
-  EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
-  EXPECT_EQ(after.allocated, before.allocated);
+  test::for_each_isa([&](Isa) {
+    Allocator& alloc = Allocator::get(Device::cpu);
+    alloc.reset_peak();
+    const auto before = alloc.stats();
+    const Result r = run(p, 0);
+    const auto after = alloc.stats();
+    EXPECT_NEAR(r.loss, want, 1e-6 * std::abs(want));
+    EXPECT_LT(rel_l2(r.dx, rdx), 1e-5);
+    EXPECT_LT(rel_l2(r.dw, rdw), 1e-5);
+    // One scratch buffer per call, of one chunk of f32 logits, counted by the allocator.
+    const size_t chunk_bytes = 1048u * 4001u * 4u;
+    EXPECT_EQ(after.num_allocs - before.num_allocs, 1u);
+    EXPECT_GE(after.peak_allocated - before.allocated, chunk_bytes);
+    EXPECT_LE(after.peak_allocated - before.allocated, Allocator::round_size(chunk_bytes));
+    EXPECT_EQ(after.allocated, before.allocated);
+  });
 }
 
 // The kernel's own exp, probed across its range: with D=1, w=[0,-1] and x_i=a_i the logits of
 // row i are [0, -a_i], so its loss is log(1 + e^-a_i) (+ a_i for target 1) and
 // dx_i = -grad_scale * (p1_i - [t_i == 1]) with p1_i = e^-a_i / (1 + e^-a_i). f32 gives these to a
 // few 1e-7 relative; an exp off by 1e-5 anywhere in [0, 80] fails.
-TEST(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
+TEST_ALL_ISAS(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
   const int64_t N = 2001;
   std::vector<float> x(N), w = {0.0f, -1.0f}, dx(N);
   std::vector<int32_t> t(N);

@@ -20,7 +20,7 @@ struct Shape {
 
 }  // namespace
 
-TEST(Embedding, ForwardGathersRows) {
+TEST_ALL_ISAS(Embedding, ForwardGathersRows) {
   for (auto [n, vocab, dim] : std::vector<Shape>{{37, 50, 288}, {2048, 301, 50}, {5, 7, 513}}) {
     auto table = test::randn(static_cast<size_t>(vocab * dim), 3);
     auto tok = test::random_tokens(n, vocab, 4);
@@ -35,7 +35,7 @@ TEST(Embedding, ForwardGathersRows) {
 
 // The kernel must produce the serial loop's bits (contributions to a row in position order, added
 // to what dtable held) for any thread count: that is the determinism contract.
-TEST(Embedding, BackwardAccumulatesDeterministically) {
+TEST_ALL_ISAS(Embedding, BackwardAccumulatesDeterministically) {
   for (auto [n, vocab, dim] : std::vector<Shape>{{37, 50, 288}, {2048, 301, 50}, {513, 7, 513}}) {
     auto dout = test::randn(static_cast<size_t>(n * dim), 5);
     auto tok = test::random_tokens(n, vocab, 6);
@@ -57,7 +57,7 @@ TEST(Embedding, BackwardAccumulatesDeterministically) {
 
 // L = sum(out * r) differentiated w.r.t. the table by fp64 central differences. L is linear in the
 // table, so the fp64 reference is exact to ~1e-10; 1e-6 catches any missed or doubled row.
-TEST(Embedding, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(Embedding, BackwardMatchesFiniteDifferences) {
   const int64_t n = 11, vocab = 7, dim = 5;
   std::vector<int32_t> tok = {3, 0, 6, 3, 3, 1, 6, 2, 0, 5, 3};  // id 4 unused: gradient 0
   auto r = test::randn(static_cast<size_t>(n * dim), 8);

@@ -49,7 +49,7 @@ constexpr float kEps = 1e-5f;
 
 // f32 against fp64: per-element error is a few ulp (~1e-7 relative), so 1e-6 holds with margin,
 // while dividing by dim-1, dropping eps or forgetting w costs > 1e-4.
-TEST(RMSNorm, ForwardMatchesFp64Reference) {
+TEST_ALL_ISAS(RMSNorm, ForwardMatchesFp64Reference) {
   for (auto [rows, dim] : std::vector<Shape>{{37, 50}, {37, 288}, {37, 513}, {1, 7}}) {
     auto x = make_x(rows, dim, 1);
     auto w = make_w(dim, 2);
@@ -73,13 +73,6 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
     auto x = make_x(rows, dim, 3);
     auto w = make_w(dim, 4);
     auto r = test::randn(static_cast<size_t>(rows * dim), 5);
-    std::vector<float> y(static_cast<size_t>(rows * dim)), rstd(static_cast<size_t>(rows));
-    cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, kEps, y.data(), rstd.data());
-    std::vector<float> dx(static_cast<size_t>(rows * dim), 0.0f),
-        dw(static_cast<size_t>(dim), 0.0f);
-    cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx.data(),
-                          dw.data());
-
     auto xd = test::to_double(x), wd = test::to_double(w), rd = test::to_double(r);
     std::vector<double> yrow(static_cast<size_t>(dim));
     // dx: row r of L depends only on row r of x.
@@ -103,35 +96,44 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
       }
       return L;
     };
-    auto num_dw = test::numeric_grad(loss_w, wd);
-    EXPECT_LT(test::rel_l2(dx, num_dx), 1e-5) << rows << "x" << dim;
-    EXPECT_LT(test::rel_l2(dw, num_dw), 1e-5) << rows << "x" << dim;
+    const auto num_dw = test::numeric_grad(loss_w, wd);
 
-    // Accumulation: starting from random dx, dw must give start + gradient (to the rounding of
-    // one add, which the compiler may fuse into an FMA), and dw must have the same bits for any
-    // thread count.
-    auto dx2 = test::randn(dx.size(), 6), dw2 = test::randn(dw.size(), 7);
-    const auto dx_start = dx2, dw_start = dw2;
-    cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx2.data(),
-                          dw2.data());
-    for (size_t i = 0; i < dx.size(); ++i)
-      ASSERT_NEAR(dx2[i], dx_start[i] + dx[i], 2e-7 * (std::abs(dx_start[i]) + std::abs(dx[i])))
-          << i;
-    for (size_t i = 0; i < dw.size(); ++i)
-      ASSERT_NEAR(dw2[i], dw_start[i] + dw[i], 2e-7 * (std::abs(dw_start[i]) + std::abs(dw[i])))
-          << i;
-    const int saved = omp_get_max_threads();
-    for (int threads : {1, 3}) {
-      omp_set_num_threads(threads);
-      std::vector<float> dx3(dx.size(), 0.0f), dw3(dw.size(), 0.0f);
-      cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx3.data(),
-                            dw3.data());
-      EXPECT_EQ(std::memcmp(dw3.data(), dw.data(), dw.size() * sizeof(float)), 0)
-          << "threads=" << threads;
-      EXPECT_EQ(std::memcmp(dx3.data(), dx.data(), dx.size() * sizeof(float)), 0)
-          << "threads=" << threads;
-    }
-    omp_set_num_threads(saved);
+    test::for_each_isa([&](cpu::Isa) {
+      std::vector<float> y(static_cast<size_t>(rows * dim)), rstd(static_cast<size_t>(rows));
+      cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, kEps, y.data(), rstd.data());
+      std::vector<float> dx(static_cast<size_t>(rows * dim), 0.0f),
+          dw(static_cast<size_t>(dim), 0.0f);
+      cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx.data(),
+                            dw.data());
+      EXPECT_LT(test::rel_l2(dx, num_dx), 1e-5) << rows << "x" << dim;
+      EXPECT_LT(test::rel_l2(dw, num_dw), 1e-5) << rows << "x" << dim;
+
+      // Accumulation: starting from random dx, dw must give start + gradient (to the rounding of
+      // one add, which the compiler may fuse into an FMA), and dw must have the same bits for
+      // any thread count.
+      auto dx2 = test::randn(dx.size(), 6), dw2 = test::randn(dw.size(), 7);
+      const auto dx_start = dx2, dw_start = dw2;
+      cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx2.data(),
+                            dw2.data());
+      for (size_t i = 0; i < dx.size(); ++i)
+        ASSERT_NEAR(dx2[i], dx_start[i] + dx[i], 2e-7 * (std::abs(dx_start[i]) + std::abs(dx[i])))
+            << i;
+      for (size_t i = 0; i < dw.size(); ++i)
+        ASSERT_NEAR(dw2[i], dw_start[i] + dw[i], 2e-7 * (std::abs(dw_start[i]) + std::abs(dw[i])))
+            << i;
+      const int saved = omp_get_max_threads();
+      for (int threads : {1, 3}) {
+        omp_set_num_threads(threads);
+        std::vector<float> dx3(dx.size(), 0.0f), dw3(dw.size(), 0.0f);
+        cpu::rmsnorm_backward(r.data(), x.data(), w.data(), rstd.data(), rows, dim, dx3.data(),
+                              dw3.data());
+        EXPECT_EQ(std::memcmp(dw3.data(), dw.data(), dw.size() * sizeof(float)), 0)
+            << "threads=" << threads;
+        EXPECT_EQ(std::memcmp(dx3.data(), dx.data(), dx.size() * sizeof(float)), 0)
+            << "threads=" << threads;
+      }
+      omp_set_num_threads(saved);
+    });
   }
 }
 

@@ -105,18 +105,20 @@ TEST(Rope, ForwardMatchesNaive) {
     cpu::RopeScaling sc = c.llama3 ? llama31() : cpu::RopeScaling{};
     const auto table = cpu::rope_table(c.D, 20001, c.theta, sc);
     const int64_t n = c.B * c.T * c.row_stride;
-    std::vector<float> x = test::randn(n, 42 + c.D);
-    const std::vector<float> x0 = x;
-    cpu::rope_forward(x.data(), c.B, c.T, c.H, c.D, c.row_stride, c.pos.data(), table);
+    const std::vector<float> x0 = test::randn(n, 42 + c.D);
     const auto ref = naive_rope(test::to_double(x0), c.B, c.T, c.H, c.D, c.row_stride, c.pos,
                                 cpu::rope_inv_freq(c.D, c.theta, sc));
-    // Tables are float: cos/sin of angles up to 2e4 rad rounded to 6e-8 relative; per element
-    // that is ~1e-7 absolute on O(1) inputs.
-    EXPECT_LT(test::max_abs_diff(x, ref), 2e-6) << "D=" << c.D << " llama3=" << c.llama3;
-    // The gap at the end of each strided row is not touched.
-    for (int64_t r = 0; r < c.B * c.T; ++r)
-      for (int64_t e = c.H * c.D; e < c.row_stride; ++e)
-        ASSERT_EQ(x[r * c.row_stride + e], x0[r * c.row_stride + e]);
+    test::for_each_isa([&](cpu::Isa) {
+      std::vector<float> x = x0;
+      cpu::rope_forward(x.data(), c.B, c.T, c.H, c.D, c.row_stride, c.pos.data(), table);
+      // Tables are float: cos/sin of angles up to 2e4 rad rounded to 6e-8 relative; per element
+      // that is ~1e-7 absolute on O(1) inputs.
+      EXPECT_LT(test::max_abs_diff(x, ref), 2e-6) << "D=" << c.D << " llama3=" << c.llama3;
+      // The gap at the end of each strided row is not touched.
+      for (int64_t r = 0; r < c.B * c.T; ++r)
+        for (int64_t e = c.H * c.D; e < c.row_stride; ++e)
+          ASSERT_EQ(x[r * c.row_stride + e], x0[r * c.row_stride + e]);
+    });
   }
   // The scaled case really differs from the unscaled one at long range (else the test is blind
   // to the scaling).
@@ -137,8 +139,6 @@ TEST(Rope, BackwardMatchesFiniteDifferences) {
     const int64_t n = c.B * c.T * c.row_stride;
     const std::vector<float> x = test::randn(n, 7 + c.D);
     const std::vector<float> r = test::randn(n, 8 + c.D);
-    std::vector<float> g = r;
-    cpu::rope_backward(g.data(), c.B, c.T, c.H, c.D, c.row_stride, c.pos.data(), table);
     auto f = [&](const std::vector<double>& xd) {
       const auto y = naive_rope(xd, c.B, c.T, c.H, c.D, c.row_stride, c.pos, inv);
       double L = 0;
@@ -151,13 +151,17 @@ TEST(Rope, BackwardMatchesFiniteDifferences) {
     for (int64_t row = 0; row < c.B * c.T; ++row)
       for (int64_t e = c.H * c.D; e < c.row_stride; ++e)
         num[row * c.row_stride + e] = r[row * c.row_stride + e];
-    // The loss is linear, so central differences are exact up to fp64 rounding; the float table
-    // bounds the error at ~1e-7 relative.
-    EXPECT_LT(test::rel_l2(g, num), 1e-6) << "D=" << c.D << " llama3=" << c.llama3;
+    test::for_each_isa([&](cpu::Isa) {
+      std::vector<float> g = r;
+      cpu::rope_backward(g.data(), c.B, c.T, c.H, c.D, c.row_stride, c.pos.data(), table);
+      // The loss is linear, so central differences are exact up to fp64 rounding; the float
+      // table bounds the error at ~1e-7 relative.
+      EXPECT_LT(test::rel_l2(g, num), 1e-6) << "D=" << c.D << " llama3=" << c.llama3;
+    });
   }
 }
 
-TEST(Rope, ForwardThenBackwardIsIdentity) {
+TEST_ALL_ISAS(Rope, ForwardThenBackwardIsIdentity) {
   const auto table = cpu::rope_table(64, 30000, 500000.0, llama31());
   const std::vector<int32_t> pos = {29999, 0, 17, 4096, 8192, 12000, 5, 25000};
   std::vector<float> x = test::randn(3 * 8 * 4 * 64, 9);

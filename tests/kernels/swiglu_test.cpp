@@ -38,7 +38,7 @@ double silu(double g) {
 // The f32 kernel with its own exp against fp64: measured worst case 1.7e-7 relative (3 ulp) over
 // a dense sweep of g in [-80, 80], so 1e-6 relative per element (plus a 1e-30 floor for the far
 // negative tail, where the clamp of exp's argument shows) and 1e-6 relative L2 hold with margin.
-TEST(SwiGLU, ForwardMatchesFp64Reference) {
+TEST_ALL_ISAS(SwiGLU, ForwardMatchesFp64Reference) {
   for (auto [rows, F] : std::vector<Shape>{{37, 769}, {37, 50}, {3, 1376}, {1, 1}}) {
     auto gu = make_gu(rows, F, 1);
     std::vector<float> h(static_cast<size_t>(rows * F));
@@ -55,7 +55,7 @@ TEST(SwiGLU, ForwardMatchesFp64Reference) {
   }
 }
 
-TEST(SwiGLU, PropagatesNaN) {
+TEST_ALL_ISAS(SwiGLU, PropagatesNaN) {
   std::vector<float> gu = {std::numeric_limits<float>::quiet_NaN(), 1.0f}, h(1);
   cpu::swiglu_forward(gu.data(), 1, 1, h.data());
   EXPECT_TRUE(std::isnan(h[0]));
@@ -64,7 +64,7 @@ TEST(SwiGLU, PropagatesNaN) {
 // L = sum(h * r): the kernel's dgu (from dh = r) against fp64 central differences of the fp64
 // reference over whole rows. Expected agreement ~1e-7; 1e-5 leaves margin and still catches a
 // wrong sigmoid derivative (off by O(1) where |g| ~ 1).
-TEST(SwiGLU, BackwardMatchesFiniteDifferences) {
+TEST_ALL_ISAS(SwiGLU, BackwardMatchesFiniteDifferences) {
   for (auto [rows, F] : std::vector<Shape>{{5, 769}, {37, 50}}) {
     auto gu = make_gu(rows, F, 2);
     auto r = test::randn(static_cast<size_t>(rows * F), 3);
@@ -100,7 +100,7 @@ TEST(SwiGLU, BackwardMatchesFiniteDifferences) {
 }
 
 // The model overwrites the saved gate/up with their gradient: in place must equal out of place.
-TEST(SwiGLU, BackwardInPlaceEqualsOutOfPlace) {
+TEST_ALL_ISAS(SwiGLU, BackwardInPlaceEqualsOutOfPlace) {
   const int64_t rows = 37, F = 769;
   auto gu = make_gu(rows, F, 4);
   auto r = test::randn(static_cast<size_t>(rows * F), 5);
