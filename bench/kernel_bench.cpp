@@ -15,6 +15,12 @@
 // so the smaller ones run from cache. On a machine shared with other jobs, a descheduled OpenMP
 // thread stalls the whole team for a scheduler time slice; OMP_NUM_THREADS=1 then gives the
 // steadier figures.
+// The header names the tier the kernels run (LOOM_CPU_ISA caps it, and oneDNN with it) and the
+// f32 GEMM peak measured at that tier (cpu::measure_gemm_peak, the fastest call of oneDNN on
+// linear-layer shapes, the MFU denominator of `loom bench`); attention rows add their rate as a
+// percentage of that peak, for the median call and for the fastest (like the peak itself, the
+// fastest call is the figure that a loaded machine disturbs least). Peak measurement is skipped
+// when no attention row is selected.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,7 +39,9 @@
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/embedding.hpp"
+#include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
 #include "kernels/cpu/swiglu.hpp"
 #include "tests/test_util.hpp"
@@ -82,6 +90,9 @@ class Bench {
  public:
   Bench(std::string filter, int reps) : filter_(std::move(filter)), reps_(reps) {}
 
+  // f32 GEMM peak (FLOP/s) of this tier; GFLOP/s rows print their share of it when set.
+  double peak = 0;
+
   bool wants(std::initializer_list<const char*> kernels) const {
     return std::any_of(kernels.begin(), kernels.end(), [&](const char* k) { return wants(k); });
   }
@@ -107,8 +118,13 @@ class Bench {
     }
     std::sort(t.begin(), t.end());
     const double median = t[t.size() / 2];
-    std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s\n", kernel.c_str(), shape.c_str(),
-                median * 1e3, t.front() * 1e3, amount / median * 1e-9, unit, counted);
+    const double rate = amount / median;
+    std::string share;
+    if (peak > 0 && std::string(unit) == "GFLOP/s")
+      share = format(" (%.1f%% of GEMM peak; fastest call %.1f%%)", 100.0 * rate / peak,
+                     100.0 * amount / t.front() / peak);
+    std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s%s\n", kernel.c_str(), shape.c_str(),
+                median * 1e3, t.front() * 1e3, rate * 1e-9, unit, counted, share.c_str());
     std::fflush(stdout);
     return median;
   }
@@ -325,9 +341,18 @@ int main(int argc, char** argv) {
       "kernel_bench: %d threads, load average %s (1, 5, 15 min), %d timed calls after %d "
       "warm-up\n",
       omp_get_max_threads(), loadavg().c_str(), reps, kWarmup);
+  const cpu::CpuIsa& isa = cpu::cpu_isa();
+  std::printf("tier: kernels %s, oneDNN %s (LOOM_CPU_ISA=%s); CPU %s\n", cpu::isa_name(isa.kernels),
+              isa.onednn.c_str(), isa.requested.c_str(), cpu::cpu_model_name().c_str());
+  Bench b(filter, reps);
+  if (b.wants({"attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd", "ring_ideal_fwd",
+               "ring_ideal_bwd"})) {
+    b.peak = cpu::measure_gemm_peak(DType::f32, 1.0);
+    std::printf("f32 GEMM peak at this tier: %.1f GFLOP/s (oneDNN %s, %d threads)\n", b.peak * 1e-9,
+                isa.onednn.c_str(), omp_get_max_threads());
+  }
   std::printf("%-18s %-24s %10s %10s %16s %s\n", "kernel", "shape", "median ms", "min ms",
               "rate (median)", "counted");
-  Bench b(filter, reps);
   for (const Model& m : kModels) {
     std::printf("-- %s: dim %lld, ffn %lld, heads %lld/%lld, vocab %lld, %.1fM params\n", m.name,
                 (long long)m.dim, (long long)m.F, (long long)m.Hq, (long long)m.Hkv,
