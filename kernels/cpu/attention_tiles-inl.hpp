@@ -98,14 +98,31 @@ inline void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t 
   }
 }
 
-// Query and key tile sizes. The score kernels take up to kMaxNV vectors of a tile row at a time.
+// Query and key tile sizes.
 constexpr int64_t kBq = 64, kBk = 64;
-constexpr int kMaxNV = kRegs == 32 ? 4 : 2;
 static_assert(kBq % kW == 0 && kBk % kW == 0 && kW <= 16);
 
-// ---- "score" products: C[r][16v + c] = sum_d A[r*lda + d] * BT[d*ldb + 16v + c] -------------
+// Calls f.template operator()<N>(r) for row blocks [r, r + N) covering [0, rows): blocks of R
+// first, then of 4 (when R > 4), then single rows. The micro-kernels keep R rows of accumulators
+// in registers; the blocks of 4 keep the rows left over from R (64 = 10 * 6 + 4) from running
+// one at a time.
+template <int R, class F>
+inline void row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) f.template operator()<R>(r);
+  if constexpr (R > 4)
+    for (; r + 4 <= rows; r += 4) f.template operator()<4>(r);
+  for (; r < rows; ++r) f.template operator()<1>(r);
+}
+
+// ---- "score" products: C[r][kW v + c] = sum_d A[r*lda + d] * BT[d*ldb + kW v + c] ----------
 // Rows of A are read as scalars (broadcast), BT is a transposed tile whose rows are vectors; the
 // reduction runs over the head dim, whatever it is.
+// Blocking: kScoreR rows x kMaxNV vectors of accumulators, plus kMaxNV loaded vectors and one
+// broadcast: 4 x 4 + 4 + 1 = 21 of the 32 registers of AVX-512; 6 x 2 + 2 + 1 = 15 of the 16 of
+// AVX2 (12 independent FMA chains cover the 2 pipes x 4 cycles of FMA latency; 4 x 2 did not).
+constexpr int kScoreR = kRegs == 32 ? 4 : 6;
+constexpr int kMaxNV = kRegs == 32 ? 4 : 2;
 struct Score {
   const float* A;
   int64_t lda;
@@ -166,25 +183,19 @@ inline void score_block(const Score& s, int64_t r, int64_t v0, int64_t v1) {
   }
 }
 
-// Rows [0, rows) in blocks of 4; vrange(r0, r1) gives the vectors [v0, v1) that rows r0..r1-1
-// need (the causal mask lets the kernel skip the rest).
+// Rows [0, rows) in blocks (row_blocks); vrange(r0, r1) gives the vectors [v0, v1) that rows
+// r0..r1-1 need (the causal mask lets the kernel skip the rest).
 template <class VRange>
 void scores(const Score& s, int64_t rows, VRange vrange) {
-  constexpr int R = 4;
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) {
+  row_blocks<kScoreR>(rows, [&]<int R>(int64_t r) {
     const auto [v0, v1] = vrange(r, r + R);
     if (v0 < v1) score_block<R>(s, r, v0, v1);
-  }
-  for (; r < rows; ++r) {
-    const auto [v0, v1] = vrange(r, r + 1);
-    if (v0 < v1) score_block<1>(s, r, v0, v1);
-  }
+  });
 }
 
 // ---- "accumulate" products: C[r][:D] += sum_k A[r*sr + k*sk] * B[k*ldb + :D] ----------------
 // The coefficient is broadcast from any layout (sr, sk), rows of B and C are vectors over the
-// head dim. ND = D/16 selects the unrolled kernel; ND = 0 is the generic path for other D.
+// head dim. ND = D/kW selects the unrolled kernel; ND = 0 is the generic path for other D.
 struct Accum {
   const float* A;
   int64_t sr, sk;
@@ -234,17 +245,25 @@ inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
   }
 }
 
-// Vectors of a row of C that one accum_kernel call keeps in registers: the largest divisor of ND
-// that fits the target's register budget.
+// Blocking of accum_kernel: NC vectors of a row of C (a divisor of ND) times R rows of
+// accumulators, plus NC loaded vectors and one broadcast. AVX-512: the largest divisor of ND up
+// to 8, R = 8, 4 or 2 (16..24 accumulators of 32 registers). AVX2 and the baseline (16
+// registers): 2 x 6 or 3 x 4, 12 accumulators (12 independent FMA chains cover the 2 pipes x 4
+// cycles of FMA latency; the previous 4 x 2 and 3 x 2 did not), or 1 x 8 for odd ND.
 constexpr int column_chunk(int nd) {
-  const int max = kRegs == 32 ? 8 : 4;
-  for (int c = max; c > 1; --c)
-    if (nd % c == 0) return c;
-  return 1;
+  if (kRegs == 32) {
+    for (int c = 8; c > 1; --c)
+      if (nd % c == 0) return c;
+    return 1;
+  }
+  return nd % 2 == 0 ? 2 : nd % 3 == 0 ? 3 : 1;
+}
+constexpr int accum_rows(int nc) {
+  if (kRegs == 32) return nc <= 3 ? 8 : nc <= 6 ? 4 : 2;
+  return nc == 1 ? 8 : nc == 2 ? 6 : 4;
 }
 
 // Rows [0, rows); krange(r0, r1) gives the reduction range [lo, hi) that rows r0..r1-1 need.
-// Row blocks keep R*NC accumulators near 16..24 of the 32 vector registers (AVX-512), or 8 of 16.
 template <int ND, class KRange>
 void accumulate(const Accum& a, int64_t rows, KRange krange) {
   if constexpr (ND == 0) {
@@ -254,28 +273,15 @@ void accumulate(const Accum& a, int64_t rows, KRange krange) {
     }
   } else {
     constexpr int NC = column_chunk(ND);
-    constexpr int R = kRegs == 32 ? (NC <= 3   ? 8
-                                     : NC <= 6 ? 4
-                                               : 2)
-                                  : (NC <= 1   ? 8
-                                     : NC <= 2 ? 4
-                                               : 2);
     for (int c0 = 0; c0 < ND; c0 += NC) {
       const float* B = a.B + c0 * kW;
       float* C = a.C + c0 * kW;
-      int64_t r = 0;
-      for (; r + R <= rows; r += R) {
+      row_blocks<accum_rows(NC)>(rows, [&]<int R>(int64_t r) {
         const auto [lo, hi] = krange(r, r + R);
         if (lo < hi || a.row_scale)
           accum_kernel<R, NC>(a.A + r * a.sr, a.sr, a.sk, B, a.ldb, lo, hi, C + r * a.ldc, a.ldc,
                               a.row_scale ? a.row_scale + r : nullptr);
-      }
-      for (; r < rows; ++r) {
-        const auto [lo, hi] = krange(r, r + 1);
-        if (lo < hi || a.row_scale)
-          accum_kernel<1, NC>(a.A + r * a.sr, a.sr, a.sk, B, a.ldb, lo, hi, C + r * a.ldc, a.ldc,
-                              a.row_scale ? a.row_scale + r : nullptr);
-      }
+      });
     }
   }
 }
