@@ -140,9 +140,10 @@ inline void row_blocks(int64_t rows, F&& f) {
 // Rows of A are read as scalars (broadcast), BT is a transposed tile whose rows are vectors; the
 // reduction runs over the head dim, whatever it is.
 // Blocking: kScoreR rows x kMaxNV vectors of accumulators, plus kMaxNV loaded vectors and one
-// broadcast: 4 x 4 + 4 + 1 = 21 of the 32 registers of AVX-512; 6 x 2 + 2 + 1 = 15 of the 16 of
-// AVX2 (12 independent FMA chains cover the 2 pipes x 4 cycles of FMA latency; 4 x 2 did not).
-constexpr int kScoreR = kRegs == 32 ? 4 : 6;
+// broadcast: 6 x 4 + 4 + 1 = 29 of the 32 registers of AVX-512 (4 x 4 was ~10% slower on Zen 4);
+// 6 x 2 + 2 + 1 = 15 of the 16 of AVX2 (12 independent FMA chains cover the 2 pipes x 4 cycles of
+// FMA latency; 4 x 2 did not).
+constexpr int kScoreR = 6;
 constexpr int kMaxNV = kRegs == 32 ? 4 : 2;
 struct Score {
   const float* A;
@@ -267,12 +268,14 @@ inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
 }
 
 // Blocking of accum_kernel: NC vectors of a row of C (a divisor of ND) times R rows of
-// accumulators, plus NC loaded vectors and one broadcast. AVX-512: the largest divisor of ND up
-// to 8, R = 8, 4 or 2 (16..24 accumulators of 32 registers). AVX2 and the baseline (16
+// accumulators, plus NC loaded vectors and one broadcast. AVX-512: NC = 4 when it divides ND
+// (D 64, 128: 4 x 6 = 24 accumulators of 32 registers; 4 x 4 and 8 x 2 were ~10% slower on Zen
+// 4), else the largest divisor of ND up to 8 with R = 8, 6, 4 or 2. AVX2 and the baseline (16
 // registers): 2 x 6 or 3 x 4, 12 accumulators (12 independent FMA chains cover the 2 pipes x 4
 // cycles of FMA latency; the previous 4 x 2 and 3 x 2 did not), or 1 x 8 for odd ND.
 constexpr int column_chunk(int nd) {
   if (kRegs == 32) {
+    if (nd % 4 == 0) return 4;
     for (int c = 8; c > 1; --c)
       if (nd % c == 0) return c;
     return 1;
@@ -280,7 +283,7 @@ constexpr int column_chunk(int nd) {
   return nd % 2 == 0 ? 2 : nd % 3 == 0 ? 3 : 1;
 }
 constexpr int accum_rows(int nc) {
-  if (kRegs == 32) return nc <= 3 ? 8 : nc <= 6 ? 4 : 2;
+  if (kRegs == 32) return nc <= 3 ? 8 : nc <= 4 ? 6 : nc <= 6 ? 4 : 2;
   return nc == 1 ? 8 : nc == 2 ? 6 : 4;
 }
 
