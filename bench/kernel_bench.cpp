@@ -4,7 +4,8 @@
 // and the fused linear cross-entropy. The ring_* rows time context-parallel (ring) attention
 // blocks at debug-like shapes (B=1, 8/4 heads, T 4096 and 16384, cp 2 and 4) against full
 // attention divided by cp (ring_ideal_* rows, ring_ratio lines); one warm-up call each, and the
-// large shapes take seconds per call: `kernel_bench ring 3`. Usage: kernel_bench [FILTER] [REPS]
+// large shapes take seconds per call: `kernel_bench ring 3`. A last attention shape has
+// Llama's head dim 128 (B8 T256, 4/4 heads). Usage: kernel_bench [FILTER] [REPS]
 //   FILTER: run only the kernels whose name contains it (e.g. swiglu, _bwd, adamw).
 //   REPS: timed calls per kernel (default 20), after 2 untimed warm-up calls.
 // Each row: the median and the fastest call, and the rate of the median call: GB/s for the
@@ -364,6 +365,12 @@ int main(int argc, char** argv) {
     bench_adamw(b, m);
     bench_attention(b, m);
   }
+  // Attention alone at Llama's head dim 128 (dim 512 in 4 heads, no GQA).
+  const Model d128{"d128", 512, 1376, 8, 4, 4, 8192};
+  if (b.wants({"attention_fwd", "attention_bwd"}))
+    std::printf("-- %s: attention only, heads %lld/%lld of %lld\n", d128.name, (long long)d128.Hq,
+                (long long)d128.Hkv, (long long)d128.D());
+  bench_attention(b, d128);
   bench_ring(b);
   std::printf("load average at the end: %s\n", loadavg().c_str());
   return 0;
