@@ -364,6 +364,9 @@ void dispatch_head_dim(int64_t D, Args&&... args) {
     case 16:
       F<16>::run(args...);
       break;
+    case 32:  // D 128 on the baseline's 4 lanes (Llama's head dim)
+      F<32>::run(args...);
+      break;
     default:
       F<0>::run(args...);
       break;
