@@ -106,7 +106,12 @@ Tensor global_tensor(const ParamSpec& spec, const Tensor& local, dist::ProcessGr
   Tensor in = Tensor::empty({n}, DType::f32), all = Tensor::empty({k * n}, DType::f32);
   in.copy_from(local.view({n}));
   tp->all_gather(in, all)->wait();
-  if (spec.split == TpSplit::rows) return all.view(spec.global_shape());
+  if (spec.split == TpSplit::rows) {
+    // A padded vocabulary: the padding rows (after the real ones) are not saved.
+    Shape padded = spec.shape;
+    padded[0] *= k;
+    return all.view(padded).narrow(0, 0, spec.global_shape()[0]);
+  }
   // Columns: rank r's [R, C/tp] block goes to columns [r C/tp, (r + 1) C/tp) of each row.
   Tensor g = Tensor::empty(spec.global_shape(), DType::f32);
   const int64_t R = spec.shape[0], lc = spec.shape[1];
