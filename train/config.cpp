@@ -102,6 +102,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "interval", &c.checkpoint.interval},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "resume", &c.checkpoint.resume},
+      {"checkpoint", "allow_config_change", &c.checkpoint.allow_config_change},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
       {"bench", "warmup_steps", &c.bench.warmup_steps},
@@ -409,6 +410,40 @@ JobConfig load_job_config(const std::string& toml_path, const std::vector<std::s
   const fs::path dir = fs::path(toml_path).parent_path();
   c.base_dir = dir.empty() ? "." : dir.string();
   return c;
+}
+
+namespace {
+
+// A key's value as to_toml writes it.
+std::string toml_value(const Ptr& ptr) {
+  std::ostringstream os;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>)
+          os << *p;
+        else if constexpr (std::is_same_v<T, double>)
+          os << fmt_double(*p);
+        else if constexpr (std::is_same_v<T, bool>)
+          os << (*p ? "true" : "false");
+        else
+          os << quote(*p);
+      },
+      ptr);
+  return os.str();
+}
+
+}  // namespace
+
+std::vector<ConfigDifference> config_differences(const JobConfig& a, const JobConfig& b) {
+  JobConfig ca = a, cb = b;
+  const std::vector<Key> ka = keys_of(ca), kb = keys_of(cb);
+  std::vector<ConfigDifference> out;
+  for (size_t i = 0; i < ka.size(); ++i) {
+    std::string va = toml_value(ka[i].ptr), vb = toml_value(kb[i].ptr);
+    if (va != vb) out.push_back({key_path(ka[i]), std::move(va), std::move(vb)});
+  }
+  return out;
 }
 
 std::string to_toml(const JobConfig& c) {

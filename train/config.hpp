@@ -85,6 +85,9 @@ struct JobConfig {
     int64_t interval = 0;  // steps between saves; 0 = never
     int64_t keep = 3;      // how many recent checkpoints to keep; 0 = all
     bool resume = false;
+    // A resume whose configuration differs from the checkpoint's in a key that changes the
+    // training math (optimizer, schedule, batch, data, model) is refused unless this is true.
+    bool allow_config_change = false;
     bool operator==(const Checkpoint&) const = default;
   } checkpoint;
   struct Metrics {
@@ -118,6 +121,14 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
 // The resolved configuration as TOML, every key written (for --print-config); parsing it gives
 // back the same configuration.
 std::string to_toml(const JobConfig& c);
+
+// One key whose value differs between two configurations, with both values as TOML text.
+struct ConfigDifference {
+  std::string key;  // "optimizer.lr"
+  std::string a, b;
+};
+// The keys whose values differ, in to_toml's order.
+std::vector<ConfigDifference> config_differences(const JobConfig& a, const JobConfig& b);
 
 // Finds the model config.json named by [model] config: a path (absolute, or relative to the TOML
 // file's directory or the current directory), or a bare NAME meaning configs/NAME.json, searched
