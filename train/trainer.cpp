@@ -168,6 +168,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.job = config;
+  resolve_auto_precision(s.job);  // parsing did it already, unless the caller built the struct
   s.opt = options;
   const JobConfig& j = s.job;
   s.mesh = options.mesh;
@@ -353,6 +354,7 @@ TrainResult Trainer::run() {
        << s.mc.intermediate_size << ", vocab " << s.mc.vocab_size << "), " << dtype_name(s.compute)
        << " GEMMs";
     log.message(os.str());
+    log.message("  precision " + describe_precision(j));
     os.str("");
     os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
     if (s.val) os << ", " << s.val->size() << " val tokens";
