@@ -13,6 +13,8 @@
 #include <variant>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
+#include "kernels/cpu/gemm.hpp"
 
 namespace loom {
 
@@ -52,7 +54,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"training",
        "mixed_precision_param",
        &c.training.mixed_precision_param,
-       {"float32", "bfloat16"}},
+       {"float32", "bfloat16", "auto"}},
       {"training",
        "mixed_precision_reduce",
        &c.training.mixed_precision_reduce,
@@ -397,7 +399,30 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
   }
 
   validate(c, keys, origin);
+  resolve_auto_precision(c);
   return c;
+}
+
+void resolve_auto_precision(JobConfig& c) {
+  std::string& p = c.training.mixed_precision_param;
+  if (p != "auto") return;
+  const cpu::CpuIsa& isa = cpu::cpu_isa();
+  if (isa.onednn_native_bf16 && cpu::gemm_bf16_native()) {
+    p = "bfloat16";
+    c.precision_reason = str_cat("auto: oneDNN ", isa.onednn, " has native bf16 matmuls");
+  } else {
+    p = "float32";
+    c.precision_reason = str_cat(
+        "auto: oneDNN ", isa.onednn, " has no bf16 matmul instructions; bf16 GEMMs would be ",
+        cpu::gemm_bf16_native() ? "emulated" : "widened to f32", ", slower than float32");
+  }
+}
+
+std::string describe_precision(const JobConfig& c) {
+  const std::string& p = c.training.mixed_precision_param;
+  std::string s = str_cat(p, " (", c.precision_reason.empty() ? "set" : c.precision_reason, ")");
+  if (p == "bfloat16") s += str_cat("; bf16 GEMMs ", cpu::gemm_bf16_path());
+  return s;
 }
 
 JobConfig load_job_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
@@ -469,6 +494,8 @@ std::string to_toml(const JobConfig& c) {
             os << quote(*p);
         },
         k.ptr);
+    if (k.ptr == Ptr(&copy.training.mixed_precision_param) && !c.precision_reason.empty())
+      os << "  # " << c.precision_reason;
     os << "\n";
   }
   return os.str();

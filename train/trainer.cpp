@@ -237,10 +237,21 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.job = config;
+  resolve_auto_precision(s.job);  // parsing did it already, unless the caller built the struct
   s.opt = options;
   const JobConfig& j = s.job;
   s.mesh = options.mesh;
   check_layout(j, s.mesh);
+  // "auto" was resolved on each rank's own CPU, but the ranks' GEMMs and FSDP's gathers share the
+  // dtype: one rank without native bf16 matmuls makes every rank float32.
+  if (s.mesh && !s.job.precision_reason.empty()) {
+    std::string& p = s.job.training.mixed_precision_param;
+    if (any_rank(s.mesh->world(), p != "bfloat16") && p == "bfloat16") {
+      p = "float32";
+      s.job.precision_reason =
+          "auto: float32 on every rank, as some rank's CPU has no native bf16 matmul";
+    }
+  }
   int shard_count = 1;
   if (s.mesh) {
     const DpGroups g = dp_groups(s.mesh);
@@ -467,6 +478,7 @@ TrainResult Trainer::run() {
        << s.mc.intermediate_size << ", vocab " << s.mc.vocab_size << "), " << dtype_name(s.compute)
        << " GEMMs";
     log.message(os.str());
+    log.message("  precision " + describe_precision(j));
     os.str("");
     os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
     if (s.val) os << ", " << s.val->size() << " val tokens";
