@@ -9,15 +9,17 @@
 #include "apps/commands.hpp"
 #include "apps/system_info.hpp"
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 
 namespace loom {
 
 namespace {
 
 const char* kInfoUsage =
-    "usage: loom info [--json] [--peak-seconds S]\n"
+    "usage: loom info [--json] [--peak-seconds S] | loom info --tiers\n"
     "  prints the version, CPU, kernel and oneDNN tiers, bf16 GEMM path, MPI library, threads\n"
-    "  and the measured f32/bf16 GEMM peaks (S seconds each, default 0.5; 0 skips them)\n";
+    "  and the measured f32/bf16 GEMM peaks (S seconds each, default 0.5; 0 skips them);\n"
+    "  --tiers: only the LOOM_CPU_ISA tiers this CPU can run, one per line (for scripts)\n";
 
 }  // namespace
 
@@ -28,6 +30,9 @@ int info_command(const Args& args) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       std::fputs(kInfoUsage, stdout);
+      return 0;
+    } else if (a == "--tiers") {
+      for (cpu::Isa t : cpu::cpu_isa().available) std::printf("%s\n", cpu::isa_name(t));
       return 0;
     } else if (a == "--json") {
       json = true;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -95,3 +96,15 @@ TEST_F(InfoCommand, BadArgumentsAreErrors) {
 }
 
 }  // namespace
+
+// --tiers (scripts/test.sh uses it): the tiers of the JSON's "available", one per line, in order.
+TEST_F(InfoCommand, TiersListsTheAvailableTiers) {
+  Result r = run("", "--tiers");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(run("", "--json --peak-seconds 0").out);
+  std::string joined = r.out;
+  if (!joined.empty() && joined.back() == '\n') joined.pop_back();
+  std::replace(joined.begin(), joined.end(), '\n', ' ');
+  EXPECT_EQ(joined, j["available"].get<std::string>());
+  EXPECT_EQ(r.out.rfind("baseline\n", 0), 0u) << r.out;
+}
