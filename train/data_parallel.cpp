@@ -23,6 +23,7 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command) 
       shape.tp = int(par.tp);
       // Every rank checks the shape against the world size and fails alike.
       rt.mesh = std::make_unique<dist::Mesh>(shape, dist::make_mpi_world_group());
+      rt.mesh->set_timeout_seconds(job.job.collective_timeout_s);
     }
   }
   LOOM_CHECK(rt.mesh || asked == 1, "parallelism asks for ", asked,
