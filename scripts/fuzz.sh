@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Usage: scripts/fuzz.sh [SECONDS_TOTAL]   (default 60; 0 = build and replay the corpora only)
 # Builds loom with clang, AddressSanitizer + UndefinedBehaviorSanitizer and libFuzzer's coverage in
-# build-fuzz/ (its own build dir), runs the parser tests there (safetensors, llama_config, config,
+# build-fuzz/ (its own build dir; the CPU kernels, which only GCC compiles, come uninstrumented
+# from the GCC build in build/), runs the parser tests there (safetensors, llama_config, config,
 # tokenizer, token_shard, checkpoint), then each harness of tests/fuzz/ for its share of
 # SECONDS_TOTAL, starting from the seed corpus tests/fuzz/corpus/<harness>/ (new inputs go to a
 # scratch copy, never into the repo). Any crash, sanitizer report, leak or non-loom::Error
@@ -16,8 +17,14 @@ launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 t0=$(date +%s)
+# clang cannot compile the CPU kernels: build-fuzz links those of the GCC build in build/.
+kernels=$PWD/build/libloom_kernels_cpu.a
+if [ ! -f build/CMakeCache.txt ]; then
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" > /dev/null
+fi
+CCACHE_BASEDIR=$PWD cmake --build build -j "$jobs" --target loom_kernels_cpu > /dev/null
 mkdir -p "$bdir"
-CCACHE_BASEDIR=$PWD cmake -S . -B "$bdir" -DLOOM_FUZZ=ON -DCMAKE_BUILD_TYPE=San \
+CCACHE_BASEDIR=$PWD cmake -S . -B "$bdir" -DLOOM_FUZZ=ON -DLOOM_FUZZ_KERNELS_LIB="$kernels" -DCMAKE_BUILD_TYPE=San \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${launcher[@]}" \
   "-DCMAKE_CXX_FLAGS_SAN=-O1 -g1" "-DCMAKE_C_FLAGS_SAN=-O1 -g1" \
   "-DCMAKE_CXX_FLAGS=$san -fsanitize=fuzzer-no-link" "-DCMAKE_C_FLAGS=$san" \
