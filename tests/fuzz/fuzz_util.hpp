@@ -21,24 +21,25 @@
 
 namespace loom::fuzz {
 
-// A directory of its own under /dev/shm (or $TMPDIR), removed at exit.
+// A directory of its own under /dev/shm (or $TMPDIR), removed at exit (the path is never
+// destroyed, so the exit handler may still read it).
 inline const std::string& scratch_dir() {
-  static const std::string dir = [] {
+  static const std::string* dir = [] {
     std::string base = "/dev/shm";
     struct stat st;
     if (::stat(base.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       const char* t = std::getenv("TMPDIR");
       base = t && *t ? t : "/tmp";
     }
-    std::string templ = base + "/loom_fuzz_XXXXXX";
-    if (!::mkdtemp(templ.data())) std::abort();
+    auto* d = new std::string(base + "/loom_fuzz_XXXXXX");
+    if (!::mkdtemp(d->data())) std::abort();
     std::atexit([] {
       std::error_code ec;
       std::filesystem::remove_all(scratch_dir(), ec);
     });
-    return templ;
+    return d;
   }();
-  return dir;
+  return *dir;
 }
 
 inline std::string write_file(const std::string& name, std::string_view bytes) {
