@@ -29,8 +29,10 @@ nsc=$tag-c nsa=$tag-a nsb=$tag-b
 timeout_s=5
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_drill.XXXXXX")
 
+child=
 cleanup() {
   local ns pid
+  [ -n "$child" ] && kill -9 "$child" 2>/dev/null || true
   for ns in "$nsa" "$nsb" "$nsc"; do
     ip netns pids "$ns" 2>/dev/null | while read -r pid; do kill -9 "$pid" 2>/dev/null || true; done
   done
@@ -39,6 +41,14 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+# Namespaces left by a drill that was killed (SIGKILL, no cleanup): removed when their script is gone.
+for ns in $(ip netns list 2>/dev/null | grep -oE '^lfd[0-9]+-[abc]' || true); do
+  pid=${ns#lfd}; pid=${pid%-*}
+  if ! kill -0 "$pid" 2>/dev/null; then
+    ip netns pids "$ns" 2>/dev/null | while read -r p; do kill -9 "$p" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  fi
+done
 
 if [ "$(id -u)" != 0 ] || ! ip netns add "$nsc" 2>/dev/null; then
   echo "SKIP: cannot create network namespaces (needs root and iproute2)"
@@ -82,10 +92,17 @@ printf '10.78.0.1 slots=1\n10.78.0.2 slots=1\n' >"$work/hosts"
 
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 # mpirun in the launcher's namespace; every run bounded by `timeout`.
+# In the background and waited for: `wait` returns at once on a signal, so the cleanup runs then
+# (bash would defer the trap until a foreground command ends).
 multihost() {
+  multihost_bg "$@" &
+  child=$!
+  wait "$child"
+}
+multihost_bg() {
   local limit=$1
   shift
-  timeout -k 5 "$limit" ip netns exec "$nsc" unshare --uts sh -c 'hostname drill-c; exec "$@"' sh \
+  exec timeout -k 5 "$limit" ip netns exec "$nsc" unshare --uts sh -c 'hostname drill-c; exec "$@"' sh \
     "$mpiexec" --allow-run-as-root -np 2 --hostfile "$work/hosts" --map-by node \
     --mca plm_rsh_agent "$work/agent.sh" --mca plm_rsh_no_tree_spawn 1 \
     --mca oob_tcp_if_include 10.78.0.0/24 \
@@ -157,10 +174,10 @@ awk -v a="$t_netem" -v b="$t_plain" 'BEGIN { exit !(a > b) }' ||
 
 # Still on the degraded link, so that steps are slow enough for the cut to land inside step 13.
 echo "== drill 3: the data link cut after step 12 (checkpoints every 5, collective timeout ${timeout_s} s)"
-multihost 240 --parallelism.dp_shard=2 --checkpoint.interval=5 --checkpoint.keep=0 \
+multihost_bg 240 --parallelism.dp_shard=2 --checkpoint.interval=5 --checkpoint.keep=0 \
   --checkpoint.dir="$work/run3" --metrics.jsonl="$work/run3.jsonl" \
   --job.collective_timeout_s=$timeout_s >"$work/run3.log" 2>&1 &
-job=$!
+job=$! child=$!
 cut=0
 for _ in $(seq 1200); do
   n=$(cat "$work/run3.jsonl" 2>/dev/null | grep -c '^{"step"' || true)
