@@ -4,15 +4,17 @@
 # build-fuzz/ (its own build dir; the CPU kernels, which only GCC compiles, come uninstrumented
 # from the GCC build in build/), runs the parser tests there (safetensors, llama_config, config,
 # tokenizer, token_shard, checkpoint), then each harness of tests/fuzz/ for its share of
-# SECONDS_TOTAL, starting from the seed corpus tests/fuzz/corpus/<harness>/ (new inputs go to a
-# scratch copy, never into the repo). Any crash, sanitizer report, leak or non-loom::Error
-# exception fails the script; the input that caused it is kept in build-fuzz/findings/.
-# Environment: FUZZ_JOBS (build parallelism, default 2), FUZZ_ONLY="fuzz_x fuzz_y" (a subset).
+# SECONDS_TOTAL, starting from the seed corpus tests/fuzz/corpus/<harness>/ and the inputs of past
+# findings tests/fuzz/regress/<harness>/ (new inputs go to a scratch copy, never into the repo).
+# Any crash, sanitizer report, leak, out-of-memory, slow input (10 s) or non-loom::Error exception
+# fails the script; the input that caused it is kept in build-fuzz/findings/.
+# Environment: FUZZ_JOBS (build parallelism, default 2), FUZZ_ONLY="fuzz_x fuzz_y" (a subset),
+# FUZZ_BUILD_DIR (default build-fuzz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 total=${1:-60}
 jobs=${FUZZ_JOBS:-2}
-bdir=build-fuzz
+bdir=${FUZZ_BUILD_DIR:-build-fuzz}
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
@@ -59,7 +61,9 @@ printf '%-24s %10s %8s %8s %s\n' harness execs exec/s corpus result
 for h in "${harnesses[@]}"; do
   rm -rf "${work:?}/$h"
   mkdir -p "$work/$h"
-  [ -d "tests/fuzz/corpus/$h" ] && cp -r "tests/fuzz/corpus/$h/." "$work/$h/"
+  for d in "tests/fuzz/corpus/$h" "tests/fuzz/regress/$h"; do
+    if [ -d "$d" ]; then cp -r "$d/." "$work/$h/"; fi
+  done
   log=$bdir/$h.log
   dict=()
   [ -f "tests/fuzz/dict/$h.dict" ] && dict=("-dict=tests/fuzz/dict/$h.dict")
