@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "apps/system_info.hpp"
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
 #include "kernels/cpu/gemm.hpp"
@@ -52,13 +53,6 @@
 namespace loom {
 
 namespace {
-
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -237,9 +231,11 @@ int bench_command(const Args& args) {
   dist::Mesh* mesh = dist.mesh.get();
   const bool writer = !mesh || mesh->world_rank() == 0;
 
-  const std::string load_before = load_average();
-  // One process only: ranks sharing cores would measure each other.
-  const double peak_flops = mesh ? 0 : cpu::measure_gemm_peak(compute);
+  // The header of `loom info`, GEMM peaks included (one process only: ranks sharing cores
+  // would measure each other). Its load average is the one before the steps.
+  const SystemInfo sys = collect_system_info(mesh ? 0 : 0.5);
+  const std::string load_before = sys.load_average;
+  const double peak_flops = compute == DType::bf16 ? sys.peak_bf16 : sys.peak_f32;
 
   auto& alloc = Allocator::get(Device::cpu);
   DpModel par = make_dp_model(mc, compute, job, dp_groups(mesh));
@@ -320,6 +316,8 @@ int bench_command(const Args& args) {
       total_tps += double(r[5]);
     }
     if (writer) {
+      std::fputs(format_system_info(sys).c_str(), stdout);
+      std::printf("  precision     %s\n", describe_precision(job).c_str());
       const double MiB = 1024.0 * 1024.0;
       char ring_text[64] = "";
       if (mm.ring)
@@ -372,14 +370,19 @@ int bench_command(const Args& args) {
         "\"peak_reserved_bytes\": %zu, \"expected_bytes\": %zu, \"param_bytes\": %zu, "
         "\"grad_bytes\": %zu, \"optimizer_bytes\": %zu, \"mirror_bytes\": %zu, "
         "\"activation_bytes\": %zu, \"loss_first\": %.5f, \"loss_last\": %.5f, "
-        "\"load_before\": \"%s\", \"load_after\": \"%s\"}\n",
+        "\"load_before\": \"%s\", \"load_after\": \"%s\", \"precision\": %s, "
+        "\"system\": %s}\n",
         config_path.c_str(), std::string(dtype_name(compute)).c_str(), long(B), long(T), n, step_s,
         tokens_per_s, flops / 1e12, peak_flops / 1e12, mfu, st.peak_allocated, st.peak_reserved,
         mm.total(), mm.params, mm.grads, mm.optimizer, mm.mirror, mm.activations, losses.front(),
-        losses.back(), load_before.c_str(), load_after.c_str());
+        losses.back(), load_before.c_str(), load_after.c_str(),
+        nlohmann::json(describe_precision(job)).dump().c_str(),
+        system_info_json(sys).dump().c_str());
     return 0;
   }
   const double MiB = 1024.0 * 1024.0;
+  std::fputs(format_system_info(sys).c_str(), stdout);
+  std::printf("  precision     %s\n", describe_precision(job).c_str());
   std::printf("loom bench step: %s (%s), batch %ld x seq %ld, %zu parameters\n",
               config_path.c_str(), std::string(dtype_name(compute)).c_str(), long(B), long(T), n);
   std::printf("  load average        %s (before)  %s (after)\n", load_before.c_str(),

@@ -12,5 +12,6 @@ int train_command(const Args& args);
 int tokenize_command(const Args& args);
 int generate_command(const Args& args);
 int plot_command(const Args& args);
+int info_command(const Args& args);
 
 }  // namespace loom

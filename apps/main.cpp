@@ -24,7 +24,9 @@ const char* kUsage =
     "           [--seed S] [--tokenizer FILE]\n"
     "      sample text from a checkpoint (KV cache)\n"
     "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
-    "      loss curves of one or several runs, train and validation\n";
+    "      loss curves of one or several runs, train and validation\n"
+    "  info [--json] [--peak-seconds S]\n"
+    "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n";
 
 // Prints the error that ends this process (with its world rank when there are several) and,
 // when it is one rank of several, ends the whole job at once: its peers may be waiting for it in
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
     if (cmd == "tokenize") return loom::tokenize_command(args);
     if (cmd == "generate") return loom::generate_command(args);
     if (cmd == "plot") return loom::plot_command(args);
+    if (cmd == "info") return loom::info_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {

@@ -37,12 +37,15 @@ using Clock = std::chrono::steady_clock;
 const char* kTokenizeUsage =
     "usage: loom tokenize --input FILE... --output DIR\n"
     "                     (--tokenizer FILE | --train-vocab N --save-tokenizer FILE)\n"
-    "                     [--val-fraction F] [--shard-tokens N]\n"
+    "                     [--split-pattern P] [--val-fraction F] [--shard-tokens N]\n"
     "  --input FILE...       text files (one document each) or .jsonl files (one JSON object\n"
     "                        per line with a \"text\" field)\n"
     "  --output DIR          writes DIR/train-00000.bin ..., DIR/val-00000.bin ...,\n"
     "                        DIR/tokenizer.json and DIR/meta.json\n"
     "  --tokenizer FILE      tokenizer.json, tiktoken rank file, or GPT-2 encoder.json\n"
+    "  --split-pattern P     the pre-tokenizer: gpt2, cl100k, o200k, llama3 or a PCRE2 regex\n"
+    "                        (needed for a rank file other than r50k/p50k/cl100k/o200k_base or\n"
+    "                        Llama 3's tokenizer.model, which are recognised by content)\n"
     "  --train-vocab N       train a byte-level BPE vocabulary of N ids on the inputs instead,\n"
     "  --save-tokenizer FILE   and save it to FILE\n"
     "  --val-fraction F      last fraction of the documents (or of the tokens, when there are\n"
@@ -55,7 +58,7 @@ constexpr int kMaxShards = 100000;  // five-digit names keep name order == strea
 
 struct Options {
   std::vector<std::string> inputs;
-  std::string output, tokenizer, save_tokenizer;
+  std::string output, tokenizer, save_tokenizer, split_pattern;
   int64_t train_vocab = 0;
   double val_fraction = 0.0;
   uint64_t shard_tokens = 100000000;
@@ -105,7 +108,7 @@ Options parse_options(const Args& args) {
     }
     const bool known = key == "--output" || key == "--tokenizer" || key == "--train-vocab" ||
                        key == "--save-tokenizer" || key == "--val-fraction" ||
-                       key == "--shard-tokens";
+                       key == "--shard-tokens" || key == "--split-pattern";
     LOOM_CHECK(known, "unknown argument '", a, "'\n", kTokenizeUsage);
     if (!inline_value) {
       LOOM_CHECK(i + 1 < args.size(), key, " needs a value\n", kTokenizeUsage);
@@ -118,6 +121,11 @@ Options parse_options(const Args& args) {
     } else if (key == "--train-vocab") {
       o.train_vocab = parse_int(key, value);
       have_vocab = true;
+    } else if (key == "--split-pattern") {
+      LOOM_CHECK(!value.empty(),
+                 "--split-pattern needs a pattern (gpt2, cl100k, o200k, llama3 or "
+                 "a regex)");
+      o.split_pattern = Tokenizer::pattern_named(value);
     } else if (key == "--save-tokenizer") {
       o.save_tokenizer = value;
     } else if (key == "--val-fraction") {
@@ -371,12 +379,14 @@ int tokenize_command(const Args& args) {
     std::printf("training a vocabulary of %lld ids on %.2f MB of text...\n",
                 (long long)o.train_vocab, mb(corpus.size()));
     std::fflush(stdout);
-    tok = Tokenizer::train(corpus, o.train_vocab);
+    tok = o.split_pattern.empty()
+              ? Tokenizer::train(corpus, o.train_vocab)
+              : Tokenizer::train(corpus, o.train_vocab, {"<|endoftext|>"}, o.split_pattern);
     tok.save(o.save_tokenizer);
     tokenizer_source = o.save_tokenizer;
     train_s = std::chrono::duration<double>(Clock::now() - t0).count();
   } else {
-    tok = Tokenizer::load(o.tokenizer);
+    tok = Tokenizer::load(o.tokenizer, o.split_pattern);
     tokenizer_source = o.tokenizer;
   }
   const uint64_t vocab = uint64_t(tok.vocab_size());

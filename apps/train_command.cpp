@@ -97,7 +97,9 @@ int train_command(const Args& args) {
   StopSignals signals;
   TrainerOptions opt;
   opt.out = stdout;
-  opt.tty = ::isatty(STDOUT_FILENO) == 1;
+  // Open MPI gives each rank a pseudo-terminal for stdout whatever mpirun's own output is (a log
+  // file, a pipe), so under a launcher isatty() says nothing: plain lines there.
+  opt.tty = ::isatty(STDOUT_FILENO) == 1 && !dist::launched_under_mpi();
   opt.stop = &g_stop;
   opt.mesh = dist.mesh.get();
   std::unique_ptr<FILE, int (*)(FILE*)> rank_log(nullptr, &std::fclose);

@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
       "threads %d. GFLOP/s of the fastest call, of the median call, and per CPU-second "
       "x threads\n",
       threads);
+  std::printf("bf16 GEMMs: %s\n", gemm_bf16_path().c_str());
   if (gemm_table) {
     std::printf("%-6s %-6s %-6s %-17s %-9s %9s %9s %9s %9s\n", "M", "N", "K", "form", "dtype",
                 "best ms", "GFLOP/s", "median", "cpu");

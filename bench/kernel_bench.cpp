@@ -4,7 +4,8 @@
 // and the fused linear cross-entropy. The ring_* rows time context-parallel (ring) attention
 // blocks at debug-like shapes (B=1, 8/4 heads, T 4096 and 16384, cp 2 and 4) against full
 // attention divided by cp (ring_ideal_* rows, ring_ratio lines); one warm-up call each, and the
-// large shapes take seconds per call: `kernel_bench ring 3`. Usage: kernel_bench [FILTER] [REPS]
+// large shapes take seconds per call: `kernel_bench ring 3`. A last attention shape has
+// Llama's head dim 128 (B8 T256, 4/4 heads). Usage: kernel_bench [FILTER] [REPS]
 //   FILTER: run only the kernels whose name contains it (e.g. swiglu, _bwd, adamw).
 //   REPS: timed calls per kernel (default 20), after 2 untimed warm-up calls.
 // Each row: the median and the fastest call, and the rate of the median call: GB/s for the
@@ -15,6 +16,16 @@
 // so the smaller ones run from cache. On a machine shared with other jobs, a descheduled OpenMP
 // thread stalls the whole team for a scheduler time slice; OMP_NUM_THREADS=1 then gives the
 // steadier figures.
+// The header names the tier the kernels run (LOOM_CPU_ISA caps it, and oneDNN with it) and the
+// f32 GEMM peak measured at that tier (cpu::measure_gemm_peak, the fastest call of oneDNN on
+// linear-layer shapes, the MFU denominator of `loom bench`); attention rows add their rate as a
+// percentage of that peak, for the median call and for the fastest (like the peak itself, the
+// fastest call is the figure that a loaded machine disturbs least). On a machine shared with
+// other jobs even that is disturbed; the "busy" figures then help: the same GEMM shapes and the
+// attention calls timed in process CPU time divided by the threads (the time the threads ran,
+// not the time they waited for a core), the peak as the least CPU time of a call, attention as
+// the least CPU time of its calls. Peak measurement is skipped
+// when no attention row is selected.
 #include <omp.h>
 
 #include <algorithm>
@@ -23,6 +34,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <string>
 #include <tuple>
@@ -33,7 +45,9 @@
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/embedding.hpp"
+#include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
 #include "kernels/cpu/swiglu.hpp"
 #include "tests/test_util.hpp"
@@ -78,9 +92,45 @@ __attribute__((format(printf, 1, 2))) std::string format(const char* fmt, ...) {
   return buf;
 }
 
+// CPU time of the process, all threads.
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// The f32 GEMM peak in busy time: the shapes and forms of cpu::measure_gemm_peak, each call's
+// process CPU time divided by the threads, the least over `calls` calls of each.
+double busy_gemm_peak(int calls) {
+  const int64_t M = 2048;
+  const std::pair<int64_t, int64_t> nk[] = {{1376, 512}, {512, 1376}, {1024, 512}};
+  const size_t n = size_t(M) * 1376;
+  std::vector<float> x(n, 0.01f), w(n, -0.02f), dy(n, 0.03f), out(n);
+  double best = 0;
+  for (auto [N, K] : nk)
+    for (int form = 0; form < 3; ++form) {
+      double least = 1e30;
+      for (int i = 0; i <= calls; ++i) {
+        const double c0 = cpu_seconds();
+        if (form == 0) cpu::linear_forward(x.data(), w.data(), out.data(), M, N, K, DType::f32);
+        if (form == 1)
+          cpu::linear_backward_input(dy.data(), w.data(), out.data(), M, N, K, DType::f32, false);
+        if (form == 2)
+          cpu::linear_backward_weight(dy.data(), x.data(), out.data(), M, N, K, DType::f32);
+        if (i > 0) least = std::min(least, (cpu_seconds() - c0) / omp_get_max_threads());
+      }
+      best = std::max(best, 2.0 * M * N * K / least);
+    }
+  return best;
+}
+
 class Bench {
  public:
   Bench(std::string filter, int reps) : filter_(std::move(filter)), reps_(reps) {}
+
+  // f32 GEMM peak (FLOP/s) of this tier, in wall-clock time and in busy time (see the top);
+  // GFLOP/s rows print their share of them when set.
+  double peak = 0, busy_peak = 0;
 
   bool wants(std::initializer_list<const char*> kernels) const {
     return std::any_of(kernels.begin(), kernels.end(), [&](const char* k) { return wants(k); });
@@ -100,15 +150,24 @@ class Bench {
     if (!wants(kernel)) return 0;
     for (int i = 0; i < warmup; ++i) f();
     std::vector<double> t(static_cast<size_t>(reps_));
+    double busy = 1e30;
     for (double& s : t) {
+      const double c0 = cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       f();
       s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      busy = std::min(busy, (cpu_seconds() - c0) / omp_get_max_threads());
     }
     std::sort(t.begin(), t.end());
     const double median = t[t.size() / 2];
-    std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s\n", kernel.c_str(), shape.c_str(),
-                median * 1e3, t.front() * 1e3, amount / median * 1e-9, unit, counted);
+    const double rate = amount / median;
+    std::string share;
+    if (peak > 0 && std::string(unit) == "GFLOP/s")
+      share =
+          format(" (%.1f%% of GEMM peak; fastest call %.1f%%; busy %.1f%%)", 100.0 * rate / peak,
+                 100.0 * amount / t.front() / peak, 100.0 * amount / busy / busy_peak);
+    std::printf("%-18s %-24s %10.3f %10.3f %8.1f %-7s %s%s\n", kernel.c_str(), shape.c_str(),
+                median * 1e3, t.front() * 1e3, rate * 1e-9, unit, counted, share.c_str());
     std::fflush(stdout);
     return median;
   }
@@ -325,9 +384,20 @@ int main(int argc, char** argv) {
       "kernel_bench: %d threads, load average %s (1, 5, 15 min), %d timed calls after %d "
       "warm-up\n",
       omp_get_max_threads(), loadavg().c_str(), reps, kWarmup);
+  const cpu::CpuIsa& isa = cpu::cpu_isa();
+  std::printf("tier: kernels %s, oneDNN %s (LOOM_CPU_ISA=%s); CPU %s\n", cpu::isa_name(isa.kernels),
+              isa.onednn.c_str(), isa.requested.c_str(), cpu::cpu_model_name().c_str());
+  Bench b(filter, reps);
+  if (b.wants({"attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd", "ring_ideal_fwd",
+               "ring_ideal_bwd"})) {
+    b.peak = cpu::measure_gemm_peak(DType::f32, 1.0);
+    b.busy_peak = busy_gemm_peak(10);
+    std::printf("f32 GEMM peak at this tier in busy time: %.1f GFLOP/s\n", b.busy_peak * 1e-9);
+    std::printf("f32 GEMM peak at this tier: %.1f GFLOP/s (oneDNN %s, %d threads)\n", b.peak * 1e-9,
+                isa.onednn.c_str(), omp_get_max_threads());
+  }
   std::printf("%-18s %-24s %10s %10s %16s %s\n", "kernel", "shape", "median ms", "min ms",
               "rate (median)", "counted");
-  Bench b(filter, reps);
   for (const Model& m : kModels) {
     std::printf("-- %s: dim %lld, ffn %lld, heads %lld/%lld, vocab %lld, %.1fM params\n", m.name,
                 (long long)m.dim, (long long)m.F, (long long)m.Hq, (long long)m.Hkv,
@@ -339,6 +409,12 @@ int main(int argc, char** argv) {
     bench_adamw(b, m);
     bench_attention(b, m);
   }
+  // Attention alone at Llama's head dim 128 (dim 512 in 4 heads, no GQA).
+  const Model d128{"d128", 512, 1376, 8, 4, 4, 8192};
+  if (b.wants({"attention_fwd", "attention_bwd"}))
+    std::printf("-- %s: attention only, heads %lld/%lld of %lld\n", d128.name, (long long)d128.Hq,
+                (long long)d128.Hkv, (long long)d128.D());
+  bench_attention(b, d128);
   bench_ring(b);
   std::printf("load average at the end: %s\n", loadavg().c_str());
   return 0;

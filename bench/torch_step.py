@@ -2,6 +2,7 @@
 """PyTorch side of loom's training-step benchmark (the model is tests/parity/torch_llama.py).
 
   torch_step.py --config tiny|small --dtype float32|bfloat16 [--steps 10] [--warmup 3] [--threads 2]
+                [--tier native|avx2|avx512]
 
 A step = forward, backward, torch.optim.AdamW step (lr 3e-4), zero_grad, on a random batch of 8 x 256
 tokens; parameters are float32, bfloat16 runs under torch.autocast("cpu", bfloat16). Prints one JSON
@@ -35,6 +36,18 @@ TUNED_ENV = {
     "bfloat16": {"OPENBLAS_CORETYPE": "SkylakeX", "OMP_WAIT_POLICY": "ACTIVE"},
 }
 WAIT_POLICIES = {"float32": ["PASSIVE"], "bfloat16": ["ACTIVE", "PASSIVE"]}
+
+# PyTorch held to one of loom's CPU tiers (LOOM_CPU_ISA, kernels/cpu/cpu_isa.hpp), applied over
+# TUNED_ENV: ATen's own kernels (ATEN_CPU_CAPABILITY), OpenBLAS's fp32 GEMMs (OPENBLAS_CORETYPE) and
+# oneDNN's bf16 GEMMs and convolutions (ONEDNN_MAX_CPU_ISA; DNNL_ for older oneDNN builds). native
+# changes nothing.
+TIER_ENV = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "OPENBLAS_CORETYPE": "Haswell",
+             "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "OPENBLAS_CORETYPE": "SkylakeX",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
 
 # torch 1.13 sends fp32 GEMMs to whatever libblas.so.3 the loader finds. Debian's default alternative
 # can be netlib's reference BLAS (about 2 GFLOP/s here, 40x slower than OpenBLAS), which would make
@@ -82,6 +95,8 @@ def main():
     ap.add_argument("--keep-env", action="store_true", help="keep the caller's OPENBLAS_CORETYPE and OMP_WAIT_POLICY")
     ap.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="override OMP_WAIT_POLICY")
     ap.add_argument("--blas", help="libblas.so.3 to use (default: $TORCH_BLAS, else an OpenBLAS if found)")
+    ap.add_argument("--tier", choices=sorted(TIER_ENV), default="native",
+                    help="hold torch to this CPU tier (TIER_ENV); native leaves it alone")
     a = ap.parse_args()
     if a.steps < 1 or a.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
@@ -89,6 +104,7 @@ def main():
         os.environ.update(TUNED_ENV[a.dtype])
     if a.omp_wait_policy:
         os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy
+    os.environ.update(TIER_ENV[a.tier])
 
     preload_blas(a.blas)
     import torch  # noqa: E402  (after the environment is set)
@@ -131,7 +147,8 @@ def main():
         "flops_per_token": cfg.flops_per_token(SEQ), "threads": a.threads, "steps": a.steps,
         "min_step_s": min(times), "loss": loss, "torch": torch.__version__,
         "blas": blas,
-        "env": {k: os.environ.get(k) for k in TUNED_ENV[a.dtype]},
+        "tier": a.tier,
+        "env": {k: os.environ.get(k) for k in list(TUNED_ENV[a.dtype]) + list(TIER_ENV["avx2"])},
     }))
     return 0
 

@@ -622,8 +622,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
     for (auto [what, v] :
          {std::pair<const char*, int64_t>{"num_attention_heads", config_.num_attention_heads},
           {"num_key_value_heads", config_.num_key_value_heads},
-          {"intermediate_size", config_.intermediate_size},
-          {"vocab_size", config_.vocab_size}})
+          {"intermediate_size", config_.intermediate_size}})
       LOOM_CHECK(
           v % n == 0, "tensor parallelism: model ", what, " = ", v,
           " is not divisible by parallelism.tp = ", n, " (every tp rank holds ", what, " / tp",
@@ -637,16 +636,36 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
   tp_->cp = cp;
   tp_->pool = &pool_;
   const bool bf = compute == DType::bf16;
-  const int64_t d = config_.hidden_size, V = config_.vocab_size / n;
-  ParamSpec emb{
-      "model.embed_tokens.weight", {V, d}, Init::normal, 0.02f, true, true, TpSplit::rows, r, n};
+  // A vocabulary that tp does not divide is padded to the next multiple of tp (Megatron's
+  // make-vocab-size-divisible-by): the padding rows are zero, their logits are masked out of the
+  // loss, and checkpoints hold the real rows only (ParamSpec::global_rows).
+  const int64_t d = config_.hidden_size, V = local_vocab(n);
+  const int64_t real_rows = V * n == config_.vocab_size ? 0 : config_.vocab_size;
+  ParamSpec emb{"model.embed_tokens.weight",
+                {V, d},
+                Init::normal,
+                0.02f,
+                true,
+                true,
+                TpSplit::rows,
+                r,
+                n,
+                real_rows};
   embed_ = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, device, shard);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
     blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard, tp_.get()));
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!config_.tie_word_embeddings)
-    head.push_back(
-        {"lm_head.weight", {V, d}, Init::normal, 0.02f, true, false, TpSplit::rows, r, n});
+    head.push_back({"lm_head.weight",
+                    {V, d},
+                    Init::normal,
+                    0.02f,
+                    true,
+                    false,
+                    TpSplit::rows,
+                    r,
+                    n,
+                    real_rows});
   head_ = std::make_unique<ParamUnit>("head", head, bf, device, shard);
 }
 
@@ -709,7 +728,7 @@ double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* target
                                     int64_t T, float grad_scale) {
   const TpRuntime& tp = *tp_;
   const int tpn = tp.opt.size();
-  const int64_t M = B * T, d = config_.hidden_size, V = config_.vocab_size / tpn;
+  const int64_t M = B * T, d = config_.hidden_size, V = local_vocab(tpn);
   const int64_t v0 = int64_t(tp.opt.rank()) * V;  // first vocabulary row of this tp rank
   LOOM_CHECK(
       !tp.sp() || M % tpn == 0, "sequence parallelism: the micro-batch's B*T = ", B, "*", T, " = ",
@@ -880,9 +899,12 @@ double LlamaModel::vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArg
   // The logits chunk is the loss's workspace (sized by the memory budget of loss_chunk_rows),
   // not a communication buffer: allocated here, as the single-process loss does.
   Tensor logits = Tensor::empty({rows, V}, DType::f32);
+  // Columns past the real vocabulary are padding (a vocabulary tp does not divide): never
+  // predicted, so left out of the softmax and given no gradient.
+  const int64_t Vr = std::clamp<int64_t>(config_.vocab_size - v0, 0, V);
   for (int64_t i = 0; i < N; ++i)
-    LOOM_CHECK(a.targets[i] < V * n, "cross-entropy: target ", a.targets[i], " of row ", i,
-               " is outside the vocabulary of ", V * n);
+    LOOM_CHECK(a.targets[i] < config_.vocab_size, "cross-entropy: target ", a.targets[i],
+               " of row ", i, " is outside the vocabulary of ", config_.vocab_size);
   float* L = logits.data<float>();
   float* ls = lse.data<float>();
   float* tg = tgt.data<float>();
@@ -893,10 +915,11 @@ double LlamaModel::vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArg
     for (int64_t i = 0; i < nr; ++i) {
       const float* l = L + i * V;
       float mx = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, l[v]);
+      for (int64_t v = 0; v < Vr; ++v) mx = std::max(mx, l[v]);
       double s = 0;
-      for (int64_t v = 0; v < V; ++v) s += std::exp(double(l[v] - mx));
-      ls[r0 + i] = float(double(mx) + std::log(s));
+      for (int64_t v = 0; v < Vr; ++v) s += std::exp(double(l[v] - mx));
+      // A rank holding padding only adds nothing to the log-sum-exp (exp(-inf) = 0).
+      ls[r0 + i] = Vr > 0 ? float(double(mx) + std::log(s)) : -INFINITY;
       const int64_t t = int64_t(a.targets[r0 + i]);
       tg[r0 + i] = (t >= v0 && t < v0 + V) ? l[t - v0] : 0.0f;
     }
@@ -929,7 +952,8 @@ double LlamaModel::vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArg
         continue;
       }
       const float g = glse[size_t(r0 + i)];
-      for (int64_t v = 0; v < V; ++v) l[v] = std::exp(l[v] - g) * a.grad_scale;
+      for (int64_t v = 0; v < Vr; ++v) l[v] = std::exp(l[v] - g) * a.grad_scale;
+      std::fill(l + Vr, l + V, 0.0f);
       if (t >= v0 && t < v0 + V) l[t - v0] -= a.grad_scale;
     }
     if (a.ab == DType::bf16) cpu::cast_f32_to_bf16(L, dl_c.data<bf16>(), nr * V);

@@ -210,6 +210,8 @@ class LlamaModel {
  private:
   const cpu::RopeTable& rope_for(int64_t T);
   double vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArgs& a, int64_t v0);
+  // Embedding / output rows on each of `tp` ranks: the vocabulary padded to a multiple of tp.
+  int64_t local_vocab(int tp) const { return (config_.vocab_size + tp - 1) / tp; }
   int64_t recomputed_blocks() const;  // blocks whose forward runs again in backward (full)
   size_t ring_kv_bytes(int64_t B, int64_t T) const;  // one ring attention K/V block
 

@@ -10,7 +10,7 @@ namespace loom {
 
 Shape ParamSpec::global_shape() const {
   Shape g = shape;
-  if (split == TpSplit::rows) g[0] *= tp_count;
+  if (split == TpSplit::rows) g[0] = global_rows > 0 ? global_rows : g[0] * tp_count;
   if (split == TpSplit::cols) g[1] *= tp_count;
   return g;
 }
@@ -92,8 +92,12 @@ void ParamUnit::init_weights(uint64_t seed) {
     } else {
       // Sample (global element index) of the parameter's stream: the same value on every layout.
       const auto key = philox_key(seed, spec.name);
+      const int64_t real = spec.global_numel();
       spec.for_global_runs(s.begin, s.count, [&](int64_t g, int64_t n, int64_t local) {
-        philox_normal(key, g, n, 0.0f, spec.std, out + (local - s.begin));
+        // Padding rows stay zero: they are never predicted, and zero rows stay zero under AdamW.
+        const int64_t keep = std::clamp<int64_t>(real - g, 0, n);
+        philox_normal(key, g, keep, 0.0f, spec.std, out + (local - s.begin));
+        std::fill_n(out + (local - s.begin) + keep, n - keep, 0.0f);
       });
     }
   }

@@ -46,9 +46,16 @@ struct ParamSpec {
   bool f32_value = false;  // read as f32 by non-GEMM kernels (norms, the embedding lookup)
   TpSplit split = TpSplit::none;
   int tp_rank = 0, tp_count = 1;
+  // Rows split only: the rows of the whole tensor when they are fewer than rows x tp_count (a
+  // vocabulary padded to a multiple of tp, as Megatron does). The rows past it are padding: zero,
+  // never read from or written to a checkpoint. 0: no padding.
+  int64_t global_rows = 0;
 
-  // The shape of the whole tensor (the checkpoint's, Hugging Face's).
+  // The shape of the whole tensor (the checkpoint's, Hugging Face's), without padding.
   Shape global_shape() const;
+  // Elements of the whole tensor without padding: global element indices at or past it are
+  // padding rows.
+  int64_t global_numel() const { return shape_numel(global_shape()); }
   // Elements [local_begin, local_begin + count) of the local tensor, as runs of consecutive
   // global (row-major) element indices: fn(global_begin, n, local_offset) per run. A row-parallel
   // slice is one run per row.
@@ -89,8 +96,14 @@ void read_param_slice(const Reader& f, const std::string& name, const ParamSpec&
                       int64_t local_begin, int64_t count, float* out) {
   const Shape g = spec.global_shape();
   const int64_t row = g.empty() ? 1 : shape_numel(g) / g[0];
+  const int64_t real = spec.global_numel();
   std::vector<float> rows;
   spec.for_global_runs(local_begin, count, [&](int64_t gb, int64_t n, int64_t local) {
+    // Padding rows (past the real ones) are not in the file: zero.
+    const int64_t keep = std::clamp<int64_t>(real - gb, 0, n);
+    std::fill_n(out + (local - local_begin) + keep, n - keep, 0.0f);
+    n = keep;
+    if (n == 0) return;
     const int64_t r0 = gb / row, r1 = (gb + n - 1) / row + 1;
     rows.resize(size_t((r1 - r0) * row));
     f.read_f32(name, g, rows.data(), r0, r1 - r0);

@@ -162,6 +162,9 @@ size_t parse_header(const std::string& path, const uint8_t* map, size_t size,
   }
   LOOM_CHECK(header.is_object(), path, ": header must be a JSON object, found ",
              header.type_name());
+  // Hugging Face's reader also wants the object to start right after the length (no leading
+  // whitespace), which a damaged length could otherwise hide.
+  LOOM_CHECK(map[8] == '{', path, ": header must start with '{' right after the 8-byte length");
 
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
@@ -216,16 +219,33 @@ size_t parse_header(const std::string& path, const uint8_t* map, size_t size,
     entries.push_back(std::move(e));
   }
 
-  // File order: by offset. Adjacent entries must not overlap (holes are harmless and allowed).
+  // File order: by offset. Like Hugging Face's reader, the tensors must cover the data section
+  // exactly: each starts where the previous one ends and the last ends at the end of the file. A
+  // hole or trailing bytes mean a wrong header length or a damaged file, and reading such a file
+  // would load every weight shifted, so it is refused rather than trusted.
   std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  for (size_t i = 1; i < entries.size(); ++i) {
-    const auto& p = entries[i - 1];
-    const auto& c = entries[i];
-    LOOM_CHECK(c.begin >= p.end, path, ": tensor '", c.name, "' (bytes ", c.begin, "..", c.end,
-               ") overlaps tensor '", p.name, "' (bytes ", p.begin, "..", p.end, ")");
+  size_t covered = 0;  // the data section's bytes [0, covered) belong to the tensors so far
+  const SafetensorsEntry* prev = nullptr;
+  for (const auto& c : entries) {
+    if (prev) {
+      LOOM_CHECK(c.begin >= prev->end, path, ": tensor '", c.name, "' (bytes ", c.begin, "..",
+                 c.end, ") overlaps tensor '", prev->name, "' (bytes ", prev->begin, "..",
+                 prev->end, ")");
+    }
+    LOOM_CHECK(c.begin == covered, path, ": tensor '", c.name, "' starts at byte ", c.begin,
+               " of the data section, but ",
+               prev ? str_cat("the previous tensor '", prev->name, "' ends at byte ", covered)
+                    : std::string("the first tensor must start at byte 0"),
+               " (a hole in the data section: the header length or the offsets are wrong)");
+    covered = c.end;
+    prev = &c;
   }
+  LOOM_CHECK(covered == data_size, path, ": the tensors cover ", covered,
+             " bytes but the data section holds ", data_size, " bytes (header length ", header_len,
+             "); the file has ", data_size > covered ? "trailing bytes" : "missing bytes",
+             ", so the header length or the offsets are wrong");
   return data_start;
 }
 

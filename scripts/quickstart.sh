@@ -3,7 +3,8 @@
 #   1. installs what is missing and builds (scripts/build.sh);
 #   2. once: writes the King James Bible (Debian's bible-kjv) to data/kjv.txt and tokenizes it
 #      into data/kjv with a 4096-token BPE vocabulary trained on it, 1% held out for validation;
-#   3. trains the default model (configs/default.toml: about five minutes on two cores), resuming
+#   3. trains the default model (configs/default.toml: about five minutes on two cores, sized for
+#      AVX2 in float32), resuming
 #      if an earlier run of it was interrupted;
 #   4. samples a continuation of "And God said" from the last checkpoint.
 set -euo pipefail

@@ -106,7 +106,12 @@ Tensor global_tensor(const ParamSpec& spec, const Tensor& local, dist::ProcessGr
   Tensor in = Tensor::empty({n}, DType::f32), all = Tensor::empty({k * n}, DType::f32);
   in.copy_from(local.view({n}));
   tp->all_gather(in, all)->wait();
-  if (spec.split == TpSplit::rows) return all.view(spec.global_shape());
+  if (spec.split == TpSplit::rows) {
+    // A padded vocabulary: the padding rows (after the real ones) are not saved.
+    Shape padded = spec.shape;
+    padded[0] *= k;
+    return all.view(padded).narrow(0, 0, spec.global_shape()[0]);
+  }
   // Columns: rank r's [R, C/tp] block goes to columns [r C/tp, (r + 1) C/tp) of each row.
   Tensor g = Tensor::empty(spec.global_shape(), DType::f32);
   const int64_t R = spec.shape[0], lc = spec.shape[1];
@@ -167,7 +172,11 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   if (root.empty() || !fs::is_directory(root, ec)) return out;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const int64_t s = parse_step_name(e.path().filename().string());
-    if (s >= 0 && e.is_directory(ec)) out.emplace_back(s, e.path().string());
+    // state.json is written last: a directory without it is not a checkpoint (a prune that was
+    // interrupted half-way through deleting it, or a copy in progress).
+    std::error_code ec2;
+    if (s >= 0 && e.is_directory(ec) && fs::is_regular_file(e.path() / "state.json", ec2))
+      out.emplace_back(s, e.path().string());
   }
   LOOM_CHECK(!ec, "cannot list checkpoint directory '", root, "': ", ec.message());
   std::sort(out.begin(), out.end());
@@ -209,6 +218,7 @@ std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& 
   st["lr"] = state.lr;
   st["loss"] = state.loss;
   st["config"] = state.config_toml;
+  st["tokens_per_step"] = state.tokens_per_step;
   write_file((tmp / "state.json").string(), st.dump(2) + "\n");
 
   for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
@@ -262,7 +272,7 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   return path;
 }
 
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
+TrainState read_checkpoint_state(const std::string& dir) {
   const fs::path d(dir);
   std::error_code ec;
   LOOM_CHECK(fs::is_directory(d, ec), "checkpoint '", dir, "' is not a directory");
@@ -281,10 +291,19 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
     st.lr = j.at("lr").get<double>();
     st.loss = j.at("loss").get<double>();
     st.config_toml = j.at("config").get<std::string>();
+    st.tokens_per_step = j.value("tokens_per_step", int64_t(0));
   } catch (const nlohmann::json::exception& e) {
     fail(state_path, ": invalid checkpoint state: ", e.what());
   }
   LOOM_CHECK(st.step >= 0 && st.data_step >= 0, state_path, ": negative step");
+  return st;
+}
+
+TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
+  const fs::path d(dir);
+  std::error_code ec;
+  const TrainState st = read_checkpoint_state(dir);
+  const std::string state_path = (d / "state.json").string();
 
   // Weights: every model tensor, shapes checked by read_f32; and nothing the model lacks (a
   // checkpoint of a deeper model would otherwise load silently).
@@ -332,10 +351,63 @@ void prune_checkpoints(const std::string& root, int64_t keep) {
   if (keep <= 0) return;
   auto all = list_checkpoints(root);
   for (size_t i = 0; i + size_t(keep) < all.size(); ++i) {
+    // Renamed first (atomic), so that a prune cut short leaves a name that is no checkpoint
+    // name, which clean_checkpoint_dir removes, rather than a half-deleted step-N.
     std::error_code ec;
-    fs::remove_all(all[i].second, ec);
+    const std::string doomed = all[i].second + ".deleting";
+    fs::rename(all[i].second, doomed, ec);
     LOOM_CHECK(!ec, "cannot delete old checkpoint '", all[i].second, "': ", ec.message());
+    fs::remove_all(doomed, ec);
+    LOOM_CHECK(!ec, "cannot delete old checkpoint '", doomed, "': ", ec.message());
   }
+}
+
+std::vector<std::string> clean_checkpoint_dir(const std::string& root) {
+  std::vector<std::string> done;
+  std::error_code ec;
+  if (root.empty() || !fs::is_directory(root, ec)) return done;
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::directory_iterator(root, ec)) entries.push_back(e.path());
+  LOOM_CHECK(!ec, "cannot list checkpoint directory '", root, "': ", ec.message());
+  std::sort(entries.begin(), entries.end());
+  auto complete = [](const fs::path& d) {
+    std::error_code e2;
+    return fs::is_regular_file(d / "state.json", e2);
+  };
+  auto remove = [&](const fs::path& p, const char* why) {
+    std::error_code e2;
+    fs::remove_all(p, e2);
+    LOOM_CHECK(!e2, "cannot remove '", p.string(), "' (", why, "): ", e2.message());
+    done.push_back(str_cat("removed ", p.string(), " (", why, ")"));
+  };
+  for (const fs::path& p : entries) {
+    const std::string name = p.filename().string();
+    const size_t dot = name.rfind('.');
+    const std::string base = dot == std::string::npos ? name : name.substr(0, dot);
+    const std::string suffix = dot == std::string::npos ? "" : name.substr(dot);
+    std::error_code e2;
+    if (parse_step_name(base) < 0 || !fs::is_directory(p, e2)) continue;
+    if (suffix == ".tmp") {
+      remove(p, "a save that was interrupted");
+    } else if (suffix == ".deleting") {
+      remove(p, "a prune that was interrupted");
+    } else if (suffix == ".old") {
+      // A save that replaced this step moved the old one aside; if it died before the new one
+      // took its name, the old one is the checkpoint: put it back.
+      const fs::path target = p.parent_path() / base;
+      if (!fs::exists(target, e2) && complete(p)) {
+        fs::rename(p, target, e2);
+        LOOM_CHECK(!e2, "cannot restore '", p.string(), "': ", e2.message());
+        done.push_back(str_cat("restored ", target.string(), " from ", name,
+                               " (a save that replaced it was interrupted)"));
+      } else {
+        remove(p, "the previous copy of a replaced checkpoint");
+      }
+    } else if (suffix.empty() && !complete(p)) {
+      remove(p, "no state.json: an interrupted prune or copy");
+    }
+  }
+  return done;
 }
 
 }  // namespace loom

@@ -40,11 +40,15 @@ struct TrainState {
   double lr = 0;          // learning rate of the last step
   double loss = 0;        // loss of the last step
   std::string config_toml;
+  // Tokens per optimizer step over all ranks (the global batch); 0 in checkpoints that predate
+  // it. A resume compares it, since local_batch_size alone depends on the layout.
+  int64_t tokens_per_step = 0;
 };
 
 std::string checkpoint_name(int64_t step);  // "step-00000100"
 
-// The complete checkpoints under `root`, by increasing step (empty if root does not exist).
+// The complete checkpoints (step-<digits> directories holding state.json) under `root`, by
+// increasing step (empty if root does not exist).
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& root);
 std::string latest_checkpoint(const std::string& root);  // "" if there is none
 
@@ -60,8 +64,18 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
 // shapes), tensors the model does not have. A sharded model reads only its shards' slices, so a
 // checkpoint of any layout loads into any other.
 TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
+// Only the state.json of a checkpoint (errors name the file): what a resume checks before
+// allocating anything.
+TrainState read_checkpoint_state(const std::string& dir);
 
-// Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all).
+// Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all). Each is renamed
+// to step-N.deleting before it is deleted.
 void prune_checkpoints(const std::string& root, int64_t keep);
+
+// Tidies what interrupted saves and prunes leave under `root`: step-N.tmp, step-N.deleting and
+// step-N directories without state.json are removed; step-N.old is put back as step-N when a
+// replacing save died before the new one took its place, removed otherwise. Returns one line
+// per thing done, for the log.
+std::vector<std::string> clean_checkpoint_dir(const std::string& root);
 
 }  // namespace loom

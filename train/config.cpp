@@ -13,6 +13,8 @@
 #include <variant>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
+#include "kernels/cpu/gemm.hpp"
 
 namespace loom {
 
@@ -53,7 +55,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"training",
        "mixed_precision_param",
        &c.training.mixed_precision_param,
-       {"float32", "bfloat16"}},
+       {"float32", "bfloat16", "auto"}},
       {"training",
        "mixed_precision_reduce",
        &c.training.mixed_precision_reduce,
@@ -103,6 +105,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "interval", &c.checkpoint.interval},
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "resume", &c.checkpoint.resume},
+      {"checkpoint", "allow_config_change", &c.checkpoint.allow_config_change},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
       {"bench", "warmup_steps", &c.bench.warmup_steps},
@@ -399,7 +402,30 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
   }
 
   validate(c, keys, origin);
+  resolve_auto_precision(c);
   return c;
+}
+
+void resolve_auto_precision(JobConfig& c) {
+  std::string& p = c.training.mixed_precision_param;
+  if (p != "auto") return;
+  const cpu::CpuIsa& isa = cpu::cpu_isa();
+  if (isa.onednn_native_bf16 && cpu::gemm_bf16_native()) {
+    p = "bfloat16";
+    c.precision_reason = str_cat("auto: oneDNN ", isa.onednn, " has native bf16 matmuls");
+  } else {
+    p = "float32";
+    c.precision_reason = str_cat(
+        "auto: oneDNN ", isa.onednn, " has no bf16 matmul instructions; bf16 GEMMs would be ",
+        cpu::gemm_bf16_native() ? "emulated" : "widened to f32", ", slower than float32");
+  }
+}
+
+std::string describe_precision(const JobConfig& c) {
+  const std::string& p = c.training.mixed_precision_param;
+  std::string s = str_cat(p, " (", c.precision_reason.empty() ? "set" : c.precision_reason, ")");
+  if (p == "bfloat16") s += str_cat("; bf16 GEMMs ", cpu::gemm_bf16_path());
+  return s;
 }
 
 JobConfig load_job_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
@@ -412,6 +438,40 @@ JobConfig load_job_config(const std::string& toml_path, const std::vector<std::s
   const fs::path dir = fs::path(toml_path).parent_path();
   c.base_dir = dir.empty() ? "." : dir.string();
   return c;
+}
+
+namespace {
+
+// A key's value as to_toml writes it.
+std::string toml_value(const Ptr& ptr) {
+  std::ostringstream os;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>)
+          os << *p;
+        else if constexpr (std::is_same_v<T, double>)
+          os << fmt_double(*p);
+        else if constexpr (std::is_same_v<T, bool>)
+          os << (*p ? "true" : "false");
+        else
+          os << quote(*p);
+      },
+      ptr);
+  return os.str();
+}
+
+}  // namespace
+
+std::vector<ConfigDifference> config_differences(const JobConfig& a, const JobConfig& b) {
+  JobConfig ca = a, cb = b;
+  const std::vector<Key> ka = keys_of(ca), kb = keys_of(cb);
+  std::vector<ConfigDifference> out;
+  for (size_t i = 0; i < ka.size(); ++i) {
+    std::string va = toml_value(ka[i].ptr), vb = toml_value(kb[i].ptr);
+    if (va != vb) out.push_back({key_path(ka[i]), std::move(va), std::move(vb)});
+  }
+  return out;
 }
 
 std::string to_toml(const JobConfig& c) {
@@ -437,6 +497,8 @@ std::string to_toml(const JobConfig& c) {
             os << quote(*p);
         },
         k.ptr);
+    if (k.ptr == Ptr(&copy.training.mixed_precision_param) && !c.precision_reason.empty())
+      os << "  # " << c.precision_reason;
     os << "\n";
   }
   return os.str();

@@ -39,7 +39,10 @@ struct JobConfig {
     int64_t seq_len = 256;
     int64_t grad_accum_steps = 1;
     double max_norm = 1.0;
-    std::string mixed_precision_param = "float32";   // float32 | bfloat16
+    // float32 | bfloat16 | auto: bfloat16 where oneDNN has native bf16 matmuls (AVX512_BF16,
+    // AMX), float32 elsewhere (bf16 GEMMs would be widened to f32 there: slower than float32).
+    // Parsing resolves auto to the concrete dtype (what --print-config and checkpoints show).
+    std::string mixed_precision_param = "float32";
     std::string mixed_precision_reduce = "float32";  // float32 | bfloat16
     bool operator==(const Training&) const = default;
   } training;
@@ -88,6 +91,9 @@ struct JobConfig {
     int64_t interval = 0;  // steps between saves; 0 = never
     int64_t keep = 3;      // how many recent checkpoints to keep; 0 = all
     bool resume = false;
+    // A resume whose configuration differs from the checkpoint's in a key that changes the
+    // training math (optimizer, schedule, batch, data, model) is refused unless this is true.
+    bool allow_config_change = false;
     bool operator==(const Checkpoint&) const = default;
   } checkpoint;
   struct Metrics {
@@ -108,6 +114,9 @@ struct JobConfig {
   // Not a key: the directory of the TOML file ("." for a bare file name, "" when parsed from
   // text), against which relative paths such as model.config are resolved.
   std::string base_dir;
+  // Not a key: why training.mixed_precision_param has its value when it was "auto" (for the
+  // startup lines), e.g. "auto: oneDNN avx512_core_bf16 has native bf16 matmuls"; "" when set.
+  std::string precision_reason;
 
   // Compares the keys (base_dir is where the file was, not part of the configuration).
   bool operator==(const JobConfig& o) const;
@@ -118,9 +127,24 @@ JobConfig load_job_config(const std::string& toml_path, const std::vector<std::s
 // The same from TOML text; `source` names it in error messages.
 JobConfig parse_job_config(const std::string& toml_text, const std::string& source,
                            const std::vector<std::string>& overrides = {});
+// Replaces training.mixed_precision_param = "auto" by the dtype this machine runs fastest
+// (bfloat16 where cpu::cpu_isa().onednn_native_bf16 and the bf16 GEMMs run natively, else
+// float32) and sets precision_reason. parse_job_config calls it; a no-op when already concrete.
+void resolve_auto_precision(JobConfig& c);
+// One line for the startup output: the compute precision, why, and how its GEMMs run, e.g.
+// "bfloat16 (auto: oneDNN avx512_core_bf16 has native bf16 matmuls); bf16 GEMMs native (...)".
+std::string describe_precision(const JobConfig& c);
 // The resolved configuration as TOML, every key written (for --print-config); parsing it gives
 // back the same configuration.
 std::string to_toml(const JobConfig& c);
+
+// One key whose value differs between two configurations, with both values as TOML text.
+struct ConfigDifference {
+  std::string key;  // "optimizer.lr"
+  std::string a, b;
+};
+// The keys whose values differ, in to_toml's order.
+std::vector<ConfigDifference> config_differences(const JobConfig& a, const JobConfig& b);
 
 // Finds the model config.json named by [model] config: a path (absolute, or relative to the TOML
 // file's directory or the current directory), or a bare NAME meaning configs/NAME.json, searched

@@ -1,7 +1,9 @@
 #include "train/metrics.hpp"
 
+#include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string_view>
@@ -126,11 +128,19 @@ void MetricsLogger::clear_line() {
   line_drawn_ = false;
 }
 
+void MetricsLogger::write_jsonl(const std::string& line) {
+  if (!jsonl_) return;
+  // A full disk or a lost file system must end the run: metrics silently missing (a 0-byte file
+  // after a long run) are found only when they are needed.
+  errno = 0;
+  const bool ok = std::fprintf(jsonl_, "%s\n", line.c_str()) >= 0 && std::fflush(jsonl_) == 0;
+  LOOM_CHECK(ok, "metrics.jsonl: cannot write '", o_.jsonl,
+             "': ", errno ? std::strerror(errno) : "write error",
+             " (free space there, or set another --metrics.jsonl)");
+}
+
 void MetricsLogger::step(const StepMetrics& m) {
-  if (jsonl_) {
-    std::fprintf(jsonl_, "%s\n", step_json(m).c_str());
-    std::fflush(jsonl_);
-  }
+  write_jsonl(step_json(m));
   if (o_.tty) {
     std::fprintf(o_.out, "\r%s\033[K", progress_text(m).c_str());
     line_drawn_ = true;
@@ -142,10 +152,7 @@ void MetricsLogger::step(const StepMetrics& m) {
 }
 
 void MetricsLogger::validation(int64_t step, double val_loss) {
-  if (jsonl_) {
-    std::fprintf(jsonl_, "%s\n", validation_json(step, val_loss).c_str());
-    std::fflush(jsonl_);
-  }
+  write_jsonl(validation_json(step, val_loss));
   char buf[96];
   std::snprintf(buf, sizeof buf, "step %lld | val_loss %.4f", (long long)step, val_loss);
   message(buf);

@@ -45,6 +45,7 @@ class MetricsLogger {
   MetricsLogger(const MetricsLogger&) = delete;
   MetricsLogger& operator=(const MetricsLogger&) = delete;
 
+  // Both throw loom::Error, naming the file, when the JSONL line cannot be written.
   void step(const StepMetrics& m);
   void validation(int64_t step, double val_loss);
   // A line of its own (the progress line, if drawn, is cleared first and redrawn by the next step).
@@ -53,6 +54,7 @@ class MetricsLogger {
 
  private:
   void clear_line();
+  void write_jsonl(const std::string& line);
   Options o_;
   FILE* jsonl_ = nullptr;
   bool line_drawn_ = false;

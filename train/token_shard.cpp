@@ -115,6 +115,41 @@ void decode_ids(const uint8_t* src, uint32_t token_bytes, uint64_t n, uint64_t v
            " is not below the vocab_size ", vocab);
 }
 
+// Every id of a mapped shard below `vocab`, checked once when the shard is opened: a bad id
+// found only when training reaches it (late in a long run) would waste the run up to there.
+// Chunks are scanned in parallel; the first chunk with a bad id is decoded again to name it.
+void check_ids(const uint8_t* data, uint32_t token_bytes, uint64_t n, uint64_t vocab,
+               const std::string& path) {
+  if (token_bytes == 2 && vocab >= 65536) return;  // every 2-byte id is in range
+  constexpr uint64_t kChunk = uint64_t(1) << 20;
+  const int64_t chunks = int64_t((n + kChunk - 1) / kChunk);
+  const uint32_t limit = uint32_t(vocab);
+  int64_t first_bad = chunks;
+#pragma omp parallel for schedule(static) reduction(min : first_bad)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint64_t b = uint64_t(c) * kChunk, e = std::min(n, b + kChunk);
+    uint32_t bad = 0;
+    if (token_bytes == 4) {
+      for (uint64_t i = b; i < e; ++i) {
+        uint32_t v;
+        std::memcpy(&v, data + 4 * i, 4);
+        bad |= uint32_t(v >= limit);
+      }
+    } else {
+      for (uint64_t i = b; i < e; ++i) {
+        uint16_t v;
+        std::memcpy(&v, data + 2 * i, 2);
+        bad |= uint32_t(v >= limit);
+      }
+    }
+    if (bad) first_bad = std::min(first_bad, c);
+  }
+  if (first_bad == chunks) return;
+  const uint64_t b = uint64_t(first_bad) * kChunk, m = std::min(kChunk, n - b);
+  std::vector<int32_t> ids(m);
+  decode_ids(data + b * token_bytes, token_bytes, m, vocab, ids.data(), path, b);  // throws
+}
+
 }  // namespace
 
 void write_shard(const std::string& path, const int32_t* tokens, uint64_t num_tokens,
@@ -237,6 +272,13 @@ Shard::Shard(const std::string& path) : path_(path) {
   if (m == MAP_FAILED) fail("cannot map shard '", path, "': ", errno_text());
   map_ = static_cast<const uint8_t*>(m);
   size_ = file_bytes;
+  try {
+    check_ids(map_ + kHeaderBytes, h_.token_bytes, h_.num_tokens, h_.vocab_size, path_);
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(map_), size_);
+    map_ = nullptr;
+    throw;
+  }
 }
 
 Shard::~Shard() {

@@ -2,7 +2,8 @@
 // Token shards (DESIGN.md, "loom tokenize"): a 64-byte little-endian header (magic "LOOMTOKS",
 // u32 version 1, u32 token_bytes 2 or 4, u64 vocab_size, u64 num_tokens, 32 zero bytes), then
 // num_tokens ids of token_bytes each. Read by memory mapping; a shard is validated on open
-// (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes zero).
+// (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes zero,
+// every id below vocab_size).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,8 +36,8 @@ class Shard {
   uint64_t size() const { return h_.num_tokens; }
   int32_t operator[](uint64_t i) const;
   // Copies tokens [begin, begin + n) into out (n <= size() - begin). An id >= vocab_size in the
-  // file is an error naming the file and the position (ids are checked as they are read, so
-  // opening a shard does not touch its pages).
+  // file is an error naming the file and the position (checked at open, in parallel, and again
+  // as they are read, in case the file changed under the mapping).
   void read(uint64_t begin, uint64_t n, int32_t* out) const;
 
  private:

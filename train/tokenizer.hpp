@@ -18,14 +18,19 @@ class Tokenizer {
   static const char* kCl100kPattern;  // cl100k as tiktoken runs it now (\s+$ at the end of text)
   static const char* kO200kPattern;
   static const char* kLlama3Pattern;  // Meta's Llama 3 (tokenizer.model / tokenizer.json)
+  // "gpt2" (also "r50k", "p50k"), "cl100k", "o200k" or "llama3" -> that pattern; anything else is
+  // taken as a regex and returned as it is.
+  static std::string pattern_named(const std::string& name);
 
   // Loads by file content: a Hugging Face tokenizer.json (byte-level BPE model; added_tokens are
   // the specials; pattern from its Split pre-tokenizer), a GPT-2 encoder.json with vocab.bpe (or
   // merges.txt) beside it (kGpt2Pattern; encoder entries that no merge makes, <|endoftext|>, are
-  // the specials), or a tiktoken rank file (base64 token + rank per line: Meta's Llama 3
-  // tokenizer.model, cl100k_base.tiktoken, ...; pattern defaults to kCl100kPattern, no specials). A
-  // non-empty `pattern` replaces the file's; `specials` are added to the file's. Errors name the
-  // file and the line or entry that is malformed.
+  // the specials), or a tiktoken rank file (base64 token + rank per line). A rank file has no
+  // pattern or specials of its own: the known ones (r50k_base, p50k_base, cl100k_base, o200k_base,
+  // Meta's Llama 3 tokenizer.model) are recognised by content and get their pattern and specials
+  // (end-of-text included); any other needs `pattern` (an error otherwise). A non-empty `pattern`
+  // replaces the file's; `specials` are added to the file's. Errors name the file and the line or
+  // entry that is malformed.
   static Tokenizer load(const std::string& path, const std::string& pattern = "",
                         const std::unordered_map<std::string, int32_t>& specials = {});
 

@@ -150,6 +150,74 @@ void load_tiktoken(Impl& im, const std::string& text, const std::string& path) {
   im.ignore_merges = true;  // tiktoken looks a whole piece up before merging
 }
 
+// A tiktoken rank file carries neither its split pattern nor its special tokens; the known ones
+// are recognised by content: a 64-bit FNV-1a over (rank, length, bytes) of the tokens in rank
+// order. Llama 3's tokenizer.model is cl100k's 100256 tokens followed by 27744 of its own.
+struct KnownRanks {
+  const char* name;
+  size_t count;     // tokens in the file
+  uint64_t digest;  // of all tokens; for Llama 3, of those below 100256
+  const char* pattern;
+  std::vector<std::pair<const char*, int32_t>> specials;  // tiktoken's (or Meta's) special tokens
+};
+
+const std::vector<KnownRanks>& known_rank_files() {
+  static const std::vector<KnownRanks> k = {
+      {"r50k_base (GPT-2)",
+       50256,
+       0xbbf3327e637498f2ull,
+       Tokenizer::kGpt2Pattern,
+       {{"<|endoftext|>", 50256}}},
+      {"p50k_base",
+       50280,
+       0x0fb8c76b77ad724aull,
+       Tokenizer::kGpt2Pattern,
+       {{"<|endoftext|>", 50256}}},
+      {"cl100k_base",
+       100256,
+       0x6601ccc25982de24ull,
+       Tokenizer::kCl100kPattern,
+       {{"<|endoftext|>", 100257},
+        {"<|fim_prefix|>", 100258},
+        {"<|fim_middle|>", 100259},
+        {"<|fim_suffix|>", 100260},
+        {"<|endofprompt|>", 100276}}},
+      {"o200k_base",
+       199998,
+       0x82356ec1651eea3cull,
+       Tokenizer::kO200kPattern,
+       {{"<|endoftext|>", 199999}, {"<|endofprompt|>", 200018}}},
+      {"Llama 3 tokenizer.model",
+       128000,
+       0x6601ccc25982de24ull,
+       Tokenizer::kLlama3Pattern,
+       {{"<|begin_of_text|>", 128000},
+        {"<|end_of_text|>", 128001},
+        {"<|start_header_id|>", 128006},
+        {"<|end_header_id|>", 128007},
+        {"<|eot_id|>", 128009}}},
+  };
+  return k;
+}
+
+// The known rank file `im` holds, or nullptr.
+const KnownRanks* recognise_ranks(const Impl& im) {
+  size_t count = 0;
+  uint64_t all = 14695981039346656037ull, below_100256 = all;
+  for (size_t id = 0; id < im.tokens.size(); ++id) {
+    if (im.kinds[id] != tok::kNormal) continue;
+    ++count;
+    const uint32_t head[2] = {uint32_t(id), uint32_t(im.tokens[id].size())};
+    std::string rec(reinterpret_cast<const char*>(head), sizeof head);
+    rec += im.tokens[id];
+    for (unsigned char c : rec) all = (all ^ c) * 1099511628211ull;
+    if (id < 100256) below_100256 = all;
+  }
+  for (const KnownRanks& k : known_rank_files())
+    if (k.count == count && k.digest == (count == 128000 ? below_100256 : all)) return &k;
+  return nullptr;
+}
+
 void load_gpt2(Impl& im, const json& enc, const std::string& enc_path) {
   const fs::path dir = fs::path(enc_path).parent_path();
   std::string merges_path = (dir / "vocab.bpe").string();
@@ -363,6 +431,7 @@ Tokenizer Tokenizer::load(const std::string& path, const std::string& pattern,
   const std::string text = read_file(path);
   const size_t first = text.find_first_not_of(" \t\r\n");
   const bool is_json = first != std::string::npos && text[first] == '{';
+  bool unknown_ranks = false;
   if (is_json) {
     const json j = parse_json(text, path);
     if (j.contains("model") && j["model"].is_object()) {
@@ -373,13 +442,34 @@ Tokenizer Tokenizer::load(const std::string& path, const std::string& pattern,
     }
   } else {
     load_tiktoken(im, text, path);
-    im.pattern = kCl100kPattern;
+    if (const KnownRanks* k = recognise_ranks(im)) {
+      im.pattern = k->pattern;
+      std::unordered_map<std::string, int32_t> own;
+      for (const auto& [name, id] : k->specials) own.emplace(name, id);
+      add_specials(im, own, path + " (" + k->name + ")");
+    } else {
+      unknown_ranks = true;
+      im.pattern = kCl100kPattern;  // only until the file is checked through (finish below)
+    }
   }
   if (!pattern.empty()) im.pattern = pattern;
   add_specials(im, specials, path);
   im.finish(path);
+  // After the file's own errors, which name its lines.
+  LOOM_CHECK(!unknown_ranks || !pattern.empty(), path,
+             ": a tiktoken rank file that loom does not recognise (known by content: r50k_base, "
+             "p50k_base, cl100k_base, o200k_base, Llama 3 tokenizer.model); a rank file holds no "
+             "split pattern, so give one (--split-pattern gpt2, cl100k, o200k, llama3 or a regex)");
   if (!is_json) merges_from_ranks(im);
   return t;
+}
+
+std::string Tokenizer::pattern_named(const std::string& name) {
+  if (name == "gpt2" || name == "r50k" || name == "p50k") return kGpt2Pattern;
+  if (name == "cl100k") return kCl100kPattern;
+  if (name == "o200k") return kO200kPattern;
+  if (name == "llama3") return kLlama3Pattern;
+  return name;
 }
 
 void Tokenizer::save(const std::string& path) const {

@@ -1,10 +1,13 @@
 #include "train/trainer.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 
@@ -104,6 +107,70 @@ bool any_rank(dist::ProcessGroup& group, bool flag) {
   return t.data<int32_t>()[0] > 0;
 }
 
+// The keys of the job config that change what a resumed run computes; the others (layout,
+// logging, checkpointing) do not (DESIGN.md decision 11: the layout does not change the math).
+// local_batch_size and grad_accum_steps depend on the layout: the global batch is compared
+// instead.
+constexpr const char* kMathKeys[] = {
+    "model.seed",  // also the data order's seed
+    "data.path",
+    "data.shuffle",
+    "training.seq_len",
+    "training.max_norm",
+    "training.mixed_precision_param",
+    "training.mixed_precision_reduce",
+    "optimizer.name",
+    "optimizer.lr",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "lr_scheduler.warmup_steps",
+    "lr_scheduler.decay_type",
+    "lr_scheduler.min_lr_ratio",
+    "lr_scheduler.decay_ratio",
+};
+
+// What differs between the checkpoint `dir` (state `st`) and this run in a way that changes
+// the training math: "key: <checkpoint value> in the checkpoint, <value> now" lines.
+std::vector<std::string> math_differences(const std::string& dir, const TrainState& st,
+                                          const JobConfig& now, const LlamaConfig& model_now,
+                                          int64_t tokens_per_step) {
+  std::vector<std::string> out;
+  const std::string state_path = (fs::path(dir) / "state.json").string();
+  const JobConfig then = parse_job_config(st.config_toml, state_path + " (config)");
+  for (const ConfigDifference& d : config_differences(then, now))
+    for (const char* k : kMathKeys)
+      if (d.key == k)
+        out.push_back(str_cat(d.key, " = ", d.a, " in the checkpoint, ", d.b, " now"));
+  // More or fewer steps change the math only where the schedule spans them (not with
+  // decay_type = none): the steps both runs would take after the checkpoint must keep their lr.
+  if (then.training.steps != now.training.steps) {
+    const LrSchedule a = LrSchedule::from_config(then), b = LrSchedule::from_config(now);
+    for (int64_t k = st.step + 1; k <= std::min(then.training.steps, now.training.steps); ++k)
+      if (a.at(k) != b.at(k)) {
+        out.push_back(str_cat("training.steps = ", then.training.steps, " in the checkpoint, ",
+                              now.training.steps, " now (the learning rate of step ", k,
+                              " would be ", b.at(k), " instead of ", a.at(k), ")"));
+        break;
+      }
+  }
+  if (st.tokens_per_step > 0 && st.tokens_per_step != tokens_per_step)
+    out.push_back(str_cat("tokens per step (local_batch_size x grad_accum_steps x seq_len x dp) = ",
+                          st.tokens_per_step, " in the checkpoint, ", tokens_per_step, " now"));
+  // The model: the checkpoint's config.json against the one this run reads (its path may move).
+  const std::string cfg_path = (fs::path(dir) / "config.json").string();
+  if (fs::is_regular_file(cfg_path)) {
+    const auto a = nlohmann::json::parse(LlamaConfig::from_file(cfg_path).to_json());
+    const auto b = nlohmann::json::parse(model_now.to_json());
+    for (const auto& [k, v] : b.items())
+      if (!a.contains(k) || a[k] != v)
+        out.push_back(str_cat("model config '", k, "' = ", a.contains(k) ? a[k].dump() : "absent",
+                              " in the checkpoint, ", v.dump(), " now"));
+  }
+  return out;
+}
+
 struct FileCloser {
   void operator()(FILE* f) const {
     if (f) std::fclose(f);
@@ -161,6 +228,8 @@ struct Trainer::State {
   int64_t step = 0;         // optimizer steps completed
   int64_t data_offset = 0;  // data loader step of optimizer step s (1-based) is s - 1 + offset
   std::string resumed_from;
+  std::string config_note;           // the keys a resume changed (checkpoint.allow_config_change)
+  std::vector<std::string> cleaned;  // what clean_checkpoint_dir did
   double last_loss = 0, last_lr = 0;
 };
 
@@ -168,10 +237,21 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.job = config;
+  resolve_auto_precision(s.job);  // parsing did it already, unless the caller built the struct
   s.opt = options;
   const JobConfig& j = s.job;
   s.mesh = options.mesh;
   check_layout(j, s.mesh);
+  // "auto" was resolved on each rank's own CPU, but the ranks' GEMMs and FSDP's gathers share the
+  // dtype: one rank without native bf16 matmuls makes every rank float32.
+  if (s.mesh && !s.job.precision_reason.empty()) {
+    std::string& p = s.job.training.mixed_precision_param;
+    if (any_rank(s.mesh->world(), p != "bfloat16") && p == "bfloat16") {
+      p = "float32";
+      s.job.precision_reason =
+          "auto: float32 on every rank, as some rank's CPU has no native bf16 matmul";
+    }
+  }
   int shard_count = 1;
   if (s.mesh) {
     const DpGroups g = dp_groups(s.mesh);
@@ -199,6 +279,12 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.model_config_path = resolve_model_config(j.model.config, j.base_dir);
   s.mc = LlamaConfig::from_file(s.model_config_path);
   s.mc.validate(s.model_config_path);
+  // RoPE is defined for any position, but the model is not trained (and `loom generate` refuses
+  // to run) beyond max_position_embeddings: refused here rather than after the training.
+  LOOM_CHECK(j.training.seq_len <= s.mc.max_position_embeddings,
+             "training.seq_len = ", j.training.seq_len,
+             " exceeds max_position_embeddings = ", s.mc.max_position_embeddings, " of the model (",
+             s.model_config_path, "): expected training.seq_len <= ", s.mc.max_position_embeddings);
   s.compute = dtype_from_name(j.training.mixed_precision_param);
   s.B = j.training.local_batch_size;
   s.T = j.training.seq_len;
@@ -253,6 +339,15 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
                s.mc.vocab_size, ")");
   };
   check_vocab(*s.train, "train");
+  // A sample is seq_len + 1 tokens (inputs and targets shifted by one); a shorter split would
+  // train on the same few tokens, wrapped around, every step.
+  auto check_length = [&](const TokenStream& ts, const char* split) {
+    LOOM_CHECK(ts.size() >= uint64_t(s.T) + 1, "data.path '", j.data.path, "': the ", split,
+               " shards hold ", ts.size(),
+               " tokens, fewer than one sample of training.seq_len + 1 = ", s.T + 1,
+               " tokens (tokenize more text, or lower training.seq_len)");
+  };
+  check_length(*s.train, "train");
   DataLoaderConfig dl;
   dl.local_batch_size = s.B;
   dl.seq_len = s.T;
@@ -269,6 +364,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
                "--validation.interval=0)");
     s.val = std::make_unique<TokenStream>(j.data.path, "val");
     check_vocab(*s.val, "val");
+    check_length(*s.val, "val");
     DataLoaderConfig vl = dl;
     vl.grad_accum_steps = 1;
     vl.shuffle = false;
@@ -283,8 +379,37 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     s.tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
   }
 
+  // What interrupted saves and prunes left behind goes first (world rank 0 alone writes the
+  // directory; the others wait for it so they all see the same checkpoints).
+  if (s.writer) s.cleaned = clean_checkpoint_dir(j.checkpoint.dir);
+  if (s.mesh) any_rank(s.mesh->world(), false);
   std::string resume_dir;
   if (j.checkpoint.resume) resume_dir = latest_checkpoint(j.checkpoint.dir);
+  if (!j.checkpoint.resume && !j.checkpoint.dir.empty()) {
+    // A fresh run's saves would replace those checkpoints, or be pruned at once in favour of
+    // their higher steps, and a later resume would continue the other run: refused before any
+    // work is done.
+    const std::string old = latest_checkpoint(j.checkpoint.dir);
+    LOOM_CHECK(old.empty(), "checkpoint.dir '", j.checkpoint.dir,
+               "' already holds checkpoints of another run (the latest is ", old,
+               "): this run would overwrite them or be pruned in their favour. Continue that run "
+               "with --checkpoint.resume=true, or give this one another checkpoint.dir");
+  }
+  if (!resume_dir.empty()) {
+    const TrainState st = read_checkpoint_state(resume_dir);
+    const int64_t tokens_per_step = s.G * s.B * s.T * s.dp_size;
+    const std::vector<std::string> diff =
+        math_differences(resume_dir, st, j, s.mc, tokens_per_step);
+    std::string list;
+    for (const std::string& d : diff) list += "\n  " + d;
+    LOOM_CHECK(diff.empty() || j.checkpoint.allow_config_change, "resuming from ", resume_dir,
+               ": the configuration differs from the checkpoint's in keys that change the "
+               "training math:",
+               list,
+               "\nrun with the checkpoint's values, or set --checkpoint.allow_config_change=true "
+               "to continue with the new ones");
+    if (!diff.empty()) s.config_note = "  note: continuing with a changed configuration:" + list;
+  }
   std::unique_ptr<SafetensorsDir> init;
   if (resume_dir.empty() && !j.model.init_from.empty())
     init = std::make_unique<SafetensorsDir>(j.model.init_from);
@@ -353,6 +478,7 @@ TrainResult Trainer::run() {
        << s.mc.intermediate_size << ", vocab " << s.mc.vocab_size << "), " << dtype_name(s.compute)
        << " GEMMs";
     log.message(os.str());
+    log.message("  precision " + describe_precision(j));
     os.str("");
     os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
     if (s.val) os << ", " << s.val->size() << " val tokens";
@@ -372,11 +498,8 @@ TrainResult Trainer::run() {
       log.message(str_cat("  resumed from ", s.resumed_from, " (step ", s.step, ")"));
     else if (j.checkpoint.resume)
       log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
-    else if (const std::string old = latest_checkpoint(j.checkpoint.dir); !old.empty())
-      log.message(str_cat("  note: ", j.checkpoint.dir, " holds checkpoints of an earlier run (",
-                          old,
-                          "); this run starts afresh (--checkpoint.resume=true continues "
-                          "it) and its saves replace them"));
+    if (!s.config_note.empty()) log.message(s.config_note);
+    for (const std::string& c : s.cleaned) log.message(str_cat("  checkpoint.dir: ", c));
   }
   double peak = 0;
   if (s.opt.gemm_peak_seconds > 0) {
@@ -399,10 +522,27 @@ TrainResult Trainer::run() {
   auto save = [&](int64_t step) {
     if (j.checkpoint.dir.empty() || last_saved == step) return;
     const auto t0 = Clock::now();
-    TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j)};
-    result.last_checkpoint =
-        save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
-                        {s.shard, s.mesh ? &s.mesh->world() : nullptr, s.tp});
+    TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step};
+    try {
+      result.last_checkpoint =
+          save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
+                          {s.shard, s.mesh ? &s.mesh->world() : nullptr, s.tp});
+    } catch (const Error& e) {
+      // A full disk: say how much room the directory needs, since the oldest checkpoint goes
+      // only after the new one is complete.
+      const std::string what = e.what();
+      if (what.find(std::strerror(ENOSPC)) == std::string::npos) throw;
+      const std::string each = gib(size_t(s.mem.params) * 12);  // f32 weights + 2 moments
+      if (j.checkpoint.keep > 0)
+        fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
+             "' must have room for checkpoint.keep + 1 = ", j.checkpoint.keep + 1,
+             " checkpoints of about ", each,
+             " each (a new checkpoint is complete before the oldest is deleted); free space, "
+             "lower checkpoint.keep or use another checkpoint.dir");
+      fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
+           "' must have room for every checkpoint (checkpoint.keep = 0 keeps all), about ", each,
+           " each; free space, set checkpoint.keep or use another checkpoint.dir");
+    }
     if (s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
     char buf[32];

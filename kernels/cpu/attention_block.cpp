@@ -126,13 +126,16 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
   const float c = s.scale * kLog2e;
 #pragma omp parallel
   {
-    Scratch scratch(lines(D * kBq) + lines(kBk * kBq) + lines(kBq * D) + 3 * kBq);
+    Scratch scratch(lines(D * kBq) + lines(kBk * kBq) + 3 * lines(kBq * D) + 3 * kBq);
+    // (kp and vp are used when kPack.)
     float* qt = scratch.take(D * kBq);    // Q^T of the tile, [D][kBq]
     float* st = scratch.take(kBk * kBq);  // S^T then P^T of a tile pair, [kBk][kBq]
     float* o = scratch.take(kBq * D);     // unnormalized output rows, [kBq][D]
-    float* m = scratch.take(kBq);         // running max (base 2)
-    float* l = scratch.take(kBq);         // running sum
-    float* alpha = scratch.take(kBq);     // rescale factor of the current key tile
+    float* kp = scratch.take(kBk * D);    // K and V rows of the key tile, packed: [kBk][D]
+    float* vp = scratch.take(kBk * D);
+    float* m = scratch.take(kBq);      // running max (base 2)
+    float* l = scratch.take(kBq);      // running sum
+    float* alpha = scratch.take(kBq);  // rescale factor of the current key tile
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t qi = order[u % nqt];
@@ -151,8 +154,14 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
         if (mask.kind == Pair::none) continue;
         const float* kb = k + (b * Tk + k0) * kvs + g * D;
         const float* vb = v + (b * Tk + k0) * kvs + g * D;
+        int64_t ld = kvs;
+        if constexpr (kPack) {  // see kPack
+          pack_rows(kb, kvs, nk, D, kp);
+          pack_rows(vb, kvs, nk, D, vp);
+          kb = kp, vb = vp, ld = D;
+        }
         // Rows are keys: row block [r0, r1) needs the query vectors from key r0's first query.
-        scores(Score{kb, kvs, qt, kBq, st, kBq, D}, nk, [&](int64_t r0, int64_t) {
+        scores(Score{kb, ld, qt, kBq, st, kBq, D}, nk, [&](int64_t r0, int64_t) {
           return std::pair<int64_t, int64_t>(mask.first_query(r0) / kW, nvq);
         });
         // Masked entries get -inf, so that exp2 gives them exactly 0.
@@ -190,7 +199,7 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
           store(alpha + vq * kW, al);
         }
         // O = alpha * O + P V; before the first key tile O is zero and alpha is not needed.
-        accumulate<ND>(Accum{st, 1, kBq, vb, kvs, o, D, D, first ? nullptr : alpha}, nq,
+        accumulate<ND>(Accum{st, 1, kBq, vb, ld, o, D, D, first ? nullptr : alpha}, nq,
                        [&](int64_t, int64_t r1) {
                          return std::pair<int64_t, int64_t>(0, mask.key_limit(r1 - 1));
                        });
@@ -257,13 +266,17 @@ class Backward {
 
   struct Buffers {
     explicit Buffers(int64_t D)
-        : mem(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D)),
+        : mem(2 * lines(D * kBk) + 2 * lines(kBq * kBk) + 2 * lines(kBk * D) +
+              (kPack ? 3 * lines(kBk * D) : 0)),
           kt(mem.take(D * kBk)),
           vt(mem.take(D * kBk)),
           p(mem.take(kBq * kBk)),
           ds(mem.take(kBq * kBk)),
           dkacc(mem.take(kBk * D)),
-          dvacc(mem.take(kBk * D)) {}
+          dvacc(mem.take(kBk * D)),
+          kp(kPack ? mem.take(kBk * D) : nullptr),
+          qp(kPack ? mem.take(kBq * D) : nullptr),
+          dop(kPack ? mem.take(kBq * D) : nullptr) {}
     Scratch mem;
     float* kt;     // K^T of the key tile, [D][kBk]
     float* vt;     // V^T
@@ -271,6 +284,10 @@ class Backward {
     float* ds;     // dP then dS (times scale)
     float* dkacc;  // [kBk][D]
     float* dvacc;
+    float *kp, *qp, *dop;  // packed rows of K, Q, dO (kPack), [kBk or kBq][D]
+    // Rows of the current key tile of K, query tile of Q and dO: packed, or in place.
+    const float *krows = nullptr, *qrows = nullptr, *dorows = nullptr;
+    int64_t kld = 0, qld = 0, dold = 0;
   };
 
   // dk/dv of key tile kj of (b, g), over the group's heads and all query tiles that see it;
@@ -303,16 +320,15 @@ class Backward {
         const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
         const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
         if (mask.kind == Pair::none) continue;
+        load_q_tile(w, b, h, q0, nq);
         probs_and_grads(w, b, h, q0, k0, mask);
         // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
         const auto queries = [&](int64_t r0, int64_t) {
           return std::pair<int64_t, int64_t>(mask.first_query(r0), nq);
         };
-        accumulate<ND>(Accum{w.p, 1, kBk, dout + (b * Tq + q0) * os + h * D, os, w.dvacc, D, D}, nk,
-                       queries);
-        accumulate<ND>(Accum{w.ds, 1, kBk, q + (b * Tq + q0) * qs + h * D, qs, w.dkacc, D, D}, nk,
-                       queries);
-        if (with_dq) add_dq(w, b, h, q0, k0, mask);
+        accumulate<ND>(Accum{w.p, 1, kBk, w.dorows, w.dold, w.dvacc, D, D}, nk, queries);
+        accumulate<ND>(Accum{w.ds, 1, kBk, w.qrows, w.qld, w.dkacc, D, D}, nk, queries);
+        if (with_dq) add_dq(w, b, h, q0, mask);
       }
     for (int64_t j = 0; j < nk; ++j) {
       std::copy_n(w.dkacc + j * D, D, dk + (b * Tk + k0 + j) * kvs + g * D);
@@ -325,13 +341,14 @@ class Backward {
     const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
     if (overwrite)
       for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
+    load_q_tile(w, b, h, q0, nq);
     for (int64_t kj = 0; kj < ktiles.count; ++kj) {
       const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
       const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
       if (mask.kind == Pair::none) continue;
       load_kv_tile(w, b, h / G, k0, nk);
       probs_and_grads(w, b, h, q0, k0, mask);
-      add_dq(w, b, h, q0, k0, mask);
+      add_dq(w, b, h, q0, mask);
     }
   }
 
@@ -348,6 +365,20 @@ class Backward {
   void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
     transpose_tile(k + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
     transpose_tile(v + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.vt, kBk, 1.0f);
+    w.krows = k + (b * Tk + k0) * kvs + g * D, w.kld = kvs;
+    if constexpr (kPack) {  // see kPack
+      pack_rows(w.krows, kvs, nk, D, w.kp);
+      w.krows = w.kp, w.kld = D;
+    }
+  }
+  void load_q_tile(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t nq) const {
+    w.qrows = q + (b * Tq + q0) * qs + h * D, w.qld = qs;
+    w.dorows = dout + (b * Tq + q0) * os + h * D, w.dold = os;
+    if constexpr (kPack) {
+      pack_rows(w.qrows, qs, nq, D, w.qp);
+      pack_rows(w.dorows, os, nq, D, w.dop);
+      w.qrows = w.qp, w.qld = D, w.dorows = w.dop, w.dold = D;
+    }
   }
 
   // P (exact zeros where masked, and on rows that see no key at all: lse = -inf) into w.p and
@@ -360,8 +391,8 @@ class Backward {
     const auto key_vectors = [&](int64_t, int64_t r1) {
       return std::pair<int64_t, int64_t>(0, (mask.key_limit(r1 - 1) + kW - 1) / kW);
     };
-    scores(Score{q + (b * Tq + q0) * qs + h * D, qs, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
-    scores(Score{dout + (b * Tq + q0) * os + h * D, os, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
+    scores(Score{w.qrows, w.qld, w.kt, kBk, w.p, kBk, D}, nq, key_vectors);
+    scores(Score{w.dorows, w.dold, w.vt, kBk, w.ds, kBk, D}, nq, key_vectors);
     vi iota;
     for (int l = 0; l < kW; ++l) iota[l] = l;
     const float* lrow = lse + (b * Hq + h) * Tq + q0;
@@ -403,10 +434,8 @@ class Backward {
   }
 
   // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see.
-  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t k0,
-              const PairMask& mask) const {
-    accumulate<ND>(Accum{w.ds, kBk, 1, k + (b * Tk + k0) * kvs + (h / G) * D, kvs,
-                         dq + (b * Tq + q0) * qs + h * D, qs, D},
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask) const {
+    accumulate<ND>(Accum{w.ds, kBk, 1, w.krows, w.kld, dq + (b * Tq + q0) * qs + h * D, qs, D},
                    mask.nq, [&](int64_t, int64_t r1) {
                      return std::pair<int64_t, int64_t>(0, mask.key_limit(r1 - 1));
                    });

@@ -98,14 +98,53 @@ inline void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t 
   }
 }
 
-// Query and key tile sizes. The score kernels take up to kMaxNV vectors of a tile row at a time.
+// Whether the kernels copy the rows of K, V (and in the backward Q and dO) of a tile to
+// consecutive memory before using them. The model's rows lie a stride apart that is a multiple
+// of 4 KiB at Llama shapes (D 64 with 16 heads of q, k and v: 4 KiB), so every row of a tile
+// falls in the same few sets of the L1 cache and the micro-kernels' loads miss it. Measured on
+// Zen 4: packing gains 10-20% at D 64 on AVX2 and costs a few percent on AVX-512 (whose loads
+// take whole cache lines), so only the narrower targets pack.
+constexpr bool kPack = kW < 16;
+
+// dst[r*D + c] = src[r*lds + c] for r < rows, c < D: rows of a tile copied to consecutive
+// memory.
+// Inline vector copies: a call to memcpy per row of 48 or 64 floats costs as much as the copy.
+inline void pack_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    float* d = dst + r * D;
+    int64_t c = 0;
+    for (; c + kW <= D; c += kW) store(d + c, load(s + c));
+    for (; c < D; ++c) d[c] = s[c];
+  }
+}
+
+// Query and key tile sizes.
 constexpr int64_t kBq = 64, kBk = 64;
-constexpr int kMaxNV = kRegs == 32 ? 4 : 2;
 static_assert(kBq % kW == 0 && kBk % kW == 0 && kW <= 16);
 
-// ---- "score" products: C[r][16v + c] = sum_d A[r*lda + d] * BT[d*ldb + 16v + c] -------------
+// Calls f.template operator()<N>(r) for row blocks [r, r + N) covering [0, rows): blocks of R
+// first, then of 4 (when R > 4), then single rows. The micro-kernels keep R rows of accumulators
+// in registers; the blocks of 4 keep the rows left over from R (64 = 10 * 6 + 4) from running
+// one at a time.
+template <int R, class F>
+inline void row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) f.template operator()<R>(r);
+  if constexpr (R > 4)
+    for (; r + 4 <= rows; r += 4) f.template operator()<4>(r);
+  for (; r < rows; ++r) f.template operator()<1>(r);
+}
+
+// ---- "score" products: C[r][kW v + c] = sum_d A[r*lda + d] * BT[d*ldb + kW v + c] ----------
 // Rows of A are read as scalars (broadcast), BT is a transposed tile whose rows are vectors; the
 // reduction runs over the head dim, whatever it is.
+// Blocking: kScoreR rows x kMaxNV vectors of accumulators, plus kMaxNV loaded vectors and one
+// broadcast: 6 x 4 + 4 + 1 = 29 of the 32 registers of AVX-512 (4 x 4 was ~10% slower on Zen 4);
+// 6 x 2 + 2 + 1 = 15 of the 16 of AVX2 (12 independent FMA chains cover the 2 pipes x 4 cycles of
+// FMA latency; 4 x 2 did not).
+constexpr int kScoreR = 6;
+constexpr int kMaxNV = kRegs == 32 ? 4 : 2;
 struct Score {
   const float* A;
   int64_t lda;
@@ -166,25 +205,19 @@ inline void score_block(const Score& s, int64_t r, int64_t v0, int64_t v1) {
   }
 }
 
-// Rows [0, rows) in blocks of 4; vrange(r0, r1) gives the vectors [v0, v1) that rows r0..r1-1
-// need (the causal mask lets the kernel skip the rest).
+// Rows [0, rows) in blocks (row_blocks); vrange(r0, r1) gives the vectors [v0, v1) that rows
+// r0..r1-1 need (the causal mask lets the kernel skip the rest).
 template <class VRange>
 void scores(const Score& s, int64_t rows, VRange vrange) {
-  constexpr int R = 4;
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) {
+  row_blocks<kScoreR>(rows, [&]<int R>(int64_t r) {
     const auto [v0, v1] = vrange(r, r + R);
     if (v0 < v1) score_block<R>(s, r, v0, v1);
-  }
-  for (; r < rows; ++r) {
-    const auto [v0, v1] = vrange(r, r + 1);
-    if (v0 < v1) score_block<1>(s, r, v0, v1);
-  }
+  });
 }
 
 // ---- "accumulate" products: C[r][:D] += sum_k A[r*sr + k*sk] * B[k*ldb + :D] ----------------
 // The coefficient is broadcast from any layout (sr, sk), rows of B and C are vectors over the
-// head dim. ND = D/16 selects the unrolled kernel; ND = 0 is the generic path for other D.
+// head dim. ND = D/kW selects the unrolled kernel; ND = 0 is the generic path for other D.
 struct Accum {
   const float* A;
   int64_t sr, sk;
@@ -234,17 +267,27 @@ inline void accum_generic(const Accum& a, int64_t r, int64_t lo, int64_t hi) {
   }
 }
 
-// Vectors of a row of C that one accum_kernel call keeps in registers: the largest divisor of ND
-// that fits the target's register budget.
+// Blocking of accum_kernel: NC vectors of a row of C (a divisor of ND) times R rows of
+// accumulators, plus NC loaded vectors and one broadcast. AVX-512: NC = 4 when it divides ND
+// (D 64, 128: 4 x 6 = 24 accumulators of 32 registers; 4 x 4 and 8 x 2 were ~10% slower on Zen
+// 4), else the largest divisor of ND up to 8 with R = 8, 6, 4 or 2. AVX2 and the baseline (16
+// registers): 2 x 6 or 3 x 4, 12 accumulators (12 independent FMA chains cover the 2 pipes x 4
+// cycles of FMA latency; the previous 4 x 2 and 3 x 2 did not), or 1 x 8 for odd ND.
 constexpr int column_chunk(int nd) {
-  const int max = kRegs == 32 ? 8 : 4;
-  for (int c = max; c > 1; --c)
-    if (nd % c == 0) return c;
-  return 1;
+  if (kRegs == 32) {
+    if (nd % 4 == 0) return 4;
+    for (int c = 8; c > 1; --c)
+      if (nd % c == 0) return c;
+    return 1;
+  }
+  return nd % 2 == 0 ? 2 : nd % 3 == 0 ? 3 : 1;
+}
+constexpr int accum_rows(int nc) {
+  if (kRegs == 32) return nc <= 3 ? 8 : nc <= 4 ? 6 : nc <= 6 ? 4 : 2;
+  return nc == 1 ? 8 : nc == 2 ? 6 : 4;
 }
 
 // Rows [0, rows); krange(r0, r1) gives the reduction range [lo, hi) that rows r0..r1-1 need.
-// Row blocks keep R*NC accumulators near 16..24 of the 32 vector registers (AVX-512), or 8 of 16.
 template <int ND, class KRange>
 void accumulate(const Accum& a, int64_t rows, KRange krange) {
   if constexpr (ND == 0) {
@@ -254,28 +297,15 @@ void accumulate(const Accum& a, int64_t rows, KRange krange) {
     }
   } else {
     constexpr int NC = column_chunk(ND);
-    constexpr int R = kRegs == 32 ? (NC <= 3   ? 8
-                                     : NC <= 6 ? 4
-                                               : 2)
-                                  : (NC <= 1   ? 8
-                                     : NC <= 2 ? 4
-                                               : 2);
     for (int c0 = 0; c0 < ND; c0 += NC) {
       const float* B = a.B + c0 * kW;
       float* C = a.C + c0 * kW;
-      int64_t r = 0;
-      for (; r + R <= rows; r += R) {
+      row_blocks<accum_rows(NC)>(rows, [&]<int R>(int64_t r) {
         const auto [lo, hi] = krange(r, r + R);
         if (lo < hi || a.row_scale)
           accum_kernel<R, NC>(a.A + r * a.sr, a.sr, a.sk, B, a.ldb, lo, hi, C + r * a.ldc, a.ldc,
                               a.row_scale ? a.row_scale + r : nullptr);
-      }
-      for (; r < rows; ++r) {
-        const auto [lo, hi] = krange(r, r + 1);
-        if (lo < hi || a.row_scale)
-          accum_kernel<1, NC>(a.A + r * a.sr, a.sr, a.sk, B, a.ldb, lo, hi, C + r * a.ldc, a.ldc,
-                              a.row_scale ? a.row_scale + r : nullptr);
-      }
+      });
     }
   }
 }
@@ -333,6 +363,9 @@ void dispatch_head_dim(int64_t D, Args&&... args) {
       break;
     case 16:
       F<16>::run(args...);
+      break;
+    case 32:  // D 128 on the baseline's 4 lanes (Llama's head dim)
+      F<32>::run(args...);
       break;
     default:
       F<0>::run(args...);

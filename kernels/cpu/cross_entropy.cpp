@@ -16,6 +16,9 @@
 
 #include "kernels/cpu/vec_math-inl.hpp"
 
+// Vectors passed by value: see vec_math-inl.hpp.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 HWY_BEFORE_NAMESPACE();
 namespace loom::cpu::HWY_NAMESPACE {
 namespace {
@@ -30,13 +33,22 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
   for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);
   const float logit_t = row[t];
   float s = 0;
+  // Explicit vectors of kW lanes (see vexp(vf)), the scalar vexp for the tail.
+  vf sv{};
+  int64_t j0 = 0;
   if (!need_grad) {
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
+    for (; j0 + kW <= V; j0 += kW) sv += vexp(load(row + j0) - m);
+    s = reduce_add(sv);
+    for (int64_t j = j0; j < V; ++j) s += vexp(row[j] - m);
     return static_cast<double>(std::log(s)) + (static_cast<double>(m) - logit_t);
   }
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < V; ++j) {
+  for (; j0 + kW <= V; j0 += kW) {
+    const vf e = vexp(load(row + j0) - m);
+    store(row + j0, e);
+    sv += e;
+  }
+  s = reduce_add(sv);
+  for (int64_t j = j0; j < V; ++j) {
     const float e = vexp(row[j] - m);
     row[j] = e;
     s += e;

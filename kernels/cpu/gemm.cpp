@@ -1,7 +1,9 @@
 #include "kernels/cpu/gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -12,6 +14,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 
 namespace loom::cpu {
@@ -31,6 +34,7 @@ struct Key {
 // so executing allocates nothing on our side; `mu` serializes the rare concurrent use of one entry
 // from two host threads (oneDNN parallelizes each call over OpenMP threads anyway).
 struct Entry {
+  bool widen = false;  // oneDNN refused this bf16 shape although others built: widen it
   dnnl::matmul prim;
   memory a, b, c;
   std::mutex mu;
@@ -77,6 +81,124 @@ std::unique_ptr<Entry> build(const Key& k, const dnnl::engine& eng) {
   return e;
 }
 
+// How bf16 GEMMs run in this process, decided on first use.
+struct Bf16Path {
+  bool native = false;
+  std::string why;
+};
+
+// Whether oneDNN builds bf16 matmuls of the three linear-layer forms here (with and without the
+// accumulating post-op); the error text when not.
+std::string probe_bf16(const dnnl::engine& eng) {
+  try {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (bool acc : {false, true})
+          build({64, 48, 32, ta ? 64 : 32, tb ? 32 : 48, 48, ta, tb, acc, DType::bf16}, eng);
+  } catch (const dnnl::error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const Bf16Path& bf16_path() {
+  static const Bf16Path path = [] {
+    const CpuIsa& isa = cpu_isa();
+    const char* env = std::getenv("LOOM_GEMM_BF16");
+    const std::string mode = env && *env ? env : "auto";
+    LOOM_CHECK(mode == "auto" || mode == "native" || mode == "widen", "LOOM_GEMM_BF16='", mode,
+               "' is not a bf16 GEMM path; expected auto, native or widen");
+    Bf16Path p;
+    if (mode == "widen") {
+      p.why = "widened to f32 (LOOM_GEMM_BF16=widen)";
+      return p;
+    }
+    const std::string err = probe_bf16(dnnl::engine(dnnl::engine::kind::cpu, 0));
+    if (err.empty()) {
+      p.native = true;
+      p.why = str_cat("native (oneDNN ", isa.onednn,
+                      isa.onednn_native_bf16 ? "" : ", bf16 emulated: no AVX512_BF16/AMX", ")");
+      return p;
+    }
+    LOOM_CHECK(mode != "native", "LOOM_GEMM_BF16=native: oneDNN ", isa.onednn,
+               " cannot build a bf16 matmul (", err, ")");
+    p.why = str_cat("widened to f32 (oneDNN ", isa.onednn, " has no bf16 matmul)");
+    return p;
+  }();
+  return path;
+}
+
+std::atomic<bool> g_force_widen{false};
+std::atomic<size_t> g_scratch_bytes{0};
+std::atomic<size_t> g_chunk_bytes{kGemmWidenChunkBytes};
+
+// One thread's f32 copy of a bf16 operand; grows to the largest chunk seen, never shrinks.
+struct Scratch {
+  std::unique_ptr<float[]> data;
+  size_t size = 0;  // floats
+  float* get(size_t n) {
+    if (n > size) {
+      data.reset(new float[n]);
+      g_scratch_bytes.fetch_add((n - size) * sizeof(float));
+      size = n;
+    }
+    return data.get();
+  }
+  ~Scratch() { g_scratch_bytes.fetch_sub(size * sizeof(float)); }
+};
+
+// dst[r * cols + c] = src[r * ld + c] for a rows x cols block of bf16.
+void widen_block(const bf16* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16))
+  for (int64_t r = 0; r < rows; ++r) cast_bf16_to_f32(src + r * ld, dst + r * cols, cols);
+}
+
+void run_matmul(const GemmArgs& a);
+
+// bf16 GEMM as an f32 GEMM of widened copies: op(A)'s rows in chunks of mc, op(B)'s columns in
+// chunks of nc, so that each copy stays within kGemmWidenChunkBytes. Every element of C is
+// still one dot product over the whole K, accumulated in f32 by oneDNN.
+void gemm_widened(const GemmArgs& a) {
+  thread_local Scratch sa, sb;
+  const bool ta = a.ta == Trans::T, tb = a.tb == Trans::T;
+  const int64_t max_floats = int64_t(g_chunk_bytes.load(std::memory_order_relaxed) / sizeof(float));
+  const int64_t mc = std::clamp<int64_t>(max_floats / a.K, 1, a.M);
+  const int64_t nc = std::clamp<int64_t>(max_floats / a.K, 1, a.N);
+  const auto* A = static_cast<const bf16*>(a.A);
+  const auto* B = static_cast<const bf16*>(a.B);
+  for (int64_t n0 = 0; n0 < a.N; n0 += nc) {
+    const int64_t n = std::min(nc, a.N - n0);
+    // op(B)[:, n0:n0+n]: columns of B stored [K, N], or rows of B stored [N, K].
+    float* b = sb.get(size_t(n * a.K));
+    if (tb)
+      widen_block(B + n0 * a.ldb, a.ldb, n, a.K, b);
+    else
+      widen_block(B + n0, a.ldb, a.K, n, b);
+    for (int64_t m0 = 0; m0 < a.M; m0 += mc) {
+      const int64_t m = std::min(mc, a.M - m0);
+      // op(A)[m0:m0+m, :]: rows of A stored [M, K], or columns of A stored [K, M]. Widened
+      // again for each chunk of B's columns only when A itself is chunked.
+      float* w = sa.get(size_t(m * a.K));
+      if (n0 == 0 || mc < a.M) {
+        if (ta)
+          widen_block(A + m0, a.lda, a.K, m, w);
+        else
+          widen_block(A + m0 * a.lda, a.lda, m, a.K, w);
+      }
+      GemmArgs f = a;
+      f.M = m;
+      f.N = n;
+      f.A = w;
+      f.lda = ta ? m : a.K;
+      f.B = b;
+      f.ldb = tb ? a.K : n;
+      f.C = a.C + m0 * a.ldc + n0;
+      f.ab = DType::f32;
+      run_matmul(f);
+    }
+  }
+}
+
 void check_args(const GemmArgs& a) {
   LOOM_CHECK(a.M >= 0 && a.N >= 0 && a.K >= 0, "gemm: negative size M=", a.M, " N=", a.N,
              " K=", a.K);
@@ -97,16 +219,9 @@ void check_args(const GemmArgs& a) {
   }
 }
 
-}  // namespace
-
-void gemm(const GemmArgs& a) {
-  check_args(a);
-  if (a.M == 0 || a.N == 0) return;
-  if (a.K == 0) {  // an empty sum: C = 0, or C unchanged when accumulating
-    if (!a.accumulate)
-      for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C + i * a.ldc, a.N, 0.0f);
-    return;
-  }
+// The oneDNN matmul of arguments already checked, M, N, K > 0. A bf16 shape oneDNN refuses
+// (after the probe passed) is widened.
+void run_matmul(const GemmArgs& a) {
   const Key key{a.M,          a.N, a.K, a.lda, a.ldb, a.ldc, a.ta == Trans::T, a.tb == Trans::T,
                 a.accumulate, a.ab};
   Context& ctx = Context::get();
@@ -118,13 +233,18 @@ void gemm(const GemmArgs& a) {
       try {
         it = ctx.cache.emplace(key, build(key, ctx.engine)).first;
       } catch (const dnnl::error& err) {
-        fail("gemm: oneDNN cannot build a ", dtype_name(a.ab), " matmul M=", a.M, " N=", a.N,
-             " K=", a.K, " ta=", key.ta, " tb=", key.tb, " lda=", a.lda, " ldb=", a.ldb,
-             " ldc=", a.ldc, ": ", err.what());
+        if (a.ab != DType::bf16)
+          fail("gemm: oneDNN cannot build a ", dtype_name(a.ab), " matmul M=", a.M, " N=", a.N,
+               " K=", a.K, " ta=", key.ta, " tb=", key.tb, " lda=", a.lda, " ldb=", a.ldb,
+               " ldc=", a.ldc, ": ", err.what());
+        auto w = std::make_unique<Entry>();
+        w->widen = true;
+        it = ctx.cache.emplace(key, std::move(w)).first;
       }
     }
     e = it->second.get();
   }
+  if (e->widen) return gemm_widened(a);
   std::lock_guard<std::mutex> lock(e->mu);
   e->a.set_data_handle(const_cast<void*>(a.A));
   e->b.set_data_handle(const_cast<void*>(a.B));
@@ -136,6 +256,40 @@ void gemm(const GemmArgs& a) {
   LOOM_CHECK(st == dnnl_success, "gemm: oneDNN matmul M=", a.M, " N=", a.N, " K=", a.K,
              " failed to execute (dnnl status ", static_cast<int>(st), ")");
   ctx.stream.wait();
+}
+
+}  // namespace
+
+void gemm(const GemmArgs& a) {
+  check_args(a);
+  if (a.M == 0 || a.N == 0) return;
+  if (a.K == 0) {  // an empty sum: C = 0, or C unchanged when accumulating
+    if (!a.accumulate)
+      for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C + i * a.ldc, a.N, 0.0f);
+    return;
+  }
+  if (a.ab == DType::bf16 && (g_force_widen.load(std::memory_order_relaxed) || !bf16_path().native))
+    return gemm_widened(a);
+  run_matmul(a);
+}
+
+bool gemm_bf16_native() {
+  return bf16_path().native && !g_force_widen.load();
+}
+
+std::string gemm_bf16_path() {
+  return g_force_widen.load() ? "widened to f32 (forced by a test)" : bf16_path().why;
+}
+
+size_t gemm_widen_scratch_bytes() {
+  return g_scratch_bytes.load();
+}
+
+ScopedGemmBf16Widen::ScopedGemmBf16Widen(size_t chunk_bytes)
+    : prev_(g_force_widen.exchange(true)), prev_chunk_(g_chunk_bytes.exchange(chunk_bytes)) {}
+ScopedGemmBf16Widen::~ScopedGemmBf16Widen() {
+  g_force_widen.store(prev_);
+  g_chunk_bytes.store(prev_chunk_);
 }
 
 void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K,

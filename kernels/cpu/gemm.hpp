@@ -2,7 +2,16 @@
 // Matrix multiply through oneDNN. Row-major. C[M,N] = op(A)[M,K] * op(B)[K,N] (+ C if accumulate).
 // A and B are both f32 or both bf16 (then the products accumulate in f32; on CPUs with AMX or
 // AVX512-BF16 oneDNN uses them). C is always f32.
+//
+// bf16 on every CPU: where oneDNN cannot build a bf16 matmul (oneDNN 2.6 has none below
+// avx512_core, so on AVX2-only CPUs and under LOOM_CPU_ISA=avx2), the bf16 operands are widened
+// to f32 in per-thread scratch buffers and the f32 matmul runs: bf16 inputs, f32 accumulation, the
+// semantics of the native path (only the order of the f32 sums differs). The path is decided once
+// per process (gemm_bf16_path() says which and why); LOOM_GEMM_BF16=widen forces the widening
+// (tests), LOOM_GEMM_BF16=native makes a missing native matmul an error.
+#include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.hpp"
 
@@ -39,5 +48,31 @@ void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M,
 // Measures this machine's GEMM throughput (FLOP/s) for the dtype on square-ish transformer shapes;
 // the denominator of MFU in `loom bench`.
 double measure_gemm_peak(DType ab, double seconds = 0.5);
+
+// True when bf16 GEMMs run as oneDNN bf16 matmuls, false when they are widened to f32.
+bool gemm_bf16_native();
+// One line saying how bf16 GEMMs run and why, e.g. "native (oneDNN avx512_core_bf16)" or
+// "widened to f32 (oneDNN avx2 has no bf16 matmul)".
+std::string gemm_bf16_path();
+// Bytes of f32 scratch the widening path holds, summed over threads (0 when it never ran). Each
+// thread keeps at most two buffers of kGemmWidenChunkBytes: larger operands are widened and
+// multiplied in row/column chunks.
+size_t gemm_widen_scratch_bytes();
+inline constexpr size_t kGemmWidenChunkBytes = size_t(32) << 20;
+
+// Tests: widens every bf16 GEMM of the process while alive, in chunks of at most `chunk_bytes`
+// per operand (not thread-safe; the path is process-wide), so the widened result can be compared
+// with the native one and the chunking exercised on small shapes.
+class ScopedGemmBf16Widen {
+ public:
+  explicit ScopedGemmBf16Widen(size_t chunk_bytes = kGemmWidenChunkBytes);
+  ~ScopedGemmBf16Widen();
+  ScopedGemmBf16Widen(const ScopedGemmBf16Widen&) = delete;
+  ScopedGemmBf16Widen& operator=(const ScopedGemmBf16Widen&) = delete;
+
+ private:
+  bool prev_;
+  size_t prev_chunk_;
+};
 
 }  // namespace loom::cpu

@@ -103,6 +103,29 @@ inline float vexp(float x) {
   return exp_taylor7(r) * scale;
 }
 
+// vexp on kW lanes, the same operations lane by lane. Loops over arrays call this one: GCC
+// vectorizes the scalar vexp under `omp simd` only with AVX-512 (masked instructions); on the
+// AVX2 and SSE2 targets the clamp's selects stay branches around statements that may trap
+// (-ftrapping-math), the loop is not if-converted, and it ran scalar there (SwiGLU 6x slower).
+inline vf vexp(vf x) {
+  using namespace vec_math_detail;
+  const vf lo = splat(-87.0f), hi = splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf t = x * kLog2e + kRound;
+  const vf n = t - kRound;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.4286068202862268e-6f;  // ln2 hi + lo
+  const vi bits = (__builtin_bit_cast(vi, t) - kRoundBits + 127) << 23;    // 2^n
+  return exp_taylor7(r) * __builtin_bit_cast(vf, bits);
+}
+
+// Sum of the lanes of x.
+inline float reduce_add(vf x) {
+  float s = 0;
+  for (int l = 0; l < kW; ++l) s += x[l];
+  return s;
+}
+
 // 2^x on kW lanes, for the attention kernels. They keep scores in base-2 units (log2(e) is folded
 // into the query scale once), so x splits exactly into n + f, |f| <= 1/2, with no Cody-Waite
 // step; e^(f ln2) then comes from the same polynomial as vexp. Clamping is chosen for masked

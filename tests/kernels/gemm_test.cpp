@@ -281,6 +281,46 @@ TEST(Gemm, BadArgumentsThrow) {
   }
 }
 
+// The widening path (bf16 operands copied to f32, the f32 matmul) against the fp64 reference and
+// against the native bf16 matmul where this CPU has one: the same bf16 inputs and f32
+// accumulation, so the two differ only by the order of the f32 sums (1e-5 of sum |a b|). A
+// 4 KiB chunk makes every operand span several row/column chunks.
+TEST(Gemm, WidenedBf16MatchesReferenceAndNative) {
+  const std::string path = gemm_bf16_path();
+  EXPECT_TRUE(path.rfind("native (", 0) == 0 || path.rfind("widened to f32 (", 0) == 0) << path;
+  for (size_t chunk : {kGemmWidenChunkBytes, size_t(4096)}) {
+    ScopedGemmBf16Widen widen(chunk);
+    EXPECT_FALSE(gemm_bf16_native());
+    EXPECT_EQ(gemm_bf16_path().rfind("widened to f32", 0), 0u);
+    for (Trans ta : kTrans)
+      for (Trans tb : kTrans)
+        for (bool acc : {false, true}) {
+          check({ta, tb, 37, 29, 53}, DType::bf16, acc, 50);
+          check({ta, tb, 37, 29, 53, 3, 5, 7}, DType::bf16, acc, 60);
+          check({ta, tb, 130, 70, 200, 1, 2, 3}, DType::bf16, acc, 70);
+        }
+  }
+  EXPECT_GT(gemm_widen_scratch_bytes(), 0u);
+  const int64_t M = 67, N = 45, K = 300;
+  auto a = randn(M * K, 7), b = randn(N * K, 8);
+  std::vector<bf16> a16(a.size()), b16(b.size());
+  for (size_t i = 0; i < a.size(); ++i) a16[i] = float_to_bf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) b16[i] = float_to_bf16(b[i]);
+  std::vector<float> native(M * N), widened(M * N);
+  linear_forward(a16.data(), b16.data(), native.data(), M, N, K, DType::bf16);
+  {
+    ScopedGemmBf16Widen widen(4096);
+    linear_forward(a16.data(), b16.data(), widened.data(), M, N, K, DType::bf16);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double mag = 0;
+      for (int64_t k = 0; k < K; ++k)
+        mag += std::abs(double(bf16_to_float(a16[m * K + k])) * bf16_to_float(b16[n * K + k]));
+      ASSERT_NEAR(native[m * N + n], widened[m * N + n], 1e-5 * mag) << m << "," << n;
+    }
+}
+
 TEST(Gemm, PeakIsPositive) {
   const double p = measure_gemm_peak(DType::f32, 0.05);
   EXPECT_GT(p, 1e9);  // any machine that runs this does over 1 GFLOP/s

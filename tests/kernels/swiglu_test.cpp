@@ -55,10 +55,15 @@ TEST_ALL_ISAS(SwiGLU, ForwardMatchesFp64Reference) {
   }
 }
 
+// F = 1 runs the scalar tail only; F = 37 puts NaNs in vector lanes and in the tail.
 TEST_ALL_ISAS(SwiGLU, PropagatesNaN) {
-  std::vector<float> gu = {std::numeric_limits<float>::quiet_NaN(), 1.0f}, h(1);
-  cpu::swiglu_forward(gu.data(), 1, 1, h.data());
-  EXPECT_TRUE(std::isnan(h[0]));
+  for (int64_t F : {1, 37}) {
+    std::vector<float> gu(static_cast<size_t>(2 * F), 1.0f), h(static_cast<size_t>(F));
+    for (int64_t j = 0; j < F; j += 5) gu[j] = std::numeric_limits<float>::quiet_NaN();
+    cpu::swiglu_forward(gu.data(), 1, F, h.data());
+    for (int64_t j = 0; j < F; ++j)
+      EXPECT_EQ(std::isnan(h[j]), j % 5 == 0) << "F " << F << " j " << j;
+  }
 }
 
 // L = sum(h * r): the kernel's dgu (from dh = r) against fp64 central differences of the fp64

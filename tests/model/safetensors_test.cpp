@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "tests/test_util.hpp"
@@ -343,4 +344,75 @@ TEST_F(SafetensorsTest, CorruptNegativeShape) {
   write_bytes(p,
               craft(R"({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", "abcd"));
   expect_error([&] { SafetensorsFile x(p); }, {p, "'w'", "non-negative"});
+}
+
+// ---- the data section must be covered exactly, as Hugging Face's reader requires ----
+
+TEST_F(SafetensorsTest, CorruptHeaderLengthOneByteShort) {
+  // The padded JSON still parses with one byte less, but every tensor would be read shifted by
+  // one byte: the file has one trailing byte past the tensors.
+  const std::string header =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})" + std::string(5, ' ');
+  const std::string p = path("short_len.safetensors");
+  write_bytes(p, craft(header, std::string(8, 'x'), int64_t(header.size()) - 1));
+  expect_error([&] { SafetensorsFile x(p); }, {p, "trailing bytes", "header length"});
+
+  // The same with a file written by loom: one less in the length is refused, whatever the
+  // padding was.
+  const std::string q = path("written.safetensors");
+  write_safetensors(q, sample_tensors());
+  std::string bytes;
+  {
+    std::ifstream f(q, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  --n;
+  std::memcpy(bytes.data(), &n, 8);
+  write_bytes(q, bytes);
+  expect_error([&] { SafetensorsFile x(q); }, {q});
+}
+
+TEST_F(SafetensorsTest, CorruptTrailingBytesAfterTheTensors) {
+  const std::string p = path("trailing.safetensors");
+  write_bytes(p, craft(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+                       std::string(5, 'x')));
+  expect_error([&] { SafetensorsFile x(p); }, {p, "4 bytes", "5 bytes", "trailing bytes"});
+}
+
+TEST_F(SafetensorsTest, CorruptHoleBetweenTensors) {
+  const std::string p = path("hole.safetensors");
+  write_bytes(p, craft(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+                       R"( "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})",
+                       std::string(12, 'x')));
+  expect_error([&] { SafetensorsFile x(p); }, {p, "'b'", "'a'", "starts at byte 8", "hole"});
+}
+
+TEST_F(SafetensorsTest, CorruptFirstTensorNotAtTheStart) {
+  const std::string p = path("gap.safetensors");
+  write_bytes(p, craft(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                       std::string(8, 'x')));
+  expect_error([&] { SafetensorsFile x(p); }, {p, "'a'", "byte 0", "hole"});
+}
+
+TEST_F(SafetensorsTest, CorruptHeaderWithLeadingWhitespace) {
+  const std::string p = path("lead.safetensors");
+  write_bytes(p, craft(R"(  {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+                       std::string(4, 'x')));
+  expect_error([&] { SafetensorsFile x(p); }, {p, "start with '{'"});
+}
+
+TEST_F(SafetensorsTest, EmptyTensorsAndNoTensorsAreStillValid) {
+  // Zero-byte tensors take no room, and a file of metadata only has an empty data section.
+  const std::string p = path("zero.safetensors");
+  write_bytes(p, craft(R"({"e": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},)"
+                       R"( "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+                       std::string(4, 'x')));
+  SafetensorsFile x(p);
+  EXPECT_EQ(x.entries().size(), 2u);
+  const std::string q = path("meta_only.safetensors");
+  write_bytes(q, craft(R"({"__metadata__": {"format": "pt"}})", ""));
+  SafetensorsFile y(q);
+  EXPECT_TRUE(y.entries().empty());
 }

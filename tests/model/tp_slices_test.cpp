@@ -3,7 +3,9 @@
 // row and column splits; the runs of global indices cover each element exactly once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "model/param_unit.hpp"
@@ -99,6 +101,53 @@ TEST(TpSlices, GlobalShape) {
   EXPECT_EQ(s[0].global_shape(), (Shape{8, 12}));
   EXPECT_EQ(s[1].global_shape(), (Shape{6, 16}));
   EXPECT_EQ(s[2].global_shape(), (Shape{10}));
+}
+
+// A vocabulary of 10 rows on 4 tp ranks is padded to 12 (3 rows each): the real rows are the
+// unpadded tensor's, bit for bit, on any dp sharding; the 2 padding rows of rank 3 are zero;
+// the global shape (the checkpoint's) is the real one; reading from a file of 10 rows fills the
+// padding with zeros.
+TEST(TpSlices, PaddedVocabularyRowsAreZeroAndInvisible) {
+  const int64_t V = 10, d = 4, tp = 4, Vl = 3;
+  ParamSpec whole{"emb", {V, d}, Init::normal, 0.02f, true, true, TpSplit::rows, 0, 1};
+  ParamUnit ref("u", {whole}, false, Device::cpu, ShardLayout{0, 1});
+  ref.init_weights(7);
+  const float* want = ref.master_shard().data<float>();
+  std::vector<float> file(want, want + V * d);
+  for (int r = 0; r < tp; ++r) {
+    ParamSpec part{"emb", {Vl, d}, Init::normal, 0.02f, true, true, TpSplit::rows, r, int(tp), V};
+    EXPECT_EQ(part.global_shape(), (Shape{V, d}));
+    for (int dp : {1, 2}) {
+      std::vector<float> local;
+      for (int sh = 0; sh < dp; ++sh) {
+        ParamUnit u("u", {part}, false, Device::cpu, ShardLayout{sh, dp});
+        u.init_weights(7);
+        const float* m = u.master_shard().data<float>();
+        local.insert(local.end(), m, m + u.shard_numel());
+      }
+      local.resize(size_t(Vl * d));
+      for (int64_t i = 0; i < Vl * d; ++i) {
+        const int64_t g = r * Vl * d + i;
+        EXPECT_EQ(local[size_t(i)], g < V * d ? want[g] : 0.0f) << "rank " << r << " i " << i;
+      }
+    }
+    // Reading the rank's rows from the real tensor: the padding comes back zero.
+    struct Reader {
+      const std::vector<float>& data;
+      void read_f32(const std::string&, const Shape& shape, float* out, int64_t row0,
+                    int64_t rows) const {
+        EXPECT_EQ(shape, (Shape{10, 4}));
+        EXPECT_LE(row0 + rows, 10);
+        std::copy_n(data.data() + row0 * 4, rows * 4, out);
+      }
+    } reader{file};
+    std::vector<float> got(size_t(Vl * d), -1.0f);
+    read_param_slice(reader, "emb", part, 0, Vl * d, got.data());
+    for (int64_t i = 0; i < Vl * d; ++i) {
+      const int64_t g = r * Vl * d + i;
+      EXPECT_EQ(got[size_t(i)], g < V * d ? want[g] : 0.0f) << "rank " << r << " i " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -44,9 +44,13 @@ one_rank_fails() {
 }
 
 one_rank_fails config "rank 1: loom train: error: .*optimizer.lr" --optimizer.lr=bad
-# A dump_dir under a regular file cannot be created, even by root.
-one_rank_fails after_mesh "rank 1: loom train: error: job.rank_logs: cannot write" \
-  --job.rank_logs=true --job.dump_dir="$work/corpus.txt/runs"
+# Rank 1's log file cannot be opened (a directory holds its name, even for root), with the same
+# configuration on both ranks: the ranks refuse to start with different ones.
+mkdir -p "$work/runs/logs/rank-1.log"
+plain=("${common[@]}")
+common+=(--job.rank_logs=true --job.dump_dir="$work/runs")
+one_rank_fails after_mesh "rank 1: loom train: error: job.rank_logs: cannot write"
+common=("${plain[@]}")
 
 # bf16 GEMMs on a rank whose oneDNN is held to AVX2, which has no bf16 matmul (the job that
 # hung before on an AVX2 machine). Where a bf16 matmul exists under AVX2, the case is moot.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -114,9 +115,13 @@ TEST(Checkpoint, NameAndListing) {
   EXPECT_TRUE(list_checkpoints(t / "absent").empty());
   EXPECT_EQ(latest_checkpoint(t / "absent"), "");
   for (const char* d : {"step-00000002", "step-00000010", "step-00000009", "step-00000011.tmp",
-                        "step-00000012.old", "step-x", "other"})
+                        "step-00000012.old", "step-x", "other"}) {
     fs::create_directories(t / d);
+    std::ofstream(t / (std::string(d) + "/state.json")) << "{}";
+  }
   std::ofstream(t / "step-00000013") << "a file, not a checkpoint";
+  // Without state.json (written last) a step directory is not a complete checkpoint.
+  fs::create_directories(t / "step-00000014");
   auto all = list_checkpoints(t / "");
   ASSERT_EQ(all.size(), 3u);
   EXPECT_EQ(all[0].first, 2);
@@ -208,6 +213,44 @@ TEST(Checkpoint, LeftoverTmpIsIgnoredAndReplaced) {
   load_checkpoint(t / "ck/step-00000002", b.model, b.opt);
   EXPECT_EQ(state_bits(a), state_bits(b));
   EXPECT_FALSE(fs::exists(t / "ck/step-00000002.old"));
+}
+
+// What interrupted saves and prunes leave behind is tidied (and said), and a half-deleted
+// checkpoint is never taken for the latest one.
+TEST(Checkpoint, CleansWhatInterruptedSavesAndPrunesLeave) {
+  TempDir t;
+  Trained a(tiny(1), 1);
+  for (int64_t s = 1; s <= 3; ++s) {
+    a.train(1, uint64_t(s));
+    save_checkpoint(t / "ck", a.model, a.opt, state_at(s));
+  }
+  // A prune of the old code cut short: step 4's directory lost its state.json and some files.
+  fs::create_directories(t / "ck/step-00000004");
+  std::ofstream(t / "ck/step-00000004/model.safetensors") << "half deleted";
+  EXPECT_EQ(fs::path(latest_checkpoint(t / "ck")).filename(), "step-00000003");
+  // A save cut short, a prune cut short, and a replaced step whose new copy never took its name.
+  fs::create_directories(t / "ck/step-00000005.tmp");
+  fs::create_directories(t / "ck/step-00000001.deleting");
+  fs::rename(t / "ck/step-00000002", t / "ck/step-00000002.old");
+  fs::create_directories(t / "ck/step-00000003.old");
+  const std::vector<std::string> done = clean_checkpoint_dir(t / "ck");
+  ASSERT_EQ(done.size(), 5u);
+  std::string all;
+  for (const auto& d : done) all += d + "\n";
+  for (const char* want : {"step-00000004 (no state.json", "step-00000005.tmp (a save",
+                           "step-00000001.deleting (a prune", "restored", "step-00000003.old"})
+    EXPECT_NE(all.find(want), std::string::npos) << want << " in\n" << all;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(t / "ck")) left.push_back(e.path().filename());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-00000001", "step-00000002", "step-00000003"}));
+  Trained b(tiny(1), 5);
+  load_checkpoint(t / "ck/step-00000002", b.model, b.opt);
+  EXPECT_TRUE(clean_checkpoint_dir(t / "ck").empty());
+  // A prune renames before deleting, so it never leaves a step-N without state.json.
+  prune_checkpoints(t / "ck", 1);
+  EXPECT_EQ(list_checkpoints(t / "ck").size(), 1u);
+  EXPECT_TRUE(clean_checkpoint_dir(t / "ck").empty());
 }
 
 TEST(Checkpoint, KeepsTheLastK) {

@@ -10,6 +10,8 @@
 #include <functional>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
+#include "kernels/cpu/gemm.hpp"
 #include "model/llama_config.hpp"
 #include "tests/test_util.hpp"
 
@@ -239,9 +241,9 @@ TEST(JobConfig, ErrorsNameKeyAndSource) {
   expect_error([] { parse("", {"--parallelism.dp_shard=0"}); }, {"parallelism.dp_shard", "-1"});
   expect_error([] { parse("", {"--parallelism.tp=0"}); }, {"parallelism.tp", "positive"});
   expect_error([] { parse("", {"--optimizer.lr=nan"}); }, {"optimizer.lr"});
-  expect_error(
-      [] { parse("[training]\nmixed_precision_param = \"float16\"\n"); },
-      {"job.toml:2", "training.mixed_precision_param", "\"float32\", \"bfloat16\"", "float16"});
+  expect_error([] { parse("[training]\nmixed_precision_param = \"float16\"\n"); },
+               {"job.toml:2", "training.mixed_precision_param",
+                "\"float32\", \"bfloat16\", \"auto\"", "float16"});
   expect_error(
       [] { parse("", {"--lr_scheduler.decay_type=step"}); },
       {"command line", "lr_scheduler.decay_type", "\"cosine\", \"linear\", \"wsd\", \"none\""});
@@ -272,6 +274,33 @@ TEST(JobConfig, ErrorsNameKeyAndSource) {
   expect_error([] { parse("", {"--data.shuffle=yes"}); }, {"data.shuffle", "true or false"});
 }
 
+// "auto" is resolved while parsing: bfloat16 exactly where oneDNN has native bf16 matmuls (and the
+// GEMMs run them), float32 elsewhere; the concrete dtype is what to_toml writes (with the reason as
+// a comment) and what parses back. A value set explicitly carries no reason.
+TEST(JobConfig, AutoPrecisionResolvesToConcreteDtype) {
+  const JobConfig c = parse("[training]\nmixed_precision_param = \"auto\"\n");
+  const bool bf16 = loom::cpu::cpu_isa().onednn_native_bf16 && loom::cpu::gemm_bf16_native();
+  EXPECT_EQ(c.training.mixed_precision_param, bf16 ? "bfloat16" : "float32");
+  EXPECT_EQ(c.precision_reason.rfind("auto: oneDNN ", 0), 0u) << c.precision_reason;
+  const std::string text = loom::to_toml(c);
+  EXPECT_NE(
+      text.find("mixed_precision_param = \"" + c.training.mixed_precision_param + "\"  # auto"),
+      std::string::npos)
+      << text;
+  const JobConfig back = parse(text);
+  EXPECT_EQ(back, c);
+  EXPECT_TRUE(back.precision_reason.empty());
+  EXPECT_NE(loom::describe_precision(c).find(c.precision_reason), std::string::npos);
+  // From the command line too, and an explicit bfloat16 stays bfloat16 on every CPU.
+  EXPECT_EQ(parse("", {"--training.mixed_precision_param=auto"}).training.mixed_precision_param,
+            c.training.mixed_precision_param);
+  const JobConfig b = parse("", {"--training.mixed_precision_param=bfloat16"});
+  EXPECT_EQ(b.training.mixed_precision_param, "bfloat16");
+  EXPECT_NE(loom::describe_precision(b).find("bf16 GEMMs " + loom::cpu::gemm_bf16_path()),
+            std::string::npos)
+      << loom::describe_precision(b);
+}
+
 TEST(JobConfig, LoadFromFileAndShippedConfigs) {
   TempDir t;
   write_text(t.path() / "job.toml", "[training]\nsteps = 5\n");
@@ -294,7 +323,7 @@ TEST(JobConfig, LoadFromFileAndShippedConfigs) {
   for (const Shipped& s : {Shipped{"bench-tiny.toml", "bench-tiny", 256, 8, 7},
                            Shipped{"bench-small.toml", "bench-small", 256, 8, 7},
                            Shipped{"debug.toml", "debug", 64, 4, 20},
-                           Shipped{"default.toml", "default", 256, 8, 1500}}) {
+                           Shipped{"default.toml", "default", 256, 8, 400}}) {
     JobConfig j = loom::load_job_config((cfg / s.file).string(), {});
     EXPECT_EQ(j.model.config, s.model) << s.file;
     EXPECT_EQ(j.training.seq_len, s.seq_len) << s.file;

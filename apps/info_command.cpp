@@ -1,0 +1,58 @@
+// `loom info [--json] [--peak-seconds S]`: where loom runs. Version and commit, the CPU and the
+// flags that matter, the tier of loom's kernels and of oneDNN (LOOM_CPU_ISA), how bf16 GEMMs run,
+// the MPI library, the threads, and the f32/bf16 GEMM peaks measured now (the denominators of
+// MFU). `loom bench step` prints the same header (apps/system_info.hpp).
+#include <charconv>
+#include <cstdio>
+#include <string>
+
+#include "apps/commands.hpp"
+#include "apps/system_info.hpp"
+#include "core/error.hpp"
+
+namespace loom {
+
+namespace {
+
+const char* kInfoUsage =
+    "usage: loom info [--json] [--peak-seconds S]\n"
+    "  prints the version, CPU, kernel and oneDNN tiers, bf16 GEMM path, MPI library, threads\n"
+    "  and the measured f32/bf16 GEMM peaks (S seconds each, default 0.5; 0 skips them)\n";
+
+}  // namespace
+
+int info_command(const Args& args) {
+  bool json = false;
+  double peak_seconds = 0.5;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kInfoUsage, stdout);
+      return 0;
+    } else if (a == "--json") {
+      json = true;
+    } else if (a == "--peak-seconds" || a.rfind("--peak-seconds=", 0) == 0) {
+      std::string v;
+      if (a == "--peak-seconds") {
+        LOOM_CHECK(i + 1 < args.size(), "--peak-seconds needs a number\n", kInfoUsage);
+        v = args[++i];
+      } else {
+        v = a.substr(15);
+      }
+      auto r = std::from_chars(v.data(), v.data() + v.size(), peak_seconds);
+      LOOM_CHECK(
+          !v.empty() && r.ec == std::errc() && r.ptr == v.data() + v.size() && peak_seconds >= 0,
+          "--peak-seconds: expected a non-negative number, found '", v, "'\n", kInfoUsage);
+    } else {
+      fail("unexpected argument '", a, "'\n", kInfoUsage);
+    }
+  }
+  const SystemInfo s = collect_system_info(peak_seconds);
+  if (json)
+    std::printf("%s\n", system_info_json(s).dump().c_str());
+  else
+    std::fputs(format_system_info(s).c_str(), stdout);
+  return 0;
+}
+
+}  // namespace loom

@@ -1,0 +1,97 @@
+// `loom info` through the binary (LOOM_BIN): the JSON names every field with a value, agrees with
+// the text output and with LOOM_CPU_ISA, and a bad argument is an error naming it.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int rc;
+  std::string out, err;
+};
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+class InfoCommand : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* b = std::getenv("LOOM_BIN");
+    if (!b) GTEST_SKIP() << "LOOM_BIN is not set (run through ctest)";
+    bin_ = b;
+    dir_ = fs::temp_directory_path() / ("loom_info_test_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  Result run(const std::string& env, const std::string& args) {
+    const std::string cmd = env + " " + bin_ + " info " + args + " > " +
+                            (dir_ / "out.txt").string() + " 2> " + (dir_ / "err.txt").string();
+    const int rc = std::system(cmd.c_str());
+    return {rc, read_text(dir_ / "out.txt"), read_text(dir_ / "err.txt")};
+  }
+  std::string bin_;
+  fs::path dir_;
+};
+
+TEST_F(InfoCommand, JsonHasEveryFieldAndMatchesText) {
+  Result r = run("", "--json --peak-seconds 0.02");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  for (const char* k :
+       {"version", "commit", "cpu_model", "cpu_flags", "kernels", "requested", "available",
+        "onednn_version", "onednn_isa", "bf16_gemm", "mpi", "load_average"}) {
+    ASSERT_TRUE(j.contains(k) && j[k].is_string()) << k << " in " << r.out;
+    EXPECT_FALSE(j[k].get<std::string>().empty()) << k;
+  }
+  EXPECT_GE(j["threads"].get<int>(), 1);
+  EXPECT_GT(j["gemm_peak_f32_flops"].get<double>(), 1e9);
+  EXPECT_GT(j["gemm_peak_bf16_flops"].get<double>(), 1e8);
+  const std::string path = j["bf16_gemm"];
+  EXPECT_TRUE(path.rfind("native (", 0) == 0 || path.rfind("widened to f32 (", 0) == 0) << path;
+
+  Result t = run("", "--peak-seconds 0");
+  ASSERT_EQ(t.rc, 0) << t.err;
+  for (const char* k : {"cpu_model", "kernels", "onednn_isa", "bf16_gemm", "mpi"})
+    EXPECT_NE(t.out.find(j[k].get<std::string>()), std::string::npos) << k << "\n" << t.out;
+  EXPECT_NE(t.out.find("GEMM peak     not measured"), std::string::npos) << t.out;
+}
+
+// AVX2 is the tier every x86-64 CPU loom targets has (below it only the baseline): capped there,
+// the kernels and oneDNN say so, and bf16 GEMMs are widened (oneDNN 2.6 has no AVX2 bf16 matmul).
+TEST_F(InfoCommand, FollowsLoomCpuIsa) {
+  Result r = run("LOOM_CPU_ISA=avx2", "--json --peak-seconds 0");
+  if (r.rc != 0 && r.err.find("lacks it") != std::string::npos) GTEST_SKIP() << "no AVX2 here";
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kernels"], "avx2");
+  EXPECT_EQ(j["requested"], "avx2");
+  EXPECT_EQ(j["onednn_isa"], "avx2");
+  EXPECT_EQ(j["bf16_gemm"].get<std::string>().rfind("widened to f32", 0), 0u) << j["bf16_gemm"];
+}
+
+TEST_F(InfoCommand, BadArgumentsAreErrors) {
+  Result r = run("", "--peak-seconds abc");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("--peak-seconds"), std::string::npos) << r.err;
+  r = run("", "--frobnicate");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("--frobnicate"), std::string::npos) << r.err;
+  r = run("LOOM_CPU_ISA=sse9", "");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("LOOM_CPU_ISA='sse9'"), std::string::npos) << r.err;
+}
+
+}  // namespace
