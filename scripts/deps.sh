@@ -4,7 +4,10 @@ set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
       libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
       libopenblas0-pthread ocl-icd-opencl-dev libhwy-dev
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin
+      # scripts/fuzz.sh (libFuzzer, ASan, UBSan with clang's OpenMP) and the multi-host drill
+      # (tests/drill/: network namespaces, veth, tc, nftables, unshare)
+      clang libclang-rt-14-dev libomp-dev iproute2 nftables util-linux)
 missing=()
 # Node (for the tokenizer parity tests) may come from NodeSource with npm bundled; only install
 # Debian's when there is none.

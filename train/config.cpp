@@ -40,6 +40,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"job", "name", &c.job.name},
       {"job", "dump_dir", &c.job.dump_dir},
       {"job", "rank_logs", &c.job.rank_logs},
+      {"job", "collective_timeout_s", &c.job.collective_timeout_s},
       {"model", "config", &c.model.config},
       {"model", "init_from", &c.model.init_from},
       {"model", "seed", &c.model.seed},
@@ -261,6 +262,8 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
     check(ok, kp.c_str(), "one of " + join(allowed, ", "), str_cat("\"", v, "\""));
   }
   const auto& t = c.training;
+  check(c.job.collective_timeout_s > 0, "job.collective_timeout_s", "a positive number",
+        c.job.collective_timeout_s);
   check(c.model.seed >= 0, "model.seed", "a non-negative integer", c.model.seed);
   check(t.steps > 0, "training.steps", "a positive integer", t.steps);
   check(t.local_batch_size > 0, "training.local_batch_size", "a positive integer",

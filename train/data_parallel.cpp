@@ -107,9 +107,11 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command) 
       shape.cp = int(par.cp);
       shape.tp = int(par.tp);
       std::shared_ptr<dist::ProcessGroup> world = dist::make_mpi_world_group();
+      world->set_timeout_seconds(job.job.collective_timeout_s);
       check_ranks_agree(*world, job);
       // Every rank checks the shape against the world size and fails alike.
       rt.mesh = std::make_unique<dist::Mesh>(shape, std::move(world));
+      rt.mesh->set_timeout_seconds(job.job.collective_timeout_s);
     }
   }
   LOOM_CHECK(rt.mesh || asked == 1, "parallelism asks for ", asked,

@@ -371,6 +371,11 @@ class PieceCache {
 void Tokenizer::Impl::set_token(int32_t id, std::string bytes, uint8_t kind,
                                 const std::string& what) {
   LOOM_CHECK(id >= 0, what, ": token id ", id, " is negative; expected ids >= 0");
+  // The table has an entry per id up to the largest: a corrupt file's id near 2^31 would ask for
+  // 64 GB (found by tests/fuzz/fuzz_tiktoken). Real vocabularies have at most a few 100k ids.
+  constexpr int32_t kMaxId = (1 << 22) - 1;
+  LOOM_CHECK(id <= kMaxId, what, ": token id ", id, " is too large; expected ids up to ", kMaxId,
+             " (a vocabulary of at most 4M tokens)");
   if (size_t(id) >= tokens.size()) {
     tokens.resize(size_t(id) + 1);
     kinds.resize(size_t(id) + 1, tok::kHole);

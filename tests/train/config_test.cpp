@@ -202,6 +202,16 @@ cp_rotate_method = "allgather"
   EXPECT_FALSE(b2 == b);
 }
 
+// [job] collective_timeout_s: the collective timeout of multi-process runs (the multi-host drill,
+// tests/drill/, sets a short one); positive.
+TEST(JobConfig, CollectiveTimeout) {
+  EXPECT_EQ(parse("").job.collective_timeout_s, 300);
+  EXPECT_EQ(parse("[job]\ncollective_timeout_s = 5\n").job.collective_timeout_s, 5);
+  EXPECT_EQ(parse("", {"--job.collective_timeout_s=2.5"}).job.collective_timeout_s, 2.5);
+  expect_error([] { parse("", {"--job.collective_timeout_s=0"}); },
+               {"job.collective_timeout_s", "positive", "command line"});
+}
+
 TEST(JobConfig, ErrorsNameKeyAndSource) {
   expect_error([] { parse("[trainng]\nsteps = 3\n"); },
                {"job.toml:1", "unknown section [trainng]", "training"});

@@ -595,6 +595,9 @@ TEST(TokenizerEdge, MalformedRankFilesNameFileAndLine) {
   expect_error([&] { Tokenizer::load(p); }, {p + ":3", "id 1 is given twice"});
   with_line3("AQ== 2");
   expect_error([&] { Tokenizer::load(p); }, {p, "ids 1 and 2 are the same token"});
+  // A rank below 2^31 but far beyond any vocabulary: an error, not a 64 GB table (fuzz_tiktoken).
+  with_line3("Ag== 2008809963");
+  expect_error([&] { Tokenizer::load(p); }, {p + ":3", "token id 2008809963 is too large"});
   write_file(p, small_ranks(65));
   expect_error([&] { Tokenizer::load(p); }, {p, "no token for the byte 0x41"});
   write_file(p, "");
