@@ -7,7 +7,7 @@
 For each repeat, each config and each dtype it runs `loom bench step --config configs/bench-<c>.toml
 --json [--training.mixed_precision_param=bfloat16]` (binary: $LOOM_BIN or ./build/loom) and then
 bench/torch_step.py, so slow phases of a shared machine hit both sides alike. It prints the median
-tokens/s of each side, their ratio against the target (2x fp32, 3x bf16), MFU of both against the GEMM
+tokens/s of each side, their ratio against the target (1.5x), MFU of both against the GEMM
 peak loom reports (torch's FLOP/s = tokens/s x FLOPs per token, torchtitan's 6N + 12 L H Q T), and
 the load average before and after. For bf16, torch runs with OMP_WAIT_POLICY=ACTIVE and =PASSIVE and
 the faster counts (ACTIVE wins on an idle machine, PASSIVE under contention). --torch-only skips loom.
@@ -32,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from torch_step import TIER_ENV, TUNED_ENV, WAIT_POLICIES  # noqa: E402  (torch_step imports torch only in main)
 
-TARGET = {"float32": 2.0, "bfloat16": 3.0}
+TARGET = {"float32": 1.5, "bfloat16": 1.5}  # issue "every x86-64 CPU": every ratio at least 1.5x
 NOISY = 0.2  # CPU cores taken by other processes above which a case's timings are suspect
 
 
@@ -202,7 +202,7 @@ def main():
     table = [hdr] + [[
         r["tier"] + (f" ({r['isa']})" if r["isa"] else ""), r["config"], r["dtype"], fmt(r["loom_tokens_per_s"], ".0f"), fmt(r["torch_tokens_per_s"], ".0f"),
         fmt(r["ratio"], ".2f") + ("" if r["meets_target"] is None else " ok" if r["meets_target"] else " LOW"),
-        f"{r['target_ratio']:.0f}x",
+        f"{r['target_ratio']:.1f}x",
         fmt(r["loom_mfu"] and 100 * r["loom_mfu"], ".1f") + ("%" if r["loom_mfu"] else ""),
         fmt(r["torch_mfu"] and 100 * r["torch_mfu"], ".1f") + ("%" if r["torch_mfu"] else ""),
         fmt(r["other_cpu_cores"], ".2f") + (" !" if (r["other_cpu_cores"] or 0) > NOISY else ""),

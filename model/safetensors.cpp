@@ -377,6 +377,10 @@ SafetensorsDir::SafetensorsDir(const std::string& dir) : dir_(dir) {
       LOOM_CHECK(fv.is_string(), ip, ": weight_map entry of '", name,
                  "' must be a file name string, found ", fv.dump());
       const std::string file = fv.get<std::string>();
+      // Hugging Face indexes name files of the model directory; a path could read anything.
+      LOOM_CHECK(!file.empty() && fs::path(file).filename() == file && file != "." && file != "..",
+                 ip, ": weight_map entry of '", name, "' is '", file,
+                 "'; expected a plain file name in the model directory");
       auto it = file_idx.find(file);
       if (it == file_idx.end()) {
         const fs::path fp = d / file;

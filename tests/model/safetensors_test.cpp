@@ -254,6 +254,16 @@ TEST_F(SafetensorsTest, DirectoryErrorsNameTheDirectory) {
   write_bytes((fs::path(d) / "model.safetensors.index.json").string(), R"({"weight_map": 3})");
   expect_error([&] { SafetensorsDir x(d); }, {"model.safetensors.index.json", "weight_map"});
 
+  // An index that points outside the model directory, even at a real file holding the tensor.
+  write_safetensors(path("outside.safetensors"), {{"w", f32_tensor({1}, 1)}});
+  for (const std::string file :
+       {std::string("../outside.safetensors"), path("outside.safetensors")}) {
+    write_bytes((fs::path(d) / "model.safetensors.index.json").string(),
+                R"({"weight_map":{"w":")" + file + R"("}})");
+    expect_error([&] { SafetensorsDir x(d); },
+                 {"model.safetensors.index.json", file, "plain file name"});
+  }
+
   expect_error([&] { write_safetensors(path("no/such/dir/x.safetensors"), {}); },
                {"no/such/dir/x.safetensors"});
 }
