@@ -256,7 +256,7 @@ TEST_F(SafetensorsTest, DirectoryErrorsNameTheDirectory) {
 
   // An index that points outside the model directory, even at a real file holding the tensor.
   write_safetensors(path("outside.safetensors"), {{"w", f32_tensor({1}, 1)}});
-  for (const std::string file :
+  for (const std::string& file :
        {std::string("../outside.safetensors"), path("outside.safetensors")}) {
     write_bytes((fs::path(d) / "model.safetensors.index.json").string(),
                 R"({"weight_map":{"w":")" + file + R"("}})");
