@@ -138,7 +138,7 @@ struct Scratch {
   size_t size = 0;  // floats
   float* get(size_t n) {
     if (n > size) {
-      data.reset(new float[n]);
+      data = std::make_unique_for_overwrite<float[]>(n);
       g_scratch_bytes.fetch_add((n - size) * sizeof(float));
       size = n;
     }

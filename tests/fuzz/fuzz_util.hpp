@@ -21,25 +21,28 @@
 
 namespace loom::fuzz {
 
-// A directory of its own under /dev/shm (or $TMPDIR), removed at exit (the path is never
-// destroyed, so the exit handler may still read it).
+// A directory of its own under /dev/shm (or $TMPDIR), removed at exit. The exit handler is
+// registered once the path is fully built, so it runs before the path is destroyed.
 inline const std::string& scratch_dir() {
-  static const std::string* dir = [] {
+  static const std::string dir = [] {
     std::string base = "/dev/shm";
     struct stat st;
     if (::stat(base.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       const char* t = std::getenv("TMPDIR");
       base = t && *t ? t : "/tmp";
     }
-    auto* d = new std::string(base + "/loom_fuzz_XXXXXX");
-    if (!::mkdtemp(d->data())) std::abort();
+    std::string d = base + "/loom_fuzz_XXXXXX";
+    if (!::mkdtemp(d.data())) std::abort();
+    return d;
+  }();
+  [[maybe_unused]] static const bool removed_at_exit = [] {
     std::atexit([] {
       std::error_code ec;
       std::filesystem::remove_all(scratch_dir(), ec);
     });
-    return d;
+    return true;
   }();
-  return *dir;
+  return dir;
 }
 
 inline std::string write_file(const std::string& name, std::string_view bytes) {
