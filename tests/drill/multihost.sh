@@ -9,7 +9,8 @@
 # Open MPI's daemons talk over the management network (oob_tcp_if_include), the ranks over the
 # data link only (pml ob1, btl tcp,self, btl_tcp_if_include), so cutting the data link leaves the
 # launcher able to end the job. mpirun reaches each host through an rsh agent that runs the
-# command in the host's namespace (and its own UTS namespace, so each host has its own name).
+# command in the host's namespace with nsenter (not `ip netns exec`, which remounts / and fails in a
+# chroot such as fresh-debian12's) and in its own UTS namespace, so each host has its own name.
 # Drills:
 #   1. FSDP dp_shard=2, one rank per host, 20 steps of the debug model: per-step losses and final
 #      weights equal the single-process run's (parity_compare, 1e-5).
@@ -85,7 +86,7 @@ case \$host in
   10.78.0.2) ns=$nsb name=drill-b ;;
   *) echo "agent.sh: unknown host \$host" >&2; exit 1 ;;
 esac
-exec ip netns exec "\$ns" unshare --uts sh -c "hostname \$name; \$*"
+exec nsenter --net=/run/netns/"\$ns" unshare --uts sh -c "hostname \$name; \$*"
 AGENT
 chmod +x "$work/agent.sh"
 printf '10.78.0.1 slots=1\n10.78.0.2 slots=1\n' >"$work/hosts"
@@ -102,7 +103,7 @@ multihost() {
 multihost_bg() {
   local limit=$1
   shift
-  exec timeout -k 5 "$limit" ip netns exec "$nsc" unshare --uts sh -c 'hostname drill-c; exec "$@"' sh \
+  exec timeout -k 5 "$limit" nsenter --net=/run/netns/"$nsc" unshare --uts sh -c 'hostname drill-c; exec "$@"' sh \
     "$mpiexec" --allow-run-as-root -np 2 --hostfile "$work/hosts" --map-by node \
     --mca plm_rsh_agent "$work/agent.sh" --mca plm_rsh_no_tree_spawn 1 \
     --mca oob_tcp_if_include 10.78.0.0/24 \
@@ -151,7 +152,7 @@ if tc -n "$nsa" qdisc add dev d0 root netem delay 20ms loss 1% 2>/dev/null; then
 else
   for ns in "$nsa" "$nsb"; do
     tc -n "$ns" qdisc add dev d0 root tbf rate 20mbit burst 64kb latency 500ms
-    ip netns exec "$ns" nft -f - <<'NFT'
+    nsenter --net=/run/netns/"$ns" nft -f - <<'NFT'
 table inet drill {
   chain out {
     type filter hook output priority 0;
@@ -208,7 +209,7 @@ last=$(ls "$work/run3" | grep -E '^step-[0-9]+$' | sort | tail -n1)
 echo "== drill 3: the link back up (and healthy), resume from $last"
 for ns in "$nsa" "$nsb"; do
   tc -n "$ns" qdisc del dev d0 root
-  ip netns exec "$ns" nft delete table inet drill 2>/dev/null || true
+  nsenter --net=/run/netns/"$ns" nft delete table inet drill 2>/dev/null || true
 done
 ip -n "$nsa" link set d0 up
 for _ in $(seq 50); do ip -n "$nsa" link show d0 | grep -q LOWER_UP && break; sleep 0.1; done
