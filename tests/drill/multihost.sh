@@ -41,6 +41,13 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+# A command in a namespace. Not `ip -n` / `ip netns exec`: they remount / (mount --make-rslave),
+# which a chroot such as fresh-debian12's refuses; nsenter only switches the network namespace.
+in_ns() {
+  local ns=$1
+  shift
+  nsenter --net=/run/netns/"$ns" "$@"
+}
 trap 'exit 130' INT TERM
 # Namespaces left by a drill that was killed (SIGKILL, no cleanup): removed when their script is gone.
 for ns in $(ip netns list 2>/dev/null | grep -oE '^lfd[0-9]+-[abc]' || true); do
@@ -57,24 +64,24 @@ if [ "$(id -u)" != 0 ] || ! ip netns add "$nsc" 2>/dev/null; then
 fi
 ip netns add "$nsa"
 ip netns add "$nsb"
-for ns in "$nsc" "$nsa" "$nsb"; do ip -n "$ns" link set lo up; done
-ip -n "$nsc" link add br0 type bridge
-ip -n "$nsc" addr add 10.78.0.254/24 dev br0
-ip -n "$nsc" link set br0 up
+for ns in "$nsc" "$nsa" "$nsb"; do in_ns "$ns" ip link set lo up; done
+in_ns "$nsc" ip link add br0 type bridge
+in_ns "$nsc" ip addr add 10.78.0.254/24 dev br0
+in_ns "$nsc" ip link set br0 up
 i=1
 for ns in "$nsa" "$nsb"; do
-  ip -n "$ns" link add m0 type veth peer name p$i netns "$nsc"
-  ip -n "$ns" addr add 10.78.0.$i/24 dev m0
-  ip -n "$ns" link set m0 up
-  ip -n "$nsc" link set p$i master br0
-  ip -n "$nsc" link set p$i up
+  in_ns "$ns" ip link add m0 type veth peer name p$i netns "$nsc"
+  in_ns "$ns" ip addr add 10.78.0.$i/24 dev m0
+  in_ns "$ns" ip link set m0 up
+  in_ns "$nsc" ip link set p$i master br0
+  in_ns "$nsc" ip link set p$i up
   i=$((i + 1))
 done
-ip -n "$nsa" link add d0 type veth peer name d0 netns "$nsb"
-ip -n "$nsa" addr add 10.77.0.1/24 dev d0
-ip -n "$nsb" addr add 10.77.0.2/24 dev d0
-ip -n "$nsa" link set d0 up
-ip -n "$nsb" link set d0 up
+in_ns "$nsa" ip link add d0 type veth peer name d0 netns "$nsb"
+in_ns "$nsa" ip addr add 10.77.0.1/24 dev d0
+in_ns "$nsb" ip addr add 10.77.0.2/24 dev d0
+in_ns "$nsa" ip link set d0 up
+in_ns "$nsb" ip link set d0 up
 
 cat >"$work/agent.sh" <<AGENT
 #!/bin/sh
@@ -146,13 +153,13 @@ echo "== drill 2: a degraded data link (delay and loss on both ends)"
 # tc netem where the kernel has it; a kernel without sch_netem (CONFIG_NET_SCH_NETEM unset, as in
 # some VMs) gets the nearest it has: a token bucket of 20 Mbit/s (queueing delay) and 1% of the
 # packets dropped at random by nftables.
-if tc -n "$nsa" qdisc add dev d0 root netem delay 20ms loss 1% 2>/dev/null; then
-  tc -n "$nsb" qdisc add dev d0 root netem delay 20ms loss 1%
+if in_ns "$nsa" tc qdisc add dev d0 root netem delay 20ms loss 1% 2>/dev/null; then
+  in_ns "$nsb" tc qdisc add dev d0 root netem delay 20ms loss 1%
   how="netem delay 20ms loss 1%"
 else
   for ns in "$nsa" "$nsb"; do
-    tc -n "$ns" qdisc add dev d0 root tbf rate 20mbit burst 64kb latency 500ms
-    nsenter --net=/run/netns/"$ns" nft -f - <<'NFT'
+    in_ns "$ns" tc qdisc add dev d0 root tbf rate 20mbit burst 64kb latency 500ms
+    in_ns "$ns" nft -f - <<'NFT'
 table inet drill {
   chain out {
     type filter hook output priority 0;
@@ -183,7 +190,7 @@ cut=0
 for _ in $(seq 1200); do
   n=$(cat "$work/run3.jsonl" 2>/dev/null | grep -c '^{"step"' || true)
   if [ "${n:-0}" -ge 12 ]; then
-    ip -n "$nsa" link set d0 down
+    in_ns "$nsa" ip link set d0 down
     cut=$(date +%s.%N)
     break
   fi
@@ -208,11 +215,11 @@ last=$(ls "$work/run3" | grep -E '^step-[0-9]+$' | sort | tail -n1)
 
 echo "== drill 3: the link back up (and healthy), resume from $last"
 for ns in "$nsa" "$nsb"; do
-  tc -n "$ns" qdisc del dev d0 root
-  nsenter --net=/run/netns/"$ns" nft delete table inet drill 2>/dev/null || true
+  in_ns "$ns" tc qdisc del dev d0 root
+  in_ns "$ns" nft delete table inet drill 2>/dev/null || true
 done
-ip -n "$nsa" link set d0 up
-for _ in $(seq 50); do ip -n "$nsa" link show d0 | grep -q LOWER_UP && break; sleep 0.1; done
+in_ns "$nsa" ip link set d0 up
+for _ in $(seq 50); do in_ns "$nsa" ip link show d0 | grep -q LOWER_UP && break; sleep 0.1; done
 multihost 240 --parallelism.dp_shard=2 --checkpoint.interval=5 --checkpoint.keep=0 \
   --checkpoint.dir="$work/run3" --checkpoint.resume=true --metrics.jsonl="$work/run3r.jsonl" \
   --job.collective_timeout_s=$timeout_s >"$work/run3r.log" 2>&1 || { cat "$work/run3r.log"; exit 1; }
