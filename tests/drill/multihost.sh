@@ -31,6 +31,9 @@ timeout_s=5
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_drill.XXXXXX")
 
 child=
+# `ip netns add` makes /run/netns a mount point when it is not one; undone at the end when this
+# drill made it and left nothing in it (else a chroot's /run could not be removed).
+mountpoint -q /run/netns 2>/dev/null && netns_mounted_before=1 || netns_mounted_before=0
 cleanup() {
   local ns pid
   [ -n "$child" ] && kill -9 "$child" 2>/dev/null || true
@@ -38,6 +41,9 @@ cleanup() {
     ip netns pids "$ns" 2>/dev/null | while read -r pid; do kill -9 "$pid" 2>/dev/null || true; done
   done
   for ns in "$nsa" "$nsb" "$nsc"; do ip netns del "$ns" 2>/dev/null || true; done
+  if [ "$netns_mounted_before" = 0 ] && [ -z "$(ip netns list 2>/dev/null)" ]; then
+    umount /run/netns 2>/dev/null || true
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
