@@ -25,7 +25,7 @@ const char* kUsage =
     "      sample text from a checkpoint (KV cache)\n"
     "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
     "      loss curves of one or several runs, train and validation\n"
-    "  info [--json] [--peak-seconds S]\n"
+    "  info [--json] [--peak-seconds S] | info --tiers\n"
     "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n";
 
 // Prints the error that ends this process (with its world rank when there are several) and,
