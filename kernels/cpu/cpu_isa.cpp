@@ -48,7 +48,7 @@ Isa isa_of_target(int64_t target) {
 }
 
 // Tiers the CPU runs and this build has: the baseline tier is the static target, compiled only
-// when it is below AVX2 (a LOOM_NATIVE build on an AVX2 machine has no baseline kernels).
+// when it is below AVX2 (a build with -march at AVX2 or above would have no baseline kernels).
 std::vector<Isa> detect() {
   const int64_t have = hwy::SupportedTargets() & HWY_TARGETS;
   std::vector<Isa> tiers;
