@@ -483,20 +483,7 @@ std::string to_toml(const JobConfig& c) {
       os << (section ? "\n" : "") << "[" << k.section << "]\n";
       section = k.section;
     }
-    os << k.name << " = ";
-    std::visit(
-        [&](auto* p) {
-          using T = std::remove_pointer_t<decltype(p)>;
-          if constexpr (std::is_same_v<T, int64_t>)
-            os << *p;
-          else if constexpr (std::is_same_v<T, double>)
-            os << fmt_double(*p);
-          else if constexpr (std::is_same_v<T, bool>)
-            os << (*p ? "true" : "false");
-          else
-            os << quote(*p);
-        },
-        k.ptr);
+    os << k.name << " = " << toml_value(k.ptr);
     if (k.ptr == Ptr(&copy.training.mixed_precision_param) && !c.precision_reason.empty())
       os << "  # " << c.precision_reason;
     os << "\n";
