@@ -15,7 +15,7 @@
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
 #include "model/safetensors.hpp"
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 namespace loom {
 

@@ -6,7 +6,7 @@
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mpi_process_group.hpp"
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "core/error.hpp"
-#include "dist/mpi_info.hpp"
+#include "distributed/mpi_info.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "loom_git_version.h"

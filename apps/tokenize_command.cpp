@@ -1,4 +1,4 @@
-// `loom tokenize`: text or JSONL files -> token shards (train/token_shard.hpp) of a train and a
+// `loom tokenize`: text or JSONL files -> token shards (data/token_shard.hpp) of a train and a
 // val split, with the tokenizer that made them and a meta.json beside them.
 //
 // A document is a whole text file or one JSONL line (its "text" field); each is encoded and
@@ -24,8 +24,8 @@
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
-#include "train/token_shard.hpp"
-#include "train/tokenizer.hpp"
+#include "data/token_shard.hpp"
+#include "data/tokenizer.hpp"
 
 namespace loom {
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 namespace {
 

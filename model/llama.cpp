@@ -6,7 +6,7 @@
 #include <functional>
 #include <limits>
 
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"

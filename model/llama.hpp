@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "dist/buffer_pool.hpp"
+#include "distributed/buffer_pool.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/cpu/rope.hpp"
 #include "model/llama_config.hpp"

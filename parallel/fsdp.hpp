@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 #include "model/llama.hpp"
 
 namespace loom::parallel {

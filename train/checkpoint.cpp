@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "parallel/fsdp.hpp"

@@ -17,7 +17,7 @@ struct JobConfig {
     // <dump_dir>/logs/rank-<world rank>.log (rank 0 still prints to the terminal).
     bool rank_logs = false;
     // Multi-process runs: seconds a rank waits in one collective before it names the collective,
-    // mesh dim and peers and ends the job (dist/mpi_process_group.hpp).
+    // mesh dim and peers and ends the job (distributed/mpi_process_group.hpp).
     double collective_timeout_s = 300;
     bool operator==(const Job&) const = default;
   } job;

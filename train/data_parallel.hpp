@@ -8,8 +8,8 @@
 #include <string>
 
 #include "core/dtype.hpp"
-#include "dist/mesh.hpp"
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mesh.hpp"
+#include "distributed/mpi_process_group.hpp"
 #include "model/llama.hpp"
 #include "parallel/ddp.hpp"
 #include "parallel/fsdp.hpp"

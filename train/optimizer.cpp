@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 #include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/cast.hpp"
 

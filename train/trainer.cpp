@@ -13,18 +13,18 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
-#include "dist/mesh.hpp"
+#include "distributed/mesh.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "train/checkpoint.hpp"
-#include "train/data_loader.hpp"
+#include "data/data_loader.hpp"
 #include "train/data_parallel.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
-#include "train/token_shard.hpp"
+#include "data/token_shard.hpp"
 
 namespace loom {
 

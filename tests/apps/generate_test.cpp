@@ -9,7 +9,7 @@
 
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom;

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "tests/fuzz/fuzz_util.hpp"
-#include "train/token_shard.hpp"
+#include "data/token_shard.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string dir = loom::fuzz::scratch_dir() + "/data";

@@ -3,7 +3,7 @@
 // with specials allowed and not (errors are loom::Error only, like loading).
 #include <string>
 
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 namespace loom::fuzz {
 

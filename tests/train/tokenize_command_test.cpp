@@ -11,8 +11,8 @@
 #include <sstream>
 
 #include "core/error.hpp"
-#include "train/token_shard.hpp"
-#include "train/tokenizer.hpp"
+#include "data/token_shard.hpp"
+#include "data/tokenizer.hpp"
 
 namespace fs = std::filesystem;
 using loom::Tokenizer;

@@ -21,7 +21,7 @@
 #include "train/checkpoint.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
-#include "train/token_shard.hpp"
+#include "data/token_shard.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom;

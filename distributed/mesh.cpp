@@ -1,4 +1,4 @@
-#include "dist/mesh.hpp"
+#include "distributed/mesh.hpp"
 
 #include <map>
 

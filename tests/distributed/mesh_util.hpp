@@ -3,7 +3,7 @@
 #include <array>
 #include <vector>
 
-#include "dist/mesh.hpp"
+#include "distributed/mesh.hpp"
 
 namespace loom::test {
 

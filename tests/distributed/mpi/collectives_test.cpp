@@ -7,7 +7,7 @@
 #include <random>
 #include <thread>
 
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mpi_process_group.hpp"
 
 using namespace loom;
 using namespace loom::dist;

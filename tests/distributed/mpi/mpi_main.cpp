@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <memory>
 
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mpi_process_group.hpp"
 
 namespace {
 
@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
     int local = RUN_ALL_TESTS();
     MPI_Allreduce(&local, &result, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     if (mpi.world_rank() == 0 && result != local) {
-      std::fprintf(stderr, "dist_mpi_test: a test failed on another rank (see above)\n");
+      std::fprintf(stderr, "distributed_mpi_test: a test failed on another rank (see above)\n");
     }
   }
   return result;

@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 
 namespace loom::dist {
 

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 
 namespace loom::dist {
 

@@ -64,7 +64,7 @@ class Tokenizer {
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
-  struct Impl;  // opaque; defined in train/tokenizer_impl.hpp for the tokenizer's own files
+  struct Impl;  // opaque; defined in data/tokenizer_impl.hpp for the tokenizer's own files
 
  private:
   std::unique_ptr<Impl> impl_;

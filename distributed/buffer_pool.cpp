@@ -1,4 +1,4 @@
-#include "dist/buffer_pool.hpp"
+#include "distributed/buffer_pool.hpp"
 
 namespace loom::dist {
 

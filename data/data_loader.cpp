@@ -1,4 +1,4 @@
-#include "train/data_loader.hpp"
+#include "data/data_loader.hpp"
 
 #include <algorithm>
 #include <array>

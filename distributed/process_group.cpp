@@ -1,4 +1,4 @@
-#include "dist/process_group.hpp"
+#include "distributed/process_group.hpp"
 
 #include <cstring>
 

@@ -5,8 +5,8 @@
 #include <unordered_map>
 
 #include "core/error.hpp"
-#include "train/tokenizer.hpp"
-#include "train/tokenizer_impl.hpp"
+#include "data/tokenizer.hpp"
+#include "data/tokenizer_impl.hpp"
 
 namespace loom {
 

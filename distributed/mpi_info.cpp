@@ -1,4 +1,4 @@
-#include "dist/mpi_info.hpp"
+#include "distributed/mpi_info.hpp"
 
 #include <mpi.h>
 

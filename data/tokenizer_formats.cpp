@@ -10,8 +10,8 @@
 #include <unordered_map>
 
 #include "core/error.hpp"
-#include "train/tokenizer.hpp"
-#include "train/tokenizer_impl.hpp"
+#include "data/tokenizer.hpp"
+#include "data/tokenizer_impl.hpp"
 
 namespace loom {
 

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 namespace loom::tok {
 

@@ -1,4 +1,4 @@
-#include "train/token_shard.hpp"
+#include "data/token_shard.hpp"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

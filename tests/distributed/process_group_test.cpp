@@ -1,5 +1,5 @@
 // The single-process backend, argument checks shared by all backends, and the bf16 reduction.
-// (Multi-rank behaviour is tested under mpirun by dist_mpi_test, tests/dist/mpi/.)
+// (Multi-rank behaviour is tested under mpirun by distributed_mpi_test, tests/distributed/mpi/.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,8 +7,8 @@
 #include <cstring>
 #include <random>
 
-#include "dist/mpi_process_group.hpp"
-#include "dist/process_group.hpp"
+#include "distributed/mpi_process_group.hpp"
+#include "distributed/process_group.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;

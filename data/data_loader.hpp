@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "train/token_shard.hpp"
+#include "data/token_shard.hpp"
 
 namespace loom {
 

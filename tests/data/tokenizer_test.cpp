@@ -2,7 +2,7 @@
 // tokenizers (gpt-tokenizer: r50k, cl100k, o200k; llama3-tokenizer-js: Llama 3) on the whole King
 // James Bible (4.3 MB) and a generated 1.2 MB Unicode-heavy text. tests/tokenizer/setup.sh makes
 // the fixtures (npm ci + Node); if it cannot, the tests fail and show why.
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 #include <gtest/gtest.h>
 #include <stdio.h>
@@ -20,7 +20,7 @@
 
 #include "core/error.hpp"
 #include "tests/test_util.hpp"
-#include "train/tokenizer_impl.hpp"
+#include "data/tokenizer_impl.hpp"
 
 namespace fs = std::filesystem;
 using loom::Tokenizer;

@@ -4,9 +4,9 @@
 
 #include <set>
 
-#include "dist/mesh.hpp"
-#include "dist/mpi_process_group.hpp"
-#include "tests/dist/mesh_util.hpp"
+#include "distributed/mesh.hpp"
+#include "distributed/mpi_process_group.hpp"
+#include "tests/distributed/mesh_util.hpp"
 
 using namespace loom;
 using namespace loom::dist;

@@ -1,4 +1,4 @@
-// Run by tests/dist/timeout_test.sh under `mpirun -np 2`: world rank 1 never joins an all_reduce
+// Run by tests/distributed/timeout_test.sh under `mpirun -np 2`: world rank 1 never joins an all_reduce
 // over the tp group, so world rank 0 must time out, print one line naming the collective, the
 // group and the peers, and abort the job (never hang).
 #include <chrono>
@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include "dist/mesh.hpp"
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mesh.hpp"
+#include "distributed/mpi_process_group.hpp"
 
 using namespace loom;
 using namespace loom::dist;

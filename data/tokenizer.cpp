@@ -1,12 +1,12 @@
 // Byte-level BPE: the split patterns, the hash tables, PCRE2 matching, BPE merging, encode/decode.
-#include "train/tokenizer.hpp"
+#include "data/tokenizer.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <queue>
 
 #include "core/error.hpp"
-#include "train/tokenizer_impl.hpp"
+#include "data/tokenizer_impl.hpp"
 
 namespace loom {
 

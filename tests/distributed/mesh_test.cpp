@@ -1,11 +1,11 @@
 // Mesh layout arithmetic for every world size 1..8 and every factorization, dim-list parsing, and
-// errors. The same layout under MPI (real groups) is tested by dist_mpi_test.
+// errors. The same layout under MPI (real groups) is tested by distributed_mpi_test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 
-#include "dist/mesh.hpp"
-#include "tests/dist/mesh_util.hpp"
+#include "distributed/mesh.hpp"
+#include "tests/distributed/mesh_util.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;

@@ -1,4 +1,4 @@
-#include "dist/mpi_process_group.hpp"
+#include "distributed/mpi_process_group.hpp"
 
 #include <mpi.h>
 
