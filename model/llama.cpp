@@ -47,15 +47,32 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
   // loss, and checkpoints hold the real rows only (ParamSpec::global_rows).
   const int64_t d = config_.hidden_size, V = local_vocab(config_.vocab_size, n);
   const int64_t real_rows = V * n == config_.vocab_size ? 0 : config_.vocab_size;
-  const ParamSpec emb{"model.embed_tokens.weight", {V, d}, Init::normal, 0.02f, true, true,
-                      TpSplit::rows,               r,      n,            real_rows};
+  const ParamSpec emb{"model.embed_tokens.weight",
+                      {V, d},
+                      Init::normal,
+                      0.02f,
+                      true,
+                      true,
+                      TpSplit::rows,
+                      r,
+                      n,
+                      real_rows};
   embed_ = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, device, shard);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
-    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard, par_.get()));
+    blocks_.push_back(
+        std::make_unique<TransformerBlock>(config_, l, bf, device, shard, par_.get()));
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!config_.tie_word_embeddings)
-    head.push_back({"lm_head.weight", {V, d}, Init::normal, 0.02f, true, false, TpSplit::rows, r,
-                    n, real_rows});
+    head.push_back({"lm_head.weight",
+                    {V, d},
+                    Init::normal,
+                    0.02f,
+                    true,
+                    false,
+                    TpSplit::rows,
+                    r,
+                    n,
+                    real_rows});
   head_ = std::make_unique<ParamUnit>("head", head, bf, device, shard);
 }
 
@@ -149,8 +166,8 @@ ActivationStore LlamaModel::micro_batch(const int32_t* inputs, const int32_t* ta
 }
 
 Tensor LlamaModel::forward(ActivationStore& s, size_t first, size_t last, Tensor x) {
-  LOOM_CHECK(first <= last && last <= num_units(), "forward: units [", first, ", ", last,
-             ") of ", num_units());
+  LOOM_CHECK(first <= last && last <= num_units(), "forward: units [", first, ", ", last, ") of ",
+             num_units());
   for (size_t u = first; u < last; ++u) {
     hook(&UnitHooks::before_forward, u);
     if (u == 0) {
@@ -167,8 +184,8 @@ Tensor LlamaModel::forward(ActivationStore& s, size_t first, size_t last, Tensor
 }
 
 Tensor LlamaModel::backward(ActivationStore& s, size_t first, size_t last, Tensor dy) {
-  LOOM_CHECK(first <= last && last <= num_units(), "backward: units [", first, ", ", last,
-             ") of ", num_units());
+  LOOM_CHECK(first <= last && last <= num_units(), "backward: units [", first, ", ", last, ") of ",
+             num_units());
   for (size_t u = last; u-- > first;) {
     hook(&UnitHooks::before_backward, u);
     if (u == head_unit()) {
@@ -232,9 +249,8 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
   }
   if (tp.on()) dxf = tp_sum_partial(tp, dxf);
   Tensor dx = Tensor::zeros({Mx, d}, DType::f32, device_);
-  tp_summed_norm_grad(tp, norm.grad, [&](Tensor& g) {
-    ops::rmsnorm_backward(dxf, x, norm.value, rstd, dx, g);
-  });
+  tp_summed_norm_grad(tp, norm.grad,
+                      [&](Tensor& g) { ops::rmsnorm_backward(dxf, x, norm.value, rstd, dx, g); });
   return dx;
 }
 

@@ -62,8 +62,7 @@ TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf1
     : c_(c),
       par_(par ? par : &none()),
       unit_("layers." + std::to_string(layer),
-            block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device,
-            shard) {}
+            block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device, shard) {}
 
 TransformerBlock::Dims TransformerBlock::dims(const StepContext& ctx) const {
   const TpRuntime& tp = par_->tp;
@@ -106,8 +105,8 @@ void TransformerBlock::attention(const StepContext& ctx, BlockActs& a) const {
     ops::attention_forward(q, k, v, ctx.B, g.Hq, g.Hkv, a.attn, a.lse);
 }
 
-void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a,
-                                          const Tensor& dattn, Tensor& dqkv) const {
+void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
+                                          Tensor& dqkv) const {
   const Dims g = dims(ctx);
   const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
   Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
@@ -210,9 +209,9 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       a.act = Tensor();
       ops::swiglu_backward(dact, dgu, dgu);
     }
-    Tensor dxn2 = column_parallel_backward(tp, ops::to_compute(dgu, dt),
-                                           norm_output(a.xn2, a.h, kNorm2), weight(kGate),
-                                           P[kGate].grad);
+    Tensor dxn2 =
+        column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, kNorm2),
+                                 weight(kGate), P[kGate].grad);
     dgu = Tensor();
     a.xn2 = Tensor();
     tp_summed_norm_grad(tp, P[kNorm2].grad, [&](Tensor& gw) {
@@ -225,8 +224,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     Tensor dqkv = f32({g.M, g.nqkv}, dev);
     {
       Tensor dattn = f32({g.M, g.Hq * g.hd}, dev);
-      row_parallel_backward(tp, dy, ops::to_compute(a.attn, dt), weight(kO), P[kO].grad, dattn,
-                            dt);
+      row_parallel_backward(tp, dy, ops::to_compute(a.attn, dt), weight(kO), P[kO].grad, dattn, dt);
       attention_backward(ctx, a, dattn, dqkv);
       a.attn = a.lse = a.qkv = Tensor();
     }

@@ -67,8 +67,7 @@ Tensor to_compute(const Tensor& x, DType dt) {
 
 void cast(const Tensor& src, Tensor& dst) {
   LOOM_CHECK(src.numel() == dst.numel(), "cast: ", src.numel(), " elements into ", dst.numel());
-  on("cast", src.device(),
-     [&] { cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel()); });
+  on("cast", src.device(), [&] { cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel()); });
 }
 
 void add_inplace(Tensor& y, const Tensor& x) {
@@ -81,11 +80,10 @@ void fill(Tensor& x, float value) {
 }
 
 void copy_rows(const Tensor& src, Tensor& dst) {
-  LOOM_CHECK(rows(src) == rows(dst) && src.size(1) == dst.size(1), "copy_rows: ",
-             shape_str(src.shape()), " into ", shape_str(dst.shape()));
-  on("copy_rows", src.device(), [&] {
-    cpu::copy_rows(f(src), stride(src), f(dst), stride(dst), rows(src), src.size(1));
-  });
+  LOOM_CHECK(rows(src) == rows(dst) && src.size(1) == dst.size(1),
+             "copy_rows: ", shape_str(src.shape()), " into ", shape_str(dst.shape()));
+  on("copy_rows", src.device(),
+     [&] { cpu::copy_rows(f(src), stride(src), f(dst), stride(dst), rows(src), src.size(1)); });
 }
 
 void philox_normal(Tensor& x, uint64_t key, int64_t first, float std) {
@@ -114,9 +112,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw) {
-  on("rmsnorm_backward", x.device(), [&] {
-    cpu::rmsnorm_backward(f(dy), f(x), f(w), f(rstd), rows(x), w.numel(), f(dx), f(dw));
-  });
+  on("rmsnorm_backward", x.device(),
+     [&] { cpu::rmsnorm_backward(f(dy), f(x), f(w), f(rstd), rows(x), w.numel(), f(dx), f(dw)); });
 }
 
 void swiglu_forward(const Tensor& gu, Tensor& act) {
@@ -187,8 +184,15 @@ cpu::AttentionShape attention_shape(const Tensor& q, const Tensor& k, int64_t B,
 
 cpu::BlockShape block_shape(const AttentionBlock& s, const Tensor& q, const Tensor& k) {
   const int64_t D = q.size(1) / s.Hq;
-  return {s.B,  int64_t(s.q_pos->size()), int64_t(s.k_pos->size()), s.Hq, s.Hkv, D, stride(q),
-          stride(k), scale(D)};
+  return {s.B,
+          int64_t(s.q_pos->size()),
+          int64_t(s.k_pos->size()),
+          s.Hq,
+          s.Hkv,
+          D,
+          stride(q),
+          stride(k),
+          scale(D)};
 }
 
 }  // namespace

@@ -73,8 +73,8 @@ double vocab_shard_combine(const float* lse_all, int n, int64_t N, const int32_t
   return loss;
 }
 
-void vocab_shard_dlogits(float* logits, int64_t rows, int64_t V, int64_t Vr,
-                         const int32_t* targets, int64_t v0, const float* glse, float grad_scale) {
+void vocab_shard_dlogits(float* logits, int64_t rows, int64_t V, int64_t Vr, const int32_t* targets,
+                         int64_t v0, const float* glse, float grad_scale) {
 #pragma omp parallel for
   for (int64_t i = 0; i < rows; ++i) {
     float* l = logits + i * V;

@@ -37,7 +37,7 @@ double vocab_shard_combine(const float* lse_all, int n, int64_t N, const int32_t
                            const float* target_logit, float* glse);
 // logits [rows, V] turned in place into d(loss)/d(logits) * grad_scale: softmax with the global
 // log-sum-exp, minus one at the target; zero for padding columns and ignored rows (target < 0).
-void vocab_shard_dlogits(float* logits, int64_t rows, int64_t V, int64_t Vr,
-                         const int32_t* targets, int64_t v0, const float* glse, float grad_scale);
+void vocab_shard_dlogits(float* logits, int64_t rows, int64_t V, int64_t Vr, const int32_t* targets,
+                         int64_t v0, const float* glse, float grad_scale);
 
 }  // namespace loom::cpu

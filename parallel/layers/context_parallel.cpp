@@ -150,8 +150,8 @@ void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const 
                      const std::function<void()>& progress = {}) {
     if (!block_has_work(*g.by_rank, r, src)) return;
     Tensor dk = rv.k(dkv), dv = rv.v(dkv);
-    ops::attention_block_backward(rv.shape(r, src), q, rv.k(kv), rv.v(kv), lse, delta, dout, dq,
-                                  dk, dv, progress);
+    ops::attention_block_backward(rv.shape(r, src), q, rv.k(kv), rv.v(kv), lse, delta, dout, dq, dk,
+                                  dv, progress);
   };
   Tensor own = rv.block();
   if (cp.allgather) {

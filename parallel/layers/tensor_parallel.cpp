@@ -107,8 +107,8 @@ Tensor tp_sum_partial(const TpRuntime& tp, Tensor& part) {
     tp_all_reduce(tp, part);
     return part;
   }
-  Tensor mine = tp_pooled(tp, "col_dx_rs", {part.size(0) / tp.opt.size(), part.size(1)},
-                          DType::f32, part.device());
+  Tensor mine = tp_pooled(tp, "col_dx_rs", {part.size(0) / tp.opt.size(), part.size(1)}, DType::f32,
+                          part.device());
   tp_reduce_scatter_rows(tp, part, mine);
   return mine;
 }
@@ -135,8 +135,8 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
   return out;
 }
 
-void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in,
-                           const Tensor& w, Tensor& dw, Tensor& din, DType compute) {
+void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in, const Tensor& w,
+                           Tensor& dw, Tensor& din, DType compute) {
   // The backward of the reduce-scatter is an all-gather: the gradient of every row.
   Tensor full = dy;
   if (tp.sp()) {
@@ -210,9 +210,8 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
   tp_all_reduce(tp, tgt);
   Tensor glse = Tensor::empty({N}, DType::f32, dev);
   const double loss = ops::vocab_shard_combine(lse_all, a.targets, tgt, glse);
-  Tensor dl_c = a.x.dtype() == DType::f32
-                    ? logits
-                    : tp_pooled(tp, "ce_dlogits", {rows, V}, DType::bf16, dev);
+  Tensor dl_c =
+      a.x.dtype() == DType::f32 ? logits : tp_pooled(tp, "ce_dlogits", {rows, V}, DType::bf16, dev);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t nr = std::min(rows, N - r0);
     Tensor l = logits.narrow(0, 0, nr), dl = dl_c.narrow(0, 0, nr);

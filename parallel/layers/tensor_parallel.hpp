@@ -72,8 +72,8 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
                             const Tensor& residual);
 // Row-parallel backward: dy is the gradient w.r.t. the output (this rank's rows with SP, f32);
 // dW += dy^T in (every row), din = dy w written.
-void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in,
-                           const Tensor& w, Tensor& dw, Tensor& din, DType compute);
+void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in, const Tensor& w,
+                           Tensor& dw, Tensor& din, DType compute);
 
 // A norm's weight gradient when every tp rank normed different rows (SP): `fn(g)` writes the
 // rank's part into a zeroed buffer, whose sum over tp is added to `grad` (so a gradient
