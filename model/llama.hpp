@@ -1,7 +1,9 @@
 #pragma once
-// The Llama model as explicit modules (DESIGN.md decision 1): each forward saves exactly what its
-// backward needs in the micro-batch's activation store, each backward returns the input gradient
-// and accumulates parameter gradients. The saved tensors are the activation memory.
+// The Llama model (DESIGN.md decision 1): an embedding unit, transformer blocks
+// (model/transformer_block.hpp) and a head unit, run per micro-batch over any range of units, with
+// the micro-batch's activations in an ActivationStore that lives between the calls. The layers it
+// is built from are in parallel/layers (tensor and context parallelism, checkpointing), their
+// kernels behind the device dispatch of ops/.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -9,136 +11,23 @@
 
 #include "core/tensor.hpp"
 #include "distributed/buffer_pool.hpp"
-#include "kernels/cpu/cross_entropy.hpp"
-#include "kernels/cpu/rope.hpp"
 #include "model/llama_config.hpp"
 #include "model/param_unit.hpp"
+#include "model/transformer_block.hpp"
+#include "parallel/layers/activation_checkpoint.hpp"
+#include "parallel/layers/context_parallel.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
 
 namespace loom {
 
 class SafetensorsDir;
-namespace dist {
-class ProcessGroup;
-}
 
-// Tensor parallelism (DESIGN.md decision 5; docs/design.md "Tensor parallelism").
-struct TpOptions {
-  dist::ProcessGroup* group = nullptr;  // the mesh's "tp" group; nullptr: none
-  bool sequence_parallel = true;        // shard the B*T rows outside attention and the MLP
-  bool recompute_allgather = false;     // all-gather a GEMM input again in backward
-  // "Async TP": with SP, the forward all-gather before q/k/v and gate/up runs while the GEMM of
-  // this rank's own rows (which need no gather) is computed in chunks, driving MPI between them.
-  bool async = false;
-  int size() const;
-  int rank() const;
-};
-
-// Context parallelism (docs/design.md "Context parallel"): the sequence of every sample is cut
-// into 2*cp chunks, cp rank r holds chunks r and 2*cp-1-r (cpu::cp_positions); attention runs as
-// ring attention over the group (K/V rotate by send/recv, or one all-gather).
-struct CpOptions {
-  dist::ProcessGroup* group = nullptr;  // the mesh's "cp" group; nullptr: none
-  bool allgather = false;               // parallelism.cp_rotate_method = "allgather"
-  int size() const;
-  int rank() const;
-};
-
-// What a block needs for tensor and context parallelism at run time (null group: none).
-struct TpRuntime {
-  TpOptions opt;
-  CpOptions cp;
-  dist::BufferPool* pool = nullptr;
-  bool on() const { return opt.size() > 1; }
-  bool sp() const { return on() && opt.sequence_parallel; }
-};
-
-// Indices of a block's parameters in its unit: q, k, v adjacent (read as one fused GEMM
-// matrix), gate and up adjacent (likewise).
-enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
-
-// What one forward/backward of a micro-batch needs to know.
-struct StepContext {
-  int64_t B = 0, T = 0;
-  DType compute = DType::f32;      // what GEMMs read: f32, or bf16 (fp32 accumulation)
-  std::vector<int32_t> positions;  // global position of each of the T tokens
-  // With context parallelism: T is this rank's length (T_global / cp) and cp_pos[r] holds the
-  // global positions of cp rank r's T tokens (positions is cp_pos[own rank]).
-  std::vector<std::vector<int64_t>> cp_pos;
-  const cpu::RopeTable* rope = nullptr;
-  int64_t tokens() const { return B * T; }
-};
-
-// Activation checkpointing (DESIGN.md decision 8; docs/design.md "Activation checkpointing"):
-// what a block's forward saves versus what its backward recomputes. Recomputation runs the same
-// deterministic kernels on the same inputs, so every mode gives bit-identical results.
-struct ActivationCheckpoint {
-  enum class Mode {
-    none,  // save everything
-    full,  // save the block input only; backward re-runs the block's forward first
-    op,    // save GEMM and attention outputs; recompute the norm and SwiGLU outputs they read
-  };
-  Mode mode = Mode::none;
-  int every_n = 1;  // full: only blocks with layer % every_n == 0; the others save everything
-  // [activation_checkpoint] mode ("none", "full", "selective") and selective_option ("op" or a
-  // positive N: every N-th block full); anything else is a loom::Error.
-  static ActivationCheckpoint parse(const std::string& mode, const std::string& selective_option);
-  Mode block_mode(int64_t layer) const;
-  bool operator==(const ActivationCheckpoint&) const = default;
-};
-
-// Saved activations of one transformer block.
-struct BlockActs {
-  Tensor x;      // block input [M, d]
-  Tensor rstd1;  // [M]
-  Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
-  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd]
-  Tensor attn;   // attention output [M, Hq hd] (f32)
-  Tensor lse;    // [B, Hq, T]
-  Tensor h;      // after the attention residual [M, d]
-  Tensor rstd2;  // [M]
-  Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
-  Tensor gu;     // gate and up projections [M, 2F]
-  Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
-  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, xn2 and act.
-  size_t bytes() const;
-};
-
-class TransformerBlock {
- public:
-  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
-                   ShardLayout shard = {}, const TpRuntime* tp = nullptr);
-  ParamUnit& unit() { return unit_; }
-  const ParamUnit& unit() const { return unit_; }
-  // What forward saves (none, full or op; see ActivationCheckpoint).
-  void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
-
-  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
-  // the output hold this tp rank's M / tp rows.
-  Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
-  // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
-  // the block's input; parameter gradients accumulate. Recomputes what forward did not save
-  // (with tp or cp that re-runs their communication), then frees `acts`.
-  void backward(const StepContext& ctx, Tensor& dy, BlockActs& acts);
-
- private:
-  // `mode` says what to keep in `acts`; without `output` the down projection is skipped (the
-  // recomputation of a `full` block needs everything but the output) and an empty tensor
-  // returned.
-  Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
-                     ActivationCheckpoint::Mode mode, bool output) const;
-
-  const LlamaConfig& c_;
-  const TpRuntime* tp_;
-  ParamUnit unit_;
-  ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
-};
-
-// Called by LlamaModel::forward_backward around the work of each unit, unit i in units() order
-// (embedding, blocks, head). Data parallelism (parallel/) implements it: gathering sharded
-// weights before a unit runs, reducing its gradient after its backward. The head's forward and
-// backward are one fused computation: its after_forward is directly followed by its
-// before_backward. With tied embeddings the head also reads and writes unit 0 (the embedding)
-// between its before_backward and after_backward.
+// Called by LlamaModel around the work of each unit, unit i in units() order (embedding, blocks,
+// head). Data parallelism (parallel/) implements it: gathering sharded weights before a unit
+// runs, reducing its gradient after its backward. The head's forward and backward are one fused
+// computation: its after_forward is directly followed by its before_backward. With tied
+// embeddings the head also reads and writes unit 0 (the embedding) between its before_backward
+// and after_backward.
 class UnitHooks {
  public:
   virtual ~UnitHooks() = default;
@@ -148,9 +37,19 @@ class UnitHooks {
   virtual void after_backward(size_t unit) = 0;
 };
 
-// The whole model: embedding unit, blocks, head unit (final norm + lm_head, or the embedding
-// when tied). With a sharded layout every unit is sharded over `shard.count` ranks (see
-// param_unit.hpp); forward_backward then needs hooks that materialize the units.
+// One micro-batch between its forward and its backward: the step context, the tokens, and what
+// every unit's forward saved for its backward. A pipeline stage keeps one per micro-batch in
+// flight. Made by LlamaModel::micro_batch; the token arrays must outlive it.
+struct ActivationStore {
+  StepContext ctx;
+  const int32_t* inputs = nullptr;   // [B, T]
+  const int32_t* targets = nullptr;  // [B, T]
+  float grad_scale = 1;
+  std::vector<BlockActs> blocks;  // block l's saved activations (unit l + 1)
+  Tensor head_input;              // the last block's output, kept for the head's fused pass
+  double loss = 0;                // the summed loss, once the head's backward ran
+};
+
 class LlamaModel {
  public:
   // With tensor parallelism each unit holds this tp rank's slices of the parameters (global
@@ -161,13 +60,16 @@ class LlamaModel {
 
   const LlamaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }
+  Device device() const { return device_; }
   std::vector<ParamUnit*> units();
+  size_t num_units() const { return blocks_.size() + 2; }
   int64_t num_params() const;
 
   const ShardLayout& shard_layout() const { return shard_; }
-  const TpOptions& tp() const { return tp_->opt; }
+  const TpOptions& tp() const { return par_->tp.opt; }
+  const CpOptions& cp() const { return par_->cp; }
   size_t comm_buffer_bytes() const { return pool_.bytes(); }
-  // Not owned; nullptr for none. Must outlive the calls of forward_backward.
+  // Not owned; nullptr for none. Must outlive the calls of forward/backward.
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
   // Activation checkpointing of every block (default: none).
   void set_activation_checkpoint(const ActivationCheckpoint& ac);
@@ -178,11 +80,21 @@ class LlamaModel {
   void load_hf(const SafetensorsDir& dir);
   void zero_grad();
 
-  const CpOptions& cp() const { return tp_->cp; }
-
-  // Forward and backward of one micro-batch: inputs/targets [B, T]. With context parallelism
-  // they are this cp rank's tokens (T = seq_len / cp, at positions cpu::cp_positions). Returns the
-  // sum of the per-token losses; gradients of (grad_scale * that sum) accumulate into the units.
+  // A micro-batch: inputs/targets [B, T]; with context parallelism this cp rank's tokens
+  // (T = seq_len / cp, at positions cp_positions). Gradients of (grad_scale * the summed loss)
+  // accumulate into the units.
+  ActivationStore micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                              float grad_scale);
+  // Forward of units [first, last) (units() order). x is the input of unit `first` (ignored for
+  // the embedding, which reads the tokens); returns the output of unit last - 1 (empty when that
+  // is the head: the head's fused projection + loss runs in its backward).
+  Tensor forward(ActivationStore& s, size_t first, size_t last, Tensor x = {});
+  // Backward of units [first, last), last first. dy is the gradient w.r.t. unit last - 1's output
+  // (ignored when that is the head: the loss gives it); returns the gradient w.r.t. unit first's
+  // input (empty for the embedding). The head's backward sets s.loss.
+  Tensor backward(ActivationStore& s, size_t first, size_t last, Tensor dy = {});
+  // The whole model on one micro-batch (pp = 1): forward over every unit, then backward. Returns
+  // the sum of the per-token losses.
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale);
 
@@ -190,7 +102,7 @@ class LlamaModel {
   // model): without checkpointing every block's saved tensors; with it, the larger of what the
   // blocks save and, for the last block recomputed in backward, what the blocks before it save
   // plus that block's recomputed tensors. With tensor parallelism (tp ranks, sequence parallel,
-  // recompute_allgather): one tp rank's.
+  // recompute_allgather): one tp rank's. (model/llama_cost.cpp)
   static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                        int tp = 1, bool sp = false, bool recompute = false,
                                        const ActivationCheckpoint& ac = {});
@@ -199,34 +111,35 @@ class LlamaModel {
   // Bytes this rank sends on the cp group in one micro-batch of T tokens per sample on this rank
   // (ring attention's K/V, and dK/dV in backward; the analytic figure).
   uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const;
-  // Ring attention's working set in a block's backward, the largest it holds (0 without cp):
-  // K/V blocks and dK/dV accumulators (p2p: the block in hand, the one arriving, the partial
-  // sum, the accumulator arriving and the one leaving; allgather: all cp blocks, their dK/dV,
-  // this rank's sum) and Di.
+  // Ring attention's working set in a block's backward, the largest it holds (0 without cp).
   size_t ring_working_bytes(int64_t B, int64_t T) const;
   // Rows per chunk of the fused output projection + loss.
   static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
  private:
-  const cpu::RopeTable& rope_for(int64_t T);
-  double vocab_parallel_cross_entropy(const cpu::LinearCrossEntropyArgs& a, int64_t v0);
-  // Embedding / output rows on each of `tp` ranks: the vocabulary padded to a multiple of tp.
-  int64_t local_vocab(int tp) const { return (config_.vocab_size + tp - 1) / tp; }
-  int64_t recomputed_blocks() const;  // blocks whose forward runs again in backward (full)
-  size_t ring_kv_bytes(int64_t B, int64_t T) const;  // one ring attention K/V block
+  const RopeTable& rope_for(int64_t T);
+  void hook(void (UnitHooks::*fn)(size_t), size_t unit);
+  Tensor embedding_forward(ActivationStore& s);
+  void embedding_backward(ActivationStore& s, const Tensor& dx);
+  Tensor head_forward_backward(ActivationStore& s);  // returns the gradient w.r.t. its input
+  size_t head_unit() const { return blocks_.size() + 1; }
+  int64_t vocab_rows() const { return local_vocab(config_.vocab_size, tp().size()); }
+  int64_t vocab_begin() const { return int64_t(tp().rank()) * vocab_rows(); }
+  int64_t residual_rows(const StepContext& ctx) const;  // rows of the residual stream here
+  size_t ring_kv_bytes(int64_t B, int64_t T) const;
 
   LlamaConfig config_;
   DType compute_;
   Device device_;
   ShardLayout shard_;
   dist::BufferPool pool_;
-  std::unique_ptr<TpRuntime> tp_;  // stable address: the blocks point at it
+  std::unique_ptr<ParallelContext> par_;  // stable address: the blocks point at it
   UnitHooks* hooks_ = nullptr;
   ActivationCheckpoint ac_;
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   std::unique_ptr<ParamUnit> head_;
-  cpu::RopeTable rope_;
+  RopeTable rope_;
 };
 
 }  // namespace loom

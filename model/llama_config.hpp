@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/cpu/rope.hpp"
+#include "ops/ops.hpp"  // RopeScaling
 
 namespace loom {
 
@@ -17,7 +17,7 @@ struct LlamaConfig {
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000;
-  cpu::RopeScaling rope_scaling;  // rope_scaling: null or {"rope_type": "llama3", ...}
+  RopeScaling rope_scaling;  // rope_scaling: null or {"rope_type": "llama3", ...}
   bool tie_word_embeddings = false;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }

@@ -2,17 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <numeric>
 
 #include "core/philox.hpp"
-#include "kernels/cpu/attention.hpp"
-#include "kernels/cpu/attention_decode.hpp"
-#include "kernels/cpu/cast.hpp"
-#include "kernels/cpu/embedding.hpp"
-#include "kernels/cpu/gemm.hpp"
-#include "kernels/cpu/rmsnorm.hpp"
-#include "kernels/cpu/swiglu.hpp"
+#include "ops/ops.hpp"
 
 namespace loom {
 
@@ -40,16 +33,16 @@ LlamaInference::LlamaInference(LlamaModel& model, int64_t max_len)
   const int64_t kv = c_.num_key_value_heads * c_.head_dim();
   for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
     layers_.push_back({units[size_t(l + 1)], f32({max_len, kv}), f32({max_len, kv})});
-  rope_ = cpu::rope_table(c_.head_dim(), max_len, c_.rope_theta, c_.rope_scaling);
+  rope_ = ops::rope_table(c_.head_dim(), max_len, c_.rope_theta, c_.rope_scaling);
 }
 
-const void* LlamaInference::gemm_input(const Tensor& x, int64_t rows, int64_t cols,
-                                       Tensor& scratch) const {
-  if (compute_ == DType::f32) return x.raw();
-  if (!scratch.defined() || scratch.numel() < rows * cols)
-    scratch = Tensor::empty({rows * cols}, DType::bf16);
-  cpu::cast_f32_to_bf16(x.data<float>(), scratch.data<bf16>(), rows * cols);
-  return scratch.raw();
+Tensor LlamaInference::gemm_input(const Tensor& x, Tensor& scratch) const {
+  if (compute_ == DType::f32) return x;
+  if (!scratch.defined() || scratch.numel() < x.numel())
+    scratch = Tensor::empty({x.numel()}, DType::bf16);
+  Tensor y = scratch.narrow(0, 0, x.numel()).view(x.shape());
+  ops::cast(x, y);
+  return y;
 }
 
 Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits) {
@@ -59,8 +52,7 @@ Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits
   const int64_t d = c_.hidden_size, hd = c_.head_dim(), V = c_.vocab_size;
   const int64_t Hq = c_.num_attention_heads, Hkv = c_.num_key_value_heads;
   const int64_t F = c_.intermediate_size, nqkv = (Hq + 2 * Hkv) * hd;
-  const float eps = float(c_.rms_norm_eps), scale = 1.0f / std::sqrt(float(hd));
-  const DType dt = compute_;
+  const float eps = float(c_.rms_norm_eps);
 
   Tensor x = f32({n, d}), xn = f32({n, d}), rstd = f32({n});
   Tensor qkv = f32({n, nqkv}), attn = f32({n, Hq * hd});
@@ -70,56 +62,45 @@ Tensor LlamaInference::forward(const int32_t* tokens, int64_t n, bool all_logits
   if (prefill) lse = f32({Hq, n});
   positions_.resize(size_t(n));
   for (int64_t t = 0; t < n; ++t) positions_[size_t(t)] = int32_t(len_ + t);
+  Tensor q = qkv.narrow(1, 0, Hq * hd), k = qkv.narrow(1, Hq * hd, Hkv * hd);
+  const Tensor v = qkv.narrow(1, (Hq + Hkv) * hd, Hkv * hd);
 
-  cpu::embedding_forward(tokens, n, embed_->params()[0].value.data<float>(), V, d, x.data<float>());
+  ops::embedding_forward(tokens, embed_->params()[0].value, x);
   for (Layer& layer : layers_) {
     const ParamUnit& u = *layer.unit;
     const auto& P = u.params();
     // Attention: x += o(attention(rope(qkv(norm1(x))))), with this chunk's k, v appended to the
     // cache first.
-    cpu::rmsnorm_forward(x.data<float>(), P[kNorm1].value.data<float>(), n, d, eps,
-                         xn.data<float>(), rstd.data<float>());
-    cpu::linear_forward(gemm_input(xn, n, d, lo), u.gemm_weights(kQ), qkv.data<float>(), n, nqkv, d,
-                        dt, false);
-    float* q = qkv.data<float>();
-    cpu::rope_forward(q, 1, n, Hq, hd, nqkv, positions_.data(), rope_);
-    cpu::rope_forward(q + Hq * hd, 1, n, Hkv, hd, nqkv, positions_.data(), rope_);
-    float* kc = layer.k.data<float>();
-    float* vc = layer.v.data<float>();
-    for (int64_t t = 0; t < n; ++t) {
-      std::memcpy(kc + (len_ + t) * Hkv * hd, q + t * nqkv + Hq * hd, size_t(Hkv * hd) * 4);
-      std::memcpy(vc + (len_ + t) * Hkv * hd, q + t * nqkv + (Hq + Hkv) * hd, size_t(Hkv * hd) * 4);
-    }
-    if (prefill) {
-      cpu::AttentionShape s{1, n, Hq, Hkv, hd, nqkv, Hkv * hd, scale};
-      cpu::attention_forward(s, q, kc, vc, attn.data<float>(), lse.data<float>());
-    } else {
-      cpu::DecodeShape s{n, len_ + n, Hq, Hkv, hd, nqkv, Hkv * hd, scale};
-      cpu::attention_decode(s, q, kc, vc, attn.data<float>());
-    }
-    cpu::linear_forward(gemm_input(attn, n, Hq * hd, lo), u.gemm_weights(kO), x.data<float>(), n, d,
-                        Hq * hd, dt, true);
+    ops::rmsnorm_forward(x, P[kNorm1].value, eps, xn, rstd);
+    ops::linear(gemm_input(xn, lo), u.gemm_weight(kQ), qkv);
+    ops::rope_forward(q, 1, Hq, positions_, rope_);
+    ops::rope_forward(k, 1, Hkv, positions_, rope_);
+    Tensor kc = layer.k.narrow(0, len_, n), vc = layer.v.narrow(0, len_, n);
+    ops::copy_rows(k, kc);
+    ops::copy_rows(v, vc);
+    if (prefill)
+      ops::attention_forward(q, layer.k, layer.v, 1, Hq, Hkv, attn, lse);
+    else
+      ops::attention_decode(q, layer.k, layer.v, len_ + n, Hq, Hkv, attn);
+    ops::linear(gemm_input(attn, lo), u.gemm_weight(kO), x, true);
     // MLP: x += down(silu(gate) * up), gate and up from one fused GEMM.
-    cpu::rmsnorm_forward(x.data<float>(), P[kNorm2].value.data<float>(), n, d, eps,
-                         xn.data<float>(), rstd.data<float>());
-    cpu::linear_forward(gemm_input(xn, n, d, lo), u.gemm_weights(kGate), gu.data<float>(), n, 2 * F,
-                        d, dt, false);
-    cpu::swiglu_forward(gu.data<float>(), n, F, act.data<float>());
-    cpu::linear_forward(gemm_input(act, n, F, lo), u.gemm_weights(kDown), x.data<float>(), n, d, F,
-                        dt, true);
+    ops::rmsnorm_forward(x, P[kNorm2].value, eps, xn, rstd);
+    ops::linear(gemm_input(xn, lo), u.gemm_weight(kGate), gu);
+    ops::swiglu_forward(gu, act);
+    ops::linear(gemm_input(act, lo), u.gemm_weight(kDown), x, true);
   }
   len_ += n;
 
   // Head: only the rows whose logits are asked for go through the final norm and projection.
   const int64_t rows = all_logits ? n : 1;
   const Tensor xr = x.narrow(0, n - rows, rows);
-  Tensor xf = f32({rows, d});
-  cpu::rmsnorm_forward(xr.data<float>(), head_->params()[0].value.data<float>(), rows, d, eps,
-                       xf.data<float>(), rstd.data<float>());
-  const void* w = c_.tie_word_embeddings ? embed_->gemm_weights(0) : head_->gemm_weights(1);
+  Tensor xf = f32({rows, d}), rstd_r = rstd.narrow(0, 0, rows);
+  ops::rmsnorm_forward(xr, head_->params()[0].value, eps, xf, rstd_r);
+  const Tensor& w = c_.tie_word_embeddings ? embed_->gemm_weight(0) : head_->gemm_weight(1);
   if (!logits_.defined() || logits_.numel() < rows * V) logits_ = f32({rows * V});
-  cpu::linear_forward(gemm_input(xf, rows, d, lo), w, logits_.data<float>(), rows, V, d, dt, false);
-  return logits_.narrow(0, 0, rows * V).view(all_logits ? Shape{rows, V} : Shape{V});
+  Tensor logits = logits_.narrow(0, 0, rows * V).view({rows, V});
+  ops::linear(gemm_input(xf, lo), w, logits);
+  return all_logits ? logits : logits.view({V});
 }
 
 int32_t argmax(const float* x, int64_t n) {

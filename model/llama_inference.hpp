@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "kernels/cpu/rope.hpp"
 #include "model/llama.hpp"
 
 namespace loom {
@@ -33,7 +32,7 @@ class LlamaInference {
     Tensor k, v;  // [max_len, Hkv, hd]
   };
   // A GEMM input in the compute dtype: `x` itself in f32, else its rounding into `scratch`.
-  const void* gemm_input(const Tensor& x, int64_t rows, int64_t cols, Tensor& scratch) const;
+  Tensor gemm_input(const Tensor& x, Tensor& scratch) const;
 
   const LlamaConfig& c_;
   DType compute_;
@@ -41,7 +40,7 @@ class LlamaInference {
   const ParamUnit* embed_;
   const ParamUnit* head_;
   std::vector<Layer> layers_;
-  cpu::RopeTable rope_;
+  RopeTable rope_;
   std::vector<int32_t> positions_;
   Tensor logits_;
 };

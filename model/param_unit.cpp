@@ -4,7 +4,7 @@
 
 #include "core/error.hpp"
 #include "core/philox.hpp"
-#include "kernels/cpu/cast.hpp"
+#include "ops/ops.hpp"
 
 namespace loom {
 
@@ -64,10 +64,14 @@ const Param& ParamUnit::param(const std::string& name) const {
 }
 
 const void* ParamUnit::gemm_weights(size_t first) const {
+  return gemm_weight(first).raw();
+}
+
+const Tensor& ParamUnit::gemm_weight(size_t first) const {
   const Param& p = params_.at(first);
   LOOM_CHECK(weights_materialized(), "unit ", name_,
              ": weights read while released (a missing materialize before forward/backward)");
-  return has_bf16() ? p.value_bf16.raw() : p.value.raw();
+  return has_bf16() ? p.value_bf16 : p.value;
 }
 
 std::vector<ShardSlice> ParamUnit::shard_slices() const {
@@ -82,13 +86,12 @@ std::vector<ShardSlice> ParamUnit::shard_slices() const {
 }
 
 void ParamUnit::init_weights(uint64_t seed) {
-  if (device_ == Device::meta) return;
-  float* d = master_shard().data<float>();
+  Tensor& master = master_shard();
   for (const ShardSlice& s : shard_slices()) {
     const ParamSpec& spec = params_[s.param].spec;
-    float* out = d + s.shard_offset;
+    Tensor out = master.narrow(0, s.shard_offset, s.count);
     if (spec.init == Init::ones) {
-      std::fill(out, out + s.count, 1.0f);
+      ops::fill(out, 1.0f);
     } else {
       // Sample (global element index) of the parameter's stream: the same value on every layout.
       const auto key = philox_key(seed, spec.name);
@@ -96,8 +99,10 @@ void ParamUnit::init_weights(uint64_t seed) {
       spec.for_global_runs(s.begin, s.count, [&](int64_t g, int64_t n, int64_t local) {
         // Padding rows stay zero: they are never predicted, and zero rows stay zero under AdamW.
         const int64_t keep = std::clamp<int64_t>(real - g, 0, n);
-        philox_normal(key, g, keep, 0.0f, spec.std, out + (local - s.begin));
-        std::fill_n(out + (local - s.begin) + keep, n - keep, 0.0f);
+        Tensor run = out.narrow(0, local - s.begin, keep);
+        Tensor pad = out.narrow(0, local - s.begin + keep, n - keep);
+        ops::philox_normal(run, key, g, spec.std);
+        ops::fill(pad, 0.0f);
       });
     }
   }
@@ -105,8 +110,8 @@ void ParamUnit::init_weights(uint64_t seed) {
 }
 
 void ParamUnit::refresh_bf16() {
-  if (sharded() || !has_bf16() || device_ == Device::meta) return;
-  cpu::cast_f32_to_bf16(flat_.data<float>(), flat_bf16_.data<bf16>(), numel_);
+  if (sharded() || !has_bf16()) return;
+  ops::cast(flat_, flat_bf16_);
 }
 
 void ParamUnit::zero_grad() {
@@ -164,28 +169,24 @@ Tensor ParamUnit::gather_input() {
   LOOM_CHECK(sharded() && full_.defined(), "unit ", name_,
              ": gather_input needs a sharded unit with materialized weights");
   Tensor block = full_.narrow(0, shard_begin(), shard_numel());
-  if (device_ == Device::meta) return block;
-  const float* m = master_.data<float>();
   if (full_.dtype() == DType::f32) {
     block.copy_from(master_);
   } else {
-    cpu::cast_f32_to_bf16(m, block.data<bf16>(), shard_numel());
+    ops::cast(master_, block);
   }
   if (needs_side()) {
     side_.zero_();
-    float* side = side_.data<float>();
     for (const ShardSlice& s : shard_slices())
       if (side_offset_[s.param] >= 0)
-        std::copy(m + s.shard_offset, m + s.shard_offset + s.count,
-                  side + side_offset_[s.param] + s.begin);
+        side_.narrow(0, side_offset_[s.param] + s.begin, s.count)
+            .copy_from(master_.narrow(0, s.shard_offset, s.count));
   }
   return block;
 }
 
 void ParamUnit::finish_gather() {
-  if (!sharded() || device_ == Device::meta) return;
-  if (bf16_ && full_.dtype() == DType::f32)
-    cpu::cast_f32_to_bf16(flat_.data<float>(), flat_bf16_.data<bf16>(), numel_);
+  if (!sharded()) return;
+  if (bf16_ && full_.dtype() == DType::f32) ops::cast(flat_, flat_bf16_);
 }
 
 }  // namespace loom

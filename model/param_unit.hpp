@@ -145,6 +145,9 @@ class ParamUnit {
   // The weights a GEMM reads, starting at parameter `first` (adjacent parameters with the same
   // number of columns read as one fused matrix): the bf16 mirror if there is one, else f32.
   const void* gemm_weights(size_t first) const;
+  // The same as a tensor: parameter `first`'s weights in the GEMM's dtype (ops::linear reads the
+  // fused rows that follow it).
+  const Tensor& gemm_weight(size_t first) const;
   float* grad_data(size_t first) { return params_[first].grad.data<float>(); }
 
   void init_weights(uint64_t seed);  // Philox, a function of (seed, name, element index)

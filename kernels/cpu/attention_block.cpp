@@ -585,23 +585,6 @@ HWY_EXPORT(attention_block_backward_impl);
 HWY_EXPORT(attention_merge_impl);
 HWY_EXPORT(attention_delta_impl);
 
-std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp) {
-  LOOM_CHECK(cp >= 1 && rank >= 0 && rank < cp && sp_tp >= 1,
-             "cp_positions: need cp >= 1, 0 <= rank < cp, tp >= 1; got cp=", cp, " rank=", rank,
-             " tp=", sp_tp);
-  const int64_t div = 2 * cp * sp_tp;
-  LOOM_CHECK(T > 0 && T % div == 0, "context parallel: sequence length ", T,
-             " must be divisible by 2*cp", sp_tp > 1 ? "*tp (sequence parallel)" : "", " = ", div,
-             " (cp=", cp, sp_tp > 1 ? ", tp=" : "",
-             sp_tp > 1 ? std::to_string(sp_tp) : std::string(), ")");
-  const int64_t c = T / (2 * cp);
-  std::vector<int64_t> pos;
-  pos.reserve(static_cast<size_t>(2 * c));
-  for (int64_t chunk : {rank, 2 * cp - 1 - rank})
-    for (int64_t t = 0; t < c; ++t) pos.push_back(chunk * c + t);
-  return pos;
-}
-
 int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk) {
   int64_t n = 0;
   for (int64_t i = 0; i < Tq; ++i)

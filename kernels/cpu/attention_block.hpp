@@ -25,11 +25,8 @@ struct BlockShape {
   bool accumulate = true;  // backward: add into dq, dk, dv; false: overwrite them
 };
 
-// Global positions held by cp rank `rank` of `cp` (load-balanced "zigzag" layout): the sequence
-// of T tokens is cut into 2*cp chunks and the rank holds chunks rank and 2*cp-1-rank, so every
-// rank computes the same number of causal score entries. With sequence parallelism over a TP
-// group of `sp_tp` ranks each chunk pair is further split by tp, so T must be divisible by
-// 2*cp*sp_tp; a loom::Error names T and the divisor otherwise.
+// Transitional: cp_positions moved to parallel/layers/context_parallel.hpp (loom::cp_positions),
+// which defines this forwarder; it stays only until train/ includes that header instead.
 std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp = 1);
 
 // Number of (query, key) pairs with k_pos <= q_pos: the score entries a block computes (per

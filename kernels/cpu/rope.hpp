@@ -4,22 +4,32 @@
 #include <cstdint>
 #include <vector>
 
-namespace loom::cpu {
+namespace loom {
 
+// Plain configuration and table types, outside `cpu::`: a model's config holds them whatever
+// backend runs its kernels.
 struct RopeScaling {
   bool llama3 = false;  // rope_scaling.rope_type == "llama3"
   double factor = 1, low_freq_factor = 1, high_freq_factor = 4;
   double original_max_position = 8192;
 };
 
-// inv_freq[i] for i < D/2, after scaling.
-std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& s);
-
 // cos/sin tables [num_positions, D/2] for positions 0..num_positions-1.
 struct RopeTable {
   int64_t head_dim = 0, num_positions = 0;
   std::vector<float> cos, sin;
 };
+
+}  // namespace loom
+
+namespace loom::cpu {
+
+using loom::RopeScaling;
+using loom::RopeTable;
+
+// inv_freq[i] for i < D/2, after scaling.
+std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& s);
+
 RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s);
 
 // x is [B, T, H, D] (token-major, as a GEMM writes it), rotated in place; positions[t] (length T,

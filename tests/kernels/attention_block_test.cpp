@@ -22,6 +22,16 @@ namespace {
 
 using cpu::BlockShape;
 
+// The zigzag layout of context parallelism (parallel/layers/context_parallel.hpp, a layer above
+// the kernels): rank r holds chunks r and 2*cp-1-r of the 2*cp chunks of T.
+std::vector<int64_t> zigzag_positions(int64_t T, int64_t cp, int64_t rank) {
+  const int64_t c = T / (2 * cp);
+  std::vector<int64_t> pos;
+  for (int64_t chunk : {rank, 2 * cp - 1 - rank})
+    for (int64_t t = 0; t < c; ++t) pos.push_back(chunk * c + t);
+  return pos;
+}
+
 struct Dims {
   int64_t B, T, Hq, Hkv, D;
   int64_t stride() const { return (Hq + 2 * Hkv) * D; }  // fused qkv rows, as the model has
@@ -87,7 +97,7 @@ RingResult ring(const Dims& d, int64_t cp, const std::vector<float>& qkv,
   std::vector<std::vector<int64_t>> pos(cp);
   std::vector<std::vector<float>> local(cp), grad(cp);
   for (int64_t r = 0; r < cp; ++r) {
-    pos[r] = cpu::cp_positions(d.T, cp, r);
+    pos[r] = zigzag_positions(d.T, cp, r);
     local[r] = gather_rows(d, qkv, pos[r]);
     grad[r].assign(local[r].size(), 0.0f);
   }
@@ -207,43 +217,6 @@ TEST(AttentionBlock, RingBackwardMatchesFiniteDifferences) {
   }
 }
 
-// Load balance: the causal score entries each cp rank computes (its queries against all keys)
-// are equal within 1% (the zigzag layout makes them exactly equal).
-TEST(AttentionBlock, CpRanksComputeEqualAttentionWork) {
-  for (int64_t cp : {2, 4, 8})
-    for (int64_t T : {256, 1024, 4096}) {
-      std::vector<std::vector<int64_t>> pos;
-      for (int64_t r = 0; r < cp; ++r) pos.push_back(cpu::cp_positions(T, cp, r));
-      const int64_t n = T / cp;
-      int64_t lo = INT64_MAX, hi = 0, total = 0;
-      for (int64_t r = 0; r < cp; ++r) {
-        int64_t w = 0;
-        for (int64_t s = 0; s < cp; ++s)
-          w += cpu::causal_entries(pos[r].data(), n, pos[s].data(), n);
-        lo = std::min(lo, w);
-        hi = std::max(hi, w);
-        total += w;
-      }
-      EXPECT_EQ(total, T * (T + 1) / 2) << "cp=" << cp << " T=" << T;
-      EXPECT_LE(double(hi - lo), 0.01 * double(hi)) << "cp=" << cp << " T=" << T;
-    }
-  // The naive layout (rank r holds the r-th contiguous T/cp tokens) fails this check: the test
-  // can tell a balanced layout from an unbalanced one.
-  const int64_t T = 1024, cp = 4, n = T / cp;
-  std::vector<int64_t> first(n), last(n), all(T);
-  for (int64_t t = 0; t < n; ++t) first[t] = t, last[t] = T - n + t;
-  for (int64_t t = 0; t < T; ++t) all[t] = t;
-  EXPECT_GT(cpu::causal_entries(last.data(), n, all.data(), T),
-            2 * cpu::causal_entries(first.data(), n, all.data(), T));
-}
-
-TEST(AttentionBlock, SequenceNotDivisibleIsAnError) {
-  test::expect_error([] { cpu::cp_positions(30, 4, 0); }, {"30", "2*cp", "8"});
-  test::expect_error([] { cpu::cp_positions(24, 2, 1, 4); }, {"24", "2*cp*tp", "16"});
-  EXPECT_EQ(cpu::cp_positions(8, 2, 1), (std::vector<int64_t>{2, 3, 4, 5}));
-  EXPECT_EQ(cpu::cp_positions(8, 2, 0), (std::vector<int64_t>{0, 1, 6, 7}));
-}
-
 // ---- single blocks against a naive fp64 block reference -------------------------------------
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -349,7 +322,7 @@ void block_backward_ref(const Block& c, const std::vector<float>& q, const std::
 }
 
 std::vector<int64_t> zigzag(int64_t cp, int64_t rank, int64_t chunk) {
-  return cpu::cp_positions(2 * cp * chunk, cp, rank);
+  return zigzag_positions(2 * cp * chunk, cp, rank);
 }
 std::vector<int64_t> random_positions(int64_t n, int64_t lo, int64_t hi, uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -1,0 +1,98 @@
+// The analytic memory and communication model of LlamaModel (docs/design.md "Memory model"):
+// the figures `loom bench --check` compares with what a step measures.
+#include <algorithm>
+
+#include "model/llama.hpp"
+
+namespace loom {
+
+int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute) {
+  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) is held to 2%
+  // of the step's saved activations, so the peak stays what the memory model predicts; larger
+  // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
+  const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
+  const auto budget = 0.02 * double(saved_activation_bytes(c, B, T, compute));  // tp: same rows
+  const int64_t rows = int64_t(budget / per_row) / 16 * 16;
+  return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
+}
+
+size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                          int tp, bool sp, bool recompute,
+                                          const ActivationCheckpoint& ac) {
+  const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
+  const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
+  const size_t F = c.intermediate_size / n;
+  const size_t Mx = tp > 1 && sp ? M / n : M;             // rows of the residual stream
+  const size_t Mn = tp > 1 && sp && !recompute ? M : Mx;  // rows of the saved norm outputs
+  const size_t cs = dtype_size(compute);
+  const size_t input = Mx * d * 4;  // x (f32)
+  // h (f32), rstd1, rstd2; qkv, attn, lse (f32); gu (f32): what `op` saves besides x.
+  const size_t op_block = input + Mx * d * 4 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
+                          M * Hq * hd * 4 + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * 4;
+  // + xn1, xn2 (compute dtype) and act.
+  const size_t block = op_block + Mn * d * cs * 2 + M * F * cs;
+  const size_t L = size_t(c.num_hidden_layers);
+  switch (ac.mode) {
+    case ActivationCheckpoint::Mode::none:
+      return block * L;
+    case ActivationCheckpoint::Mode::op:
+      // The backward of a block holds its recomputed act (the norm output recomputed later is
+      // smaller).
+      return op_block * L + M * F * cs;
+    case ActivationCheckpoint::Mode::full:
+      break;
+  }
+  // At the head every block's saved tensors; in the backward of a recomputed block l, blocks
+  // 0..l-1's plus block l's whole set. The last recomputed block gives the largest of those.
+  size_t all = 0, peak = 0;
+  for (size_t l = 0; l < L; ++l) {
+    const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
+    if (full) peak = all + block;
+    all += full ? input : block;
+  }
+  return std::max(all, peak);
+}
+
+uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+  const TpRuntime& tp = par_->tp;
+  const int n = tp.opt.size();
+  if (n == 1) return 0;
+  // The ProcessGroup's ring convention (docs/design.md, "Distributed runtime").
+  auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = blocks_.size();
+  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
+  const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
+  const uint64_t recomputed = uint64_t(ac_.recomputed_blocks(int64_t(L)));
+  // Without SP a recomputed forward all-reduces the attention output once more.
+  if (!tp.sp()) return ar(M * d * 4) * (2 + 4 * L + recomputed) + loss;
+  const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
+  const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
+  const uint64_t per_block = 2 * ag_x + 2 * f32                   // forward
+                             + 2 * f32 + 2 * f32 + 2 * ar(d * 4)  // backward: dy, dx, norms
+                             + (tp.opt.recompute_allgather ? 2 * ag_x : 0);
+  // `op` gathers the recomputed norm outputs in backward (as recompute_allgather does).
+  const uint64_t op =
+      ac_.mode == ActivationCheckpoint::Mode::op && !tp.opt.recompute_allgather ? 2 * ag_x : 0;
+  // A recomputed forward: the two gathers and the attention's reduce-scatter (not the MLP's).
+  return f32                                                     // embedding reduce-scatter
+         + (per_block + op) * L + recomputed * (2 * ag_x + f32)  // blocks
+         + ag_x + loss + f32 + ar(d * 4)                         // head
+         + f32;                                                  // embedding backward all-gather
+}
+
+size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
+  // This rank's B*T rows of the local kv heads' K and V.
+  return loom::ring_kv_bytes(B * T, config_.num_key_value_heads / tp().size(), config_.head_dim());
+}
+
+uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+  const int64_t L = int64_t(blocks_.size());
+  return ring_bytes(par_->cp, ring_kv_bytes(B, T), L, ac_.recomputed_blocks(L));
+}
+
+size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {
+  return loom::ring_working_bytes(par_->cp, ring_kv_bytes(B, T), B * T,
+                                  config_.num_attention_heads / tp().size());
+}
+
+}  // namespace loom

@@ -1,0 +1,242 @@
+#include "model/transformer_block.hpp"
+
+#include <cmath>
+#include <string>
+
+namespace loom {
+
+namespace {
+
+Tensor f32(const Shape& s, Device d) {
+  return Tensor::empty(s, DType::f32, d);
+}
+
+const ParallelContext& none() {
+  static const ParallelContext p;
+  return p;
+}
+
+std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_rank, int tp) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  const int64_t d = c.hidden_size, hd = c.head_dim(), F = c.intermediate_size / tp;
+  const int64_t q = c.num_attention_heads / tp * hd, kv = c.num_key_value_heads / tp * hd;
+  // Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init), so
+  // the residual stream's variance does not grow with depth.
+  const float out_std = 0.02f / std::sqrt(2.0f * float(c.num_hidden_layers));
+  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
+  std::vector<ParamSpec> specs{
+      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true, N},
+      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
+      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false, C},
+      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true, N},
+      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
+      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
+      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false, C},
+  };
+  for (auto& sp : specs) {
+    sp.tp_rank = tp_rank;
+    sp.tp_count = tp;
+  }
+  return specs;
+}
+
+}  // namespace
+
+size_t BlockActs::bytes() const {
+  size_t n = 0;
+  for (const Tensor* t : {&x, &rstd1, &xn1, &qkv, &attn, &lse, &h, &rstd2, &xn2, &gu, &act})
+    if (t->defined()) n += t->nbytes();
+  return n;
+}
+
+// This tp rank's sizes of one micro-batch.
+struct TransformerBlock::Dims {
+  int64_t M, Mx, d, hd, Hq, Hkv, F, nqkv;
+  float eps;
+};
+
+TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
+                                   ShardLayout shard, const ParallelContext* par)
+    : c_(c),
+      par_(par ? par : &none()),
+      unit_("layers." + std::to_string(layer),
+            block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device, shard) {}
+
+TransformerBlock::Dims TransformerBlock::dims(const StepContext& ctx) const {
+  const TpRuntime& tp = par_->tp;
+  const int tpn = tp.on() ? tp.opt.size() : 1;
+  Dims g;
+  g.M = ctx.tokens();
+  g.Mx = tp.sp() ? g.M / tpn : g.M;  // rows of the block's input and output
+  g.d = c_.hidden_size;
+  g.hd = c_.head_dim();
+  g.Hq = c_.num_attention_heads / tpn;
+  g.Hkv = c_.num_key_value_heads / tpn;
+  g.F = c_.intermediate_size / tpn;
+  g.nqkv = (g.Hq + 2 * g.Hkv) * g.hd;
+  g.eps = float(c_.rms_norm_eps);
+  return g;
+}
+
+Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
+  Tensor out = run_forward(ctx, x, a, ac_, true);
+  if (ac_ == ActivationCheckpoint::Mode::full) {
+    // Only the input stays; backward recomputes the rest from it.
+    Tensor input = a.x;
+    a = BlockActs();
+    a.x = input;
+  }
+  return out;
+}
+
+// RoPE on q and k, then causal attention (ring attention across cp ranks).
+void TransformerBlock::attention(const StepContext& ctx, BlockActs& a) const {
+  const Dims g = dims(ctx);
+  Tensor q = a.qkv.narrow(1, 0, g.Hq * g.hd), k = a.qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
+  const Tensor v = a.qkv.narrow(1, (g.Hq + g.Hkv) * g.hd, g.Hkv * g.hd);
+  ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
+  ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
+  if (par_->cp.size() > 1)
+    ring_attention_forward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, a.qkv, a.attn,
+                           a.lse);
+  else
+    ops::attention_forward(q, k, v, ctx.B, g.Hq, g.Hkv, a.attn, a.lse);
+}
+
+void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
+                                          Tensor& dqkv) const {
+  const Dims g = dims(ctx);
+  const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
+  Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
+  if (par_->cp.size() > 1)
+    ring_attention_backward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, a.qkv, a.attn,
+                            a.lse, dattn, dqkv);
+  else
+    ops::attention_backward(a.qkv.narrow(1, 0, qc), a.qkv.narrow(1, qc, kc),
+                            a.qkv.narrow(1, qc + kc, kc), a.attn, a.lse, dattn, ctx.B, g.Hq, g.Hkv,
+                            dq, dk, dv);
+  ops::rope_backward(dq, ctx.B, g.Hq, ctx.positions, *ctx.rope);
+  ops::rope_backward(dk, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
+}
+
+Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, BlockActs& a,
+                                     ActivationCheckpoint::Mode mode, bool output) const {
+  const TpRuntime& tp = par_->tp;
+  const Dims g = dims(ctx);
+  const auto& P = unit_.params();
+  const Device dev = x.device();
+  const DType dt = ctx.compute;
+  // `op` drops the norm and SwiGLU outputs after their GEMM; backward recomputes them (and,
+  // with SP, gathers the norm outputs again, as with recompute_allgather). Neither `op` nor
+  // `full` keeps a gathered GEMM input: it goes to the pooled buffer.
+  const bool op = mode == ActivationCheckpoint::Mode::op;
+  const bool keep_gathered =
+      !tp.opt.recompute_allgather && mode == ActivationCheckpoint::Mode::none;
+
+  a.x = x;
+  a.rstd1 = f32({g.Mx}, dev);
+  {
+    Tensor xn1 = f32({g.Mx, g.d}, dev);
+    ops::rmsnorm_forward(x, P[kNorm1].value, g.eps, xn1, a.rstd1);
+    a.qkv = f32({g.M, g.nqkv}, dev);
+    column_parallel_forward(tp, ops::to_compute(xn1, dt), weight(kQ), keep_gathered, a.xn1, a.qkv);
+    if (op) a.xn1 = Tensor();
+  }
+  a.attn = f32({g.M, g.Hq * g.hd}, dev);
+  a.lse = f32({ctx.B, g.Hq, ctx.T}, dev);
+  attention(ctx, a);
+  a.h = row_parallel_forward(tp, ops::to_compute(a.attn, dt), weight(kO), x);
+
+  a.rstd2 = f32({g.Mx}, dev);
+  {
+    Tensor xn2 = f32({g.Mx, g.d}, dev);
+    ops::rmsnorm_forward(a.h, P[kNorm2].value, g.eps, xn2, a.rstd2);
+    a.gu = f32({g.M, 2 * g.F}, dev);
+    column_parallel_forward(tp, ops::to_compute(xn2, dt), weight(kGate), keep_gathered, a.xn2,
+                            a.gu);
+    if (op) a.xn2 = Tensor();
+  }
+  {
+    Tensor act = f32({g.M, g.F}, dev);
+    ops::swiglu_forward(a.gu, act);
+    a.act = ops::to_compute(act, dt);
+  }
+  if (!output) return Tensor();
+  Tensor out = row_parallel_forward(tp, a.act, weight(kDown), a.h);
+  if (op) a.act = Tensor();
+  return out;
+}
+
+void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a) {
+  const TpRuntime& tp = par_->tp;
+  const Dims g = dims(ctx);
+  auto& P = unit_.params();
+  const Device dev = dy.device();
+  const DType dt = ctx.compute;
+  // `full` saved the input only: the forward runs again (tp and cp communication included),
+  // after the unit's before_backward hook, so FSDP has gathered the weights it reads.
+  if (!a.h.defined()) {
+    const Tensor x = a.x;
+    run_forward(ctx, x, a, ActivationCheckpoint::Mode::none, false);
+  }
+  // The input of a column-parallel GEMM, every row: the norm output `saved`, or, when `op`
+  // dropped it, recomputed from the norm's input (the same kernel on the same input: the same
+  // bits) and, with SP, gathered again.
+  auto norm_output = [&](const Tensor& saved, const Tensor& in, size_t w) -> Tensor {
+    if (saved.defined())
+      return tp.sp() && tp.opt.recompute_allgather ? tp_gather_input(tp, saved) : saved;
+    Tensor xn = f32({g.Mx, g.d}, dev), rstd = f32({g.Mx}, dev);
+    ops::rmsnorm_forward(in, P[w].value, g.eps, xn, rstd);
+    return tp.sp() ? tp_gather_input(tp, ops::to_compute(xn, dt)) : ops::to_compute(xn, dt);
+  };
+
+  // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
+  {
+    Tensor dgu = a.gu;
+    a.gu = Tensor();
+    {
+      Tensor dact = f32({g.M, g.F}, dev);
+      if (!a.act.defined()) {
+        // `op`: silu(gate) * up again, before the SwiGLU backward overwrites gu; in bf16 dact
+        // holds the f32 result until it is rounded.
+        Tensor act = dt == DType::f32 ? f32({g.M, g.F}, dev) : dact;
+        ops::swiglu_forward(dgu, act);
+        a.act = ops::to_compute(act, dt);
+      }
+      row_parallel_backward(tp, dy, a.act, weight(kDown), P[kDown].grad, dact, dt);
+      a.act = Tensor();
+      ops::swiglu_backward(dact, dgu, dgu);
+    }
+    Tensor dxn2 =
+        column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, kNorm2),
+                                 weight(kGate), P[kGate].grad);
+    dgu = Tensor();
+    a.xn2 = Tensor();
+    tp_summed_norm_grad(tp, P[kNorm2].grad, [&](Tensor& gw) {
+      ops::rmsnorm_backward(dxn2, a.h, P[kNorm2].value, a.rstd2, dy, gw);
+    });
+    a.h = a.rstd2 = Tensor();
+  }
+  // Attention branch: h = x + o(attention(rope(qkv(norm1(x))))).
+  {
+    Tensor dqkv = f32({g.M, g.nqkv}, dev);
+    {
+      Tensor dattn = f32({g.M, g.Hq * g.hd}, dev);
+      row_parallel_backward(tp, dy, ops::to_compute(a.attn, dt), weight(kO), P[kO].grad, dattn, dt);
+      attention_backward(ctx, a, dattn, dqkv);
+      a.attn = a.lse = a.qkv = Tensor();
+    }
+    Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dqkv, dt),
+                                           norm_output(a.xn1, a.x, kNorm1), weight(kQ), P[kQ].grad);
+    dqkv = Tensor();
+    a.xn1 = Tensor();
+    tp_summed_norm_grad(tp, P[kNorm1].grad, [&](Tensor& gw) {
+      ops::rmsnorm_backward(dxn1, a.x, P[kNorm1].value, a.rstd1, dy, gw);
+    });
+  }
+  a = BlockActs();
+}
+
+}  // namespace loom

@@ -1,0 +1,95 @@
+#pragma once
+// The transformer block (attention + SwiGLU MLP, pre-norm residuals) composed of the parallel
+// layers: column-parallel q/k/v and gate/up, row-parallel o and down (tensor parallelism, with
+// sequence parallelism outside attention), ring attention (context parallelism) and activation
+// checkpointing. Each forward saves exactly what its backward needs in the micro-batch's
+// BlockActs; backward returns the input gradient and accumulates parameter gradients.
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "model/llama_config.hpp"
+#include "model/param_unit.hpp"
+#include "ops/ops.hpp"
+#include "parallel/layers/activation_checkpoint.hpp"
+#include "parallel/layers/context_parallel.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
+
+namespace loom {
+
+// The parallelism a model's layers run under (null groups: none).
+struct ParallelContext {
+  TpRuntime tp;
+  CpOptions cp;
+};
+
+// Indices of a block's parameters in its unit: q, k, v adjacent (read as one fused GEMM
+// matrix), gate and up adjacent (likewise).
+enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
+
+// What one forward/backward of a micro-batch needs to know.
+struct StepContext {
+  int64_t B = 0, T = 0;
+  DType compute = DType::f32;      // what GEMMs read: f32, or bf16 (fp32 accumulation)
+  std::vector<int32_t> positions;  // global position of each of the T tokens
+  // With context parallelism: T is this rank's length (T_global / cp) and cp_pos[r] holds the
+  // global positions of cp rank r's T tokens (positions is cp_pos[own rank]).
+  std::vector<std::vector<int64_t>> cp_pos;
+  const RopeTable* rope = nullptr;
+  int64_t tokens() const { return B * T; }
+};
+
+// Saved activations of one transformer block.
+struct BlockActs {
+  Tensor x;      // block input [M, d]
+  Tensor rstd1;  // [M]
+  Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
+  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd]
+  Tensor attn;   // attention output [M, Hq hd] (f32)
+  Tensor lse;    // [B, Hq, T]
+  Tensor h;      // after the attention residual [M, d]
+  Tensor rstd2;  // [M]
+  Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
+  Tensor gu;     // gate and up projections [M, 2F]
+  Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
+  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, xn2 and act.
+  size_t bytes() const;
+};
+
+class TransformerBlock {
+ public:
+  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
+                   ShardLayout shard = {}, const ParallelContext* par = nullptr);
+  ParamUnit& unit() { return unit_; }
+  const ParamUnit& unit() const { return unit_; }
+  // What forward saves (none, full or op; see ActivationCheckpoint).
+  void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
+
+  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
+  // the output hold this tp rank's M / tp rows.
+  Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
+  // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
+  // the block's input; parameter gradients accumulate. Recomputes what forward did not save
+  // (with tp or cp that re-runs their communication), then frees `acts`.
+  void backward(const StepContext& ctx, Tensor& dy, BlockActs& acts);
+
+ private:
+  struct Dims;
+  Dims dims(const StepContext& ctx) const;
+  // `mode` says what to keep in `acts`; without `output` the down projection is skipped (the
+  // recomputation of a `full` block needs everything but the output) and an empty tensor
+  // returned.
+  Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
+                     ActivationCheckpoint::Mode mode, bool output) const;
+  void attention(const StepContext& ctx, BlockActs& a) const;
+  void attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
+                          Tensor& dqkv) const;
+  const Tensor& weight(size_t i) const { return unit_.gemm_weight(i); }
+
+  const LlamaConfig& c_;
+  const ParallelContext* par_;
+  ParamUnit unit_;
+  ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
+};
+
+}  // namespace loom

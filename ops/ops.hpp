@@ -1,0 +1,122 @@
+#pragma once
+// Tensor-level operations that dispatch on the tensors' device (docs/design.md "Kernels behind a
+// device dispatch"): cpu runs the kernels of kernels/cpu; meta runs nothing (its allocations,
+// made by Tensor::empty before the call, are booked like the CPU's, so a meta run measures
+// memory); any other device is a loom::Error naming the op. The layers above (parallel/layers,
+// model/) call these and never a backend's kernel, so a new backend adds a case here.
+//
+// Layouts are the kernels' (kernels/cpu/*.hpp): row-major, token-major activations [rows, cols].
+// A strided 2-D view (Tensor::narrow along dim 1, e.g. q, k or v inside a fused qkv buffer) is
+// read with its row stride. A GEMM weight is given by its first parameter's tensor: the op reads
+// as many rows as its output has columns, so adjacent parameters (q, k, v) read as one matrix.
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "kernels/cpu/rope.hpp"  // RopeScaling, RopeTable: plain structs, no backend
+
+namespace loom::ops {
+
+// Whether `device` has kernels that compute (cpu) rather than only book memory (meta).
+bool computes(Device device);
+
+// ---- element-wise and copies ----------------------------------------------------------------
+// A GEMM input in the compute dtype: `x` itself in f32, a rounded bf16 copy otherwise.
+Tensor to_compute(const Tensor& x, DType dt);
+// dst (bf16) = round(src (f32)), the same number of elements, both contiguous.
+void cast(const Tensor& src, Tensor& dst);
+void add_inplace(Tensor& y, const Tensor& x);  // y += x, same numel
+void fill(Tensor& x, float value);
+// dst[m, :] = src[m, :], both [rows, width], either may be a strided view.
+void copy_rows(const Tensor& src, Tensor& dst);
+// Standard normal samples (Philox stream `key`, samples [first, first + x.numel())) * std.
+void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
+
+// ---- linear layers -----------------------------------------------------------------------------
+// y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation).
+void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);
+// For y = x w^T: dx [M, K] = dy w (overwritten), then dw [N, K] += dy^T x.
+void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx);
+
+// ---- normalization, activation, position -------------------------------------------------------
+// y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward.
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+// dx [rows, d] overwritten, dw [d] accumulated.
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw);
+// act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up].
+void swiglu_forward(const Tensor& gu, Tensor& act);
+void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);  // dgu may be gu
+// x [B*T, H*D] (a strided view allowed), rotated in place at positions[t] (length T).
+void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
+                  const RopeTable& table);
+void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>& positions,
+                   const RopeTable& table);
+RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s);
+
+// ---- embedding ------------------------------------------------------------------------------
+// out [n, d] = table[tokens]; dtable[tokens] += dout (deterministic).
+void embedding_forward(const int32_t* tokens, const Tensor& table, Tensor& out);
+void embedding_backward(const int32_t* tokens, const Tensor& dout, Tensor& dtable);
+// The same over vocabulary rows [v0, v0 + table rows) only: other tokens give zero rows and no
+// gradient (a table split by rows across ranks).
+void embedding_forward_range(const int32_t* tokens, const Tensor& table, int64_t v0, Tensor& out);
+void embedding_backward_range(const int32_t* tokens, const Tensor& dout, int64_t v0,
+                              Tensor& dtable);
+
+// ---- attention --------------------------------------------------------------------------------
+// Causal grouped-query attention; q [B*T, Hq*D], k and v [B*T, Hkv*D] (strided views allowed),
+// out [B*T, Hq*D] and lse [B, Hq, T] written.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
+                       int64_t Hkv, Tensor& out, Tensor& lse);
+// dq, dk, dv (views with the strides of q, k, v) overwritten.
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, int64_t B, int64_t Hq, int64_t Hkv,
+                        Tensor& dq, Tensor& dk, Tensor& dv);
+// q [Tq, Hq*D] (the last Tq of L positions) against the cache k, v [>= L, Hkv*D].
+void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t L, int64_t Hq,
+                      int64_t Hkv, Tensor& out);
+// One block of queries against one block of keys at arbitrary global positions (ring
+// attention): q as above with Tq = q_pos.size(), k/v with Tk = k_pos.size(). `progress` is
+// called between work units (kernels/cpu/attention_block.hpp).
+struct AttentionBlock {
+  int64_t B = 0, Hq = 0, Hkv = 0;
+  const std::vector<int64_t>* q_pos = nullptr;
+  const std::vector<int64_t>* k_pos = nullptr;
+};
+void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
+                             const Tensor& v, Tensor& out, Tensor& lse,
+                             const std::function<void()>& progress = {});
+// Adds this block pair's dq, dk, dv given the final lse and delta of the query rows.
+void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
+                              const Tensor& v, const Tensor& lse, const Tensor& delta,
+                              const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                              const std::function<void()>& progress = {});
+// Folds (out_b, lse_b) into the running (out, lse); out [B*T, Hq*D], lse [B, Hq, T].
+void attention_merge(int64_t B, int64_t Hq, Tensor& out, Tensor& lse, const Tensor& out_b,
+                     const Tensor& lse_b);
+// delta [B, Hq, T] = rowsum(dout * out) per head.
+void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dout, Tensor& delta);
+
+// ---- loss -------------------------------------------------------------------------------------
+// The output projection fused with cross-entropy (kernels/cpu/cross_entropy.hpp): x [N, D],
+// w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
+// summed loss (0 on meta).
+struct LinearCrossEntropy {
+  Tensor x, w, dx, dw;
+  const int32_t* targets = nullptr;
+  int64_t V = 0;
+  float grad_scale = 1;
+  int64_t chunk_rows = 0;
+};
+double linear_cross_entropy(const LinearCrossEntropy& a);
+// The pieces of a softmax over a vocabulary split across ranks (kernels/cpu/sharded.hpp).
+void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+                     Tensor& lse, Tensor& target_logit);
+double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
+                           const Tensor& target_logit, Tensor& glse);
+void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+                         const Tensor& glse, float grad_scale);
+
+}  // namespace loom::ops
