@@ -27,8 +27,8 @@
 #include "core/philox.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
-#include "train/config.hpp"
 #include "parallel/cost_model.hpp"
+#include "train/config.hpp"
 #include "train/launch.hpp"
 #include "train/optimizer.hpp"
 #include "train/step.hpp"
@@ -149,8 +149,8 @@ int bench_command(const Args& args) {
       for (dist::ProcessGroup* g : groups) g->reset_counters();
     }
     auto t0 = std::chrono::steady_clock::now();
-    const StepResult r =
-        train_step.run(G, [&](int64_t) -> const MicroBatch& { return batch; }, job.optimizer.lr);
+    const StepResult r = train_step.run(
+        G, [&](int64_t) -> const MicroBatch& { return batch; }, job.optimizer.lr);
     auto t1 = std::chrono::steady_clock::now();
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     losses.push_back(r.loss);
@@ -168,8 +168,6 @@ int bench_command(const Args& args) {
   const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
 
   const MemoryCost mm = memory_cost(par, B, T);
-  if (std::getenv("LOOM_DEBUG_COMM"))
-    std::fprintf(stderr, "comm analytic %zu pool %zu\n", mm.comm, model.comm_buffer_bytes());
   const size_t n = size_t(model.num_params());
   const double mem_ratio = double(st.peak_allocated) / double(mm.total());
   const uint64_t timed = uint64_t(std::max(steps, 1));

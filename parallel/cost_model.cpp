@@ -22,8 +22,7 @@ size_t head_workspace(const LlamaModel& model, int64_t B, int64_t T) {
   const bool sp = n > 1 && model.tp().sequence_parallel;
   const size_t M = size_t(B * T), d = size_t(c.hidden_size);
   const size_t logits_chunk = size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) *
-                              size_t(c.vocab_size / n) *
-                              (4 + (compute == DType::bf16 ? 2 : 0));
+                              size_t(c.vocab_size / n) * (4 + (compute == DType::bf16 ? 2 : 0));
   // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
   // rstd, and the loss's chunk of logits.
   if (n == 1) return M * d * (4 + dtype_size(compute) + 4) + M * 4 + logits_chunk;
@@ -61,9 +60,8 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
   const TpOptions& tp = model.tp();
   const int n = tp.size();
   const bool sp = n > 1 && tp.sequence_parallel;
-  mc.activations = LlamaModel::saved_activation_bytes(model.config(), B, Tl, compute, n, sp,
-                                                      tp.recompute_allgather,
-                                                      model.activation_checkpoint());
+  mc.activations = LlamaModel::saved_activation_bytes(
+      model.config(), B, Tl, compute, n, sp, tp.recompute_allgather, model.activation_checkpoint());
   mc.head = head_workspace(model, B, Tl);
   mc.comm = tp_comm_buffer_bytes(model.config(), B, Tl, compute, n, sp);
   mc.ring = model.ring_working_bytes(B, Tl);
@@ -115,8 +113,8 @@ size_t tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType co
   if (compute == DType::bf16) {
     // The loss's chunk of logit gradients in bf16 ("ce_dlogits").
     const int64_t chunk = LlamaModel::loss_chunk_rows(c, B, T, compute);
-    const size_t rows = size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64,
-                                                                      int64_t(M))));
+    const size_t rows =
+        size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64, int64_t(M))));
     bytes += rows * size_t((c.vocab_size + tp - 1) / tp) * 2;
   }
   // SP: the reduce-scattered rows of both, the gathered GEMM input (compute dtype) and output

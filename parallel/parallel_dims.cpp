@@ -36,8 +36,8 @@ void ParallelDims::check_launched(bool launched, const std::string& command) con
   const int64_t n = asked();
   LOOM_CHECK(launched || n == 1, "parallelism asks for ", n, " ranks (dp_replicate=", dp_replicate,
              " dp_shard=", dp_shard, " tp=", tp, " cp=", cp, " pp=", pp,
-             ") but this process was not started by an MPI launcher: run `mpirun -np ", n,
-             " loom ", command, " ...` (or srun)");
+             ") but this process was not started by an MPI launcher: run `mpirun -np ", n, " loom ",
+             command, " ...` (or srun)");
 }
 
 dist::MeshShape ParallelDims::mesh_shape() const {

@@ -57,5 +57,4 @@ struct ParallelGroups {
 };
 ParallelGroups parallel_groups(dist::Mesh* mesh);
 
-
 }  // namespace loom

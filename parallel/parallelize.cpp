@@ -56,8 +56,8 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
   return m;
 }
 
-CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                       int cp, int cp_rank, int sp_tp) {
+CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
+                       int cp_rank, int sp_tp) {
   const auto pos = cpu::cp_positions(T, cp, cp_rank, sp_tp);
   CpBatch out;
   out.T = int64_t(pos.size());

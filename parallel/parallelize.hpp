@@ -23,7 +23,7 @@ namespace loom {
 
 // The [parallelism] and [activation_checkpoint] choices, as values.
 struct ParallelizeOptions {
-  bool sequence_parallel = true;     // tp_sequence_parallel
+  bool sequence_parallel = true;  // tp_sequence_parallel
   bool tp_recompute_allgather = false;
   bool tp_async = false;
   bool cp_allgather = false;  // cp_rotate_method = "allgather" (else p2p)
@@ -57,10 +57,10 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
 // This cp rank's tokens of a [B, T] batch: the zigzag layout's chunks r and 2*cp-1-r of every
 // sample (cpu::cp_positions; with SP over `sp_tp` ranks each chunk pair split further).
 struct CpBatch {
-  int64_t T = 0;  // this rank's tokens per sample
+  int64_t T = 0;                         // this rank's tokens per sample
   std::vector<int32_t> inputs, targets;  // [B, T]
 };
-CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                       int cp, int cp_rank, int sp_tp);
+CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
+                       int cp_rank, int sp_tp);
 
 }  // namespace loom

@@ -20,8 +20,8 @@ StepResult TrainStep::run(int64_t micro_batches,
   double loss_sum = 0;
   for (int64_t m = 0; m < micro_batches; ++m) {
     const MicroBatch& mb = batch(m);
-    loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T,
-                                        grad_scale, m + 1 == micro_batches);
+    loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale,
+                                        m + 1 == micro_batches);
   }
   model_.finish_step();
   StepResult r;

@@ -13,20 +13,20 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "data/data_loader.hpp"
+#include "data/token_shard.hpp"
 #include "distributed/mesh.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "train/checkpoint.hpp"
-#include "data/data_loader.hpp"
 #include "parallel/cost_model.hpp"
 #include "parallel/scalar_sum.hpp"
+#include "train/checkpoint.hpp"
 #include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
 #include "train/step.hpp"
-#include "data/token_shard.hpp"
 
 namespace loom {
 
@@ -319,14 +319,13 @@ void Trainer::State::preflight() {
       budget_what = "memory.limit_gb";
     }
   }
-  LOOM_CHECK(budget == 0 || mem.total() <= budget, "not enough memory: training ",
-             model_config_path, " needs about ", gib(mem.total()), " = ", mem.params,
-             " parameters x 16 B (f32 weights ", gib(mem.weights), " + gradients ",
-             gib(mem.grads), " + AdamW moments ", gib(mem.optimizer), ")",
-             mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(),
-             " + saved activations ", gib(mem.activations), " (batch ", B, " x seq_len ", T,
-             ") + working buffers ", gib(mem.workspace), ", but ", budget_what, " is ",
-             gib(budget));
+  LOOM_CHECK(
+      budget == 0 || mem.total() <= budget, "not enough memory: training ", model_config_path,
+      " needs about ", gib(mem.total()), " = ", mem.params, " parameters x 16 B (f32 weights ",
+      gib(mem.weights), " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer),
+      ")", mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",
+      gib(mem.activations), " (batch ", B, " x seq_len ", T, ") + working buffers ",
+      gib(mem.workspace), ", but ", budget_what, " is ", gib(budget));
 }
 
 void Trainer::State::build_data() {
@@ -386,7 +385,6 @@ void Trainer::State::build_data() {
   } else if (fs::is_regular_file(fs::path(j.data.path) / "tokenizer.json")) {
     tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
   }
-
 }
 
 void Trainer::State::find_checkpoint() {
@@ -432,8 +430,7 @@ void Trainer::State::build_model() {
 
 void Trainer::State::build_optimizer() {
   const auto& o = job.optimizer;
-  AdamWConfig oc{float(o.lr), float(o.beta1), float(o.beta2), float(o.eps),
-                 float(o.weight_decay)};
+  AdamWConfig oc{float(o.lr), float(o.beta1), float(o.beta2), float(o.eps), float(o.weight_decay)};
   adamw = std::make_unique<AdamW>(par.model->units(), oc);
 }
 

@@ -16,12 +16,12 @@
 #include <random>
 
 #include "core/error.hpp"
+#include "data/token_shard.hpp"
 #include "model/llama.hpp"
 #include "tests/test_util.hpp"
 #include "train/checkpoint.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
-#include "data/token_shard.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom;
