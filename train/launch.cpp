@@ -111,28 +111,25 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command) 
 
 ParallelDims parallel_dims(const JobConfig& job) {
   const auto& p = job.parallelism;
-  ParallelDims d;
-  d.dp_replicate = p.dp_replicate;
-  d.dp_shard = p.dp_shard;
-  d.cp = p.cp;
-  d.tp = p.tp;
-  d.pp = p.pp;
-  d.sequence_parallel = p.tp_sequence_parallel;
-  return d;
+  return {.dp_replicate = p.dp_replicate,
+          .dp_shard = p.dp_shard,
+          .cp = p.cp,
+          .tp = p.tp,
+          .pp = p.pp,
+          .sequence_parallel = p.tp_sequence_parallel};
 }
 
 ParallelizeOptions parallelize_options(const JobConfig& job) {
   const auto& p = job.parallelism;
-  ParallelizeOptions o;
-  o.sequence_parallel = p.tp_sequence_parallel;
-  o.tp_recompute_allgather = p.tp_recompute_allgather;
-  o.tp_async = p.tp_async;
-  o.cp_allgather = p.cp_rotate_method == "allgather";
-  o.ac = ActivationCheckpoint::parse(job.activation_checkpoint.mode,
-                                     job.activation_checkpoint.selective_option);
-  o.fsdp.reshard = parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward);
-  o.fsdp.reduce_dtype = dtype_from_name(job.training.mixed_precision_reduce);
-  return o;
+  return {.sequence_parallel = p.tp_sequence_parallel,
+          .tp_recompute_allgather = p.tp_recompute_allgather,
+          .tp_async = p.tp_async,
+          .cp_allgather = p.cp_rotate_method == "allgather",
+          .ac = ActivationCheckpoint::parse(job.activation_checkpoint.mode,
+                                            job.activation_checkpoint.selective_option),
+          .fsdp = {parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward),
+                   dtype_from_name(job.training.mixed_precision_reduce)},
+          .device = Device::cpu};
 }
 
 }  // namespace loom

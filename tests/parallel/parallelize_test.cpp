@@ -3,6 +3,7 @@
 // model built on the meta device against the same model allocated.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "core/error.hpp"
@@ -15,15 +16,10 @@
 namespace loom {
 namespace {
 
+// configs/debug.json: 2 layers of dim 64, 4/2 heads (LOOM_SOURCE_DIR is set by ctest).
 LlamaConfig tiny() {
-  LlamaConfig c;
-  c.hidden_size = 24;
-  c.intermediate_size = 40;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 37;
-  return c;
+  const char* src = std::getenv("LOOM_SOURCE_DIR");
+  return LlamaConfig::from_file(std::string(src ? src : ".") + "/configs/debug.json");
 }
 
 std::string error_of(const std::function<void()>& fn) {

@@ -5,13 +5,9 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3 np=$4
 shift 4
-work=$(mktemp -d "${TMPDIR:-/tmp}/loom_preflight.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
-"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
-  --save-tokenizer "$work/tok.json" >/dev/null
-"$mpiexec" --oversubscribe --allow-run-as-root -np "$np" "$loom" train \
+source "$src/tests/parity/setup.sh"
+parity_setup preflight "$src"/docs/design.md "$src"/train/*.cpp
+"${mpi[@]}" -np "$np" "$loom" train \
   --config "$src/configs/bench-tiny.toml" --data.path="$work/data" --training.steps=3 \
   --validation.interval=0 --metrics.log_every=1 --metrics.jsonl="$work/m.jsonl" "$@" \
   >"$work/log.txt" 2>&1 || { cat "$work/log.txt"; exit 1; }
