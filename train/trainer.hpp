@@ -2,8 +2,10 @@
 // The trainer: the loop of DESIGN.md's "path of one training step" on one rank
 // (data loader -> micro-batches -> forward/backward -> clip -> AdamW -> lr schedule -> metrics ->
 // checkpoint), on one process or on the data-parallel ranks of a mesh (TrainerOptions::mesh).
-// The data loader and the loss normalization follow the layout-free rules of decision 11; data
-// parallelism adds the gradient reduction (parallel/) between backward and clipping.
+// The data loader and the loss normalization follow the layout-free rules of decision 11. The
+// step itself (micro-batches, reductions, clip, AdamW) is train/step.hpp's, the model and its
+// parallel hooks parallel/parallelize.hpp's; the trainer keeps the policy around them (logging,
+// validation, checkpoints, stopping).
 //
 // Everything that can be wrong with the job (the config, the model shape, the data directory and
 // its vocabulary, the checkpoint directory, the memory the run needs) is checked in the
