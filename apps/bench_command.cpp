@@ -2,34 +2,15 @@
 // AdamW) after warm-up and prints throughput, MFU against the GEMM peak measured on this machine
 // at start (one process), and peak memory next to the analytic figure of the memory model.
 //
-// Under `mpirun -np N` it runs the [parallelism] layout exactly as `loom train` does (the shared
-// setup of train/data_parallel.hpp) and prints one row per rank, gathered to rank 0: peak
-// allocated bytes against the model below, bytes sent by collectives per step (the groups'
-// counters, reset after warm-up, divided by the timed steps) against the analytic figure, and
-// tokens/s. With --check the command fails unless every rank's bytes equal the analytic figure
-// and its peak is within 5% of the expected one.
-//
-// Memory model of one rank (FSDP, shards of S = ceil(numel / N) elements per unit):
-//   4 S (f32 master) + 4 S (f32 gradient) + 8 S (AdamW moments), summed over units
-//   + the full weights alive at the peak, the start of the head's backward: the head, the last
-//     block (kept by `default` and `never`, prefetched by `always`), every unit the policy keeps
-//     after forward (`never`: all; the tied embedding), each as ParamUnit's gathered buffer
-//   + the head's full f32 gradient (and the tied embedding's)
-//   + the saved activations of the local batch at their peak, by the [activation_checkpoint]
-//     policy (LlamaModel::saved_activation_bytes)
-//   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits).
-// DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations.
-// Byte model (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
-// (N - 1) x S x gather size in forward (+ the bf16 side buffer's all-reduce), the same again in
-// backward for the units released after forward, and a reduce-scatter (N - 1) x S x reduce size;
-// per step: HSDP's all-reduce of each gradient shard over dp_replicate, the gradient norm's
-// all-gather of 8 bytes over dp_shard, and the loss's all-gather of 8 bytes over dp. DDP: one
-// all-reduce of each unit's gradient per step plus the loss's all-gather. Context parallelism
-// (FSDP then spans dp_shard x cp) adds per micro-batch ring attention's K/V and dK/dV transfers
-// (LlamaModel::cp_bytes_per_micro_batch) and the 8-byte sum of the loss over cp. Not in the
-// memory model: ring attention's working set in backward (five K/V-sized buffers with p2p), so
-// under cp the measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full
-// activation checkpointing, where a block's backward is the peak).
+// Under `mpirun -np N` it runs the [parallelism] layout exactly as `loom train` does (the same
+// parallelize() and TrainStep) and prints one row per rank, gathered to rank 0: peak allocated
+// bytes against the cost model (parallel/cost_model.hpp), bytes sent by collectives per step (the
+// groups' counters, reset after warm-up, divided by the timed steps) against the cost model's
+// figure, and tokens/s. With --check the command fails unless every rank's bytes equal the
+// analytic figure and its peak is within 5% of the expected one. Not in the memory model: ring
+// attention's working set in backward beyond LlamaModel::ring_working_bytes, so under cp the
+// measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full activation
+// checkpointing, where a block's backward is the peak).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -46,9 +27,11 @@
 #include "core/philox.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
+#include "parallel/cost_model.hpp"
 #include "train/config.hpp"
-#include "train/data_parallel.hpp"
+#include "train/launch.hpp"
 #include "train/optimizer.hpp"
+#include "train/step.hpp"
 
 namespace loom {
 
@@ -60,111 +43,9 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-struct MemoryModel {
-  size_t params = 0, grads = 0, optimizer = 0, mirror = 0, gathered = 0, full_grad = 0,
-         activations = 0, head = 0, comm = 0, ring = 0;
-  size_t total() const {
-    return params + grads + optimizer + mirror + gathered + full_grad + activations + head + comm +
-           ring;
-  }
-};
-
-MemoryModel memory_model(DpModel& m, DType compute, int64_t B, int64_t T) {
-  MemoryModel mm;
-  std::vector<ParamUnit*> units = m.model->units();
-  for (ParamUnit* u : units) {
-    const size_t S = size_t(u->shard_numel());
-    mm.params += 4 * S;
-    mm.grads += 4 * S;
-    mm.optimizer += 8 * S;
-    if (!u->sharded() && compute == DType::bf16) mm.mirror += 2 * S;
-  }
-  if (m.fsdp) {
-    const size_t head = units.size() - 1;
-    const bool tied = m.model->config().tie_word_embeddings;
-    for (size_t i = 0; i < units.size(); ++i)
-      if (i + 1 >= head || !m.fsdp->reshard_after_forward(i))
-        mm.gathered += units[i]->materialized_weight_bytes();
-    mm.full_grad = 4 * size_t(units[head]->padded_numel());
-    if (tied) mm.full_grad += 4 * size_t(units[0]->padded_numel());
-  }
-  const LlamaConfig& c = m.model->config();
-  const TpOptions& tp = m.model->tp();
-  const int n = tp.size();
-  const bool sp = n > 1 && tp.sequence_parallel;
-  mm.activations = LlamaModel::saved_activation_bytes(
-      c, B, T, compute, n, sp, tp.recompute_allgather, m.model->activation_checkpoint());
-  const size_t M = size_t(B * T), d = size_t(c.hidden_size);
-  if (n == 1) {
-    // Inside the fused output projection + loss: the last block's output x, the normalized xf
-    // in the compute dtype, its gradient dxf (f32), rstd, and the loss's chunk of logits.
-    mm.head = M * d * (4 + dtype_size(compute) + 4) + M * 4 +
-              size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size) *
-                  (4 + (compute == DType::bf16 ? 2 : 0));
-  } else {
-    // With tp: x, xf (compute dtype) and rstd of this rank's rows, the loss's logits chunk of
-    // the local vocabulary; the gathered xf, dxf and the lse are pooled communication buffers
-    // (mm.comm, what the pool holds).
-    const size_t Mx = sp ? M / size_t(n) : M;
-    mm.head = Mx * d * (4 + dtype_size(compute)) + Mx * 4 + M * 4 /* the loss's glse */ +
-              size_t(LlamaModel::loss_chunk_rows(c, B, T, compute)) * size_t(c.vocab_size / n) *
-                  (4 + (compute == DType::bf16 ? 2 : 0));
-    mm.comm = m.model->comm_buffer_bytes();
-  }
-  // With cp the peak moves into the last block's backward: what it frees there (the head's
-  // workspace and gradient, its own MLP activations) and what it adds besides the ring (its
-  // gradient, dqkv, dattn) about cancel, so the ring's working set adds on top (measured within
-  // 1.5% on bench-tiny cp 2, p2p and allgather, with and without full checkpointing).
-  mm.ring = m.model->ring_working_bytes(B, T);
-  return mm;
-}
-
-uint64_t ring_all_gather(uint64_t in_bytes, int n) {
-  return uint64_t(n - 1) * in_bytes;
-}
-uint64_t ring_all_reduce(uint64_t bytes, int n) {
-  return n > 1 ? 2 * uint64_t(n - 1) * bytes / uint64_t(n) : 0;
-}
-
-// Bytes one rank sends per step with G micro-batches, by the byte model at the top of the file.
-uint64_t analytic_bytes(DpModel& m, const JobConfig& job, int64_t G) {
-  const DpGroups& g = m.groups;
-  // With context parallelism a rank holds T / cp tokens of each sample.
-  const int64_t B = job.training.local_batch_size,
-                T = job.training.seq_len / (g.cp ? g.cp->size() : 1);
-  // Per micro-batch: tp's and cp's collectives and the 8-byte sum of the loss over cp.
-  const uint64_t tp =
-      (m.model->tp_bytes_per_micro_batch(B, T) + m.model->cp_bytes_per_micro_batch(B, T) +
-       (g.cp ? ring_all_gather(8, g.cp->size()) : 0)) *
-          uint64_t(G) +
-      (g.tp ? ring_all_gather(8, g.tp->size()) : 0);  // + the gradient norm
-  if (!m.fsdp && !m.ddp) return tp;
-  const uint64_t rsize = dtype_size(dtype_from_name(job.training.mixed_precision_reduce));
-  std::vector<ParamUnit*> units = m.model->units();
-  uint64_t per_micro = 0, per_step = g.dp ? ring_all_gather(8, int(g.size)) : 0;  // the loss
-  if (m.fsdp) {
-    const int n = g.shard->size();
-    for (size_t i = 0; i < units.size(); ++i) {
-      const ParamUnit& u = *units[i];
-      const uint64_t S = uint64_t(u.shard_numel());
-      const uint64_t gather = ring_all_gather(S * dtype_size(u.gather_dtype()), n) +
-                              ring_all_reduce(uint64_t(u.side_numel()) * 4, n);
-      per_micro += gather * (m.fsdp->reshard_after_forward(i) ? 2 : 1);
-      per_micro += uint64_t(n - 1) * S * rsize;  // reduce-scatter
-      if (g.replicate && g.replicate->size() > 1)
-        per_step += ring_all_reduce(S * rsize, g.replicate->size());
-    }
-    per_step += ring_all_gather(8, n);  // the gradient norm
-  } else if (m.ddp) {
-    for (ParamUnit* u : units)
-      per_step += ring_all_reduce(uint64_t(u->numel()) * rsize, int(g.size));
-  }
-  return per_micro * uint64_t(G) + per_step + tp;
-}
-
 // Every group the data-parallel step communicates on, each once (ranges of dims with the same
 // ranks share one group).
-std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh, const DpGroups& dp) {
+std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh, const ParallelGroups& dp) {
   std::vector<dist::ProcessGroup*> out;
   if (!mesh) return out;
   std::set<dist::ProcessGroup*> seen;
@@ -238,7 +119,7 @@ int bench_command(const Args& args) {
   const double peak_flops = compute == DType::bf16 ? sys.peak_bf16 : sys.peak_f32;
 
   auto& alloc = Allocator::get(Device::cpu);
-  DpModel par = make_dp_model(mc, compute, job, dp_groups(mesh));
+  ParallelModel par = parallelize(mc, compute, parallel_groups(mesh), parallelize_options(job));
   LlamaModel& model = *par.model;
   model.init_weights(uint64_t(job.model.seed));
   AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1), float(job.optimizer.beta2),
@@ -259,7 +140,8 @@ int bench_command(const Args& args) {
     }
 
   const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh, par.groups);
-  const float grad_scale = float(1.0 / double(G * B * T * dp_size));
+  MicroBatch batch{B, T, std::move(inputs), std::move(targets)};
+  TrainStep train_step(par, opt, job.training.max_norm, G * B * T * dp_size);
   std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
@@ -267,17 +149,11 @@ int bench_command(const Args& args) {
       for (dist::ProcessGroup* g : groups) g->reset_counters();
     }
     auto t0 = std::chrono::steady_clock::now();
-    model.zero_grad();
-    double loss = 0;
-    for (int64_t m = 0; m < G; ++m)
-      loss += par.forward_backward(inputs.data(), targets.data(), B, T, grad_scale, m + 1 == G);
-    par.finish_step();
-    loss = dp_sum(par.groups.dp, loss);
-    clip_grad_norm(model.units(), job.training.max_norm, par.groups.shard, par.groups.tp);
-    opt.step(float(job.optimizer.lr));
+    const StepResult r = train_step.run(
+        G, [&](int64_t) -> const MicroBatch& { return batch; }, job.optimizer.lr);
     auto t1 = std::chrono::steady_clock::now();
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
-    losses.push_back(loss / double(G * B * T * dp_size));
+    losses.push_back(r.loss);
   }
   uint64_t bytes_measured = 0;
   double wait_s = 0;
@@ -291,20 +167,19 @@ int bench_command(const Args& args) {
   const double flops = mc.flops_per_token(T) * tokens_per_s;
   const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
 
-  // With context parallelism a rank holds the activations of its T / cp tokens.
-  const MemoryModel mm =
-      memory_model(par, compute, B, T / (par.groups.cp ? par.groups.cp->size() : 1));
+  const MemoryCost mm = memory_cost(par, B, T);
   const size_t n = size_t(model.num_params());
   const double mem_ratio = double(st.peak_allocated) / double(mm.total());
   const uint64_t timed = uint64_t(std::max(steps, 1));
-  const uint64_t bytes_per_step = bytes_measured / timed;
-  const uint64_t bytes_expected = analytic_bytes(par, job, G);
+  const uint64_t sent_per_step = bytes_measured / timed;
+  const uint64_t bytes_expected =
+      bytes_per_step(par, dtype_from_name(job.training.mixed_precision_reduce), B, T, G);
   // A per-step figure only if the timed steps sent the same bytes each.
   const bool bytes_ok = bytes_measured == bytes_expected * timed;
 
   if (mesh) {
     const std::vector<std::vector<int64_t>> rows =
-        gather_rows(mesh, {int64_t(st.peak_allocated), int64_t(mm.total()), int64_t(bytes_per_step),
+        gather_rows(mesh, {int64_t(st.peak_allocated), int64_t(mm.total()), int64_t(sent_per_step),
                            int64_t(bytes_expected), int64_t(bytes_ok),
                            int64_t(std::llround(tokens_per_s)), int64_t(std::llround(step_s * 1e6)),
                            int64_t(std::llround(wait_s / double(timed) * 1e6))});

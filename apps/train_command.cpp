@@ -15,7 +15,7 @@
 #include "apps/commands.hpp"
 #include "core/error.hpp"
 #include "train/config.hpp"
-#include "train/data_parallel.hpp"
+#include "train/launch.hpp"
 #include "train/trainer.hpp"
 
 namespace loom {

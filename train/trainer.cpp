@@ -13,18 +13,20 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "data/data_loader.hpp"
+#include "data/token_shard.hpp"
 #include "distributed/mesh.hpp"
-#include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "parallel/cost_model.hpp"
+#include "parallel/scalar_sum.hpp"
 #include "train/checkpoint.hpp"
-#include "data/data_loader.hpp"
-#include "train/data_parallel.hpp"
+#include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
-#include "data/token_shard.hpp"
+#include "train/step.hpp"
 
 namespace loom {
 
@@ -47,27 +49,6 @@ std::string gib(size_t bytes) {
   else
     std::snprintf(buf, sizeof buf, "%.1f MiB", g * 1024);
   return buf;
-}
-
-// Without a mesh one process is the whole world; with one, data, tensor and context parallelism
-// are supported (not pp).
-void check_layout(const JobConfig& c, const dist::Mesh* mesh) {
-  const auto& p = c.parallelism;
-  if (!mesh) {
-    const int64_t shard = p.dp_shard == -1 ? 1 : p.dp_shard;
-    const int64_t world = p.dp_replicate * shard * p.tp * p.cp * p.pp;
-    LOOM_CHECK(world == 1, "parallelism: dp_replicate=", p.dp_replicate, " dp_shard=", p.dp_shard,
-               " tp=", p.tp, " cp=", p.cp, " pp=", p.pp, " needs ", world,
-               " ranks, but this is one process (launch with `mpirun -np ", world,
-               " loom train ...`)");
-  }
-  LOOM_CHECK(p.pp == 1, "parallelism.pp = ", p.pp,
-             " is not supported yet (data, tensor and context parallelism only: dp_replicate, "
-             "dp_shard, tp, cp); expected pp = 1");
-  // Context parallelism cuts each sequence into 2*cp chunks (and, with sequence parallelism,
-  // each rank's rows into tp parts): refused here, before any work, when seq_len does not split.
-  if (p.cp > 1)
-    cpu::cp_positions(c.training.seq_len, p.cp, 0, p.tp > 1 && p.tp_sequence_parallel ? p.tp : 1);
 }
 
 // The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
@@ -179,17 +160,28 @@ struct FileCloser {
 
 }  // namespace
 
+namespace {
+
+MemoryEstimate memory_estimate(const MemoryCost& c, int64_t num_params) {
+  MemoryEstimate m;
+  m.params = size_t(num_params);
+  m.weights = c.params;
+  m.grads = c.grads;
+  m.optimizer = c.optimizer;
+  m.mirror = c.mirror;
+  m.activations = c.activations;
+  m.workspace = c.gathered + c.full_grad + c.head + c.comm + c.ring;
+  return m;
+}
+
+}  // namespace
+
 MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
                                         DType compute, const ActivationCheckpoint& ac) {
-  MemoryEstimate m;
-  m.params = size_t(c.num_params());
-  m.weights = 4 * m.params;
-  m.grads = 4 * m.params;
-  m.optimizer = 8 * m.params;
-  m.mirror = compute == DType::bf16 ? 2 * m.params : 0;
-  m.activations =
-      LlamaModel::saved_activation_bytes(c, batch, seq_len, compute, 1, false, false, ac);
-  return m;
+  ParallelizeOptions o;
+  o.ac = ac;
+  ParallelModel plan = plan_model(c, compute, {}, o);
+  return memory_estimate(memory_cost(plan, batch, seq_len), c.num_params());
 }
 
 size_t mem_available_bytes() {
@@ -207,11 +199,8 @@ struct Trainer::State {
   JobConfig job;
   TrainerOptions opt;
   dist::Mesh* mesh = nullptr;
-  dist::ProcessGroup* dp = nullptr;     // all data-parallel ranks (nullptr: one process)
-  dist::ProcessGroup* shard = nullptr;  // FSDP's dp_shard group (nullptr: nothing sharded)
-  dist::ProcessGroup* tp = nullptr;     // tensor parallelism (nullptr: none)
-  int64_t dp_rank = 0, dp_size = 1;
-  bool writer = true;  // world rank 0: prints, writes metrics and checkpoints
+  ParallelGroups groups;  // of the mesh (all nullptr: one process)
+  bool writer = true;     // world rank 0: prints, writes metrics and checkpoints
   std::unique_ptr<FILE, FileCloser> devnull;
   LlamaConfig mc;
   std::string model_config_path;
@@ -222,7 +211,9 @@ struct Trainer::State {
   std::unique_ptr<TokenStream> train, val;
   std::unique_ptr<DataLoader> loader;
   std::vector<MicroBatch> val_batches;
-  DpModel par;  // the model and its data-parallel hooks
+  std::string resume_dir;                // the checkpoint to resume from ("": none)
+  std::unique_ptr<SafetensorsDir> init;  // model.init_from, when not resuming
+  ParallelModel par;                     // the model and its parallel hooks
   std::unique_ptr<AdamW> adamw;
   LrSchedule schedule;
   int64_t step = 0;         // optimizer steps completed
@@ -231,6 +222,19 @@ struct Trainer::State {
   std::string config_note;           // the keys a resume changed (checkpoint.allow_config_change)
   std::vector<std::string> cleaned;  // what clean_checkpoint_dir did
   double last_loss = 0, last_lr = 0;
+
+  int64_t tokens_per_step() const { return G * B * T * groups.size; }
+
+  // The constructor's phases, in order. Everything that can be wrong with the job is checked
+  // before preflight() has passed and anything large is allocated.
+  void build_mesh();       // the layout checked, the ranks' precision agreed, the groups
+  void read_config();      // checkpoint keys, the model config, the step's shape
+  void preflight();        // the memory this rank needs against what it may use
+  void build_data();       // shards, loaders, validation batches, tokenizer
+  void find_checkpoint();  // what to resume from (or initialize from), checked against the job
+  void build_model();      // parallelize(): the model of this rank, with its hooks
+  void build_optimizer();
+  void load_or_init();
 };
 
 Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
@@ -239,151 +243,156 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.job = config;
   resolve_auto_precision(s.job);  // parsing did it already, unless the caller built the struct
   s.opt = options;
-  const JobConfig& j = s.job;
   s.mesh = options.mesh;
-  check_layout(j, s.mesh);
+  s.build_mesh();
+  s.read_config();
+  s.preflight();
+  s.build_data();
+  s.find_checkpoint();
+  s.build_model();
+  s.build_optimizer();
+  s.load_or_init();
+}
+
+void Trainer::State::build_mesh() {
+  // Without a mesh one process is the whole world; with one, data, tensor and context
+  // parallelism are supported (not pp).
+  parallel_dims(job).validate(job.training.seq_len, mesh == nullptr);
   // "auto" was resolved on each rank's own CPU, but the ranks' GEMMs and FSDP's gathers share the
   // dtype: one rank without native bf16 matmuls makes every rank float32.
-  if (s.mesh && !s.job.precision_reason.empty()) {
-    std::string& p = s.job.training.mixed_precision_param;
-    if (any_rank(s.mesh->world(), p != "bfloat16") && p == "bfloat16") {
+  if (mesh && !job.precision_reason.empty()) {
+    std::string& p = job.training.mixed_precision_param;
+    if (any_rank(mesh->world(), p != "bfloat16") && p == "bfloat16") {
       p = "float32";
-      s.job.precision_reason =
+      job.precision_reason =
           "auto: float32 on every rank, as some rank's CPU has no native bf16 matmul";
     }
   }
-  int shard_count = 1;
-  if (s.mesh) {
-    const DpGroups g = dp_groups(s.mesh);
-    s.dp = g.dp;
-    s.dp_size = g.size;
-    s.dp_rank = g.rank;
-    s.shard = g.shard;
-    s.tp = g.tp;
-    s.writer = s.mesh->world_rank() == 0;
-    shard_count = g.shard ? g.shard->size() : 1;  // dp_shard x cp
-    if (!s.writer) {
-      s.devnull.reset(std::fopen("/dev/null", "w"));
-      LOOM_CHECK(s.devnull != nullptr, "cannot open /dev/null");
-      s.opt.out = s.devnull.get();
-      s.opt.tty = false;
-      s.opt.gemm_peak_seconds = 0;
+  groups = parallel_groups(mesh);
+  if (mesh) {
+    writer = mesh->world_rank() == 0;
+    if (!writer) {
+      devnull.reset(std::fopen("/dev/null", "w"));
+      LOOM_CHECK(devnull != nullptr, "cannot open /dev/null");
+      opt.out = devnull.get();
+      opt.tty = false;
+      opt.gemm_peak_seconds = 0;
     }
   }
+}
+
+void Trainer::State::read_config() {
+  const JobConfig& j = job;
   LOOM_CHECK(j.checkpoint.interval == 0 || !j.checkpoint.dir.empty(),
              "checkpoint.interval = ", j.checkpoint.interval,
              " needs checkpoint.dir (where to save)");
   LOOM_CHECK(!j.checkpoint.resume || !j.checkpoint.dir.empty(),
              "checkpoint.resume = true needs checkpoint.dir (where to look for checkpoints)");
 
-  s.model_config_path = resolve_model_config(j.model.config, j.base_dir);
-  s.mc = LlamaConfig::from_file(s.model_config_path);
-  s.mc.validate(s.model_config_path);
+  model_config_path = resolve_model_config(j.model.config, j.base_dir);
+  mc = LlamaConfig::from_file(model_config_path);
+  mc.validate(model_config_path);
   // RoPE is defined for any position, but the model is not trained (and `loom generate` refuses
   // to run) beyond max_position_embeddings: refused here rather than after the training.
-  LOOM_CHECK(j.training.seq_len <= s.mc.max_position_embeddings,
+  LOOM_CHECK(j.training.seq_len <= mc.max_position_embeddings,
              "training.seq_len = ", j.training.seq_len,
-             " exceeds max_position_embeddings = ", s.mc.max_position_embeddings, " of the model (",
-             s.model_config_path, "): expected training.seq_len <= ", s.mc.max_position_embeddings);
-  s.compute = dtype_from_name(j.training.mixed_precision_param);
-  s.B = j.training.local_batch_size;
-  s.T = j.training.seq_len;
-  s.G = j.training.grad_accum_steps;
-  s.schedule = LrSchedule::from_config(j);
+             " exceeds max_position_embeddings = ", mc.max_position_embeddings, " of the model (",
+             model_config_path, "): expected training.seq_len <= ", mc.max_position_embeddings);
+  compute = dtype_from_name(j.training.mixed_precision_param);
+  B = j.training.local_batch_size;
+  T = j.training.seq_len;
+  G = j.training.grad_accum_steps;
+  schedule = LrSchedule::from_config(j);
+}
 
-  // Memory, before anything is allocated or mapped.
-  // With context parallelism a rank saves the activations of its seq_len / cp tokens.
-  s.mem = estimate_training_memory(
-      s.mc, s.B, s.T / j.parallelism.cp, s.compute,
-      ActivationCheckpoint::parse(j.activation_checkpoint.mode,
-                                  j.activation_checkpoint.selective_option));
-  if (shard_count > 1) {
-    // FSDP: every rank holds 1/N of the weights, gradients and moments (the gathered units in
-    // flight are not counted here).
-    s.mem.weights /= size_t(shard_count);
-    s.mem.grads /= size_t(shard_count);
-    s.mem.optimizer /= size_t(shard_count);
-    s.mem.mirror = 0;
-  }
-  size_t budget = s.opt.mem_available ? s.opt.mem_available : mem_available_bytes();
-  std::string budget_what = s.opt.mem_available ? "the given budget" : "MemAvailable";
-  if (j.memory.limit_gb > 0) {
-    const size_t limit = size_t(j.memory.limit_gb * double(size_t(1) << 30));
+void Trainer::State::preflight() {
+  // This rank's model as parallelize() will build it, on the meta device (nothing allocated),
+  // priced by the cost model that `loom bench` checks against the allocator's peak.
+  ParallelModel plan = plan_model(mc, compute, groups, parallelize_options(job));
+  mem = memory_estimate(memory_cost(plan, B, T), mc.num_params());
+  size_t budget = opt.mem_available ? opt.mem_available : mem_available_bytes();
+  std::string budget_what = opt.mem_available ? "the given budget" : "MemAvailable";
+  if (job.memory.limit_gb > 0) {
+    const size_t limit = size_t(job.memory.limit_gb * double(size_t(1) << 30));
     if (budget == 0 || limit < budget) {
       budget = limit;
       budget_what = "memory.limit_gb";
     }
   }
-  LOOM_CHECK(budget == 0 || s.mem.total() <= budget, "not enough memory: training ",
-             s.model_config_path, " needs about ", gib(s.mem.total()), " = ", s.mem.params,
-             " parameters x 16 B (f32 weights ", gib(s.mem.weights), " + gradients ",
-             gib(s.mem.grads), " + AdamW moments ", gib(s.mem.optimizer), ")",
-             s.mem.mirror ? " + bf16 copy " + gib(s.mem.mirror) : std::string(),
-             " + saved activations ", gib(s.mem.activations), " (batch ", s.B, " x seq_len ", s.T,
-             "), but ", budget_what, " is ", gib(budget));
+  LOOM_CHECK(
+      budget == 0 || mem.total() <= budget, "not enough memory: training ", model_config_path,
+      " needs about ", gib(mem.total()), " = ", mem.params, " parameters x 16 B (f32 weights ",
+      gib(mem.weights), " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer),
+      ")", mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",
+      gib(mem.activations), " (batch ", B, " x seq_len ", T, ") + working buffers ",
+      gib(mem.workspace), ", but ", budget_what, " is ", gib(budget));
+}
 
-  // Data.
+void Trainer::State::build_data() {
+  const JobConfig& j = job;
   LOOM_CHECK(!j.data.path.empty(),
              "data.path is empty: expected a directory of token shards from `loom tokenize`");
   LOOM_CHECK(fs::is_directory(j.data.path), "data.path '", j.data.path,
              "' is not a directory (expected the output directory of `loom tokenize`; a relative ",
              "path is taken from the current directory)");
-  s.train = std::make_unique<TokenStream>(j.data.path, "train");
+  train = std::make_unique<TokenStream>(j.data.path, "train");
   // A shard vocabulary smaller than the model's is fine (the model's embedding table is padded,
   // ids stay in range); a larger one would index past the embedding.
   auto check_vocab = [&](const TokenStream& ts, const char* split) {
-    LOOM_CHECK(int64_t(ts.vocab_size()) <= s.mc.vocab_size, "data.path '", j.data.path, "': the ",
+    LOOM_CHECK(int64_t(ts.vocab_size()) <= mc.vocab_size, "data.path '", j.data.path, "': the ",
                split, " shards have vocab_size ", ts.vocab_size(), " but the model (",
-               s.model_config_path, ") has vocab_size ", s.mc.vocab_size,
+               model_config_path, ") has vocab_size ", mc.vocab_size,
                ": token ids would index past the embedding (expected shard vocab_size <= ",
-               s.mc.vocab_size, ")");
+               mc.vocab_size, ")");
   };
-  check_vocab(*s.train, "train");
+  check_vocab(*train, "train");
   // A sample is seq_len + 1 tokens (inputs and targets shifted by one); a shorter split would
   // train on the same few tokens, wrapped around, every step.
   auto check_length = [&](const TokenStream& ts, const char* split) {
-    LOOM_CHECK(ts.size() >= uint64_t(s.T) + 1, "data.path '", j.data.path, "': the ", split,
+    LOOM_CHECK(ts.size() >= uint64_t(T) + 1, "data.path '", j.data.path, "': the ", split,
                " shards hold ", ts.size(),
-               " tokens, fewer than one sample of training.seq_len + 1 = ", s.T + 1,
+               " tokens, fewer than one sample of training.seq_len + 1 = ", T + 1,
                " tokens (tokenize more text, or lower training.seq_len)");
   };
-  check_length(*s.train, "train");
+  check_length(*train, "train");
   DataLoaderConfig dl;
-  dl.local_batch_size = s.B;
-  dl.seq_len = s.T;
-  dl.grad_accum_steps = s.G;
-  dl.dp_rank = s.dp_rank;
-  dl.dp_size = s.dp_size;
+  dl.local_batch_size = B;
+  dl.seq_len = T;
+  dl.grad_accum_steps = G;
+  dl.dp_rank = groups.rank;
+  dl.dp_size = groups.size;
   dl.shuffle = j.data.shuffle;
   dl.seed = uint64_t(j.model.seed);
-  s.loader = std::make_unique<DataLoader>(*s.train, dl);
+  loader = std::make_unique<DataLoader>(*train, dl);
   if (j.validation.interval > 0) {
     LOOM_CHECK(!TokenStream::find_files(j.data.path, "val").empty(),
                "validation.interval = ", j.validation.interval, " but data.path '", j.data.path,
                "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
                "--validation.interval=0)");
-    s.val = std::make_unique<TokenStream>(j.data.path, "val");
-    check_vocab(*s.val, "val");
-    check_length(*s.val, "val");
+    val = std::make_unique<TokenStream>(j.data.path, "val");
+    check_vocab(*val, "val");
+    check_length(*val, "val");
     DataLoaderConfig vl = dl;
     vl.grad_accum_steps = 1;
     vl.shuffle = false;
-    const DataLoader val_loader(*s.val, vl);
-    for (int64_t b = 0; b < j.validation.steps; ++b) s.val_batches.push_back(val_loader.get(b, 0));
+    const DataLoader val_loader(*val, vl);
+    for (int64_t b = 0; b < j.validation.steps; ++b) val_batches.push_back(val_loader.get(b, 0));
   }
   if (!j.data.tokenizer.empty()) {
     LOOM_CHECK(fs::is_regular_file(j.data.tokenizer), "data.tokenizer '", j.data.tokenizer,
                "' is not a file");
-    s.tokenizer_json = j.data.tokenizer;
+    tokenizer_json = j.data.tokenizer;
   } else if (fs::is_regular_file(fs::path(j.data.path) / "tokenizer.json")) {
-    s.tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
+    tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
   }
+}
 
+void Trainer::State::find_checkpoint() {
+  const JobConfig& j = job;
   // What interrupted saves and prunes left behind goes first (world rank 0 alone writes the
   // directory; the others wait for it so they all see the same checkpoints).
-  if (s.writer) s.cleaned = clean_checkpoint_dir(j.checkpoint.dir);
-  if (s.mesh) any_rank(s.mesh->world(), false);
-  std::string resume_dir;
+  if (writer) cleaned = clean_checkpoint_dir(j.checkpoint.dir);
+  if (mesh) any_rank(mesh->world(), false);
   if (j.checkpoint.resume) resume_dir = latest_checkpoint(j.checkpoint.dir);
   if (!j.checkpoint.resume && !j.checkpoint.dir.empty()) {
     // A fresh run's saves would replace those checkpoints, or be pruned at once in favour of
@@ -397,9 +406,8 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   }
   if (!resume_dir.empty()) {
     const TrainState st = read_checkpoint_state(resume_dir);
-    const int64_t tokens_per_step = s.G * s.B * s.T * s.dp_size;
     const std::vector<std::string> diff =
-        math_differences(resume_dir, st, j, s.mc, tokens_per_step);
+        math_differences(resume_dir, st, j, mc, tokens_per_step());
     std::string list;
     for (const std::string& d : diff) list += "\n  " + d;
     LOOM_CHECK(diff.empty() || j.checkpoint.allow_config_change, "resuming from ", resume_dir,
@@ -408,29 +416,37 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
                list,
                "\nrun with the checkpoint's values, or set --checkpoint.allow_config_change=true "
                "to continue with the new ones");
-    if (!diff.empty()) s.config_note = "  note: continuing with a changed configuration:" + list;
+    if (!diff.empty()) config_note = "  note: continuing with a changed configuration:" + list;
   }
-  std::unique_ptr<SafetensorsDir> init;
   if (resume_dir.empty() && !j.model.init_from.empty())
     init = std::make_unique<SafetensorsDir>(j.model.init_from);
+}
 
-  if (j.memory.limit_gb > 0)
-    Allocator::get(Device::cpu).set_limit(size_t(j.memory.limit_gb * double(size_t(1) << 30)));
-  s.par = make_dp_model(s.mc, s.compute, j, dp_groups(s.mesh));
-  AdamWConfig oc{float(j.optimizer.lr), float(j.optimizer.beta1), float(j.optimizer.beta2),
-                 float(j.optimizer.eps), float(j.optimizer.weight_decay)};
-  s.adamw = std::make_unique<AdamW>(s.par.model->units(), oc);
+void Trainer::State::build_model() {
+  if (job.memory.limit_gb > 0)
+    Allocator::get(Device::cpu).set_limit(size_t(job.memory.limit_gb * double(size_t(1) << 30)));
+  par = parallelize(mc, compute, groups, parallelize_options(job));
+}
+
+void Trainer::State::build_optimizer() {
+  const auto& o = job.optimizer;
+  AdamWConfig oc{float(o.lr), float(o.beta1), float(o.beta2), float(o.eps), float(o.weight_decay)};
+  adamw = std::make_unique<AdamW>(par.model->units(), oc);
+}
+
+void Trainer::State::load_or_init() {
   if (!resume_dir.empty()) {
-    const TrainState st = load_checkpoint(resume_dir, *s.par.model, *s.adamw);
-    s.step = st.step;
-    s.data_offset = st.data_step - st.step;
-    s.last_loss = st.loss;
-    s.last_lr = st.lr;
-    s.resumed_from = resume_dir;
+    const TrainState st = load_checkpoint(resume_dir, *par.model, *adamw);
+    step = st.step;
+    data_offset = st.data_step - st.step;
+    last_loss = st.loss;
+    last_lr = st.lr;
+    resumed_from = resume_dir;
   } else if (init) {
-    s.par.model->load_hf(*init);
+    par.model->load_hf(*init);
+    init.reset();
   } else {
-    s.par.model->init_weights(uint64_t(j.model.seed));
+    par.model->init_weights(uint64_t(job.model.seed));
   }
 }
 
@@ -455,15 +471,15 @@ double Trainer::validate() {
   for (const MicroBatch& mb : s.val_batches)
     sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
   s.par.model->zero_grad();
-  sum = dp_sum(s.dp, sum);
-  return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.dp_size);
+  sum = dp_sum(s.groups.dp, sum);
+  return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.groups.size);
 }
 
 TrainResult Trainer::run() {
   State& s = *s_;
   const JobConfig& j = s.job;
   const int64_t N = j.training.steps;
-  const int64_t tokens_per_step = s.G * s.B * s.T * s.dp_size;
+  const int64_t tokens_per_step = s.tokens_per_step();
   TrainResult result;
   result.final_step = s.step;
 
@@ -487,13 +503,14 @@ TrainResult Trainer::run() {
          << ")";
     os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T;
     if (s.mesh)
-      os << " x dp " << s.dp_size << " (" << s.mesh->layout().describe() << ", " << s.par.kind()
+      os << " x dp " << s.groups.size << " (" << s.mesh->layout().describe() << ", " << s.par.kind()
          << ")";
     os << " = " << tokens_per_step << " tokens";
     log.message(os.str());
     log.message(str_cat("  memory estimate ", gib(s.mem.total()), " (weights+grads+AdamW ",
                         gib(s.mem.weights + s.mem.grads + s.mem.optimizer), ", bf16 copy ",
-                        gib(s.mem.mirror), ", activations ", gib(s.mem.activations), ")"));
+                        gib(s.mem.mirror), ", activations ", gib(s.mem.activations),
+                        ", working buffers ", gib(s.mem.workspace), ")"));
     if (!s.resumed_from.empty())
       log.message(str_cat("  resumed from ", s.resumed_from, " (step ", s.step, ")"));
     else if (j.checkpoint.resume)
@@ -514,7 +531,6 @@ TrainResult Trainer::run() {
 
   auto& alloc = Allocator::get(Device::cpu);
   const double flops_per_token = s.mc.flops_per_token(s.T);
-  const float grad_scale = float(1.0 / double(tokens_per_step));
   int64_t last_saved = -1;
   double ema_step_s = 0;
   const int64_t first_step = s.step + 1;
@@ -526,7 +542,7 @@ TrainResult Trainer::run() {
     try {
       result.last_checkpoint =
           save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
-                          {s.shard, s.mesh ? &s.mesh->world() : nullptr, s.tp});
+                          {s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp});
     } catch (const Error& e) {
       // A full disk: say how much room the directory needs, since the oldest checkpoint goes
       // only after the new one is complete.
@@ -555,20 +571,20 @@ TrainResult Trainer::run() {
     log.validation(step, v);
   };
 
+  TrainStep train_step(s.par, *s.adamw, j.training.max_norm, tokens_per_step);
   for (int64_t step = first_step; step <= N; ++step) {
     const auto t0 = Clock::now();
-    s.par.model->zero_grad();
-    double loss_sum = 0;
     const int64_t data_step = step - 1 + s.data_offset;
-    for (int64_t m = 0; m < s.G; ++m) {
-      const MicroBatch mb = s.loader->get(data_step, m);
-      loss_sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T,
-                                         grad_scale, m + 1 == s.G);
-    }
-    s.par.finish_step();
-    const double loss = dp_sum(s.dp, loss_sum) / double(tokens_per_step);
-    const double norm = clip_grad_norm(s.par.model->units(), j.training.max_norm, s.shard, s.tp);
+    MicroBatch mb;
     const double lr = s.schedule.at(step);
+    const StepResult r = train_step.run(
+        s.G,
+        [&](int64_t micro) -> const MicroBatch& {
+          mb = s.loader->get(data_step, micro);
+          return mb;
+        },
+        lr);
+    const double loss = r.loss, norm = r.grad_norm;
 
     StepMetrics m;
     m.step = step;
@@ -578,7 +594,7 @@ TrainResult Trainer::run() {
     m.grad_norm = norm;
     m.peak_allocated_bytes = alloc.stats().peak_allocated;
     m.tokens_seen = step * tokens_per_step;
-    if (!std::isfinite(loss) || !std::isfinite(norm)) {
+    if (!r.updated) {
       log.step(m);
       const std::string good =
           j.checkpoint.dir.empty() ? std::string() : latest_checkpoint(j.checkpoint.dir);
@@ -587,7 +603,6 @@ TrainResult Trainer::run() {
            good.empty() ? std::string() : str_cat(" (the last good checkpoint is ", good, ")"),
            " (a lower optimizer.lr may help)");
     }
-    s.adamw->step(float(lr));
     s.step = step;
     s.last_loss = loss;
     s.last_lr = lr;

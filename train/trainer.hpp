@@ -2,8 +2,10 @@
 // The trainer: the loop of DESIGN.md's "path of one training step" on one rank
 // (data loader -> micro-batches -> forward/backward -> clip -> AdamW -> lr schedule -> metrics ->
 // checkpoint), on one process or on the data-parallel ranks of a mesh (TrainerOptions::mesh).
-// The data loader and the loss normalization follow the layout-free rules of decision 11; data
-// parallelism adds the gradient reduction (parallel/) between backward and clipping.
+// The data loader and the loss normalization follow the layout-free rules of decision 11. The
+// step itself (micro-batches, reductions, clip, AdamW) is train/step.hpp's, the model and its
+// parallel hooks parallel/parallelize.hpp's; the trainer keeps the policy around them (logging,
+// validation, checkpoints, stopping).
 //
 // Everything that can be wrong with the job (the config, the model shape, the data directory and
 // its vocabulary, the checkpoint directory, the memory the run needs) is checked in the
@@ -59,17 +61,21 @@ struct TrainResult {
   std::string last_checkpoint;  // "" if none was saved by this call
 };
 
-// The memory a training run needs, by the model of DESIGN.md decision 9 (what `loom bench`
-// compares with the allocator's peak).
+// The memory one rank of a training run needs, by the cost model (parallel/cost_model.hpp, the
+// one `loom bench` checks against the allocator's peak), as the pre-flight reports it.
 struct MemoryEstimate {
-  size_t params = 0;       // number of parameters
-  size_t weights = 0;      // f32 master weights: 4 B each
+  size_t params = 0;       // number of parameters (the whole model's)
+  size_t weights = 0;      // f32 master weights (this rank's shards): 4 B each
   size_t grads = 0;        // f32 gradients: 4 B each
   size_t optimizer = 0;    // AdamW moments: 8 B each
-  size_t mirror = 0;       // bf16 GEMM copy: 2 B each with bf16 mixed precision
+  size_t mirror = 0;       // bf16 GEMM copy of unsharded units: 2 B each with bf16
   size_t activations = 0;  // saved by one micro-batch (LlamaModel::saved_activation_bytes)
-  size_t total() const { return weights + grads + optimizer + mirror + activations; }
+  // FSDP's gathered units and full gradients, the head's loss workspace, tp's communication
+  // buffers, ring attention's working set: what is alive besides at the peak.
+  size_t workspace = 0;
+  size_t total() const { return weights + grads + optimizer + mirror + activations + workspace; }
 };
+// One process.
 MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
                                         DType compute, const ActivationCheckpoint& ac = {});
 size_t mem_available_bytes();  // MemAvailable of /proc/meminfo (0 if it cannot be read)

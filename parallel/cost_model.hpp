@@ -1,0 +1,73 @@
+#pragma once
+// The cost model: the memory one rank needs and the bytes it sends per step, for a model as
+// parallelize() builds it. One model serves the trainer's pre-flight (which refuses a run that
+// does not fit), `loom bench step` (its expected figures and --check) and the planner to come.
+//
+// The units' sizes come from the model itself (shards, padding, gathered buffers), so the model
+// may be the real one or one built on the meta device before anything is allocated
+// (plan_model): the same constructor, hence the same sizes as the allocation.
+//
+// Memory of one rank (FSDP: shards of S = ceil(numel / N) elements per unit, N = dp_shard x cp):
+//   4 S (f32 master) + 4 S (f32 gradient) + 8 S (AdamW moments), summed over units
+//   (+ 2 S for the bf16 mirror of unsharded units)
+//   + the full weights alive at the peak, the start of the head's backward: the head, the last
+//     block (kept by `default` and `never`, prefetched by `always`), every unit the policy keeps
+//     after forward (`never`: all; the tied embedding), each as ParamUnit's gathered buffer
+//   + the head's full f32 gradient (and the tied embedding's)
+//   + the saved activations of the local batch at their peak, by the [activation_checkpoint]
+//     policy (LlamaModel::saved_activation_bytes)
+//   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits)
+//   + with tp, the pooled communication buffers (tp_comm_buffer_bytes)
+//   + with cp, ring attention's working set in a block's backward (LlamaModel::ring_working_bytes):
+//     the peak moves into the last block's backward, where what it frees (the head's workspace
+//     and gradient, its own MLP activations) and what it adds besides the ring (its gradient,
+//     dqkv, dattn) about cancel (measured within 1.5% on bench-tiny cp 2, p2p and allgather,
+//     with and without full checkpointing).
+// DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations + head.
+//
+// Bytes (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
+// (N - 1) x S x gather size in forward (+ the bf16 side buffer's all-reduce), the same again in
+// backward for the units released after forward, and a reduce-scatter (N - 1) x S x reduce size;
+// per step: HSDP's all-reduce of each gradient shard over dp_replicate, the gradient norm's
+// all-gather of 8 bytes over dp_shard (x cp) and over tp, and the loss's all-gather of 8 bytes
+// over dp. DDP: one all-reduce of each unit's gradient per step plus the loss's all-gather. Per
+// micro-batch, tp's collectives (LlamaModel::tp_bytes_per_micro_batch) and context parallelism's
+// ring attention K/V and dK/dV transfers (LlamaModel::cp_bytes_per_micro_batch) and the 8-byte
+// sum of the loss over cp.
+#include <cstddef>
+#include <cstdint>
+
+#include "parallel/parallelize.hpp"
+
+namespace loom {
+
+struct MemoryCost {
+  size_t num_params = 0;  // this rank's parameters (its tp slices, unsharded)
+  size_t params = 0, grads = 0, optimizer = 0, mirror = 0;  // shards (or whole units)
+  size_t gathered = 0, full_grad = 0;                       // FSDP: full units at the peak
+  size_t activations = 0, head = 0;                         // one micro-batch's
+  size_t comm = 0, ring = 0;                                // tp pool, ring attention
+  size_t states() const { return params + grads + optimizer + mirror; }
+  size_t total() const {
+    return states() + gathered + full_grad + activations + head + comm + ring;
+  }
+};
+
+// The memory of one rank of `m` training micro-batches of B samples of T tokens each (the
+// global seq_len; with cp a rank holds T / cp of them).
+MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T);
+
+// Bytes one rank of `m` sends per step of G micro-batches (reduce: the gradients' dtype).
+uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, int64_t G);
+
+// The pooled communication buffers of tensor parallelism after a step (LlamaModel's
+// comm_buffer_bytes()): one per (purpose, dtype, size) of the model's pooled() calls.
+size_t tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute, int tp,
+                            bool sp);
+
+// This rank's model as parallelize() builds it, on the meta device: every tensor booked, no
+// memory behind it, so the cost model can be asked before anything is allocated.
+ParallelModel plan_model(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+                         ParallelizeOptions options);
+
+}  // namespace loom

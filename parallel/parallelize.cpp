@@ -1,0 +1,103 @@
+#include "parallel/parallelize.hpp"
+
+#include "kernels/cpu/attention_block.hpp"
+#include "parallel/llama_plan.hpp"
+#include "parallel/scalar_sum.hpp"
+
+namespace loom {
+
+namespace {
+
+TpOptions apply_tp(const ParallelGroups& g, const ParallelizeOptions& o) {
+  TpOptions tp;
+  tp.group = g.tp;
+  tp.sequence_parallel = o.sequence_parallel;
+  tp.recompute_allgather = o.tp_recompute_allgather;
+  tp.async = o.tp_async;
+  return tp;
+}
+
+CpOptions apply_cp(const ParallelGroups& g, const ParallelizeOptions& o) {
+  CpOptions cp;
+  cp.group = g.cp;
+  cp.allgather = o.cp_allgather;
+  return cp;
+}
+
+void apply_ac(LlamaModel& model, const ActivationCheckpoint& ac) {
+  model.set_activation_checkpoint(ac);
+}
+
+void apply_fsdp(ParallelModel& m, const parallel::FsdpConfig& fc) {
+  m.fsdp = std::make_unique<parallel::Fsdp>(*m.model, *m.groups.shard, m.groups.replicate, fc);
+}
+
+void apply_ddp(ParallelModel& m, DType reduce) {
+  m.ddp = std::make_unique<parallel::Ddp>(*m.model, *m.groups.dp, reduce);
+}
+
+}  // namespace
+
+ParallelModel parallelize(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+                          const ParallelizeOptions& options) {
+  ParallelModel m;
+  m.groups = groups;
+  const ShardLayout layout{groups.shard ? groups.shard->rank() : 0,
+                           groups.shard ? groups.shard->size() : 1};
+  const TpOptions tp = apply_tp(groups, options);
+  const CpOptions cp = apply_cp(groups, options);
+  m.model = std::make_unique<LlamaModel>(config, compute, options.device, layout, tp, cp);
+  check_plan(*m.model, llama_plan());
+  apply_ac(*m.model, options.ac);
+  if (groups.shard)
+    apply_fsdp(m, options.fsdp);
+  else if (groups.dp && groups.dp->size() > 1)
+    apply_ddp(m, options.fsdp.reduce_dtype);
+  return m;
+}
+
+CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
+                       int cp_rank, int sp_tp) {
+  const auto pos = cpu::cp_positions(T, cp, cp_rank, sp_tp);
+  CpBatch out;
+  out.T = int64_t(pos.size());
+  const int64_t Tl = out.T;
+  out.inputs.resize(size_t(B * Tl));
+  out.targets.resize(size_t(B * Tl));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Tl; ++t) {
+      out.inputs[size_t(b * Tl + t)] = inputs[b * T + pos[size_t(t)]];
+      out.targets[size_t(b * Tl + t)] = targets[b * T + pos[size_t(t)]];
+    }
+  return out;
+}
+
+double ParallelModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                       int64_t T, float grad_scale, bool last) {
+  if (ddp) ddp->set_sync(last);
+  if (!groups.cp) {
+    const double loss = model->forward_backward(inputs, targets, B, T, grad_scale);
+    if (fsdp) fsdp->finish_backward();
+    return loss;
+  }
+  // The same samples on every cp rank of a dp rank; the loss is summed over the cp group.
+  const int sp_tp = groups.tp && model->tp().sequence_parallel ? groups.tp->size() : 1;
+  const CpBatch mine =
+      cp_local_batch(inputs, targets, B, T, groups.cp->size(), groups.cp->rank(), sp_tp);
+  const double loss =
+      model->forward_backward(mine.inputs.data(), mine.targets.data(), B, mine.T, grad_scale);
+  if (fsdp) fsdp->finish_backward();
+  return dp_sum(groups.cp, loss);
+}
+
+void ParallelModel::finish_step() {
+  if (fsdp) fsdp->finish_step();
+  if (ddp) ddp->finish_backward();
+}
+
+const char* ParallelModel::kind() const {
+  if (fsdp) return groups.replicate && groups.replicate->size() > 1 ? "HSDP" : "FSDP";
+  return ddp ? "DDP" : "single";
+}
+
+}  // namespace loom

@@ -1,0 +1,66 @@
+#pragma once
+// Parallelize: the one place a model is made parallel, in torchtitan's visible order, each a named
+// step of parallelize.cpp:
+//   apply_tp    tensor (+ sequence) parallelism by the model's plan (llama_plan.hpp)
+//   apply_cp    context parallelism (ring attention over the cp group)
+//   apply_ac    activation checkpointing
+//   apply_fsdp  FSDP over dp_shard x cp (HSDP when dp_replicate > 1 too), or
+//   apply_ddp   DDP when only dp_replicate > 1
+// LlamaModel takes its tp and cp options when it is built (each unit holds its tp slices), so
+// apply_tp and apply_cp give the options the model is built with and the plan is checked on the
+// built model; activation checkpointing and the data-parallel hooks apply to it afterwards.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "model/llama.hpp"
+#include "parallel/ddp.hpp"
+#include "parallel/fsdp.hpp"
+#include "parallel/parallel_dims.hpp"
+
+namespace loom {
+
+// The [parallelism] and [activation_checkpoint] choices, as values.
+struct ParallelizeOptions {
+  bool sequence_parallel = true;  // tp_sequence_parallel
+  bool tp_recompute_allgather = false;
+  bool tp_async = false;
+  bool cp_allgather = false;  // cp_rotate_method = "allgather" (else p2p)
+  ActivationCheckpoint ac;
+  parallel::FsdpConfig fsdp;  // reshard policy and reduce dtype (DDP reduces in the same dtype)
+  Device device = Device::cpu;
+};
+
+// The model of one rank with its parallel hooks.
+struct ParallelModel {
+  ParallelGroups groups;
+  std::unique_ptr<LlamaModel> model;  // declared first: the hooks detach from it on destruction
+  std::unique_ptr<parallel::Fsdp> fsdp;
+  std::unique_ptr<parallel::Ddp> ddp;
+
+  // One micro-batch of the global [B, T] batch (`last`: the last of the step, the one DDP
+  // reduces on): with cp this rank takes its tokens (cp_local_batch); returns the summed loss
+  // of the tokens of this rank's samples (summed over cp).
+  double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          float grad_scale, bool last);
+  // After the step's last micro-batch, before clipping: every gradient reduction complete.
+  void finish_step();
+  // "FSDP", "HSDP", "DDP" or "single".
+  const char* kind() const;
+};
+
+// The model is allocated (sharded over groups.shard) but not initialized.
+ParallelModel parallelize(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+                          const ParallelizeOptions& options);
+
+// This cp rank's tokens of a [B, T] batch: the zigzag layout's chunks r and 2*cp-1-r of every
+// sample (cpu::cp_positions; with SP over `sp_tp` ranks each chunk pair split further).
+struct CpBatch {
+  int64_t T = 0;                         // this rank's tokens per sample
+  std::vector<int32_t> inputs, targets;  // [B, T]
+};
+CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
+                       int cp_rank, int sp_tp);
+
+}  // namespace loom

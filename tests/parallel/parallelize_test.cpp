@@ -1,0 +1,129 @@
+// parallel/ on one process: the mesh's questions (ParallelDims), the Llama TP plan against the
+// model's own split of every parameter, the zigzag CP slice of a batch, and the cost model of a
+// model built on the meta device against the same model allocated.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <vector>
+
+#include "core/error.hpp"
+#include "kernels/cpu/attention_block.hpp"
+#include "parallel/cost_model.hpp"
+#include "parallel/llama_plan.hpp"
+#include "parallel/parallel_dims.hpp"
+#include "parallel/parallelize.hpp"
+
+namespace loom {
+namespace {
+
+// configs/debug.json: 2 layers of dim 64, 4/2 heads (LOOM_SOURCE_DIR is set by ctest).
+LlamaConfig tiny() {
+  const char* src = std::getenv("LOOM_SOURCE_DIR");
+  return LlamaConfig::from_file(std::string(src ? src : ".") + "/configs/debug.json");
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ParallelDims, SizesGroupsAndDivisors) {
+  ParallelDims d;
+  d.dp_replicate = 2;
+  d.cp = 2;
+  d.tp = 2;
+  EXPECT_EQ(d.asked(), 8);
+  const ParallelDims r = d.resolved(16);
+  EXPECT_EQ(r.dp_shard, 2);
+  EXPECT_EQ(r.world(), 16);
+  EXPECT_EQ(r.dp(), 4);
+  EXPECT_EQ(r.fsdp(), 4);  // dp_shard x cp
+  EXPECT_TRUE(r.hsdp_enabled());
+  EXPECT_FALSE(r.ddp_enabled());
+  EXPECT_EQ(r.seq_divisor(), 8);  // 2 cp x tp (sequence parallel)
+  ParallelDims no_sp = r;
+  no_sp.sequence_parallel = false;
+  EXPECT_EQ(no_sp.seq_divisor(), 4);
+  EXPECT_EQ(r.local_seq_len(256), 128);
+}
+
+TEST(ParallelDims, ValidationMessages) {
+  ParallelDims d;
+  d.tp = 2;
+  EXPECT_NE(error_of([&] { d.validate(64, true); }).find("needs 2 ranks, but this is one process"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { d.check_launched(false, "train"); }).find("mpirun -np 2 loom train"),
+            std::string::npos);
+  d.tp = 1;
+  d.pp = 2;
+  EXPECT_NE(error_of([&] { d.validate(64, false); }).find("parallelism.pp = 2"), std::string::npos);
+  d.pp = 1;
+  d.cp = 2;
+  EXPECT_FALSE(error_of([&] { d.validate(66, false); }).empty());  // 66 is not a multiple of 4
+  EXPECT_TRUE(error_of([&] { d.validate(64, false); }).empty());
+}
+
+TEST(LlamaPlan, MatchesTheModelsSplits) {
+  EXPECT_TRUE(
+      plan_matches("model.layers.*.mlp.up_proj.weight", "model.layers.12.mlp.up_proj.weight"));
+  EXPECT_FALSE(
+      plan_matches("model.layers.*.mlp.up_proj.weight", "model.layers..mlp.up_proj.weight"));
+  EXPECT_FALSE(plan_matches("model.norm.weight", "model.norm.weight.x"));
+  LlamaModel m(tiny(), DType::f32, Device::meta);
+  EXPECT_TRUE(error_of([&] { check_plan(m, llama_plan()); }).empty());
+  // A plan that disagrees with the model, or misses a parameter, is refused by name.
+  std::vector<PlanEntry> plan(llama_plan().begin(), llama_plan().end());
+  for (PlanEntry& e : plan)
+    if (std::string(e.pattern).find("o_proj") != std::string::npos) e.style = TpStyle::column;
+  EXPECT_NE(error_of([&] {
+              check_plan(m, plan);
+            }).find("model.layers.0.self_attn.o_proj.weight is row-parallel but the plan"),
+            std::string::npos);
+  plan.pop_back();  // lm_head
+  plan.erase(plan.begin());
+  EXPECT_NE(error_of([&] {
+              check_plan(m, plan);
+            }).find("model.embed_tokens.weight has no entry in the plan"),
+            std::string::npos);
+}
+
+TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
+  const int64_t B = 2, T = 8;
+  std::vector<int32_t> in(B * T), tg(B * T);
+  for (int64_t i = 0; i < B * T; ++i) {
+    in[size_t(i)] = int32_t(i);
+    tg[size_t(i)] = int32_t(100 + i);
+  }
+  const CpBatch r1 = cp_local_batch(in.data(), tg.data(), B, T, 2, 1, 1);
+  // cp 2: four chunks of 2; rank 1 holds chunks 1 and 2 of every sample.
+  EXPECT_EQ(r1.T, 4);
+  EXPECT_EQ(r1.inputs, (std::vector<int32_t>{2, 3, 4, 5, 10, 11, 12, 13}));
+  EXPECT_EQ(r1.targets[0], 102);
+  const auto pos = cpu::cp_positions(T, 2, 0, 1);
+  const CpBatch r0 = cp_local_batch(in.data(), tg.data(), B, T, 2, 0, 1);
+  for (size_t t = 0; t < pos.size(); ++t) EXPECT_EQ(r0.inputs[t], int32_t(pos[t]));
+}
+
+TEST(CostModel, MetaModelPricesLikeTheAllocatedOne) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    ParallelizeOptions o;
+    o.ac = ActivationCheckpoint::parse("selective", "op");
+    ParallelModel plan = plan_model(tiny(), dt, {}, o);
+    ParallelModel real = parallelize(tiny(), dt, {}, o);
+    EXPECT_EQ(real.model->units()[0]->device(), Device::cpu);
+    const MemoryCost a = memory_cost(plan, 2, 16), b = memory_cost(real, 2, 16);
+    EXPECT_EQ(a.total(), b.total());
+    EXPECT_EQ(a.states(), size_t(real.model->num_params()) * (dt == DType::bf16 ? 18 : 16));
+    EXPECT_EQ(a.activations,
+              LlamaModel::saved_activation_bytes(tiny(), 2, 16, dt, 1, false, false, o.ac));
+    EXPECT_EQ(a.comm + a.ring + a.gathered + a.full_grad, 0u);  // one process
+    EXPECT_EQ(bytes_per_step(plan, DType::f32, 2, 16, 1), 0u);
+  }
+}
+
+}  // namespace
+}  // namespace loom

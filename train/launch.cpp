@@ -1,0 +1,135 @@
+#include "train/launch.hpp"
+
+#include <cstring>
+#include <fstream>
+#include <string_view>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace loom {
+
+namespace {
+
+// 64-bit FNV-1a: a fingerprint to compare, not a defence against forgery.
+uint64_t fnv1a(std::string_view bytes, uint64_t h = 14695981039346656037ull) {
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// The binary this process runs, as its version: ranks started from different builds (an
+// MPMD launch, a stale copy on one host) would compute different things.
+uint64_t binary_fingerprint() {
+  std::ifstream f("/proc/self/exe", std::ios::binary);
+  uint64_t h = fnv1a("");
+  std::vector<char> buf(size_t(1) << 20);
+  while (f.read(buf.data(), std::streamsize(buf.size())) || f.gcount() > 0)
+    h = fnv1a(std::string_view(buf.data(), size_t(f.gcount())), h);
+  return h;
+}
+
+// `text` of rank `root`, on every rank of `world`.
+std::string broadcast_text(dist::ProcessGroup& world, const std::string& text, int root) {
+  Tensor len = Tensor::empty({1}, DType::i32);
+  len.data<int32_t>()[0] = int32_t(text.size());
+  world.broadcast(len, root)->wait();
+  const size_t n = size_t(len.data<int32_t>()[0]);
+  Tensor words = Tensor::empty({int64_t((n + 3) / 4) + 1}, DType::i32);
+  if (world.rank() == root) std::memcpy(words.raw(), text.data(), n);
+  world.broadcast(words, root)->wait();
+  return std::string(static_cast<const char*>(words.raw()), n);
+}
+
+// Every rank compares a fingerprint of its resolved configuration and of its binary with the
+// others' before the mesh is built, so that ranks launched with different settings (another
+// optimizer.lr, another training.steps) refuse at once, naming the keys, instead of training
+// with a mix of them or waiting in a collective that a peer never calls.
+void check_ranks_agree(dist::ProcessGroup& world, const JobConfig& job) {
+  const std::string toml = to_toml(job);
+  const uint64_t mine[2] = {fnv1a(toml), binary_fingerprint()};
+  const int n = world.size();
+  Tensor in = Tensor::empty({4}, DType::i32), all = Tensor::empty({4 * int64_t(n)}, DType::i32);
+  std::memcpy(in.raw(), mine, sizeof mine);
+  world.all_gather(in, all)->wait();
+  std::vector<uint64_t> fp(2 * size_t(n));
+  std::memcpy(fp.data(), all.raw(), fp.size() * sizeof(uint64_t));
+
+  std::vector<int> other_config, other_binary;
+  for (int r = 1; r < n; ++r) {
+    if (fp[2 * size_t(r)] != fp[0]) other_config.push_back(r);
+    if (fp[2 * size_t(r) + 1] != fp[1]) other_binary.push_back(r);
+  }
+  if (other_config.empty() && other_binary.empty()) return;
+
+  std::string msg =
+      "the ranks were not started alike (every rank must run the same loom binary "
+      "with the same configuration):";
+  if (!other_binary.empty()) {
+    msg += "\n  rank";
+    for (int r : other_binary) msg += str_cat(" ", r);
+    msg += " run(s) another loom binary than rank 0";
+  }
+  if (!other_config.empty()) {
+    // Every rank takes part in each broadcast, so every rank can name the keys.
+    const std::string text0 = broadcast_text(world, toml, 0);
+    for (int r : other_config) {
+      const std::string text = broadcast_text(world, toml, r);
+      std::string keys;
+      try {
+        const JobConfig a = parse_job_config(text0, "rank 0's configuration");
+        const JobConfig b = parse_job_config(text, str_cat("rank ", r, "'s configuration"));
+        for (const ConfigDifference& d : config_differences(a, b))
+          keys += str_cat("\n    ", d.key, " = ", d.a, " on rank 0, ", d.b, " on rank ", r);
+      } catch (const Error& e) {
+        keys = str_cat("\n    (cannot compare them: ", e.what(), ")");
+      }
+      msg += str_cat("\n  rank ", r, "'s configuration differs from rank 0's:", keys);
+    }
+  }
+  fail(msg);
+}
+
+}  // namespace
+
+DistRuntime start_distributed(const JobConfig& job, const std::string& command) {
+  const ParallelDims dims = parallel_dims(job);
+  DistRuntime rt;
+  if (dist::launched_under_mpi()) {
+    rt.mpi = std::make_unique<dist::MpiRuntime>();
+    if (rt.mpi->world_size() > 1) {
+      std::shared_ptr<dist::ProcessGroup> world = dist::make_mpi_world_group();
+      world->set_timeout_seconds(job.job.collective_timeout_s);
+      check_ranks_agree(*world, job);
+      // Every rank checks the shape against the world size and fails alike.
+      rt.mesh = std::make_unique<dist::Mesh>(dims.mesh_shape(), std::move(world));
+      rt.mesh->set_timeout_seconds(job.job.collective_timeout_s);
+    }
+  }
+  dims.check_launched(rt.mesh != nullptr, command);
+  return rt;
+}
+
+ParallelDims parallel_dims(const JobConfig& job) {
+  const auto& p = job.parallelism;
+  return {.dp_replicate = p.dp_replicate,
+          .dp_shard = p.dp_shard,
+          .cp = p.cp,
+          .tp = p.tp,
+          .pp = p.pp,
+          .sequence_parallel = p.tp_sequence_parallel};
+}
+
+ParallelizeOptions parallelize_options(const JobConfig& job) {
+  const auto& p = job.parallelism;
+  return {.sequence_parallel = p.tp_sequence_parallel,
+          .tp_recompute_allgather = p.tp_recompute_allgather,
+          .tp_async = p.tp_async,
+          .cp_allgather = p.cp_rotate_method == "allgather",
+          .ac = ActivationCheckpoint::parse(job.activation_checkpoint.mode,
+                                            job.activation_checkpoint.selective_option),
+          .fsdp = {parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward),
+                   dtype_from_name(job.training.mixed_precision_reduce)},
+          .device = Device::cpu};
+}
+
+}  // namespace loom

@@ -1,0 +1,33 @@
+#pragma once
+// The start of a multi-process job that `loom train` and `loom bench step` share: MPI, the ranks'
+// agreement on one configuration and binary, and the mesh of [parallelism]; and the job config's
+// parallel settings as the values parallelize() takes.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "distributed/mesh.hpp"
+#include "distributed/mpi_process_group.hpp"
+#include "parallel/parallel_dims.hpp"
+#include "parallel/parallelize.hpp"
+#include "train/config.hpp"
+
+namespace loom {
+
+// MPI (when launched by an MPI launcher) and the mesh of [parallelism] (when the world has more
+// than one rank). Member order matters: MPI is finalized after every group is gone.
+struct DistRuntime {
+  std::unique_ptr<dist::MpiRuntime> mpi;
+  std::unique_ptr<dist::Mesh> mesh;  // nullptr: one process
+};
+// loom::Error on every rank when the world does not fit [parallelism], or when the config asks
+// for several ranks and this process was not started by an MPI launcher (`command` names the
+// command in that message, e.g. "train").
+DistRuntime start_distributed(const JobConfig& job, const std::string& command);
+
+// [parallelism] and [activation_checkpoint] as the parallel layer's values (parallel/ does not
+// read the job config).
+ParallelDims parallel_dims(const JobConfig& job);  // dp_shard as configured (-1: resolved later)
+ParallelizeOptions parallelize_options(const JobConfig& job);
+
+}  // namespace loom

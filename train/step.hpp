@@ -1,0 +1,40 @@
+#pragma once
+// The one training step of `loom train` and `loom bench step` (the place a pipeline schedule
+// will plug in): zero the gradients; forward/backward of each micro-batch of this rank (the
+// parallel model's hooks reduce the gradients as they go); the step's last reductions; the loss
+// summed over the data-parallel ranks; the gradient norm clipped; AdamW at the given rate.
+// The trainer keeps the policy around it (logging, validation, checkpoints, stopping).
+#include <cstdint>
+#include <functional>
+
+#include "data/data_loader.hpp"
+#include "parallel/parallelize.hpp"
+#include "train/optimizer.hpp"
+
+namespace loom {
+
+struct StepResult {
+  double loss = 0;       // mean over the step's tokens on every rank
+  double grad_norm = 0;  // before clipping
+  bool updated = false;  // false: the loss or the norm is not finite, and AdamW did not run
+};
+
+class TrainStep {
+ public:
+  // tokens_per_step: the global batch's tokens (micro-batches x B x T x dp), each micro-batch's
+  // loss is scaled by its inverse so the summed gradients are those of the step's mean loss.
+  TrainStep(ParallelModel& model, AdamW& optimizer, double max_norm, int64_t tokens_per_step);
+
+  // `batch(m)`: micro-batch m of `micro_batches`, valid until the next call. A step whose loss or
+  // gradient norm is not finite leaves the weights as they were (the caller decides to stop).
+  StepResult run(int64_t micro_batches, const std::function<const MicroBatch&(int64_t)>& batch,
+                 double lr);
+
+ private:
+  ParallelModel& model_;
+  AdamW& optimizer_;
+  double max_norm_;
+  int64_t tokens_per_step_;
+};
+
+}  // namespace loom
