@@ -1,7 +1,7 @@
 #include "parallel/parallel_dims.hpp"
 
 #include "core/error.hpp"
-#include "kernels/cpu/attention_block.hpp"
+#include "parallel/layers/context_parallel.hpp"
 
 namespace loom {
 
@@ -29,7 +29,7 @@ void ParallelDims::validate(int64_t seq_len, bool one_process) const {
              "dp_shard, tp, cp); expected pp = 1");
   // Refused here, before any work, when seq_len does not split (the kernel's own message; the
   // check is cp_positions').
-  if (cp > 1) cpu::cp_positions(seq_len, cp, 0, tp > 1 && sequence_parallel ? tp : 1);
+  if (cp > 1) cp_positions(seq_len, cp, 0, tp > 1 && sequence_parallel ? tp : 1);
 }
 
 void ParallelDims::check_launched(bool launched, const std::string& command) const {

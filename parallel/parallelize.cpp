@@ -1,6 +1,6 @@
 #include "parallel/parallelize.hpp"
 
-#include "kernels/cpu/attention_block.hpp"
+#include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
 #include "parallel/scalar_sum.hpp"
 
@@ -58,7 +58,7 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
 
 CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
                        int cp_rank, int sp_tp) {
-  const auto pos = cpu::cp_positions(T, cp, cp_rank, sp_tp);
+  const auto pos = cp_positions(T, cp, cp_rank, sp_tp);
   CpBatch out;
   out.T = int64_t(pos.size());
   const int64_t Tl = out.T;

@@ -55,7 +55,7 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
                           const ParallelizeOptions& options);
 
 // This cp rank's tokens of a [B, T] batch: the zigzag layout's chunks r and 2*cp-1-r of every
-// sample (cpu::cp_positions; with SP over `sp_tp` ranks each chunk pair split further).
+// sample (cp_positions; with SP over `sp_tp` ranks each chunk pair split further).
 struct CpBatch {
   int64_t T = 0;                         // this rank's tokens per sample
   std::vector<int32_t> inputs, targets;  // [B, T]

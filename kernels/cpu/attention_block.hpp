@@ -25,10 +25,6 @@ struct BlockShape {
   bool accumulate = true;  // backward: add into dq, dk, dv; false: overwrite them
 };
 
-// Transitional: cp_positions moved to parallel/layers/context_parallel.hpp (loom::cp_positions),
-// which defines this forwarder; it stays only until train/ includes that header instead.
-std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp = 1);
-
 // Number of (query, key) pairs with k_pos <= q_pos: the score entries a block computes (per
 // sample and head). Zero means the block is skipped.
 int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "distributed/process_group.hpp"
-#include "kernels/cpu/attention_block.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
@@ -32,11 +31,6 @@ std::vector<int64_t> cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t s
   for (int64_t chunk : {rank, 2 * cp - 1 - rank})
     for (int64_t t = 0; t < c; ++t) pos.push_back(chunk * c + t);
   return pos;
-}
-
-// The declaration train/ still includes (kernels/cpu/attention_block.hpp); transitional.
-std::vector<int64_t> cpu::cp_positions(int64_t T, int64_t cp, int64_t rank, int64_t sp_tp) {
-  return loom::cp_positions(T, cp, rank, sp_tp);
 }
 
 int64_t cp_micro_batch_positions(const CpOptions& cp, int64_t T, int sp_tp,

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "kernels/cpu/attention_block.hpp"
 #include "parallel/cost_model.hpp"
+#include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
 #include "parallel/parallel_dims.hpp"
 #include "parallel/parallelize.hpp"
@@ -103,7 +103,7 @@ TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
   EXPECT_EQ(r1.T, 4);
   EXPECT_EQ(r1.inputs, (std::vector<int32_t>{2, 3, 4, 5, 10, 11, 12, 13}));
   EXPECT_EQ(r1.targets[0], 102);
-  const auto pos = cpu::cp_positions(T, 2, 0, 1);
+  const auto pos = cp_positions(T, 2, 0, 1);
   const CpBatch r0 = cp_local_batch(in.data(), tg.data(), B, T, 2, 0, 1);
   for (size_t t = 0; t < pos.size(); ++t) EXPECT_EQ(r0.inputs[t], int32_t(pos[t]));
 }
