@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "data/tokenizer.hpp"
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
 #include "model/safetensors.hpp"
-#include "data/tokenizer.hpp"
 
 namespace loom {
 

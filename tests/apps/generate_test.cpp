@@ -7,9 +7,9 @@
 #include <fstream>
 #include <string>
 
+#include "data/tokenizer.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "data/tokenizer.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom;

@@ -19,8 +19,8 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "tests/test_util.hpp"
 #include "data/tokenizer_impl.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::Tokenizer;

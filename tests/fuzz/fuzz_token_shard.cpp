@@ -4,8 +4,8 @@
 #include <filesystem>
 #include <vector>
 
-#include "tests/fuzz/fuzz_util.hpp"
 #include "data/token_shard.hpp"
+#include "tests/fuzz/fuzz_util.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string dir = loom::fuzz::scratch_dir() + "/data";

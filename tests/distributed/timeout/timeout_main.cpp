@@ -1,6 +1,6 @@
-// Run by tests/distributed/timeout_test.sh under `mpirun -np 2`: world rank 1 never joins an all_reduce
-// over the tp group, so world rank 0 must time out, print one line naming the collective, the
-// group and the peers, and abort the job (never hang).
+// Run by tests/distributed/timeout_test.sh under `mpirun -np 2`: world rank 1 never joins an
+// all_reduce over the tp group, so world rank 0 must time out, print one line naming the
+// collective, the group and the peers, and abort the job (never hang).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
