@@ -50,6 +50,7 @@
 #include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
 #include "kernels/cpu/swiglu.hpp"
+#include "parallel/layers/context_parallel.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -286,16 +287,6 @@ void bench_attention(Bench& b, const Model& m) {
 // backward), against the ideal: full causal attention over the whole sequence divided by cp (the
 // zigzag layout gives every rank exactly 1/cp of the causal entries). The ratio is the cost of
 // cutting the work into blocks (tile pairs straddling chunk boundaries, merges, delta).
-// Context parallelism's zigzag layout (parallel/layers/context_parallel.hpp, above the kernels
-// this benchmark links): rank r holds chunks r and 2*cp-1-r of the 2*cp chunks of T.
-std::vector<int64_t> zigzag_positions(int64_t T, int64_t cp, int64_t rank) {
-  const int64_t c = T / (2 * cp);
-  std::vector<int64_t> pos;
-  for (int64_t chunk : {rank, 2 * cp - 1 - rank})
-    for (int64_t t = 0; t < c; ++t) pos.push_back(chunk * c + t);
-  return pos;
-}
-
 void bench_ring(Bench& b) {
   if (!b.wants({"ring_fwd", "ring_bwd", "ring_ideal_fwd", "ring_ideal_bwd"})) return;
   constexpr int64_t B = 1, Hq = 8, Hkv = 4;
@@ -325,7 +316,7 @@ void bench_ring(Bench& b) {
         const int64_t n = T / cp;
         const auto shape = format("T%lld cp%lld D%lld", (long long)T, (long long)cp, (long long)D);
         std::vector<std::vector<int64_t>> pos;
-        for (int64_t r = 0; r < cp; ++r) pos.push_back(zigzag_positions(T, cp, r));
+        for (int64_t r = 0; r < cp; ++r) pos.push_back(cp_positions(T, cp, r));
         // Every rank's K/V block holds the same values: the timing does not depend on them.
         auto qkv = random_floats(B * n * stride, 1), kv = random_floats(B * n * kvs, 2);
         auto dout = random_floats(B * n * Hq * D, 3);

@@ -1,8 +1,8 @@
 #include "parallel/parallelize.hpp"
 
+#include "distributed/group_sum.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
-#include "parallel/scalar_sum.hpp"
 
 namespace loom {
 
@@ -87,7 +87,7 @@ double ParallelModel::forward_backward(const int32_t* inputs, const int32_t* tar
   const double loss =
       model->forward_backward(mine.inputs.data(), mine.targets.data(), B, mine.T, grad_scale);
   if (fsdp) fsdp->finish_backward();
-  return dp_sum(groups.cp, loss);
+  return group_sum(groups.cp, loss);
 }
 
 void ParallelModel::finish_step() {

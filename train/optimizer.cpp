@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "distributed/group_sum.hpp"
 #include "distributed/process_group.hpp"
 #include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/cast.hpp"
@@ -50,28 +51,6 @@ void AdamW::step(float lr) {
     }
   }
 }
-
-namespace {
-
-// The sum over a group of each rank's double, the same on every rank: collectives carry no f64,
-// so each rank's value goes as two floats (hi + lo, about 48 bits) and every rank adds the
-// gathered parts in rank order.
-double group_sum(dist::ProcessGroup* group, double x) {
-  if (!group || group->size() == 1) return x;
-  const int n = group->size();
-  Tensor mine = Tensor::empty({2}, DType::f32);
-  Tensor all = Tensor::empty({2 * n}, DType::f32);
-  const float hi = float(x);
-  mine.data<float>()[0] = hi;
-  mine.data<float>()[1] = float(x - double(hi));
-  group->all_gather(mine, all)->wait();
-  double s = 0;
-  for (int r = 0; r < n; ++r)
-    s += double(all.data<float>()[2 * r]) + double(all.data<float>()[2 * r + 1]);
-  return s;
-}
-
-}  // namespace
 
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
                       dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group) {

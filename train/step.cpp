@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "parallel/scalar_sum.hpp"
+#include "distributed/group_sum.hpp"
 
 namespace loom {
 
@@ -25,7 +25,7 @@ StepResult TrainStep::run(int64_t micro_batches,
   }
   model_.finish_step();
   StepResult r;
-  r.loss = dp_sum(model_.groups.dp, loss_sum) / double(tokens_per_step_);
+  r.loss = group_sum(model_.groups.dp, loss_sum) / double(tokens_per_step_);
   r.grad_norm =
       clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp);
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);

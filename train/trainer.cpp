@@ -15,12 +15,12 @@
 #include "core/error.hpp"
 #include "data/data_loader.hpp"
 #include "data/token_shard.hpp"
+#include "distributed/group_sum.hpp"
 #include "distributed/mesh.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "parallel/cost_model.hpp"
-#include "parallel/scalar_sum.hpp"
 #include "train/checkpoint.hpp"
 #include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
@@ -471,7 +471,7 @@ double Trainer::validate() {
   for (const MicroBatch& mb : s.val_batches)
     sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
   s.par.model->zero_grad();
-  sum = dp_sum(s.groups.dp, sum);
+  sum = group_sum(s.groups.dp, sum);
   return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.groups.size);
 }
 

@@ -1,8 +1,8 @@
-#include "parallel/scalar_sum.hpp"
+#include "distributed/group_sum.hpp"
 
 namespace loom {
 
-double dp_sum(dist::ProcessGroup* group, double x) {
+double group_sum(dist::ProcessGroup* group, double x) {
   if (!group || group->size() == 1) return x;
   const int n = group->size();
   Tensor mine = Tensor::empty({2}, DType::f32), all = Tensor::empty({2 * n}, DType::f32);
