@@ -225,10 +225,27 @@ for ns in "$nsa" "$nsb"; do
   in_ns "$ns" nft delete table inet drill 2>/dev/null || true
 done
 in_ns "$nsa" ip link set d0 up
-for _ in $(seq 50); do in_ns "$nsa" ip link show d0 | grep -q LOWER_UP && break; sleep 0.1; done
-multihost 240 --parallelism.dp_shard=2 --checkpoint.interval=5 --checkpoint.keep=0 \
-  --checkpoint.dir="$work/run3" --checkpoint.resume=true --metrics.jsonl="$work/run3r.jsonl" \
-  --job.collective_timeout_s=$timeout_s >"$work/run3r.log" 2>&1 || { cat "$work/run3r.log"; exit 1; }
+# Both ends up, and no neighbour entry left FAILED by the cut: seen under load, the first Open MPI
+# TCP connect after the flap failed ("failed to TCP connect to a peer", EINPROGRESS) and its
+# wire-up hung until the launch limit, before loom ran a step.
+for ns in "$nsa" "$nsb"; do
+  for _ in $(seq 50); do in_ns "$ns" ip link show d0 | grep -q LOWER_UP && break; sleep 0.1; done
+  in_ns "$ns" ip neigh flush dev d0 || true
+done
+resume3() {
+  multihost 90 --parallelism.dp_shard=2 --checkpoint.interval=5 --checkpoint.keep=0 \
+    --checkpoint.dir="$work/run3" --checkpoint.resume=true --metrics.jsonl="$work/run3r.jsonl" \
+    --job.collective_timeout_s=$timeout_s >"$work/run3r.log" 2>&1
+}
+# One more launch only when Open MPI's own wire-up failed (no loom step ran: the test is about
+# loom's resume, not the transport's reconnect); any other failure fails the drill.
+if ! resume3; then
+  grep -q 'failed to TCP connect' "$work/run3r.log" && ! grep -q '^{"step"' "$work/run3r.jsonl" 2>/dev/null ||
+    { cat "$work/run3r.log"; exit 1; }
+  echo "figure: Open MPI's TCP wire-up failed after the link came back; launched once more"
+  rm -f "$work/run3r.jsonl"
+  resume3 || { cat "$work/run3r.log"; exit 1; }
+fi
 grep -m1 -i 'resum' "$work/run3r.log" || true
 ref11=$(loss_of "$work/ref.jsonl" 11) got11=$(loss_of "$work/run3r.jsonl" 11)
 echo "figure: resumed step 11 loss $got11, uninterrupted $ref11"
