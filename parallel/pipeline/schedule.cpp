@@ -120,6 +120,10 @@ const char* schedule_name(ScheduleKind kind) {
   return "?";
 }
 
+int default_stages_per_rank(ScheduleKind kind) {
+  return kind == ScheduleKind::interleaved_1f1b || kind == ScheduleKind::zbv ? 2 : 1;
+}
+
 std::vector<int> Schedule::stages_of(int rank) const {
   std::vector<int> out;
   for (int st = 0; st < stages; ++st)

@@ -39,6 +39,9 @@ struct Schedule {
   bool split_backward() const;                 // any I/W action (zero-bubble schedules)
 };
 
+// pp_stages_per_rank = 0 means this: 2 for interleaved_1f1b and zbv, 1 otherwise.
+int default_stages_per_rank(ScheduleKind kind);
+
 // The rules of each generator, checked before anything is generated; the message names the
 // [parallelism] keys (pp, pp_microbatches, pp_stages_per_rank) and the rule broken.
 void check_schedule_args(ScheduleKind kind, int p, int v, int m);
