@@ -3,6 +3,7 @@
 #include "distributed/group_sum.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
+#include "parallel/pipeline/schedule_csv.hpp"
 
 namespace loom {
 
@@ -36,6 +37,25 @@ void apply_ddp(ParallelModel& m, DType reduce) {
   m.ddp = std::make_unique<parallel::Ddp>(*m.model, *m.groups.dp, reduce);
 }
 
+void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
+  const int p = m.groups.pp->size();
+  // dp_shard = -1 resolves to what the world leaves: refused here when that is more than one.
+  LOOM_CHECK(!m.fsdp && !m.ddp && !m.groups.cp, "parallelism.pp = ", p,
+             " with data or context parallelism is not supported yet: pipeline parallelism runs "
+             "with tp only; expected dp_replicate = dp_shard = cp = 1");
+  pp::Schedule s = o.pp_schedule_csv.empty()
+                       ? pp::make_schedule(pp::parse_schedule_kind(o.pp_schedule), p,
+                                           o.pp_stages_per_rank, o.pp_microbatches)
+                       : pp::read_schedule_csv(o.pp_schedule_csv);
+  LOOM_CHECK(s.ranks == p, "parallelism.pp_schedule_csv = \"", o.pp_schedule_csv, "\" has ",
+             s.ranks, " rows (pp ranks); expected parallelism.pp = ", p);
+  std::vector<int> layers;
+  if (!o.pp_stage_layers.empty()) layers = pp::parse_stage_layers(o.pp_stage_layers);
+  auto units = pp::stage_units(int(m.model->config().num_hidden_layers), s.stages, layers);
+  m.pipeline =
+      std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
+}
+
 }  // namespace
 
 ParallelModel parallelize(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
@@ -53,6 +73,7 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
     apply_fsdp(m, options.fsdp);
   else if (groups.dp && groups.dp->size() > 1)
     apply_ddp(m, options.fsdp.reduce_dtype);
+  if (groups.pp) apply_pp(m, options);
   return m;
 }
 
@@ -96,6 +117,7 @@ void ParallelModel::finish_step() {
 }
 
 const char* ParallelModel::kind() const {
+  if (pipeline) return "PP";
   if (fsdp) return groups.replicate && groups.replicate->size() > 1 ? "HSDP" : "FSDP";
   return ddp ? "DDP" : "single";
 }

@@ -48,6 +48,13 @@ std::vector<size_t> PipelineExecutor::owned_units() const {
   return out;
 }
 
+int PipelineExecutor::unit_owner(size_t unit) const {
+  for (int st = 0; st < schedule_.stages; ++st)
+    if (unit >= units_[size_t(st)].first && unit < units_[size_t(st)].second)
+      return schedule_.stage_rank[size_t(st)];
+  fail("pipeline: unit ", unit, " is in no stage");
+}
+
 bool PipelineExecutor::holds_head() const {
   return schedule_.stage_rank[size_t(schedule_.stages - 1)] == rank_;
 }

@@ -38,6 +38,7 @@ class PipelineExecutor {
   // The units of this rank's stages, ascending.
   std::vector<size_t> owned_units() const;
   bool holds_head() const;
+  int unit_owner(size_t unit) const;  // the pp rank whose stage holds the unit
 
   // This rank's actions over micro-batches 0..microbatches-1 (`batch(j)`). Gradients of
   // grad_scale x the summed loss accumulate into this rank's units. Returns the summed loss of

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/error.hpp"
 #include "distributed/group_sum.hpp"
 
 namespace loom {
@@ -18,19 +19,60 @@ StepResult TrainStep::run(int64_t micro_batches,
   const float grad_scale = float(1.0 / double(tokens_per_step_));
   model_.model->zero_grad();
   double loss_sum = 0;
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    const MicroBatch& mb = batch(m);
-    loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale,
-                                        m + 1 == micro_batches);
+  if (model_.pipeline) {
+    loss_sum = run_pipeline(micro_batches, batch, grad_scale);
+  } else {
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const MicroBatch& mb = batch(m);
+      loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T,
+                                          grad_scale, m + 1 == micro_batches);
+    }
   }
   model_.finish_step();
   StepResult r;
-  r.loss = group_sum(model_.groups.dp, loss_sum) / double(tokens_per_step_);
-  r.grad_norm =
-      clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp);
+  // With pp the loss is on the head's rank only (0 elsewhere).
+  r.loss =
+      group_sum(model_.groups.pp, group_sum(model_.groups.dp, loss_sum)) / double(tokens_per_step_);
+  r.grad_norm = clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard,
+                               model_.groups.tp, model_.groups.pp);
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
   if (r.updated) optimizer_.step(float(lr));
   return r;
+}
+
+double TrainStep::run_pipeline(int64_t micro_batches,
+                               const std::function<const MicroBatch&(int64_t)>& batch,
+                               float grad_scale) {
+  PipelineExecutor& pipe = *model_.pipeline;
+  const int m = pipe.schedule().microbatches;
+  LOOM_CHECK(micro_batches % m == 0, "pipeline: ", micro_batches,
+             " micro-batches in the step, not a multiple of the schedule's ", m,
+             " (parallelism.pp_microbatches)");
+  double loss = 0;
+  // The schedule touches its micro-batches in any order, and a store keeps pointers to its
+  // tokens: each round's micro-batches are copied first (batch() is valid until its next call).
+  std::vector<MicroBatch> round(static_cast<size_t>(m));
+  for (int64_t first = 0; first < micro_batches; first += m) {
+    for (int j = 0; j < m; ++j) round[size_t(j)] = batch(first + j);
+    loss += pipe.run(
+        [&](int j) {
+          const MicroBatch& mb = round[size_t(j)];
+          return PipelineMicroBatch{mb.inputs.data(), mb.targets.data(), mb.B, mb.T};
+        },
+        grad_scale);
+  }
+  return loss;
+}
+
+void share_pipeline_units(ParallelModel& model, AdamW& optimizer) {
+  if (!model.pipeline) return;
+  auto units = model.model->units();
+  for (size_t i = 0; i < units.size(); ++i) {
+    const int owner = model.pipeline->unit_owner(i);
+    for (Tensor* t :
+         {&units[i]->master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
+      model.groups.pp->broadcast(*t, owner)->wait();
+  }
 }
 
 }  // namespace loom

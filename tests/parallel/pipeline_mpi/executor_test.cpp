@@ -143,3 +143,20 @@ TEST(PipelineExecutor, AntiTestSwappedActivationIsCaught) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(PipelineExecutor, ZeroBubbleRefusedNamingTheKey) {
+  const int p = world().size();
+  LlamaModel model(config(2 * p), DType::f32);
+  std::string msg;
+  try {
+    PipelineExecutor ex(model, pp::make_schedule(pp::ScheduleKind::zb1p, p, 1, p),
+                        pp::stage_units(2 * p, p), &world());
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\""), std::string::npos) << msg;
+}
+
+}  // namespace
