@@ -60,6 +60,8 @@ double TrainStep::run_pipeline(int64_t micro_batches,
           return PipelineMicroBatch{mb.inputs.data(), mb.targets.data(), mb.B, mb.T};
         },
         grad_scale);
+    // Every gather and reduce-scatter of the round complete, every unit released.
+    if (model_.fsdp) model_.fsdp->finish_backward();
   }
   return loss;
 }
