@@ -40,10 +40,10 @@ void apply_ddp(ParallelModel& m, DType reduce) {
 void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   const int p = m.groups.pp->size();
   // dp_shard = -1 resolves to what the world leaves: refused here when that is more than one.
-  LOOM_CHECK(!m.ddp && !m.groups.cp && !(m.groups.replicate && m.groups.replicate->size() > 1),
-             "parallelism.pp = ", p,
-             " with DDP, HSDP or context parallelism is not supported yet: pipeline parallelism "
-             "runs with tp and FSDP (dp_shard); expected dp_replicate = cp = 1");
+  LOOM_CHECK(
+      !m.ddp && !(m.groups.replicate && m.groups.replicate->size() > 1), "parallelism.pp = ", p,
+      " with DDP or HSDP is not supported yet: pipeline parallelism runs with tp, cp and FSDP "
+      "(dp_shard); expected dp_replicate = 1");
   pp::Schedule s = o.pp_schedule_csv.empty()
                        ? pp::make_schedule(pp::parse_schedule_kind(o.pp_schedule), p,
                                            o.pp_stages_per_rank, o.pp_microbatches)

@@ -51,19 +51,36 @@ double TrainStep::run_pipeline(int64_t micro_batches,
   double loss = 0;
   // The schedule touches its micro-batches in any order, and a store keeps pointers to its
   // tokens: each round's micro-batches are copied first (batch() is valid until its next call).
-  std::vector<MicroBatch> round(static_cast<size_t>(m));
+  // With cp each rank keeps its zigzag tokens of every sample (and sends its own rows).
+  dist::ProcessGroup* cp = model_.groups.cp;
+  const int sp_tp =
+      model_.groups.tp && model_.model->tp().sequence_parallel ? model_.groups.tp->size() : 1;
+  std::vector<CpBatch> round(static_cast<size_t>(m));
   for (int64_t first = 0; first < micro_batches; first += m) {
-    for (int j = 0; j < m; ++j) round[size_t(j)] = batch(first + j);
+    int64_t B = 0;
+    for (int j = 0; j < m; ++j) {
+      const MicroBatch& mb = batch(first + j);
+      B = mb.B;
+      CpBatch& c = round[size_t(j)];
+      if (cp) {
+        c = cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
+                           sp_tp);
+      } else {
+        c.T = mb.T;
+        c.inputs = mb.inputs;
+        c.targets = mb.targets;
+      }
+    }
     loss += pipe.run(
         [&](int j) {
-          const MicroBatch& mb = round[size_t(j)];
-          return PipelineMicroBatch{mb.inputs.data(), mb.targets.data(), mb.B, mb.T};
+          const CpBatch& c = round[size_t(j)];
+          return PipelineMicroBatch{c.inputs.data(), c.targets.data(), B, c.T};
         },
         grad_scale);
     // Every gather and reduce-scatter of the round complete, every unit released.
     if (model_.fsdp) model_.fsdp->finish_backward();
   }
-  return loss;
+  return group_sum(cp, loss);
 }
 
 void share_pipeline_units(ParallelModel& model, AdamW& optimizer) {
