@@ -158,6 +158,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
         pending.erase(a.mb);
       }
     }
+    if (after_action_) after_action_();
     // Drive the transfers in flight (Open MPI progresses only inside MPI calls).
     for (auto& p : sends) p.work->test();
   }

@@ -45,6 +45,10 @@ class PipelineExecutor {
   // the micro-batches whose head is on this rank (0 elsewhere).
   double run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale);
 
+  // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
+  // the units, so that micro-batches in flight never share a unit's gathered buffers).
+  void set_after_action(std::function<void()> fn) { after_action_ = std::move(fn); }
+
   // For the anti-test only: micro-batch j's activation is sent as j ^ 1's, so the next stage
   // computes on its neighbour's, which the parity test must catch.
   void set_swap_activations(bool on) { swap_activations_ = on; }
@@ -56,6 +60,7 @@ class PipelineExecutor {
   dist::ProcessGroup* group_;
   int rank_ = 0;
   bool swap_activations_ = false;
+  std::function<void()> after_action_;
 };
 
 }  // namespace loom

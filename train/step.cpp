@@ -77,8 +77,6 @@ double TrainStep::run_pipeline(int64_t micro_batches,
           return PipelineMicroBatch{c.inputs.data(), c.targets.data(), B, c.T};
         },
         grad_scale);
-    // Every gather and reduce-scatter of the round complete, every unit released.
-    if (model_.fsdp) model_.fsdp->finish_backward();
   }
   return group_sum(cp, loss);
 }
