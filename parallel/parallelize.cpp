@@ -56,9 +56,10 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
   // pp_fsdp_gather = "microbatch": FSDP's per-unit gathers and reduce-scatters complete within
-  // each action. Left in flight, a unit's reduce-scatter of one micro-batch still reads its full
-  // gradient buffer when the next micro-batch's backward of that unit refills it (seen: final
-  // weights 4e-3 off one process in 2 of 3 runs under reshard "always").
+  // each action, so micro-batches in flight never overlap on a unit's gathered buffers. Left in
+  // flight across actions, pp2 x fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs
+  // of 3 (a unit's buffers reused by the next micro-batch while a collective still used them is
+  // the likely cause, not proven); completed per action, 15 runs of 15 matched.
   if (m.fsdp) m.pipeline->set_after_action([f = m.fsdp.get()] { f->finish_backward(); });
 }
 

@@ -5,8 +5,10 @@
 // micro-batch's activation to its neighbour, which the comparison must catch on some rank.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "distributed/group_sum.hpp"
 #include "distributed/mpi_process_group.hpp"
@@ -157,6 +159,33 @@ TEST(PipelineExecutor, ZeroBubbleRefusedNamingTheKey) {
     msg = e.what();
   }
   EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\""), std::string::npos) << msg;
+}
+
+}  // namespace
+
+namespace {
+
+// Run only by pipeline_mpi_timeout (tests/parallel/pipeline_mpi/timeout_test.sh): the last rank
+// stops before its first action; the others must end the job with the timeout line naming the
+// schedule, action, stage, micro-batch and peer, instead of hanging.
+TEST(PipelineExecutor, DISABLED_StoppedRankEndsTheJobWithTheTimeoutLine) {
+  const int p = world().size();
+  world().set_timeout_seconds(2);
+  if (world().rank() == p - 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(30));  // killed by the others' abort
+    return;
+  }
+  LlamaModel model(config(p), DType::f32);
+  model.init_weights(7);
+  const Data data(p, int(model.config().vocab_size));
+  PipelineExecutor ex(model, pp::make_schedule(pp::ScheduleKind::one_f_one_b, p, 1, p),
+                      pp::stage_units(p, p), &world());
+  ex.run(
+      [&](int j) {
+        return PipelineMicroBatch{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+      },
+      1.0f);
+  ADD_FAILURE() << "the step finished although rank " << p - 1 << " never ran";
 }
 
 }  // namespace
