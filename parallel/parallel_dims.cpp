@@ -24,12 +24,7 @@ void ParallelDims::validate(int64_t seq_len, bool one_process) const {
                " ranks, but this is one process (launch with `mpirun -np ", world,
                " loom train ...`)");
   }
-  // The pipeline executor composes with tensor and context parallelism and FSDP so far; DDP
-  // and HSDP under pp are the next steps.
-  LOOM_CHECK(pp == 1 || dp_replicate == 1, "parallelism.pp = ", pp,
-             " with dp_replicate=", dp_replicate, " dp_shard=", dp_shard, " cp=", cp,
-             " is not supported yet: pipeline parallelism runs with tp, cp and FSDP (dp_shard); "
-             "expected dp_replicate = 1");
+
   // Refused here, before any work, when seq_len does not split (the kernel's own message; the
   // check is cp_positions').
   if (cp > 1) cp_positions(seq_len, cp, 0, tp > 1 && sequence_parallel ? tp : 1);

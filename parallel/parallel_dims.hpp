@@ -37,8 +37,7 @@ struct ParallelDims {
   int64_t local_seq_len(int64_t seq_len) const { return seq_len / cp; }  // a cp rank's tokens
 
   // What `loom train` supports, checked before any work: a multi-rank layout needs a mesh
-  // (`one_process`: none will be built), pp only beside tp, and a seq_len that context
-  // parallelism splits.
+  // (`one_process`: none will be built), and a seq_len that context parallelism splits.
   void validate(int64_t seq_len, bool one_process) const;
   // A multi-rank layout needs an MPI launch (`command` names the command in the hint).
   void check_launched(bool launched, const std::string& command) const;

@@ -39,11 +39,6 @@ void apply_ddp(ParallelModel& m, DType reduce) {
 
 void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   const int p = m.groups.pp->size();
-  // dp_shard = -1 resolves to what the world leaves: refused here when that is more than one.
-  LOOM_CHECK(
-      !m.ddp && !(m.groups.replicate && m.groups.replicate->size() > 1), "parallelism.pp = ", p,
-      " with DDP or HSDP is not supported yet: pipeline parallelism runs with tp, cp and FSDP "
-      "(dp_shard); expected dp_replicate = 1");
   pp::Schedule s = o.pp_schedule_csv.empty()
                        ? pp::make_schedule(pp::parse_schedule_kind(o.pp_schedule), p,
                                            o.pp_stages_per_rank, o.pp_microbatches)
@@ -61,6 +56,15 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   // of 3 (a unit's buffers reused by the next micro-batch while a collective still used them is
   // the likely cause, not proven); completed per action, 15 runs of 15 matched.
   if (m.fsdp) m.pipeline->set_after_action([f = m.fsdp.get()] { f->finish_backward(); });
+  // DDP all-reduces each unit once per step, in the backward of the step's last micro-batch
+  // (TrainStep::run_pipeline sets *pp_last_round for the step's last run of the schedule).
+  if (m.ddp) {
+    const int last_mb = m.pipeline->schedule().microbatches - 1;
+    m.pipeline->set_before_action(
+        [d = m.ddp.get(), last = m.pp_last_round, last_mb](const pp::Action& a) {
+          d->set_sync(*last && a.op != pp::Op::F && a.mb == last_mb);
+        });
+  }
 }
 
 }  // namespace

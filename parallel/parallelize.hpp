@@ -48,6 +48,9 @@ struct ParallelModel {
   std::unique_ptr<parallel::Fsdp> fsdp;
   std::unique_ptr<parallel::Ddp> ddp;
   std::unique_ptr<PipelineExecutor> pipeline;  // with pp: this rank's stages and action list
+  // With pp and DDP: whether the schedule's run is the step's last (where DDP reduces); shared
+  // with the executor's callback, so it survives the ParallelModel being moved.
+  std::shared_ptr<bool> pp_last_round = std::make_shared<bool>(true);
 
   // One micro-batch of the global [B, T] batch (`last`: the last of the step, the one DDP
   // reduces on): with cp this rank takes its tokens (cp_local_batch); returns the summed loss

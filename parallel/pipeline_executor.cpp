@@ -142,6 +142,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
   for (size_t k = 0; k < order.size(); ++k) {
     if (group_) post_recvs(k + 1);
     const pp::Action& a = order[k];
+    if (before_action_) before_action_(a);
     const auto [first, last] = units_[size_t(a.stage)];
     ActivationStore& st = store_of(a.mb);
     if (a.op == pp::Op::F) {

@@ -48,6 +48,10 @@ class PipelineExecutor {
   // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
   // the units, so that micro-batches in flight never share a unit's gathered buffers).
   void set_after_action(std::function<void()> fn) { after_action_ = std::move(fn); }
+  // Called before every action (DDP: reduce only in the step's last micro-batch's backward).
+  void set_before_action(std::function<void(const pp::Action&)> fn) {
+    before_action_ = std::move(fn);
+  }
 
   // For the anti-test only: micro-batch j's activation is sent as j ^ 1's, so the next stage
   // computes on its neighbour's, which the parity test must catch.
@@ -61,6 +65,7 @@ class PipelineExecutor {
   int rank_ = 0;
   bool swap_activations_ = false;
   std::function<void()> after_action_;
+  std::function<void(const pp::Action&)> before_action_;
 };
 
 }  // namespace loom

@@ -71,6 +71,7 @@ double TrainStep::run_pipeline(int64_t micro_batches,
         c.targets = mb.targets;
       }
     }
+    *model_.pp_last_round = first + m == micro_batches;
     loss += pipe.run(
         [&](int j) {
           const CpBatch& c = round[size_t(j)];

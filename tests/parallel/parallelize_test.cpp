@@ -61,10 +61,6 @@ TEST(ParallelDims, ValidationMessages) {
   d.tp = 1;
   d.pp = 2;
   EXPECT_TRUE(error_of([&] { d.validate(64, false); }).empty());  // pp alone (or with tp) runs
-  d.dp_replicate = 2;  // pp beside DDP/HSDP is not supported yet
-  EXPECT_NE(error_of([&] { d.validate(64, false); }).find("parallelism.pp = 2 with"),
-            std::string::npos);
-  d.dp_replicate = 1;
   d.pp = 1;
   d.cp = 2;
   EXPECT_FALSE(error_of([&] { d.validate(66, false); }).empty());  // 66 is not a multiple of 4
