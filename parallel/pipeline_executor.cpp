@@ -35,6 +35,14 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
              schedule_.stages, " stages; the stage split has ", units_.size());
   LOOM_CHECK(units_.front().first == 0 && units_.back().second == model_.num_units(),
              "pipeline: the stages must cover units 0..", model_.num_units());
+  // The head reads and writes the embedding: on another rank it would read a stale copy and its
+  // gradient would never reach the embedding's owner (Megatron sums the two copies; to come).
+  LOOM_CHECK(
+      !model_.config().tie_word_embeddings ||
+          schedule_.stage_rank.front() == schedule_.stage_rank.back(),
+      "pipeline: the model ties its embeddings (tie_word_embeddings in its config.json) and ",
+      "the first and last stages are on different pp ranks; tied embeddings under ",
+      "parallelism.pp > 1 are not supported yet");
   // I/W need a backward split into input and weight gradients, which the blocks do not have yet.
   LOOM_CHECK(!schedule_.split_backward(), "parallelism.pp_schedule = \"", schedule_.name,
              "\": zero-bubble schedules (I/W actions) are not supported by the executor yet; ",

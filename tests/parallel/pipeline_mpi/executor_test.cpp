@@ -161,6 +161,22 @@ TEST(PipelineExecutor, ZeroBubbleRefusedNamingTheKey) {
   EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\""), std::string::npos) << msg;
 }
 
+TEST(PipelineExecutor, TiedEmbeddingsAcrossRanksRefused) {
+  const int p = world().size();
+  if (p == 1) GTEST_SKIP() << "one rank holds both ends";
+  LlamaConfig c = config(2 * p);
+  c.tie_word_embeddings = true;
+  LlamaModel model(c, DType::f32);
+  std::string msg;
+  try {
+    PipelineExecutor ex(model, pp::make_schedule(pp::ScheduleKind::one_f_one_b, p, 1, p),
+                        pp::stage_units(2 * p, p), &world());
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("tie_word_embeddings"), std::string::npos) << msg;
+}
+
 }  // namespace
 
 namespace {
