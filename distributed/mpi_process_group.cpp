@@ -317,10 +317,11 @@ void MpiWork::abort_on_timeout(double waited) const {
   }
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.2f", waited);
-  const std::string line =
-      str_cat("loom: TIMEOUT in ", op_, " on ", g_.describe(), ": world rank ", g_.world_rank(),
-              " waited ", secs, " s (limit ", g_.timeout_seconds(), " s) for peers [", peers,
-              "] (world ranks), ", bytes_, " bytes; aborting the job");
+  const std::string line = str_cat(
+      "loom: TIMEOUT in ", op_, " on ", g_.describe(), ": world rank ", g_.world_rank(), " waited ",
+      secs, " s (limit ", g_.timeout_seconds(), " s) for peers [", peers, "] (world ranks), ",
+      bytes_, " bytes", context().empty() ? std::string() : str_cat(" (", context(), ")"),
+      "; aborting the job");
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 1);

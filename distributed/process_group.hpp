@@ -54,6 +54,12 @@ class Work {
   virtual void wait() = 0;
   // Drives progress once; true when complete (the output is then valid, as after wait()).
   virtual bool test() = 0;
+  // What the wait is for, in the caller's words (a pipeline action): added to the timeout line.
+  void set_context(std::string context) { context_ = std::move(context); }
+  const std::string& context() const { return context_; }
+
+ private:
+  std::string context_;
 };
 
 // The default wait limit before a rank declares the job hung and aborts it.

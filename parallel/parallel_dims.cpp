@@ -24,9 +24,7 @@ void ParallelDims::validate(int64_t seq_len, bool one_process) const {
                " ranks, but this is one process (launch with `mpirun -np ", world,
                " loom train ...`)");
   }
-  LOOM_CHECK(pp == 1, "parallelism.pp = ", pp,
-             " is not supported yet (data, tensor and context parallelism only: dp_replicate, "
-             "dp_shard, tp, cp); expected pp = 1");
+
   // Refused here, before any work, when seq_len does not split (the kernel's own message; the
   // check is cp_positions').
   if (cp > 1) cp_positions(seq_len, cp, 0, tp > 1 && sequence_parallel ? tp : 1);
@@ -62,6 +60,7 @@ ParallelGroups parallel_groups(dist::Mesh* mesh) {
     g.shard = &mesh->group(mesh->size("cp") > 1 ? "dp_shard,cp" : "dp_shard");
   g.replicate = &mesh->group("dp_replicate");
   if (mesh->size("tp") > 1) g.tp = &mesh->group("tp");
+  if (mesh->size("pp") > 1) g.pp = &mesh->group("pp");
   return g;
 }
 

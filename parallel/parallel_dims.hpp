@@ -37,7 +37,7 @@ struct ParallelDims {
   int64_t local_seq_len(int64_t seq_len) const { return seq_len / cp; }  // a cp rank's tokens
 
   // What `loom train` supports, checked before any work: a multi-rank layout needs a mesh
-  // (`one_process`: none will be built), pp = 1, and a seq_len that context parallelism splits.
+  // (`one_process`: none will be built), and a seq_len that context parallelism splits.
   void validate(int64_t seq_len, bool one_process) const;
   // A multi-rank layout needs an MPI launch (`command` names the command in the hint).
   void check_launched(bool launched, const std::string& command) const;
@@ -53,6 +53,7 @@ struct ParallelGroups {
   dist::ProcessGroup* replicate = nullptr;  // dp_replicate (HSDP, or DDP alone)
   dist::ProcessGroup* tp = nullptr;         // the tensor-parallel group when its size is > 1
   dist::ProcessGroup* cp = nullptr;         // the context-parallel group when its size is > 1
+  dist::ProcessGroup* pp = nullptr;         // the pipeline-parallel group when its size is > 1
   int64_t rank = 0, size = 1;               // this rank's place in `dp`
 };
 ParallelGroups parallel_groups(dist::Mesh* mesh);

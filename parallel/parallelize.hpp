@@ -6,6 +6,7 @@
 //   apply_ac    activation checkpointing
 //   apply_fsdp  FSDP over dp_shard x cp (HSDP when dp_replicate > 1 too), or
 //   apply_ddp   DDP when only dp_replicate > 1
+//   apply_pp    the pipeline schedule and this rank's stages (parallel/pipeline_executor.hpp)
 // LlamaModel takes its tp and cp options when it is built (each unit holds its tp slices), so
 // apply_tp and apply_cp give the options the model is built with and the plan is checked on the
 // built model; activation checkpointing and the data-parallel hooks apply to it afterwards.
@@ -18,6 +19,7 @@
 #include "parallel/ddp.hpp"
 #include "parallel/fsdp.hpp"
 #include "parallel/parallel_dims.hpp"
+#include "parallel/pipeline_executor.hpp"
 
 namespace loom {
 
@@ -30,6 +32,13 @@ struct ParallelizeOptions {
   ActivationCheckpoint ac;
   parallel::FsdpConfig fsdp;  // reshard policy and reduce dtype (DDP reduces in the same dtype)
   Device device = Device::cpu;
+  // Pipeline parallelism (used when groups.pp is set): the schedule by name or from a CSV file,
+  // its micro-batches and stages per rank (resolved, not 0), the blocks per stage ("" balanced).
+  std::string pp_schedule = "1f1b";
+  std::string pp_schedule_csv;
+  std::string pp_stage_layers;
+  int pp_microbatches = 1;
+  int pp_stages_per_rank = 1;
 };
 
 // The model of one rank with its parallel hooks.
@@ -38,6 +47,10 @@ struct ParallelModel {
   std::unique_ptr<LlamaModel> model;  // declared first: the hooks detach from it on destruction
   std::unique_ptr<parallel::Fsdp> fsdp;
   std::unique_ptr<parallel::Ddp> ddp;
+  std::unique_ptr<PipelineExecutor> pipeline;  // with pp: this rank's stages and action list
+  // With pp and DDP: whether the schedule's run is the step's last (where DDP reduces); shared
+  // with the executor's callback, so it survives the ParallelModel being moved.
+  std::shared_ptr<bool> pp_last_round = std::make_shared<bool>(true);
 
   // One micro-batch of the global [B, T] batch (`last`: the last of the step, the one DDP
   // reduces on): with cp this rank takes its tokens (cp_local_batch); returns the summed loss

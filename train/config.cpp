@@ -15,6 +15,8 @@
 #include "core/error.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
+#include "parallel/pipeline/schedule.hpp"
+#include "parallel/pipeline/stage_split.hpp"
 
 namespace loom {
 
@@ -91,7 +93,12 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"parallelism",
        "pp_schedule",
        &c.parallelism.pp_schedule,
-       {"1f1b", "gpipe", "interleaved_1f1b"}},
+       {"gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv"}},
+      {"parallelism", "pp_microbatches", &c.parallelism.pp_microbatches},
+      {"parallelism", "pp_stages_per_rank", &c.parallelism.pp_stages_per_rank},
+      {"parallelism", "pp_stage_layers", &c.parallelism.pp_stage_layers},
+      {"parallelism", "pp_schedule_csv", &c.parallelism.pp_schedule_csv},
+      {"parallelism", "pp_fsdp_gather", &c.parallelism.pp_fsdp_gather, {"microbatch", "step"}},
       {"activation_checkpoint",
        "mode",
        &c.activation_checkpoint.mode,
@@ -240,6 +247,15 @@ std::string fmt_double(double v) {
   return s;
 }
 
+// With pp > 1 the generated schedule's rules on (pp, stages per rank, micro-batches).
+void pipeline_schedule_args(const JobConfig::Parallelism& p) {
+  if (p.pp == 1) return;
+  const pp::ScheduleKind kind = pp::parse_schedule_kind(p.pp_schedule);
+  const int64_t v = p.pp_stages_per_rank ? p.pp_stages_per_rank : pp::default_stages_per_rank(kind);
+  const int64_t m = p.pp_microbatches ? p.pp_microbatches : p.pp * v;
+  pp::check_schedule_args(kind, int(p.pp), int(v), int(m));
+}
+
 void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& origin) {
   auto check = [&](bool ok, const char* key, const std::string& expected, const auto& value) {
     if (ok) return;
@@ -294,6 +310,17 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
   check(p.tp >= 1, "parallelism.tp", "a positive integer", p.tp);
   check(p.cp >= 1, "parallelism.cp", "a positive integer", p.cp);
   check(p.pp >= 1, "parallelism.pp", "a positive integer", p.pp);
+  check(p.pp_microbatches >= 0, "parallelism.pp_microbatches",
+        "a non-negative integer (0 = pp x pp_stages_per_rank)", p.pp_microbatches);
+  check(p.pp_stages_per_rank >= 0, "parallelism.pp_stages_per_rank",
+        "a non-negative integer (0 = the schedule's)", p.pp_stages_per_rank);
+  // The schedule's rules on (pp, stages per rank, micro-batches), named by their keys.
+  if (p.pp_schedule_csv.empty()) pipeline_schedule_args(p);
+  if (!p.pp_stage_layers.empty()) pp::parse_stage_layers(p.pp_stage_layers);
+  // FSDP under pp gathers and reduces per micro-batch (today's per-unit policy); keeping a stage
+  // gathered for the whole step is to come.
+  check(p.pp == 1 || p.pp_fsdp_gather == "microbatch", "parallelism.pp_fsdp_gather",
+        "\"microbatch\" (\"step\" is not supported yet)", str_cat("\"", p.pp_fsdp_gather, "\""));
   const std::string& so = c.activation_checkpoint.selective_option;
   int64_t every = 0;
   auto r = std::from_chars(so.data(), so.data() + so.size(), every);

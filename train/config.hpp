@@ -78,7 +78,14 @@ struct JobConfig {
     bool tp_recompute_allgather = false;
     bool tp_async = false;  // overlap SP's forward all-gathers with the local rows' GEMM
     std::string cp_rotate_method = "p2p";  // p2p | allgather
-    std::string pp_schedule = "1f1b";      // 1f1b | gpipe | interleaved_1f1b
+    std::string pp_schedule = "1f1b";      // gpipe | 1f1b | interleaved_1f1b | zb1p | zbv
+    // Micro-batches (of local_batch_size each) one run of the schedule takes; 0: pp x the stages
+    // per rank. A step runs the schedule grad_accum_steps times.
+    int64_t pp_microbatches = 0;
+    int64_t pp_stages_per_rank = 0;  // 0: the schedule's (2 for interleaved_1f1b and zbv, else 1)
+    std::string pp_stage_layers;     // "4,5,5,4": blocks per stage; empty: balanced
+    std::string pp_schedule_csv;     // a schedule as torchtitan's compute-only CSV (overrides)
+    std::string pp_fsdp_gather = "microbatch";  // microbatch | step (not yet)
     bool operator==(const Parallelism&) const = default;
   } parallelism;
   struct ActivationCheckpoint {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "parallel/pipeline/schedule_csv.hpp"
 
 namespace loom {
 
@@ -129,7 +130,26 @@ ParallelizeOptions parallelize_options(const JobConfig& job) {
                                             job.activation_checkpoint.selective_option),
           .fsdp = {parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward),
                    dtype_from_name(job.training.mixed_precision_reduce)},
-          .device = Device::cpu};
+          .device = Device::cpu,
+          .pp_schedule = p.pp_schedule,
+          .pp_schedule_csv = p.pp_schedule_csv,
+          .pp_stage_layers = p.pp_stage_layers,
+          .pp_microbatches = int(pipeline_microbatches(job)),
+          .pp_stages_per_rank =
+              int(p.pp_stages_per_rank
+                      ? p.pp_stages_per_rank
+                      : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule)))};
+}
+
+int64_t pipeline_microbatches(const JobConfig& job) {
+  const auto& p = job.parallelism;
+  if (p.pp == 1) return 1;
+  if (!p.pp_schedule_csv.empty()) return pp::read_schedule_csv(p.pp_schedule_csv).microbatches;
+  if (p.pp_microbatches) return p.pp_microbatches;
+  const int64_t v = p.pp_stages_per_rank
+                        ? p.pp_stages_per_rank
+                        : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule));
+  return p.pp * v;
 }
 
 }  // namespace loom

@@ -29,5 +29,8 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command);
 // read the job config).
 ParallelDims parallel_dims(const JobConfig& job);  // dp_shard as configured (-1: resolved later)
 ParallelizeOptions parallelize_options(const JobConfig& job);
+// The micro-batches one run of the pipeline schedule takes (1 without pp): pp_microbatches, the
+// CSV schedule's, or pp x the stages per rank. A step runs the schedule grad_accum_steps times.
+int64_t pipeline_microbatches(const JobConfig& job);
 
 }  // namespace loom

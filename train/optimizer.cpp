@@ -53,7 +53,8 @@ void AdamW::step(float lr) {
 }
 
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
-                      dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group) {
+                      dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group,
+                      dist::ProcessGroup* pp_group) {
   const int tp = tp_group ? tp_group->size() : 1;
   double ss = 0;
   for (ParamUnit* u : units) {
@@ -71,7 +72,7 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
       ss += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
     }
   }
-  ss = group_sum(tp_group, group_sum(shard_group, ss));
+  ss = group_sum(pp_group, group_sum(tp_group, group_sum(shard_group, ss)));
   const double norm = std::sqrt(ss);
   if (max_norm > 0 && norm > max_norm) {
     // PyTorch adds 1e-6 to the norm in the denominator; do the same so clipped runs match.

@@ -42,9 +42,11 @@ class AdamW {
 // `shard_group`: the ranks over which sharded units are split (their gradient shards are summed
 // over it, in rank order, so every rank gets the same norm); nullptr when nothing is sharded.
 // `tp_group`: the tensor-parallel group (split parameters summed over it, replicated ones
-// counted once); nullptr without tensor parallelism.
+// counted once); nullptr without tensor parallelism. `pp_group`: the pipeline ranks, each holding
+// the gradients of its stages' units only (the others are zero); nullptr without pp.
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
                       dist::ProcessGroup* shard_group = nullptr,
-                      dist::ProcessGroup* tp_group = nullptr);
+                      dist::ProcessGroup* tp_group = nullptr,
+                      dist::ProcessGroup* pp_group = nullptr);
 
 }  // namespace loom

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/error.hpp"
 #include "distributed/group_sum.hpp"
 
 namespace loom {
@@ -18,19 +19,78 @@ StepResult TrainStep::run(int64_t micro_batches,
   const float grad_scale = float(1.0 / double(tokens_per_step_));
   model_.model->zero_grad();
   double loss_sum = 0;
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    const MicroBatch& mb = batch(m);
-    loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, grad_scale,
-                                        m + 1 == micro_batches);
+  if (model_.pipeline) {
+    loss_sum = run_pipeline(micro_batches, batch, grad_scale);
+  } else {
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const MicroBatch& mb = batch(m);
+      loss_sum += model_.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T,
+                                          grad_scale, m + 1 == micro_batches);
+    }
   }
   model_.finish_step();
   StepResult r;
-  r.loss = group_sum(model_.groups.dp, loss_sum) / double(tokens_per_step_);
-  r.grad_norm =
-      clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp);
+  // With pp the loss is on the head's rank only (0 elsewhere).
+  r.loss =
+      group_sum(model_.groups.pp, group_sum(model_.groups.dp, loss_sum)) / double(tokens_per_step_);
+  r.grad_norm = clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard,
+                               model_.groups.tp, model_.groups.pp);
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
   if (r.updated) optimizer_.step(float(lr));
   return r;
+}
+
+double TrainStep::run_pipeline(int64_t micro_batches,
+                               const std::function<const MicroBatch&(int64_t)>& batch,
+                               float grad_scale) {
+  PipelineExecutor& pipe = *model_.pipeline;
+  const int m = pipe.schedule().microbatches;
+  LOOM_CHECK(micro_batches % m == 0, "pipeline: ", micro_batches,
+             " micro-batches in the step, not a multiple of the schedule's ", m,
+             " (parallelism.pp_microbatches)");
+  double loss = 0;
+  // The schedule touches its micro-batches in any order, and a store keeps pointers to its
+  // tokens: each round's micro-batches are copied first (batch() is valid until its next call).
+  // With cp each rank keeps its zigzag tokens of every sample (and sends its own rows).
+  dist::ProcessGroup* cp = model_.groups.cp;
+  const int sp_tp =
+      model_.groups.tp && model_.model->tp().sequence_parallel ? model_.groups.tp->size() : 1;
+  std::vector<CpBatch> round(static_cast<size_t>(m));
+  for (int64_t first = 0; first < micro_batches; first += m) {
+    int64_t B = 0;
+    for (int j = 0; j < m; ++j) {
+      const MicroBatch& mb = batch(first + j);
+      B = mb.B;
+      CpBatch& c = round[size_t(j)];
+      if (cp) {
+        c = cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
+                           sp_tp);
+      } else {
+        c.T = mb.T;
+        c.inputs = mb.inputs;
+        c.targets = mb.targets;
+      }
+    }
+    *model_.pp_last_round = first + m == micro_batches;
+    loss += pipe.run(
+        [&](int j) {
+          const CpBatch& c = round[size_t(j)];
+          return PipelineMicroBatch{c.inputs.data(), c.targets.data(), B, c.T};
+        },
+        grad_scale);
+  }
+  return group_sum(cp, loss);
+}
+
+void share_pipeline_units(ParallelModel& model, AdamW& optimizer) {
+  if (!model.pipeline) return;
+  auto units = model.model->units();
+  for (size_t i = 0; i < units.size(); ++i) {
+    const int owner = model.pipeline->unit_owner(i);
+    for (Tensor* t :
+         {&units[i]->master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
+      model.groups.pp->broadcast(*t, owner)->wait();
+  }
 }
 
 }  // namespace loom

@@ -31,10 +31,17 @@ class TrainStep {
                  double lr);
 
  private:
+  double run_pipeline(int64_t micro_batches, const std::function<const MicroBatch&(int64_t)>& batch,
+                      float grad_scale);
+
   ParallelModel& model_;
   AdamW& optimizer_;
   double max_norm_;
   int64_t tokens_per_step_;
 };
+
+// With pp every rank holds every unit but updates only its stages': before a checkpoint is
+// written, each unit's weights and moments are broadcast from the pp rank that owns it.
+void share_pipeline_units(ParallelModel& model, AdamW& optimizer);
 
 }  // namespace loom

@@ -301,7 +301,8 @@ void Trainer::State::read_config() {
   compute = dtype_from_name(j.training.mixed_precision_param);
   B = j.training.local_batch_size;
   T = j.training.seq_len;
-  G = j.training.grad_accum_steps;
+  // With pp a step runs the schedule's micro-batches grad_accum_steps times.
+  G = j.training.grad_accum_steps * pipeline_microbatches(j);
   schedule = LrSchedule::from_config(j);
 }
 
@@ -365,6 +366,10 @@ void Trainer::State::build_data() {
   dl.seed = uint64_t(j.model.seed);
   loader = std::make_unique<DataLoader>(*train, dl);
   if (j.validation.interval > 0) {
+    LOOM_CHECK(j.parallelism.pp == 1, "validation.interval = ", j.validation.interval,
+               " with parallelism.pp = ", j.parallelism.pp,
+               ": validation under pipeline parallelism is not supported yet; set "
+               "--validation.interval=0");
     LOOM_CHECK(!TokenStream::find_files(j.data.path, "val").empty(),
                "validation.interval = ", j.validation.interval, " but data.path '", j.data.path,
                "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
@@ -540,6 +545,7 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step};
     try {
+      share_pipeline_units(s.par, *s.adamw);
       result.last_checkpoint =
           save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
                           {s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp});

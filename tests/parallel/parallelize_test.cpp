@@ -60,7 +60,7 @@ TEST(ParallelDims, ValidationMessages) {
             std::string::npos);
   d.tp = 1;
   d.pp = 2;
-  EXPECT_NE(error_of([&] { d.validate(64, false); }).find("parallelism.pp = 2"), std::string::npos);
+  EXPECT_TRUE(error_of([&] { d.validate(64, false); }).empty());  // pp alone (or with tp) runs
   d.pp = 1;
   d.cp = 2;
   EXPECT_FALSE(error_of([&] { d.validate(66, false); }).empty());  // 66 is not a multiple of 4

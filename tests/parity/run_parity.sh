@@ -15,20 +15,25 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/loom_parity_${name}.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 
-run_args=() ref_args=() accum=1 tp=1 cp=1
+run_args=() ref_args=() accum=1 tp=1 cp=1 pp=1 ppm=1
 for a in "$@"; do
   case $a in
     --ref:*) ref_args+=("--${a#--ref:}") ;;
     --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
     --parallelism.tp=*) tp=${a#*=}; run_args+=("$a") ;;
     --parallelism.cp=*) cp=${a#*=}; run_args+=("$a") ;;
+    --parallelism.pp=*) pp=${a#*=}; run_args+=("$a") ;;
+    # A pipeline run takes pp_microbatches micro-batches per accumulation step (given explicitly
+    # in the pp layouts).
+    --parallelism.pp_microbatches=*) ppm=${a#*=}; run_args+=("$a") ;;
     --model.* | --training.seq_len=*) run_args+=("$a"); ref_args+=("$a") ;;  # same for both runs
     *) run_args+=("$a") ;;
   esac
 done
 # The tp and cp ranks of a dp rank see the same batch: the reference accumulates over the dp ranks
 # only.
-dp=$((np / tp / cp))
+dp=$((np / tp / cp / pp))
+accum=$((accum * ppm))
 
 # The corpus: text of the repository itself, tokenized with a small trained vocabulary.
 cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"

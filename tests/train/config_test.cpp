@@ -258,6 +258,37 @@ TEST(JobConfig, ErrorsNameKeyAndSource) {
                {"parallelism.cp_rotate_method", "p2p"});
   expect_error([] { parse("", {"--parallelism.fsdp_reshard_after_forward=sometimes"}); },
                {"parallelism.fsdp_reshard_after_forward", "always"});
+  // Pipeline keys: the schedule's rules named by their keys, checked when pp > 1.
+  expect_error(
+      [] {
+        parse("", {"--parallelism.pp=4", "--parallelism.pp_microbatches=3"});
+      },
+      {"parallelism.pp_microbatches (3)", "parallelism.pp (4)", "1f1b"});
+  expect_error(
+      [] {
+        parse("", {"--parallelism.pp=2", "--parallelism.pp_schedule=interleaved_1f1b",
+                   "--parallelism.pp_microbatches=3"});
+      },
+      {"interleaved_1f1b", "multiple", "parallelism.pp_microbatches (3)"});
+  expect_error(
+      [] {
+        parse("", {"--parallelism.pp=2", "--parallelism.pp_schedule=zbv",
+                   "--parallelism.pp_stages_per_rank=4"});
+      },
+      {"zbv", "parallelism.pp_stages_per_rank = 2"});
+  expect_error([] { parse("", {"--parallelism.pp_stages_per_rank=-1"}); },
+               {"parallelism.pp_stages_per_rank", "non-negative"});
+  expect_error([] { parse("", {"--parallelism.pp_stage_layers=3,x"}); },
+               {"parallelism.pp_stage_layers", "\"x\""});
+  expect_error([] { parse("", {"--parallelism.pp_fsdp_gather=unit"}); },
+               {"parallelism.pp_fsdp_gather", "microbatch"});
+  expect_error(
+      [] {
+        parse("", {"--parallelism.pp=2", "--parallelism.pp_fsdp_gather=step"});
+      },
+      {"parallelism.pp_fsdp_gather", "not supported yet"});
+  EXPECT_NO_THROW(parse("", {"--parallelism.pp=4", "--parallelism.pp_schedule=interleaved_1f1b",
+                             "--parallelism.pp_microbatches=8"}));
 
   // Malformed overrides and wrong types on the command line.
   expect_error([] { parse("", {"--training.steps"}); }, {"command line", "malformed", "="});

@@ -1,0 +1,170 @@
+#include "parallel/pipeline/simulate.hpp"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "core/error.hpp"
+
+namespace loom::pp {
+namespace {
+
+using Key = std::tuple<bool, int, int>;
+Key key(const Message& m) {
+  return {m.backward, m.stage, m.mb};
+}
+
+std::string describe(const Message& m) {
+  return str_cat(m.backward ? "gradient into stage " : "activation into stage ", m.stage,
+                 " of micro-batch ", m.mb);
+}
+
+}  // namespace
+
+int message_tag(const Message& msg, int stages, int microbatches) {
+  return (int(msg.backward) * stages + msg.stage) * microbatches + msg.mb;
+}
+
+int sender_of(const Schedule& s, const Message& m) {
+  return s.stage_rank[size_t(m.backward ? m.stage + 1 : m.stage - 1)];
+}
+int receiver_of(const Schedule& s, const Message& m) {
+  return s.stage_rank[size_t(m.stage)];
+}
+
+std::vector<Message> inputs_of(const Schedule& s, const Action& a) {
+  const int r = s.stage_rank[size_t(a.stage)];
+  if (a.op == Op::F && a.stage > 0 && s.stage_rank[size_t(a.stage - 1)] != r)
+    return {{false, a.stage, a.mb}};
+  if ((a.op == Op::B || a.op == Op::I) && a.stage + 1 < s.stages &&
+      s.stage_rank[size_t(a.stage + 1)] != r)
+    return {{true, a.stage, a.mb}};
+  return {};
+}
+
+std::vector<Message> outputs_of(const Schedule& s, const Action& a) {
+  const int r = s.stage_rank[size_t(a.stage)];
+  if (a.op == Op::F && a.stage + 1 < s.stages && s.stage_rank[size_t(a.stage + 1)] != r)
+    return {{false, a.stage + 1, a.mb}};
+  if ((a.op == Op::B || a.op == Op::I) && a.stage > 0 && s.stage_rank[size_t(a.stage - 1)] != r)
+    return {{true, a.stage - 1, a.mb}};
+  return {};
+}
+
+std::vector<std::vector<LoweredOp>> lower(const Schedule& s) {
+  std::vector<std::vector<LoweredOp>> out(size_t(s.ranks));
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& order = s.orders[size_t(r)];
+    auto& ops = out[size_t(r)];
+    auto post_recvs = [&](size_t k) {
+      if (k >= order.size()) return;
+      for (const Message& m : inputs_of(s, order[k]))
+        ops.push_back({Step::post_recv, order[k], m, sender_of(s, m)});
+    };
+    post_recvs(0);
+    for (size_t k = 0; k < order.size(); ++k) {
+      post_recvs(k + 1);  // one action ahead: the transfer overlaps this action's compute
+      for (const Message& m : inputs_of(s, order[k]))
+        ops.push_back({Step::wait_recv, order[k], m, sender_of(s, m)});
+      ops.push_back({Step::compute, order[k], {}, -1});
+      for (const Message& m : outputs_of(s, order[k]))
+        ops.push_back({Step::post_send, order[k], m, receiver_of(s, m)});
+    }
+    ops.push_back({Step::wait_sends, {}, {}, -1});
+  }
+  return out;
+}
+
+ActionCost unit_costs(double f, double b, double i, double w) {
+  return [=](const Action& a) {
+    switch (a.op) {
+      case Op::F:
+        return f;
+      case Op::B:
+        return b;
+      case Op::I:
+        return i;
+      case Op::W:
+        return w;
+    }
+    return 0.0;
+  };
+}
+
+double SimResult::bubble() const {
+  double busy_sum = 0;
+  for (double b : busy) busy_sum += b;
+  const double total = double(busy.size()) * makespan;
+  return total > 0 ? 1 - busy_sum / total : 0;
+}
+
+SimResult simulate(const Schedule& s, const ActionCost& cost, double comm) {
+  const auto lowered = lower(s);
+  const size_t P = size_t(s.ranks);
+  std::map<Key, double> send_posted, recv_posted;
+  std::vector<size_t> pc(P, 0);
+  std::vector<double> t(P, 0);
+  std::vector<std::vector<Message>> my_sends(P);
+  std::vector<int> held(P, 0);
+  SimResult res;
+  res.busy.assign(P, 0);
+  res.peak_held.assign(P, 0);
+  res.sends.assign(P, 0);
+  // Every rank runs as far as it can; a wait whose other side is not posted yet stops it until a
+  // later sweep. Times are maxima over causes that are final once posted, so the sweep order does
+  // not change them.
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t r = 0; r < P; ++r) {
+      const auto& ops = lowered[r];
+      for (; pc[r] < ops.size(); ++pc[r], progress = true) {
+        const LoweredOp& op = ops[pc[r]];
+        if (op.step == Step::post_recv) {
+          recv_posted[key(op.msg)] = t[r];
+        } else if (op.step == Step::wait_recv) {
+          auto it = send_posted.find(key(op.msg));
+          if (it == send_posted.end()) break;
+          t[r] = std::max(t[r], std::max(it->second, recv_posted.at(key(op.msg))) + comm);
+        } else if (op.step == Step::compute) {
+          const double c = cost(op.action);
+          t[r] += c;
+          res.busy[r] += c;
+          if (op.action.op == Op::F) res.peak_held[r] = std::max(res.peak_held[r], ++held[r]);
+          if (op.action.op == Op::B || op.action.op == Op::W) --held[r];
+        } else if (op.step == Step::post_send) {
+          send_posted[key(op.msg)] = t[r];
+          my_sends[r].push_back(op.msg);
+          ++res.sends[r];
+        } else {  // wait_sends
+          bool all = true;
+          double end = t[r];
+          for (const Message& m : my_sends[r]) {
+            auto it = recv_posted.find(key(m));
+            if (it == recv_posted.end()) {
+              all = false;
+              break;
+            }
+            end = std::max(end, std::max(send_posted.at(key(m)), it->second) + comm);
+          }
+          if (!all) break;
+          t[r] = end;
+        }
+      }
+    }
+  }
+  for (size_t r = 0; r < P; ++r) {
+    if (pc[r] == lowered[r].size()) continue;
+    res.deadlock = true;
+    const LoweredOp& op = lowered[r][pc[r]];
+    res.blocked += str_cat("rank ", r, " at step ", pc[r], " (", to_string(op.action), ") waits ",
+                           op.step == Step::wait_recv
+                               ? str_cat("for the ", describe(op.msg), " from rank ", op.peer)
+                               : std::string("for its sends to be received"),
+                           "; ");
+  }
+  res.makespan = *std::max_element(t.begin(), t.end());
+  for (size_t r = 0; r < P; ++r) res.idle.push_back(res.makespan - res.busy[r]);
+  return res;
+}
+
+}  // namespace loom::pp

@@ -1,0 +1,71 @@
+#pragma once
+// Runs one pp rank's action list (parallel/pipeline/schedule.hpp) on the model: per micro-batch an
+// ActivationStore lives from the rank's first forward of it to its last backward; a stage's
+// forward and backward are LlamaModel::forward/backward over the stage's units; activations and
+// their gradients cross ranks as tagged nonblocking sends/receives on the pp group (the tag is the
+// message's direction, stage and micro-batch, so messages between the same two ranks cannot be
+// matched to the wrong receive), receives posted one action ahead so that a transfer overlaps the
+// compute before it, between two stages of one rank handed over without a message. Every wait has
+// the group's deadline, and a timeout names the schedule, action, stage, micro-batch and peer.
+// The loss is computed where the head is; gradients accumulate in the units in micro-batch order
+// per stage, the order of grad_accum_steps, so pp changes no bit of them.
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "distributed/process_group.hpp"
+#include "model/llama.hpp"
+#include "parallel/pipeline/schedule.hpp"
+#include "parallel/pipeline/stage_split.hpp"
+
+namespace loom {
+
+struct PipelineMicroBatch {
+  const int32_t* inputs = nullptr;   // [B, T], valid for the whole run
+  const int32_t* targets = nullptr;  // [B, T]
+  int64_t B = 0, T = 0;
+};
+
+class PipelineExecutor {
+ public:
+  // `stage_units[s]`: the units of stage s (pp::stage_units). `group`: the pp group, whose rank
+  // is the pp rank; nullptr for a one-rank schedule.
+  PipelineExecutor(LlamaModel& model, pp::Schedule schedule, std::vector<pp::UnitRange> stage_units,
+                   dist::ProcessGroup* group);
+
+  const pp::Schedule& schedule() const { return schedule_; }
+  int rank() const { return rank_; }
+  // The units of this rank's stages, ascending.
+  std::vector<size_t> owned_units() const;
+  bool holds_head() const;
+  int unit_owner(size_t unit) const;  // the pp rank whose stage holds the unit
+
+  // This rank's actions over micro-batches 0..microbatches-1 (`batch(j)`). Gradients of
+  // grad_scale x the summed loss accumulate into this rank's units. Returns the summed loss of
+  // the micro-batches whose head is on this rank (0 elsewhere).
+  double run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale);
+
+  // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
+  // the units, so that micro-batches in flight never share a unit's gathered buffers).
+  void set_after_action(std::function<void()> fn) { after_action_ = std::move(fn); }
+  // Called before every action (DDP: reduce only in the step's last micro-batch's backward).
+  void set_before_action(std::function<void(const pp::Action&)> fn) {
+    before_action_ = std::move(fn);
+  }
+
+  // For the anti-test only: micro-batch j's activation is sent as j ^ 1's, so the next stage
+  // computes on its neighbour's, which the parity test must catch.
+  void set_swap_activations(bool on) { swap_activations_ = on; }
+
+ private:
+  LlamaModel& model_;
+  pp::Schedule schedule_;
+  std::vector<pp::UnitRange> units_;
+  dist::ProcessGroup* group_;
+  int rank_ = 0;
+  bool swap_activations_ = false;
+  std::function<void()> after_action_;
+  std::function<void(const pp::Action&)> before_action_;
+};
+
+}  // namespace loom
