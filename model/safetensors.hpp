@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/tensor_slice.hpp"
 
 namespace loom {
 
@@ -51,22 +52,48 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// A Hugging Face model directory: model.safetensors, or model-0000x-of-0000y.safetensors with
-// model.safetensors.index.json. Finds the file holding each tensor.
+// The one slice reader of model directories: Hugging Face (model.safetensors, or
+// model-0000x-of-0000y.safetensors with model.safetensors.index.json), each tensor whole in one
+// file, and loom's sharded checkpoints (loom.index.json: each tensor in slices spread over the
+// ranks' files, docs/design.md "Distributed checkpoints"). Reading rows of a tensor reads only
+// the slices that hold them.
 class SafetensorsDir {
  public:
   explicit SafetensorsDir(const std::string& dir);
   bool has(const std::string& name) const;
-  const SafetensorsFile& file_of(const std::string& name) const;  // error names dir and tensor
+  // The file holding a whole tensor; error names dir and tensor, and for a sharded checkpoint
+  // (where tensors are in slices) says so.
+  const SafetensorsFile& file_of(const std::string& name) const;
+  Shape shape(const std::string& name) const;
+  // Rows [row_begin, row_begin + rows) of dimension 0 into f32. Sharded: every element must come
+  // from exactly one slice (error names the tensor and the files otherwise).
   void read_f32(const std::string& name, const Shape& expected, float* out, int64_t row_begin = 0,
                 int64_t rows = -1) const;
   std::vector<std::string> names() const;
+  const std::string& dir() const { return dir_; }
+  bool sharded() const { return sharded_; }
+  // A sharded checkpoint's index "metadata" (strings); empty for Hugging Face.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Where a tensor is, for messages: its file, or "slices in FILE, FILE, ...".
+  std::string where(const std::string& name) const;
 
  private:
+  struct Piece {
+    size_t file = 0;
+    TensorSlice slice;
+  };
+  void open_sharded(const std::string& index_path);
+
   std::string dir_;
+  bool sharded_ = false;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;
+  std::map<std::string, std::pair<Shape, std::vector<Piece>>> pieces_;  // sharded
+  std::map<std::string, std::string> metadata_;
 };
+
+// The index of a sharded checkpoint directory.
+inline constexpr const char* kShardedIndexName = "loom.index.json";
 
 struct NamedTensor {
   std::string name;

@@ -1,17 +1,20 @@
 #pragma once
-// Training checkpoints. A checkpoint is a directory ROOT/step-00000100/ holding
-//   model.safetensors      f32 master weights under their Hugging Face names (sharded into
-//                          model-0000i-of-0000n.safetensors + index beyond 5 GiB), and
-//   config.json            the Hugging Face model config: the directory is a Hugging Face model
-//                          that SafetensorsDir, `loom generate` and `[model] init_from` read;
-//   optimizer.safetensors  AdamW moments, "<name>.exp_avg" and "<name>.exp_avg_sq" (f32, the
-//                          parameter's shape), with the step count in the metadata ("step");
-//   state.json             step, data loader step, lr and loss of the last step, the resolved
-//                          job config (TOML);
-//   tokenizer.json         copied from the data directory when there is one.
-// Saving is atomic: everything is written into step-00000100.tmp, each file and the directory
-// are fsynced, the directory is renamed, the parent fsynced. Only names step-<digits> are
-// checkpoints, so a .tmp left by a crash is ignored (and replaced by the next save of that step).
+// Training checkpoints (docs/design.md, "Distributed checkpoints"). A checkpoint is a directory
+// ROOT/step-00000100/ holding
+//   rank-0000r.safetensors  each writing rank's slices of the f32 master weights and of the AdamW
+//                           moments ("<name>", "<name>.exp_avg", "<name>.exp_avg_sq"), written
+//                           by that rank from its own shards (no rank gathers the model); ranks
+//                           that hold the same slices as a lower rank (replicas) write nothing;
+//   loom.index.json         every tensor's global shape and dtype and which slice each file holds;
+//   config.json             the Hugging Face model config;
+//   state.json              step, data loader step, lr and loss of the last step, the resolved
+//                           job config (TOML): written last, the completion marker;
+//   tokenizer.json          copied from the data directory when there is one.
+// SafetensorsDir reads it like a Hugging Face directory (`loom generate`, `[model] init_from`).
+// Saving is atomic: every rank writes and fsyncs its file into step-00000100.tmp, then world
+// rank 0 writes the index, the config and state.json, fsyncs the directory and renames it. Only
+// names step-<digits> with a state.json are checkpoints, so a .tmp left by a crash is ignored
+// (and removed by clean_checkpoint_dir or the next save of that step).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -25,10 +28,10 @@ namespace dist {
 class ProcessGroup;
 }
 
-// The ranks a checkpoint is saved from. `shard`: the group the model's units are sharded over
-// (nullptr: unsharded); `world`: all ranks (nullptr: one process). Each sharded unit is
-// all-gathered over `shard`, world rank 0 writes, and then tells every rank whether it succeeded
-// (a failed save is an error on every rank).
+// The ranks a checkpoint is saved from. `world`: all ranks (nullptr: one process); after each
+// phase of a save every rank learns every rank's failure (a failed save is an error on every
+// rank, naming the failing ranks' causes). `shard` and `tp` are not needed by the sharded save
+// (each rank writes what it holds) and kept for callers.
 struct CheckpointComm {
   dist::ProcessGroup* shard = nullptr;
   dist::ProcessGroup* world = nullptr;
@@ -54,15 +57,17 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 
 // Writes ROOT/step-<state.step>/ atomically (replacing one of the same step) and returns its path.
 // `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
-// Every rank of `comm` calls it. The files are the same whatever the layout.
+// Every rank of `comm` calls it. Each rank holds nothing beyond its own shards: its file is
+// written from views of them.
 std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
 
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both
-// shapes), tensors the model does not have. A sharded model reads only its shards' slices, so a
-// checkpoint of any layout loads into any other.
+// shapes), tensors the model does not have. Each rank reads only the slices it holds from
+// whichever files have them, so a checkpoint of any layout loads into any other. Checkpoints of
+// the earlier format (model.safetensors + optimizer.safetensors) load too.
 TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
 // allocating anything.

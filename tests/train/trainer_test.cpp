@@ -243,8 +243,8 @@ TEST(Trainer, ResumeIsBitIdentical) {
                                                       ra.val_losses.end());
   EXPECT_EQ(r2.val_losses, later);
   // The final checkpoints agree too, and carry the tokenizer of the data directory.
-  EXPECT_EQ(read_text(job.path("a/step-00000006/model.safetensors")),
-            read_text(job.path("b/step-00000006/model.safetensors")));
+  EXPECT_EQ(read_text(job.path("a/step-00000006/rank-00000.safetensors")),
+            read_text(job.path("b/step-00000006/rank-00000.safetensors")));
   EXPECT_EQ(read_text(job.path("b/step-00000006/tokenizer.json")),
             read_text(job.data("tokenizer.json")));
 }
@@ -479,7 +479,7 @@ TEST(Trainer, ConfigErrorsBeforeAnyWork) {
               job.options());
     t.run();
   }
-  const std::string f = job.path("ck/step-00000001/optimizer.safetensors");
+  const std::string f = job.path("ck/step-00000001/rank-00000.safetensors");
   fs::resize_file(f, fs::file_size(f) - 10);
   err({"--checkpoint.dir=" + job.path("ck"), "--checkpoint.resume=true"}, {f});
   // Resuming with another model shape names the tensor and both shapes.
