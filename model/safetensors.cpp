@@ -454,9 +454,10 @@ void SafetensorsDir::open_sharded(const std::string& ip) {
         const SafetensorsFile& f = *files_[p.file];
         LOOM_CHECK(f.has(name), where, ": the index puts a slice in '", f.path(),
                    "', which does not contain it");
-        LOOM_CHECK(f.entry(name).shape == Shape{p.slice.numel()}, f.path(), ": tensor '", name,
-                   "' has shape ", shape_str(f.entry(name).shape), " but the index's slice holds ",
-                   p.slice.numel(), " elements (a torn or mismatched index)");
+        LOOM_CHECK(f.entry(name).shape == Shape{p.slice.numel()}, where, ": the slice in '",
+                   f.path(), "' holds ", p.slice.numel(),
+                   " elements but the file's tensor has shape ", shape_str(f.entry(name).shape),
+                   " (a torn or mismatched index)");
         covered += p.slice.numel();
         pieces.push_back(std::move(p));
       }
