@@ -545,27 +545,24 @@ std::vector<std::string> SafetensorsDir::names() const {
 // ---------------------------------------------------------------------------------------------
 // Writing
 
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The header of a file holding `tensors` in order, padded to a multiple of 8 bytes.
+std::string encode_header(const std::string& path, const std::vector<TensorHeader>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
   // Header keys in the given order, so the data section follows the same order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> seen;
   size_t offset = 0;
-  for (const auto& nt : tensors) {
-    const Tensor& t = nt.tensor;
-    const std::string where = str_cat(path, ": tensor '", nt.name, "'");
-    LOOM_CHECK(!nt.name.empty() && nt.name != "__metadata__", path, ": invalid tensor name '",
-               nt.name, "'");
-    LOOM_CHECK(seen.insert(nt.name).second, where, ": name given twice");
-    LOOM_CHECK(t.defined(), where, ": undefined tensor");
-    LOOM_CHECK(t.device() == Device::cpu, where, ": expected a cpu tensor, found ",
-               device_name(t.device()));
-    LOOM_CHECK(t.is_contiguous(), where, ": expected a contiguous tensor");
-    const size_t nbytes = t.nbytes();
-    header[nt.name] = {{"dtype", st_dtype_of(t.dtype())},
-                       {"shape", t.shape()},
-                       {"data_offsets", {offset, offset + nbytes}}};
+  for (const auto& t : tensors) {
+    LOOM_CHECK(!t.name.empty() && t.name != "__metadata__", path, ": invalid tensor name '", t.name,
+               "'");
+    LOOM_CHECK(seen.insert(t.name).second, path, ": tensor '", t.name, "': name given twice");
+    const size_t nbytes = size_t(shape_numel(t.shape)) * dtype_size(t.dtype);
+    header[t.name] = {{"dtype", st_dtype_of(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string h;
@@ -575,13 +572,52 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     fail(path, ": cannot encode the header (tensor names must be UTF-8): ", e.what());
   }
   h.append((8 - h.size() % 8) % 8, ' ');
-  const uint64_t hlen = h.size();
+  return h;
+}
 
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorHeader> headers;
+  for (const auto& nt : tensors) {
+    const Tensor& t = nt.tensor;
+    const std::string where = str_cat(path, ": tensor '", nt.name, "'");
+    LOOM_CHECK(t.defined(), where, ": undefined tensor");
+    LOOM_CHECK(t.device() == Device::cpu, where, ": expected a cpu tensor, found ",
+               device_name(t.device()));
+    LOOM_CHECK(t.is_contiguous(), where, ": expected a contiguous tensor");
+    headers.push_back({nt.name, t.dtype(), t.shape()});
+  }
+  const std::string h = encode_header(path, headers, metadata);
+  const uint64_t hlen = h.size();
   atomic_write(path, [&](int fd, const std::string& tmp) {
     write_all(fd, &hlen, 8, tmp);
     write_all(fd, h.data(), h.size(), tmp);
     for (const auto& nt : tensors)
       if (nt.tensor.nbytes() > 0) write_all(fd, nt.tensor.raw(), nt.tensor.nbytes(), tmp);
+  });
+}
+
+void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
+                                const std::map<std::string, std::string>& metadata,
+                                const std::function<void(size_t, Tensor&)>& fill) {
+  const std::string h = encode_header(path, tensors, metadata);
+  const uint64_t hlen = h.size();
+  atomic_write(path, [&](int fd, const std::string& tmp) {
+    write_all(fd, &hlen, 8, tmp);
+    write_all(fd, h.data(), h.size(), tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      Tensor t = Tensor::empty(tensors[i].shape, tensors[i].dtype);
+      fill(i, t);
+      if (t.nbytes() > 0) write_all(fd, t.raw(), t.nbytes(), tmp);
+    }
+  });
+}
+
+void write_text_atomic(const std::string& path, const std::string& content) {
+  atomic_write(path, [&](int fd, const std::string& tmp) {
+    write_all(fd, content.data(), content.size(), tmp);
   });
 }
 

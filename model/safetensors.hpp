@@ -4,6 +4,7 @@
 // every inconsistency (truncated file, offsets outside the data, sizes that disagree with
 // shape x dtype, overlapping tensors) is an error naming the file and tensor.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -103,6 +104,18 @@ struct NamedTensor {
 // Writes one file atomically (write to a temporary name, fsync, rename).
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+// Writes one file atomically with the tensors' bytes produced one at a time: `fill(i, t)` fills
+// tensor i (allocated by the writer with its dtype and shape), so memory holds one tensor.
+struct TensorHeader {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
+                                const std::map<std::string, std::string>& metadata,
+                                const std::function<void(size_t, Tensor&)>& fill);
+// A small file (an index, a config) written atomically: a temporary name, fsync, rename.
+void write_text_atomic(const std::string& path, const std::string& content);
 // Writes a model directory: one model.safetensors if the total is <= max_shard_bytes, else
 // model-0000i-of-0000n.safetensors files plus model.safetensors.index.json.
 void write_safetensors_dir(const std::string& dir, const std::vector<NamedTensor>& tensors,

@@ -94,13 +94,6 @@ bool tp_split(const ParamSpec& spec) {
   return spec.split != TpSplit::none && spec.tp_count > 1;
 }
 
-// A rank's file in a checkpoint directory.
-std::string rank_file(int rank) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
-  return buf;
-}
-
 // This rank's slices of every parameter: the weights and both moments of each (global names,
 // views of the shard buffers: nothing is copied), and their place in the global tensors.
 struct RankSlices {
@@ -265,15 +258,15 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? std::string() : all.back().second;
 }
 
-namespace {
-
-// The index of a checkpoint from its rank files' own records of their slices (so the index can
-// only describe files that were completely written), checked by opening it as the loader will.
-void write_index(const fs::path& tmp, const std::vector<int>& writers, int64_t step) {
+// The index from the rank files' own records of their slices (so the index can only describe
+// files that were completely written), checked by opening it as the loader will.
+void write_checkpoint_index(const std::string& dir, const std::vector<int>& writers, int64_t step,
+                            bool moments) {
+  const fs::path tmp(dir);
   nlohmann::ordered_json tensors = nlohmann::ordered_json::object(),
                          files = nlohmann::json::array();
   for (int r : writers) {
-    const std::string file = rank_file(r);
+    const std::string file = checkpoint_rank_file(r);
     const SafetensorsFile f((tmp / file).string());
     const auto it = f.metadata().find("slices");
     LOOM_CHECK(it != f.metadata().end(), f.path(), ": no \"slices\" in the metadata");
@@ -295,7 +288,7 @@ void write_index(const fs::path& tmp, const std::vector<int>& writers, int64_t s
   nlohmann::ordered_json index;
   index["format"] = "loom-sharded";
   index["version"] = 1;
-  index["metadata"] = {{"step", std::to_string(step)}};
+  index["metadata"] = {{"step", std::to_string(step)}, {"optimizer", moments ? "adamw" : "none"}};
   index["files"] = files;
   index["tensors"] = tensors;
   write_file((tmp / kShardedIndexName).string(), index.dump(1) + "\n");
@@ -303,16 +296,7 @@ void write_index(const fs::path& tmp, const std::vector<int>& writers, int64_t s
   const SafetensorsDir check(tmp.string());
 }
 
-// World rank 0, once every rank's file is written: the index, the config, the tokenizer and
-// state.json (the completion marker) last, then the directory takes its name.
-std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, LlamaModel& model,
-                              const TrainState& state, const std::string& tokenizer_json,
-                              const std::vector<int>& writers) {
-  write_index(tmp, writers, state.step);
-  write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
-  if (!tokenizer_json.empty())
-    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
-  for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
+void write_checkpoint_state(const std::string& dir, const TrainState& state) {
   nlohmann::ordered_json st;
   st["format"] = "loom-checkpoint";
   st["version"] = kStateVersion;
@@ -322,9 +306,31 @@ std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, LlamaMo
   st["loss"] = state.loss;
   st["config"] = state.config_toml;
   st["tokens_per_step"] = state.tokens_per_step;
-  write_file((tmp / "state.json").string(), st.dump(2) + "\n");
-  fsync_path((tmp / "state.json").string(), false);
-  fsync_path(tmp.string(), true);
+  const std::string path = (fs::path(dir) / "state.json").string();
+  write_file(path, st.dump(2) + "\n");
+  fsync_path(path, false);
+  fsync_path(dir, true);
+}
+
+std::string checkpoint_rank_file(int rank) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
+  return buf;
+}
+
+namespace {
+
+// World rank 0, once every rank's file is written: the index, the config, the tokenizer and
+// state.json (the completion marker) last, then the directory takes its name.
+std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, LlamaModel& model,
+                              const TrainState& state, const std::string& tokenizer_json,
+                              const std::vector<int>& writers) {
+  write_checkpoint_index(tmp.string(), writers, state.step, true);
+  write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
+  if (!tokenizer_json.empty())
+    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
+  for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
+  write_checkpoint_state(tmp.string(), state);
 
   const fs::path final_dir = root / checkpoint_name(state.step);
   // rename() cannot replace a non-empty directory: move an existing checkpoint of this step
@@ -404,7 +410,7 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   agree(world, catch_error([&] {
           if (!writer) return;
           RankSlices mine = rank_slices(model, optimizer, write[0], write[1]);
-          write_safetensors((tmp / rank_file(rank)).string(), mine.tensors,
+          write_safetensors((tmp / checkpoint_rank_file(rank)).string(), mine.tensors,
                             {{"format", "loom-shard"},
                              {"step", std::to_string(state.step)},
                              {"slices", mine.slices.dump()}});
@@ -475,12 +481,20 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
                kShardedIndexName, ": step ",
                it == ckpt.metadata().end() ? std::string("missing") : it->second, " but ",
                state_path, " says step ", st.step, " (a torn or mismatched checkpoint)");
-    for (size_t i = 0; i < units.size(); ++i)
-      for (size_t k = 0; k < units[i]->params().size(); ++k) {
-        const std::string& n = units[i]->params()[k].spec.name;
-        read_shard(ckpt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
-        read_shard(ckpt, n + ".exp_avg_sq", *units[i], k, optimizer.exp_avg_sq()[i].data<float>());
-      }
+    if (ckpt.metadata().count("optimizer") && ckpt.metadata().at("optimizer") == "none") {
+      // Converted from Hugging Face: AdamW starts afresh.
+      LOOM_CHECK(st.step == 0, dir, ": has no optimizer moments but is at step ", st.step);
+      for (auto* moments : {&optimizer.exp_avg(), &optimizer.exp_avg_sq()})
+        for (Tensor& m : *moments) std::fill_n(m.data<float>(), m.numel(), 0.0f);
+    } else {
+      for (size_t i = 0; i < units.size(); ++i)
+        for (size_t k = 0; k < units[i]->params().size(); ++k) {
+          const std::string& n = units[i]->params()[k].spec.name;
+          read_shard(ckpt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
+          read_shard(ckpt, n + ".exp_avg_sq", *units[i], k,
+                     optimizer.exp_avg_sq()[i].data<float>());
+        }
+    }
     optimizer.set_steps_taken(st.step);
     return st;
   }

@@ -73,6 +73,14 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
 // allocating anything.
 TrainState read_checkpoint_state(const std::string& dir);
 
+// The parts of a save, for tools that write a checkpoint without a model (loom convert): the
+// name of rank r's file, the index of the rank files `ranks` in `dir` (`moments`: whether they
+// hold the AdamW moments), and state.json, the completion marker (fsynced, with the directory).
+std::string checkpoint_rank_file(int rank);  // "rank-00003.safetensors"
+void write_checkpoint_index(const std::string& dir, const std::vector<int>& ranks, int64_t step,
+                            bool moments);
+void write_checkpoint_state(const std::string& dir, const TrainState& state);
+
 // Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all). Each is renamed
 // to step-N.deleting before it is deleted.
 void prune_checkpoints(const std::string& root, int64_t keep);
