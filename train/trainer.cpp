@@ -22,6 +22,7 @@
 #include "model/safetensors.hpp"
 #include "parallel/cost_model.hpp"
 #include "train/checkpoint.hpp"
+#include "train/checkpoint_convert.hpp"
 #include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
@@ -638,6 +639,28 @@ TrainResult Trainer::run() {
                           j.checkpoint.dir.empty() ? " (no checkpoint.dir: nothing saved)" : ""));
       break;
     }
+  }
+  if (j.checkpoint.last_save_in_hf && !result.last_checkpoint.empty() && last_saved == s.step) {
+    // World rank 0 alone reads the checkpoint (streaming, one tensor at a time); every rank
+    // learns whether it worked.
+    const std::string hf =
+        (fs::path(j.checkpoint.dir) / ("hf-" + checkpoint_name(s.step))).string();
+    std::string error;
+    if (s.writer) {
+      try {
+        std::error_code ec;
+        fs::remove_all(hf, ec);  // an export of this step by an earlier run of it
+        export_hugging_face(result.last_checkpoint, hf);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    }
+    if (s.mesh && any_rank(s.mesh->world(), !error.empty()) && error.empty())
+      fail(
+          "checkpoint.last_save_in_hf: the export on world rank 0 failed (its message names the "
+          "cause)");
+    LOOM_CHECK(error.empty(), "checkpoint.last_save_in_hf: ", error);
+    log.message(str_cat("exported ", result.last_checkpoint, " as Hugging Face directory ", hf));
   }
   log.finish();
   return result;

@@ -404,7 +404,8 @@ TEST(Trainer, InitFromAHuggingFaceDirectory) {
   Job job;
   std::vector<uint32_t> saved;
   {
-    Trainer a(job.config({"--training.steps=2", "--checkpoint.dir=" + job.path("ck")}),
+    Trainer a(job.config({"--training.steps=2", "--checkpoint.dir=" + job.path("ck"),
+                          "--checkpoint.last_save_in_hf=true"}),
               job.options());
     a.run();
     for (ParamUnit* u : a.model().units()) {
@@ -418,6 +419,19 @@ TEST(Trainer, InitFromAHuggingFaceDirectory) {
   EXPECT_EQ(b.step(), 0);
   std::vector<uint32_t> got;
   for (ParamUnit* u : b.model().units()) {
+    const size_t at = got.size();
+    got.resize(at + size_t(u->numel()));
+    std::memcpy(got.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
+  }
+  EXPECT_EQ(got, saved);
+  // checkpoint.last_save_in_hf: the last checkpoint as a Hugging Face directory too.
+  ASSERT_TRUE(fs::is_regular_file(job.path("ck/hf-step-00000002/model.safetensors")));
+  ASSERT_TRUE(fs::is_regular_file(job.path("ck/hf-step-00000002/config.json")));
+  EXPECT_EQ(list_checkpoints(job.path("ck")).size(), 1u);  // not taken for a checkpoint
+  Trainer c(job.config({"--model.init_from=" + job.path("ck/hf-step-00000002"), "--model.seed=78"}),
+            job.options());
+  got.clear();
+  for (ParamUnit* u : c.model().units()) {
     const size_t at = got.size();
     got.resize(at + size_t(u->numel()));
     std::memcpy(got.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
