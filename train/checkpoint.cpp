@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
@@ -322,11 +325,11 @@ namespace {
 
 // World rank 0, once every rank's file is written: the index, the config, the tokenizer and
 // state.json (the completion marker) last, then the directory takes its name.
-std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, LlamaModel& model,
+std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, const std::string& config,
                               const TrainState& state, const std::string& tokenizer_json,
                               const std::vector<int>& writers) {
   write_checkpoint_index(tmp.string(), writers, state.step, true);
-  write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
+  write_file((tmp / "config.json").string(), config);
   if (!tokenizer_json.empty())
     write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
   for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
@@ -353,76 +356,188 @@ std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, LlamaMo
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
-                            const TrainState& state, const std::string& tokenizer_json,
-                            const CheckpointComm& comm) {
+namespace {
+
+// What every rank knows once a save has begun: who writes what, and where.
+struct SavePlan {
+  dist::ProcessGroup* world = nullptr;  // nullptr: one process
+  int rank = 0;
+  bool write[2] = {false, false};  // this rank writes the TP-split / the other parameters
+  std::vector<int> writers;        // the ranks that write a file
+  fs::path root, tmp, final_dir;
+  std::string what;  // "saving checkpoint DIR", for errors
+  bool writer() const { return write[0] || write[1]; }
+  // Whatever fails, the half-written directory goes: it is never loaded, but it holds disk.
+  std::function<void()> cleanup() const {
+    return [r = rank, t = tmp] {
+      if (r != 0) return;
+      std::error_code ec;
+      fs::remove_all(t, ec);
+    };
+  }
+};
+
+// The collective start of a save: the writers agreed, world rank 0 has made the .tmp directory.
+SavePlan begin_save(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                    const TrainState& state, const CheckpointComm& comm) {
   LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
   LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
              optimizer.steps_taken(), " steps but the state says step ", state.step);
-  dist::ProcessGroup* world = comm.world && comm.world->size() > 1 ? comm.world : nullptr;
-  const int rank = world ? world->rank() : 0, size = world ? world->size() : 1;
+  SavePlan plan;
+  plan.world = comm.world && comm.world->size() > 1 ? comm.world : nullptr;
+  plan.rank = plan.world ? plan.world->rank() : 0;
+  const int size = plan.world ? plan.world->size() : 1;
 
   // Which ranks write what: the first of each set of ranks holding the same slices.
   const std::array<int32_t, 4> key = content_keys(model);
-  bool write[2] = {false, false};  // this rank writes the split / unsplit parameters
-  std::vector<int> writers;        // the ranks that write a file
-  {
-    Tensor mine = Tensor::empty({4}, DType::i32), keys = Tensor::empty({4 * size}, DType::i32);
-    std::copy(key.begin(), key.end(), mine.data<int32_t>());
-    if (world)
-      world->all_gather(mine, keys)->wait();
-    else
-      keys.copy_from(mine);
-    const int32_t* kk = keys.data<int32_t>();
-    for (int r = 0; r < size; ++r) {
-      bool first[2] = {true, true};
-      for (int c = 0; c < 2; ++c)
-        for (int q = 0; q < r && first[c]; ++q)
-          first[c] = !(kk[4 * q + 2 * c] == kk[4 * r + 2 * c] &&
-                       kk[4 * q + 2 * c + 1] == kk[4 * r + 2 * c + 1]);
-      if (first[0] || first[1]) writers.push_back(r);
-      if (r == rank) write[0] = first[0], write[1] = first[1];
-    }
+  Tensor mine = Tensor::empty({4}, DType::i32), keys = Tensor::empty({4 * size}, DType::i32);
+  std::copy(key.begin(), key.end(), mine.data<int32_t>());
+  if (plan.world)
+    plan.world->all_gather(mine, keys)->wait();
+  else
+    keys.copy_from(mine);
+  const int32_t* kk = keys.data<int32_t>();
+  for (int r = 0; r < size; ++r) {
+    bool first[2] = {true, true};
+    for (int c = 0; c < 2; ++c)
+      for (int q = 0; q < r && first[c]; ++q)
+        first[c] = !(kk[4 * q + 2 * c] == kk[4 * r + 2 * c] &&
+                     kk[4 * q + 2 * c + 1] == kk[4 * r + 2 * c + 1]);
+    if (first[0] || first[1]) plan.writers.push_back(r);
+    if (r == plan.rank) plan.write[0] = first[0], plan.write[1] = first[1];
   }
-  const bool writer = write[0] || write[1];
 
-  const fs::path rootp(root);
-  const fs::path tmp = rootp / (checkpoint_name(state.step) + ".tmp");
-  const std::string what =
-      str_cat("saving checkpoint ", (rootp / checkpoint_name(state.step)).string());
-  // Whatever fails, the half-written directory goes: it is never loaded, but it holds disk.
-  auto cleanup = [&] {
-    if (rank != 0) return;
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-  };
-  agree(world, catch_error([&] {
-          if (rank != 0) return;
+  plan.root = root;
+  plan.tmp = plan.root / (checkpoint_name(state.step) + ".tmp");
+  plan.final_dir = plan.root / checkpoint_name(state.step);
+  plan.what = str_cat("saving checkpoint ", plan.final_dir.string());
+  agree(plan.world, catch_error([&] {
+          if (plan.rank != 0) return;
           std::error_code ec;
           fs::create_directories(root, ec);
           LOOM_CHECK(!ec, "cannot create checkpoint directory '", root, "': ", ec.message());
-          fs::remove_all(tmp, ec);  // a save of this step that crashed
-          LOOM_CHECK(!ec, "cannot remove stale '", tmp.string(), "': ", ec.message());
-          fs::create_directory(tmp, ec);
-          LOOM_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
+          fs::remove_all(plan.tmp, ec);  // a save of this step that crashed
+          LOOM_CHECK(!ec, "cannot remove stale '", plan.tmp.string(), "': ", ec.message());
+          fs::create_directory(plan.tmp, ec);
+          LOOM_CHECK(!ec, "cannot create '", plan.tmp.string(), "': ", ec.message());
         }),
-        what, cleanup);
-  agree(world, catch_error([&] {
-          if (!writer) return;
-          RankSlices mine = rank_slices(model, optimizer, write[0], write[1]);
-          write_safetensors((tmp / checkpoint_rank_file(rank)).string(), mine.tensors,
-                            {{"format", "loom-shard"},
-                             {"step", std::to_string(state.step)},
-                             {"slices", mine.slices.dump()}});
+        plan.what, plan.cleanup());
+  return plan;
+}
+
+void write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step) {
+  write_safetensors(
+      (plan.tmp / checkpoint_rank_file(plan.rank)).string(), mine.tensors,
+      {{"format", "loom-shard"}, {"step", std::to_string(step)}, {"slices", mine.slices.dump()}});
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                            const TrainState& state, const std::string& tokenizer_json,
+                            const CheckpointComm& comm) {
+  const SavePlan plan = begin_save(root, model, optimizer, state, comm);
+  agree(plan.world, catch_error([&] {
+          if (plan.writer())
+            write_rank_file(plan, rank_slices(model, optimizer, plan.write[0], plan.write[1]),
+                            state.step);
         }),
-        what, cleanup);
-  std::string path = (rootp / checkpoint_name(state.step)).string();
-  agree(world, catch_error([&] {
-          if (rank == 0)
-            path = finish_checkpoint(rootp, tmp, model, state, tokenizer_json, writers);
+        plan.what, plan.cleanup());
+  std::string path = plan.final_dir.string();
+  const std::string config = model.config().to_json() + "\n";
+  agree(plan.world, catch_error([&] {
+          if (plan.rank == 0)
+            path =
+                finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
         }),
-        what, cleanup);
+        plan.what, plan.cleanup());
   return path;
+}
+
+// The background half of an async save. The writer thread of each writing rank writes its
+// staged copy; on world rank 0 it then waits for every writer's file (or its error) and
+// completes the checkpoint, so that it becomes a checkpoint without waiting for the next save.
+// The ranks share checkpoint.dir, and no collective runs off the main thread: a rank says that
+// its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error.
+struct PendingSave::Impl {
+  SavePlan plan;
+  std::string path, error;
+  std::atomic<bool> cancel{false};
+  std::thread thread;
+};
+
+PendingSave::PendingSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PendingSave::~PendingSave() {
+  if (impl_ && impl_->thread.joinable()) {
+    impl_->cancel = true;
+    impl_->thread.join();
+  }
+}
+
+const std::string& PendingSave::path() const {
+  return impl_->path;
+}
+
+std::string PendingSave::wait() {
+  LOOM_CHECK(impl_ && impl_->thread.joinable(), "PendingSave::wait: called twice");
+  impl_->thread.join();
+  agree(impl_->plan.world, impl_->error, impl_->plan.what, impl_->plan.cleanup());
+  return impl_->path;
+}
+
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+                                                   AdamW& optimizer, const TrainState& state,
+                                                   const std::string& tokenizer_json,
+                                                   const CheckpointComm& comm,
+                                                   std::function<void()> after_complete) {
+  auto impl = std::make_unique<PendingSave::Impl>();
+  impl->plan = begin_save(root, model, optimizer, state, comm);
+  impl->path = impl->plan.final_dir.string();
+  // The staging buffer: a copy of this rank's slices (its own shards at most), so training may
+  // change the shards while the thread writes.
+  RankSlices staged;
+  if (impl->plan.writer()) {
+    staged = rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1]);
+    for (NamedTensor& t : staged.tensors) {
+      Tensor copy = Tensor::empty(t.tensor.shape(), t.tensor.dtype());
+      copy.copy_from(t.tensor);
+      t.tensor = copy;
+    }
+  }
+  const std::string config = model.config().to_json() + "\n";
+  PendingSave::Impl* p = impl.get();
+  impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
+                              after = std::move(after_complete)] {
+    const SavePlan& plan = p->plan;
+    p->error = catch_error([&] {
+      if (!plan.writer()) return;
+      write_rank_file(plan, staged, state.step);
+      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".done")).string());
+    });
+    if (!p->error.empty()) {
+      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->error;
+      return;
+    }
+    if (plan.rank != 0) return;
+    p->error = catch_error([&] {
+      for (int r : plan.writers) {
+        const fs::path done = plan.tmp / str_cat("rank-", r, ".done");
+        const fs::path e = plan.tmp / str_cat("rank-", r, ".error");
+        std::error_code ec;
+        while (!fs::exists(done, ec) && !fs::exists(e, ec)) {
+          if (p->cancel) fail("cancelled while waiting for rank ", r, "'s file");
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        LOOM_CHECK(!fs::exists(e, ec), "rank ", r,
+                   " failed to write its file (its message names the cause)");
+        fs::remove(done, ec);
+      }
+      finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
+      if (after) after();
+    });
+  });
+  return std::make_unique<PendingSave>(std::move(impl));
 }
 
 TrainState read_checkpoint_state(const std::string& dir) {

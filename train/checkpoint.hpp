@@ -16,6 +16,8 @@
 // names step-<digits> with a state.json are checkpoints, so a .tmp left by a crash is ignored
 // (and removed by clean_checkpoint_dir or the next save of that step).
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +64,32 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
+
+// `[checkpoint] async = true`: the collective start of the save and a copy of this rank's shards
+// into a staging buffer happen here (the training stall); a background thread writes the copy,
+// and on world rank 0 completes the checkpoint (index, state.json, rename) once every rank's file
+// is there, then runs `after_complete` (the prune). wait() joins and tells every rank every
+// rank's failure (an error on every rank, as save_checkpoint); every rank must call it (the next
+// save and the end of training do) before any other save. Destroying it without wait() (an
+// error unwinding) stops waiting for other ranks and joins.
+class PendingSave {
+ public:
+  struct Impl;
+  explicit PendingSave(std::unique_ptr<Impl> impl);
+  ~PendingSave();
+  PendingSave(const PendingSave&) = delete;
+  PendingSave& operator=(const PendingSave&) = delete;
+  const std::string& path() const;  // the checkpoint's directory once complete
+  std::string wait();               // returns path()
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+                                                   AdamW& optimizer, const TrainState& state,
+                                                   const std::string& tokenizer_json = "",
+                                                   const CheckpointComm& comm = {},
+                                                   std::function<void()> after_complete = {});
 
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both

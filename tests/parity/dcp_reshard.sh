@@ -6,6 +6,8 @@
 # ~2e-3), which needs every rank's weights, moments and data position read back from the right
 # slices of the right files. (That the moments reassemble bit for bit under every layout is
 # tests/train/checkpoint_reshard_test.cpp.)
+# The FSDP 4 and TP 2 x FSDP 2 runs save with checkpoint.async = true (written by a background
+# thread on each rank, completed by rank 0's).
 #   dcp_reshard.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -14,8 +16,8 @@ parity_setup dcp_reshard "$src"/docs/design.md "$src"/train/*.cpp
 common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/tp_debug.json" --checkpoint.keep=0)
 status=0
-for saved in "4 fsdp4 --parallelism.dp_shard=4 --training.local_batch_size=1" \
-  "4 tp2_fsdp2 --parallelism.tp=2 --parallelism.dp_shard=2 --training.local_batch_size=2" \
+for saved in "4 fsdp4 --parallelism.dp_shard=4 --training.local_batch_size=1 --checkpoint.async=true" \
+  "4 tp2_fsdp2 --parallelism.tp=2 --parallelism.dp_shard=2 --training.local_batch_size=2 --checkpoint.async=true" \
   "4 cp2_fsdp2 --parallelism.cp=2 --parallelism.dp_shard=2 --training.local_batch_size=2"; do
   set -- $saved
   np=$1 name=$2

@@ -764,3 +764,43 @@ TEST(Trainer, OutOfSpaceSaysThatKeepPlusOneCheckpointsMustFit) {
   ASSERT_EQ(left.size(), 1u);
   EXPECT_EQ(left[0].first, 1);
 }
+
+// checkpoint.async: the same checkpoints as synchronous saves, byte for byte, each complete by
+// the next save and at the end, pruned to `keep`; and a resume from them is the same.
+TEST(Trainer, AsyncSavesWriteTheSameCheckpoints) {
+  Job job;
+  auto run = [&](const std::string& dir, bool async, int64_t keep) {
+    Trainer t(job.config({"--training.steps=5", "--checkpoint.interval=2",
+                          "--checkpoint.dir=" + job.path(dir),
+                          "--checkpoint.keep=" + std::to_string(keep),
+                          std::string("--checkpoint.async=") + (async ? "true" : "false")}),
+              job.options());
+    return t.run();
+  };
+  const TrainResult a = run("sync", false, 0), b = run("async", true, 0);
+  EXPECT_EQ(fs::path(b.last_checkpoint).filename(), "step-00000005");
+  const auto ca = list_checkpoints(job.path("sync")), cb = list_checkpoints(job.path("async"));
+  ASSERT_EQ(cb.size(), 3u);  // steps 2, 4 and 5
+  ASSERT_EQ(ca.size(), cb.size());
+  for (size_t i = 0; i < ca.size(); ++i) {
+    EXPECT_EQ(ca[i].first, cb[i].first);
+    for (const char* f : {"rank-00000.safetensors", "loom.index.json"})
+      EXPECT_TRUE(read_text(ca[i].second + "/" + f) == read_text(cb[i].second + "/" + f))
+          << cb[i].second << "/" << f;
+    // state.json differs in the config (checkpoint.dir, checkpoint.async) only.
+    const TrainState sa = read_checkpoint_state(ca[i].second),
+                     sb = read_checkpoint_state(cb[i].second);
+    EXPECT_EQ(sa.step, sb.step);
+    EXPECT_EQ(sa.data_step, sb.data_step);
+    EXPECT_EQ(sa.lr, sb.lr);
+    EXPECT_EQ(sa.loss, sb.loss);
+    // Nothing of the background protocol is left behind.
+    for (const auto& e : fs::directory_iterator(cb[i].second))
+      EXPECT_EQ(e.path().extension() == ".done" || e.path().extension() == ".error", false)
+          << e.path();
+  }
+  run("async_keep", true, 1);
+  const auto kept = list_checkpoints(job.path("async_keep"));
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0].first, 5);
+}
