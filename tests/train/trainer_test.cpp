@@ -751,18 +751,27 @@ TEST(Trainer, OutOfSpaceSaysThatKeepPlusOneCheckpointsMustFit) {
     std::string dir;
     ~Unmount() { (void)std::system(("umount " + dir).c_str()); }
   } unmount{mnt};
-  const std::string ck = mnt + "/ck";
-  expect_error(
-      [&] {
-        Trainer t(job.config({"--training.steps=3", "--checkpoint.dir=" + ck,
-                              "--checkpoint.interval=1", "--checkpoint.keep=1"}),
-                  job.options());
-        t.run();
-      },
-      {"No space left", ck, "checkpoint.keep + 1 = 2 checkpoints"});
-  const auto left = list_checkpoints(ck);
-  ASSERT_EQ(left.size(), 1u);
-  EXPECT_EQ(left[0].first, 1);
+  // Synchronous and asynchronous saves: the error names the file being written, the previous
+  // checkpoint is intact, nothing half-written is left.
+  for (const char* async : {"false", "true"}) {
+    const std::string ck = mnt + "/ck";
+    fs::remove_all(ck);
+    expect_error(
+        [&] {
+          Trainer t(
+              job.config({"--training.steps=3", "--checkpoint.dir=" + ck, "--checkpoint.interval=1",
+                          "--checkpoint.keep=1", std::string("--checkpoint.async=") + async}),
+              job.options());
+          t.run();
+        },
+        {"No space left", ck, "rank-00000.safetensors", "checkpoint.keep + 1 = 2 checkpoints"});
+    const auto left = list_checkpoints(ck);
+    ASSERT_EQ(left.size(), 1u) << "async " << async;
+    EXPECT_EQ(left[0].first, 1);
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(ck)) names.push_back(e.path().filename().string());
+    EXPECT_EQ(names, std::vector<std::string>{"step-00000001"}) << "async " << async;
+  }
 }
 
 // checkpoint.async: the same checkpoints as synchronous saves, byte for byte, each complete by
