@@ -430,6 +430,7 @@ void SafetensorsDir::open_sharded(const std::string& ip) {
     const nlohmann::json meta = index.value("metadata", nlohmann::json::object());
     for (const auto& [k, v] : meta.items()) metadata_[k] = v.get<std::string>();
     std::map<std::string, size_t> file_idx;
+    std::vector<nlohmann::json> file_slices;  // each file's own record of its slices
     for (const auto& fv : index.at("files")) {
       const std::string file = fv.get<std::string>();
       check_plain_name(file, str_cat(ip, ": file entry"));
@@ -439,6 +440,17 @@ void SafetensorsDir::open_sharded(const std::string& ip) {
                  "', which does not exist (a rank's file of this checkpoint is missing)");
       files_.push_back(std::make_unique<SafetensorsFile>(fp.string()));
       file_idx[file] = files_.size() - 1;
+      // A file of another save (another step, or another rank's file under this name) must not
+      // be read as this one: the file records its step and its slices, which must be the
+      // index's.
+      const auto& fm = files_.back()->metadata();
+      const auto step = fm.find("step");
+      LOOM_CHECK(step == fm.end() || !metadata_.count("step") || step->second == metadata_["step"],
+                 fp.string(), ": a file of step ", step == fm.end() ? "" : step->second,
+                 " but the index ", ip, " is of step ", metadata_["step"],
+                 " (a file of another save)");
+      const auto sl = fm.find("slices");
+      file_slices.push_back(sl == fm.end() ? nlohmann::json() : nlohmann::json::parse(sl->second));
     }
     for (const auto& [name, t] : index.at("tensors").items()) {
       const std::string where = str_cat(ip, ": tensor '", name, "'");
@@ -458,6 +470,17 @@ void SafetensorsDir::open_sharded(const std::string& ip) {
                    f.path(), "' holds ", p.slice.numel(),
                    " elements but the file's tensor has shape ", shape_str(f.entry(name).shape),
                    " (a torn or mismatched index)");
+        const nlohmann::json& own = file_slices[p.file];
+        if (!own.is_null()) {
+          LOOM_CHECK(own.contains(name), where, ": '", f.path(),
+                     "' does not record a slice of it (a file of another save)");
+          const TensorSlice o =
+              slice_from_json(own[name], shape, str_cat(f.path(), ": '", name, "'"));
+          LOOM_CHECK(o.offsets == p.slice.offsets && o.lengths == p.slice.lengths &&
+                         o.begin == p.slice.begin && o.end == p.slice.end,
+                     where, ": the index's slice in '", f.path(), "' is not the one the file holds",
+                     " (a file of another rank or save, or a mismatched index)");
+        }
         covered += p.slice.numel();
         pieces.push_back(std::move(p));
       }
