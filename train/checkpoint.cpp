@@ -461,7 +461,11 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
 // its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error.
 struct PendingSave::Impl {
   SavePlan plan;
-  std::string path, error;
+  std::string path;
+  std::string write_error;            // this rank's file
+  std::string finish_error;           // world rank 0: completing the checkpoint
+  std::atomic<bool> written{false};   // this rank's file is written (or failed)
+  std::atomic<bool> peers_ok{false};  // every rank said so through wait()'s collective
   std::atomic<bool> cancel{false};
   std::thread thread;
 };
@@ -481,9 +485,22 @@ const std::string& PendingSave::path() const {
 
 std::string PendingSave::wait() {
   LOOM_CHECK(impl_ && impl_->thread.joinable(), "PendingSave::wait: called twice");
-  impl_->thread.join();
-  agree(impl_->plan.world, impl_->error, impl_->plan.what, impl_->plan.cleanup());
-  return impl_->path;
+  Impl& p = *impl_;
+  // Every rank's own file first, agreed collectively: then world rank 0 knows every file is
+  // there even if a rank's marker never appeared, and a failure stops its waiting.
+  p.written.wait(false);
+  try {
+    agree(p.plan.world, p.write_error, p.plan.what, [] {});
+  } catch (...) {
+    p.cancel = true;
+    p.thread.join();
+    p.plan.cleanup()();
+    throw;
+  }
+  p.peers_ok = true;
+  p.thread.join();
+  agree(p.plan.world, p.finish_error, p.plan.what, p.plan.cleanup());
+  return p.path;
 }
 
 std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
@@ -510,28 +527,31 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
   impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
                               after = std::move(after_complete)] {
     const SavePlan& plan = p->plan;
-    p->error = catch_error([&] {
+    p->write_error = catch_error([&] {
       if (!plan.writer()) return;
       write_rank_file(plan, staged, state.step);
       std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".done")).string());
     });
-    if (!p->error.empty()) {
-      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->error;
-      return;
-    }
-    if (plan.rank != 0) return;
-    p->error = catch_error([&] {
+    if (!p->write_error.empty())
+      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->write_error;
+    p->written = true;
+    p->written.notify_all();
+    if (plan.rank != 0 || !p->write_error.empty()) return;
+    p->finish_error = catch_error([&] {
       for (int r : plan.writers) {
         const fs::path done = plan.tmp / str_cat("rank-", r, ".done");
         const fs::path e = plan.tmp / str_cat("rank-", r, ".error");
         std::error_code ec;
-        while (!fs::exists(done, ec) && !fs::exists(e, ec)) {
+        while (!p->peers_ok && !fs::exists(done, ec) && !fs::exists(e, ec)) {
           if (p->cancel) fail("cancelled while waiting for rank ", r, "'s file");
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         }
         LOOM_CHECK(!fs::exists(e, ec), "rank ", r,
                    " failed to write its file (its message names the cause)");
-        fs::remove(done, ec);
+      }
+      for (int r : plan.writers) {
+        std::error_code ec;
+        fs::remove(plan.tmp / str_cat("rank-", r, ".done"), ec);
       }
       finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
       if (after) after();
