@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "core/philox.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
@@ -267,6 +268,64 @@ TEST(CheckpointReshard, TornIndexAndMissingFilesAreNamed) {
     }
     EXPECT_TRUE(list_checkpoints((root / "blocked").string()).empty());
     EXPECT_FALSE(fs::exists(root / "blocked/step-00000002.tmp"));
+  }
+  fs::remove_all(root);
+}
+
+// No rank gathers: during a synchronous save the ranks allocate nothing beyond a few small
+// buffers (each file is written from views of the shards); an asynchronous save allocates its
+// staging copy, the rank's own slices of weights and moments, and no more. (Tensor memory,
+// counted by the allocator: all four ranks are threads of this process.)
+TEST(CheckpointReshard, SavesHoldOnlyTheShardsPlusTheStagingCopy) {
+  const fs::path root =
+      fs::temp_directory_path() / ("loom_reshard_mem_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  Reference ref;
+  const std::string first = save_checkpoint((root / "ref").string(), ref.model, ref.opt, state());
+  int64_t model_numel = 0;
+  for (ParamUnit* u : ref.model.units()) model_numel += u->numel();
+  Allocator& alloc = Allocator::get(Device::cpu);
+  for (bool async : {false, true}) {
+    const int n = 4;
+    test::ThreadWorld world(n);
+    std::vector<int64_t> shard_numel(static_cast<size_t>(n), 0);
+    size_t peak_increase = 0;
+    std::vector<std::string> errors(static_cast<size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        test::ThreadGroup wg(world, r);
+        LlamaModel m(config(), DType::f32, Device::cpu, ShardLayout{r, n});
+        AdamW o(m.units(), kAdam);
+        try {
+          load_checkpoint(first, m, o);
+          for (ParamUnit* u : m.units()) shard_numel[size_t(r)] += u->shard_numel();
+          wg.barrier()->wait();
+          if (r == 0) alloc.reset_peak();
+          const size_t before = alloc.stats().allocated;
+          wg.barrier()->wait();
+          const std::string dir = (root / (async ? "async" : "sync")).string();
+          if (async)
+            save_checkpoint_async(dir, m, o, state(), "", {nullptr, &wg, nullptr})->wait();
+          else
+            save_checkpoint(dir, m, o, state(), "", {nullptr, &wg, nullptr});
+          wg.barrier()->wait();
+          if (r == 0) peak_increase = alloc.stats().peak_allocated - before;
+        } catch (const Error& e) {
+          errors[size_t(r)] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (const std::string& e : errors) ASSERT_EQ(e, "");
+    int64_t staging = 0;  // f32 weights + 2 moments of every rank's shards
+    for (int64_t s : shard_numel) staging += 3 * s * 4;
+    const size_t small = 16 << 10;  // seen: 8 KiB (the key and error all-gathers)
+    if (async) {
+      EXPECT_GE(peak_increase, size_t(staging) * 9 / 10) << "the staging copy";
+      EXPECT_LE(peak_increase, size_t(staging) * 11 / 10 + small);
+    } else {
+      EXPECT_LE(peak_increase, small) << "the model is " << model_numel * 4 << " bytes";
+    }
   }
   fs::remove_all(root);
 }
