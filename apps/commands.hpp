@@ -13,5 +13,6 @@ int tokenize_command(const Args& args);
 int generate_command(const Args& args);
 int plot_command(const Args& args);
 int info_command(const Args& args);
+int convert_command(const Args& args);
 
 }  // namespace loom

@@ -104,9 +104,11 @@ GenerateOptions parse_args(const Args& args) {
 }
 
 bool is_model_dir(const fs::path& d) {
+  // A loom checkpoint is complete once state.json is written.
   return fs::is_regular_file(d / "config.json") &&
          (fs::is_regular_file(d / "model.safetensors") ||
-          fs::is_regular_file(d / "model.safetensors.index.json"));
+          fs::is_regular_file(d / "model.safetensors.index.json") ||
+          (fs::is_regular_file(d / kShardedIndexName) && fs::is_regular_file(d / "state.json")));
 }
 
 // A step directory's number, or -1 for any other name (step-00000100.tmp is a checkpoint still
@@ -131,7 +133,8 @@ fs::path resolve_checkpoint(const fs::path& dir) {
   for (const auto& [s, p] : steps)
     if (is_model_dir(p)) return p;
   fail("no model in ", dir.string(),
-       ": expected config.json with model.safetensors (or model.safetensors.index.json), or "
+       ": expected config.json with model.safetensors (or model.safetensors.index.json, or a loom "
+       "checkpoint's loom.index.json and state.json), or "
        "step-* checkpoint directories holding them",
        steps.empty() ? "" : " (the step-* directories found are incomplete)");
 }

@@ -23,6 +23,8 @@ const char* kUsage =
     "  generate --checkpoint DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-p P]\n"
     "           [--seed S] [--tokenizer FILE]\n"
     "      sample text from a checkpoint (KV cache)\n"
+    "  convert SRC DST [--dtype bfloat16|float32]\n"
+    "      a loom checkpoint to a Hugging Face directory, or the other way\n"
     "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
     "      loss curves of one or several runs, train and validation\n"
     "  info [--json] [--peak-seconds S] | info --tiers\n"
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
     if (cmd == "tokenize") return loom::tokenize_command(args);
     if (cmd == "generate") return loom::generate_command(args);
     if (cmd == "plot") return loom::plot_command(args);
+    if (cmd == "convert") return loom::convert_command(args);
     if (cmd == "info") return loom::info_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;

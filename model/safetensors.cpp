@@ -344,32 +344,49 @@ void SafetensorsFile::read_f32(const std::string& name, const Shape& expected, f
 // ---------------------------------------------------------------------------------------------
 // SafetensorsDir
 
+namespace {
+
+std::string read_text(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) fail(sys_error("cannot open", path));
+  std::string text;
+  char buf[1 << 16];
+  for (;;) {
+    ssize_t r = ::read(f.fd, buf, sizeof buf);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail(sys_error("cannot read", path));
+    if (r == 0) break;
+    text.append(buf, size_t(r));
+  }
+  return text;
+}
+
+nlohmann::json read_json(const std::string& path) {
+  try {
+    return nlohmann::json::parse(read_text(path));
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": not valid JSON: ", e.what());
+  }
+}
+
+// Index entries name files of the directory; a path could read anything.
+void check_plain_name(const std::string& file, const std::string& where) {
+  LOOM_CHECK(!file.empty() && fs::path(file).filename() == file && file != "." && file != "..",
+             where, " is '", file, "'; expected a plain file name in the model directory");
+}
+
+}  // namespace
+
 SafetensorsDir::SafetensorsDir(const std::string& dir) : dir_(dir) {
   const fs::path d(dir);
   const fs::path index_path = d / "model.safetensors.index.json";
   const fs::path single = d / "model.safetensors";
   std::error_code ec;
-  if (fs::is_regular_file(index_path, ec)) {
+  if (fs::is_regular_file(d / kShardedIndexName, ec)) {
+    open_sharded((d / kShardedIndexName).string());
+  } else if (fs::is_regular_file(index_path, ec)) {
     const std::string ip = index_path.string();
-    nlohmann::json index;
-    {
-      Fd f(::open(ip.c_str(), O_RDONLY | O_CLOEXEC));
-      if (f.fd < 0) fail(sys_error("cannot open", ip));
-      std::string text;
-      char buf[1 << 16];
-      for (;;) {
-        ssize_t r = ::read(f.fd, buf, sizeof buf);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) fail(sys_error("cannot read", ip));
-        if (r == 0) break;
-        text.append(buf, size_t(r));
-      }
-      try {
-        index = nlohmann::json::parse(text);
-      } catch (const nlohmann::json::exception& e) {
-        fail(ip, ": not valid JSON: ", e.what());
-      }
-    }
+    const nlohmann::json index = read_json(ip);
     LOOM_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
                ip, ": expected an object with a \"weight_map\" object of tensor name -> file");
     std::map<std::string, size_t> file_idx;
@@ -377,10 +394,7 @@ SafetensorsDir::SafetensorsDir(const std::string& dir) : dir_(dir) {
       LOOM_CHECK(fv.is_string(), ip, ": weight_map entry of '", name,
                  "' must be a file name string, found ", fv.dump());
       const std::string file = fv.get<std::string>();
-      // Hugging Face indexes name files of the model directory; a path could read anything.
-      LOOM_CHECK(!file.empty() && fs::path(file).filename() == file && file != "." && file != "..",
-                 ip, ": weight_map entry of '", name, "' is '", file,
-                 "'; expected a plain file name in the model directory");
+      check_plain_name(file, str_cat(ip, ": weight_map entry of '", name, "'"));
       auto it = file_idx.find(file);
       if (it == file_idx.end()) {
         const fs::path fp = d / file;
@@ -398,28 +412,154 @@ SafetensorsDir::SafetensorsDir(const std::string& dir) : dir_(dir) {
     for (const auto& e : files_[0]->entries()) where_[e.name] = 0;
   } else {
     fail(dir,
-         ": not a Hugging Face model directory (found neither model.safetensors nor "
-         "model.safetensors.index.json)");
+         ": not a Hugging Face model directory or loom checkpoint (found none of "
+         "model.safetensors, model.safetensors.index.json and ",
+         kShardedIndexName, ")");
+  }
+}
+
+void SafetensorsDir::open_sharded(const std::string& ip) {
+  sharded_ = true;
+  const fs::path d(dir_);
+  const nlohmann::json index = read_json(ip);
+  try {
+    LOOM_CHECK(index.is_object() && index.value("format", "") == "loom-sharded", ip,
+               ": not a loom sharded checkpoint index (expected \"format\": \"loom-sharded\")");
+    LOOM_CHECK(index.at("version").get<int>() == 1, ip, ": version ", index.at("version").dump(),
+               ", expected 1");
+    const nlohmann::json meta = index.value("metadata", nlohmann::json::object());
+    for (const auto& [k, v] : meta.items()) metadata_[k] = v.get<std::string>();
+    std::map<std::string, size_t> file_idx;
+    std::vector<nlohmann::json> file_slices;  // each file's own record of its slices
+    for (const auto& fv : index.at("files")) {
+      const std::string file = fv.get<std::string>();
+      check_plain_name(file, str_cat(ip, ": file entry"));
+      const fs::path fp = d / file;
+      std::error_code ec;
+      LOOM_CHECK(fs::is_regular_file(fp, ec), ip, ": lists '", file,
+                 "', which does not exist (a rank's file of this checkpoint is missing)");
+      files_.push_back(std::make_unique<SafetensorsFile>(fp.string()));
+      file_idx[file] = files_.size() - 1;
+      // A file of another save (another step, or another rank's file under this name) must not
+      // be read as this one: the file records its step and its slices, which must be the
+      // index's.
+      const auto& fm = files_.back()->metadata();
+      const auto step = fm.find("step");
+      LOOM_CHECK(step == fm.end() || !metadata_.count("step") || step->second == metadata_["step"],
+                 fp.string(), ": a file of step ", step == fm.end() ? "" : step->second,
+                 " but the index ", ip, " is of step ", metadata_["step"],
+                 " (a file of another save)");
+      const auto sl = fm.find("slices");
+      file_slices.push_back(sl == fm.end() ? nlohmann::json() : nlohmann::json::parse(sl->second));
+    }
+    for (const auto& [name, t] : index.at("tensors").items()) {
+      const std::string where = str_cat(ip, ": tensor '", name, "'");
+      auto& [shape, pieces] = pieces_[name];
+      shape = t.at("shape").get<Shape>();
+      int64_t covered = 0;
+      for (const auto& sj : t.at("slices")) {
+        const std::string file = sj.at("file").get<std::string>();
+        const auto it = file_idx.find(file);
+        LOOM_CHECK(it != file_idx.end(), where, ": a slice is in '", file,
+                   "', which is not in the index's \"files\"");
+        Piece p{it->second, slice_from_json(sj, shape, str_cat(where, " in '", file, "'"))};
+        const SafetensorsFile& f = *files_[p.file];
+        LOOM_CHECK(f.has(name), where, ": the index puts a slice in '", f.path(),
+                   "', which does not contain it");
+        LOOM_CHECK(f.entry(name).shape == Shape{p.slice.numel()}, where, ": the slice in '",
+                   f.path(), "' holds ", p.slice.numel(),
+                   " elements but the file's tensor has shape ", shape_str(f.entry(name).shape),
+                   " (a torn or mismatched index)");
+        const nlohmann::json& own = file_slices[p.file];
+        if (!own.is_null()) {
+          LOOM_CHECK(own.contains(name), where, ": '", f.path(),
+                     "' does not record a slice of it (a file of another save)");
+          const TensorSlice o =
+              slice_from_json(own[name], shape, str_cat(f.path(), ": '", name, "'"));
+          LOOM_CHECK(o.offsets == p.slice.offsets && o.lengths == p.slice.lengths &&
+                         o.begin == p.slice.begin && o.end == p.slice.end,
+                     where, ": the index's slice in '", f.path(), "' is not the one the file holds",
+                     " (a file of another rank or save, or a mismatched index)");
+        }
+        covered += p.slice.numel();
+        pieces.push_back(std::move(p));
+      }
+      LOOM_CHECK(covered == shape_numel(shape), where, ": the slices hold ", covered,
+                 " elements, the tensor ", shape_str(shape), " has ", shape_numel(shape),
+                 " (a torn or mismatched index)");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail(ip, ": invalid loom checkpoint index: ", e.what());
   }
 }
 
 bool SafetensorsDir::has(const std::string& name) const {
-  return where_.count(name) != 0;
+  return sharded_ ? pieces_.count(name) != 0 : where_.count(name) != 0;
 }
 
 const SafetensorsFile& SafetensorsDir::file_of(const std::string& name) const {
+  LOOM_CHECK(!sharded_, dir_, ": tensor '", name,
+             "' is stored in slices over several files (a sharded checkpoint), not in one file");
   auto it = where_.find(name);
   LOOM_CHECK(it != where_.end(), dir_, ": no tensor named '", name, "'");
   return *files_[it->second];
 }
 
+Shape SafetensorsDir::shape(const std::string& name) const {
+  if (!sharded_) return file_of(name).entry(name).shape;
+  const auto it = pieces_.find(name);
+  LOOM_CHECK(it != pieces_.end(), dir_, ": no tensor named '", name, "'");
+  return it->second.first;
+}
+
+std::string SafetensorsDir::where(const std::string& name) const {
+  if (!sharded_) return file_of(name).path();
+  std::string files;
+  for (const Piece& p : pieces_.at(name).second)
+    files += str_cat(files.empty() ? "" : ", ", files_[p.file]->path());
+  return str_cat("slices in ", files);
+}
+
 void SafetensorsDir::read_f32(const std::string& name, const Shape& expected, float* out,
                               int64_t row_begin, int64_t rows) const {
-  file_of(name).read_f32(name, expected, out, row_begin, rows);
+  if (!sharded_) return file_of(name).read_f32(name, expected, out, row_begin, rows);
+  const auto it = pieces_.find(name);
+  LOOM_CHECK(it != pieces_.end(), dir_, ": no tensor named '", name, "'");
+  const auto& [shape, pieces] = it->second;
+  const std::string what = str_cat(dir_, ": tensor '", name, "'");
+  LOOM_CHECK(shape == expected, what, ": expected shape ", shape_str(expected), ", found ",
+             shape_str(shape));
+  const int64_t dim0 = shape.empty() ? 1 : shape[0];
+  if (rows < 0) rows = dim0 - row_begin;
+  LOOM_CHECK(row_begin >= 0 && rows >= 0 && row_begin + rows <= dim0, what, ": rows [", row_begin,
+             ", ", row_begin + rows, ") out of range for dimension 0 of size ", dim0);
+  const int64_t n = rows * (dim0 == 0 ? 0 : shape_numel(shape) / dim0);
+  // Every element from exactly one slice: an index whose slices overlap or leave a hole is
+  // refused rather than read as zeros or twice.
+  std::vector<uint8_t> seen(size_t(n), 0);
+  for (const Piece& p : pieces) {
+    const SafetensorsFile& f = *files_[p.file];
+    for_slice_runs(p.slice, shape, row_begin, rows, [&](int64_t at, int64_t len, int64_t to) {
+      for (int64_t i = to; i < to + len; ++i) {
+        LOOM_CHECK(!seen[size_t(i)], what, ": an element of rows [", row_begin, ", ",
+                   row_begin + rows, ") is in two slices (", f.path(),
+                   " and another): a torn or mismatched index");
+        seen[size_t(i)] = 1;
+      }
+      f.read_f32(name, {p.slice.numel()}, out + to, at, len);
+    });
+  }
+  const int64_t missing = std::count(seen.begin(), seen.end(), uint8_t(0));
+  LOOM_CHECK(missing == 0, what, ": ", missing, " elements of rows [", row_begin, ", ",
+             row_begin + rows, ") are in no slice (a missing file or a torn index)");
 }
 
 std::vector<std::string> SafetensorsDir::names() const {
   std::vector<std::string> n;
+  if (sharded_) {
+    for (const auto& [name, _] : pieces_) n.push_back(name);
+    return n;
+  }
   n.reserve(where_.size());
   for (const auto& [name, _] : where_) n.push_back(name);
   return n;
@@ -428,27 +568,24 @@ std::vector<std::string> SafetensorsDir::names() const {
 // ---------------------------------------------------------------------------------------------
 // Writing
 
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The header of a file holding `tensors` in order, padded to a multiple of 8 bytes.
+std::string encode_header(const std::string& path, const std::vector<TensorHeader>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
   // Header keys in the given order, so the data section follows the same order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> seen;
   size_t offset = 0;
-  for (const auto& nt : tensors) {
-    const Tensor& t = nt.tensor;
-    const std::string where = str_cat(path, ": tensor '", nt.name, "'");
-    LOOM_CHECK(!nt.name.empty() && nt.name != "__metadata__", path, ": invalid tensor name '",
-               nt.name, "'");
-    LOOM_CHECK(seen.insert(nt.name).second, where, ": name given twice");
-    LOOM_CHECK(t.defined(), where, ": undefined tensor");
-    LOOM_CHECK(t.device() == Device::cpu, where, ": expected a cpu tensor, found ",
-               device_name(t.device()));
-    LOOM_CHECK(t.is_contiguous(), where, ": expected a contiguous tensor");
-    const size_t nbytes = t.nbytes();
-    header[nt.name] = {{"dtype", st_dtype_of(t.dtype())},
-                       {"shape", t.shape()},
-                       {"data_offsets", {offset, offset + nbytes}}};
+  for (const auto& t : tensors) {
+    LOOM_CHECK(!t.name.empty() && t.name != "__metadata__", path, ": invalid tensor name '", t.name,
+               "'");
+    LOOM_CHECK(seen.insert(t.name).second, path, ": tensor '", t.name, "': name given twice");
+    const size_t nbytes = size_t(shape_numel(t.shape)) * dtype_size(t.dtype);
+    header[t.name] = {{"dtype", st_dtype_of(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string h;
@@ -458,13 +595,52 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     fail(path, ": cannot encode the header (tensor names must be UTF-8): ", e.what());
   }
   h.append((8 - h.size() % 8) % 8, ' ');
-  const uint64_t hlen = h.size();
+  return h;
+}
 
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorHeader> headers;
+  for (const auto& nt : tensors) {
+    const Tensor& t = nt.tensor;
+    const std::string where = str_cat(path, ": tensor '", nt.name, "'");
+    LOOM_CHECK(t.defined(), where, ": undefined tensor");
+    LOOM_CHECK(t.device() == Device::cpu, where, ": expected a cpu tensor, found ",
+               device_name(t.device()));
+    LOOM_CHECK(t.is_contiguous(), where, ": expected a contiguous tensor");
+    headers.push_back({nt.name, t.dtype(), t.shape()});
+  }
+  const std::string h = encode_header(path, headers, metadata);
+  const uint64_t hlen = h.size();
   atomic_write(path, [&](int fd, const std::string& tmp) {
     write_all(fd, &hlen, 8, tmp);
     write_all(fd, h.data(), h.size(), tmp);
     for (const auto& nt : tensors)
       if (nt.tensor.nbytes() > 0) write_all(fd, nt.tensor.raw(), nt.tensor.nbytes(), tmp);
+  });
+}
+
+void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
+                                const std::map<std::string, std::string>& metadata,
+                                const std::function<void(size_t, Tensor&)>& fill) {
+  const std::string h = encode_header(path, tensors, metadata);
+  const uint64_t hlen = h.size();
+  atomic_write(path, [&](int fd, const std::string& tmp) {
+    write_all(fd, &hlen, 8, tmp);
+    write_all(fd, h.data(), h.size(), tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      Tensor t = Tensor::empty(tensors[i].shape, tensors[i].dtype);
+      fill(i, t);
+      if (t.nbytes() > 0) write_all(fd, t.raw(), t.nbytes(), tmp);
+    }
+  });
+}
+
+void write_text_atomic(const std::string& path, const std::string& content) {
+  atomic_write(path, [&](int fd, const std::string& tmp) {
+    write_all(fd, content.data(), content.size(), tmp);
   });
 }
 

@@ -4,20 +4,25 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
-#include "parallel/fsdp.hpp"
+#include "model/tensor_slice.hpp"
 #include "train/optimizer.hpp"
 
 namespace loom {
@@ -88,64 +93,132 @@ int64_t parse_step_name(const std::string& name) {
   return v;
 }
 
-// The full flat f32 buffers of a unit: itself when unsharded, else gathered over `shard`.
-Tensor full_flat(ParamUnit& u, const Tensor& shard_buffer, dist::ProcessGroup* shard) {
-  if (!u.sharded()) return shard_buffer;
-  LOOM_CHECK(shard != nullptr && shard->size() == u.shard_layout().count, "save_checkpoint: unit ",
-             u.name(), " is sharded over ", u.shard_layout().count,
-             " ranks but no matching shard group was given");
-  return parallel::gather_full(*shard, shard_buffer);
+bool tp_split(const ParamSpec& spec) {
+  return spec.split != TpSplit::none && spec.tp_count > 1;
 }
 
-// The global tensor of a parameter from every tp rank's local part (gathered over `tp`).
-Tensor global_tensor(const ParamSpec& spec, const Tensor& local, dist::ProcessGroup* tp) {
-  if (spec.split == TpSplit::none || spec.tp_count == 1) return local;
-  LOOM_CHECK(tp != nullptr && tp->size() == spec.tp_count, "save_checkpoint: ", spec.name,
-             " is split over ", spec.tp_count, " tp ranks but no matching tp group was given");
-  const int64_t n = local.numel(), k = spec.tp_count;
-  Tensor in = Tensor::empty({n}, DType::f32), all = Tensor::empty({k * n}, DType::f32);
-  in.copy_from(local.view({n}));
-  tp->all_gather(in, all)->wait();
-  if (spec.split == TpSplit::rows) {
-    // A padded vocabulary: the padding rows (after the real ones) are not saved.
-    Shape padded = spec.shape;
-    padded[0] *= k;
-    return all.view(padded).narrow(0, 0, spec.global_shape()[0]);
-  }
-  // Columns: rank r's [R, C/tp] block goes to columns [r C/tp, (r + 1) C/tp) of each row.
-  Tensor g = Tensor::empty(spec.global_shape(), DType::f32);
-  const int64_t R = spec.shape[0], lc = spec.shape[1];
-  const float* a = all.data<float>();
-  float* o = g.data<float>();
-  for (int64_t r = 0; r < k; ++r)
-    for (int64_t i = 0; i < R; ++i) std::copy_n(a + r * n + i * lc, lc, o + i * lc * k + r * lc);
-  return g;
-}
+// This rank's slices of every parameter: the weights and both moments of each (global names,
+// views of the shard buffers: nothing is copied), and their place in the global tensors.
+struct RankSlices {
+  std::vector<NamedTensor> tensors;
+  nlohmann::ordered_json slices = nlohmann::ordered_json::object();
+};
 
-// Weights and moments of each parameter as full tensors shaped like the parameter, in unit
-// order (every rank gathers; the writer writes).
-void full_tensors(LlamaModel& model, AdamW& opt, dist::ProcessGroup* shard, dist::ProcessGroup* tp,
-                  std::vector<NamedTensor>& weights, std::vector<NamedTensor>& moments) {
+// `split`, `unsplit`: whether this rank writes the parameters tensor parallelism splits, and the
+// others (content_keys).
+RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit) {
+  RankSlices out;
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i) {
     ParamUnit& u = *units[i];
-    const Tensor w = full_flat(u, u.master_shard(), shard);
-    const Tensor m = full_flat(u, opt.exp_avg()[i], shard);
-    const Tensor v = full_flat(u, opt.exp_avg_sq()[i], shard);
-    for (const Param& p : u.params()) {
-      const int64_t n = shape_numel(p.spec.shape);
-      auto part = [&](const Tensor& flat) {
-        return global_tensor(p.spec, flat.narrow(0, p.offset, n).view(p.spec.shape), tp);
-      };
-      weights.push_back({p.spec.name, part(w)});
-      moments.push_back({p.spec.name + ".exp_avg", part(m)});
-      moments.push_back({p.spec.name + ".exp_avg_sq", part(v)});
+    const Tensor* buffers[3] = {&u.master_shard(), &opt.exp_avg()[i], &opt.exp_avg_sq()[i]};
+    for (const Tensor* t : buffers)
+      LOOM_CHECK(t->device() == Device::cpu && t->dtype() == DType::f32, "save_checkpoint: unit ",
+                 u.name(), ": expected f32 shards in cpu memory");
+    for (size_t k = 0; k < u.params().size(); ++k) {
+      const Param& p = u.params()[k];
+      if (!(tp_split(p.spec) ? split : unsplit)) continue;
+      // (local begin, count, offset in the shard buffers) of each run this rank holds.
+      std::vector<std::array<int64_t, 3>> runs;
+      if (!u.sharded()) runs.push_back({0, shape_numel(p.spec.shape), p.offset});
+      for (const ShardSlice& s : u.sharded() ? u.shard_slices() : std::vector<ShardSlice>{})
+        if (s.param == k) runs.push_back({s.begin, s.count, s.shard_offset});
+      for (const auto& [begin, count, offset] : runs) {
+        const TensorSlice sl = param_slice(p.spec, begin, count);
+        if (sl.numel() == 0) continue;  // padding rows only
+        const char* suffix[3] = {"", ".exp_avg", ".exp_avg_sq"};
+        for (int b = 0; b < 3; ++b) {
+          const std::string name = p.spec.name + suffix[b];
+          out.tensors.push_back({name, buffers[b]->narrow(0, offset, sl.numel())});
+          nlohmann::ordered_json j = slice_to_json(sl);
+          j["shape"] = p.spec.global_shape();
+          out.slices[name] = j;
+        }
+      }
     }
   }
+  return out;
 }
 
-// Reads this rank's part of a tensor stored whole: the rows that hold each slice.
-void read_shard(const SafetensorsFile& f, const std::string& name, ParamUnit& u, size_t param,
+// What a rank holds is fixed by its place in the layout: the shard of each unit and, for the
+// parameters tensor parallelism splits, its tp rank. Ranks that hold the same (DDP and HSDP
+// replicas, the ranks of a cp group, the tp ranks for the parameters TP does not split) write it
+// once: the first of them. Two keys, [0] for the split parameters and [1] for the others, each a
+// hash of what the rank holds of them.
+std::array<int32_t, 4> content_keys(LlamaModel& model) {
+  std::array<uint64_t, 2> h = {1469598103934665603ull, 1469598103934665603ull};
+  auto mix = [](uint64_t& x, const std::string& s) {
+    for (unsigned char c : s) x = (x ^ c) * 1099511628211ull;
+    x = (x ^ 0xff) * 1099511628211ull;
+  };
+  for (ParamUnit* u : model.units()) {
+    const std::string unit =
+        str_cat(u->name(), "@", u->shard_layout().rank, "/", u->shard_layout().count);
+    mix(h[0], unit);
+    mix(h[1], unit);
+    for (const Param& p : u->params()) {
+      if (tp_split(p.spec))
+        mix(h[0], str_cat(p.spec.name, "@", p.spec.tp_rank, "/", p.spec.tp_count));
+      else
+        mix(h[1], p.spec.name);
+    }
+  }
+  return {int32_t(h[0] & 0x7fffffff), int32_t(h[0] >> 33), int32_t(h[1] & 0x7fffffff),
+          int32_t(h[1] >> 33)};
+}
+
+// Every rank's error message ("" where it succeeded), gathered to every rank.
+std::vector<std::string> gather_errors(dist::ProcessGroup* world, const std::string& error) {
+  if (!world || world->size() == 1) return {error};
+  const int n = world->size();
+  Tensor len = Tensor::empty({1}, DType::i32), lens = Tensor::empty({n}, DType::i32);
+  len.data<int32_t>()[0] = int32_t(std::min<size_t>(error.size(), 4000));
+  world->all_gather(len, lens)->wait();
+  int32_t longest = 0;
+  for (int r = 0; r < n; ++r) longest = std::max(longest, lens.data<int32_t>()[r]);
+  if (longest == 0) return std::vector<std::string>(size_t(n));
+  const int64_t words = (longest + 3) / 4;
+  Tensor mine = Tensor::zeros({words}, DType::i32), all = Tensor::empty({n * words}, DType::i32);
+  std::memcpy(mine.data<int32_t>(), error.data(), size_t(len.data<int32_t>()[0]));
+  world->all_gather(mine, all)->wait();
+  std::vector<std::string> out(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r)
+    out[size_t(r)].assign(reinterpret_cast<const char*>(all.data<int32_t>() + r * words),
+                          size_t(lens.data<int32_t>()[r]));
+  return out;
+}
+
+// After each phase of a save: every rank learns every failure, so none goes on (or marks the
+// checkpoint complete) after a rank failed. `cleanup` runs (on every rank) before the error.
+void agree(dist::ProcessGroup* world, const std::string& error, const std::string& what,
+           const std::function<void()>& cleanup) {
+  const std::vector<std::string> errors = gather_errors(world, error);
+  std::string msg;
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      msg += str_cat(msg.empty() ? "" : "\n", errors.size() > 1 ? str_cat("rank ", r, ": ") : "",
+                     errors[r]);
+  if (msg.empty()) return;
+  cleanup();
+  fail(what, " failed: ", msg);
+}
+
+template <class Fn>
+std::string catch_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Reads this rank's part of a parameter (or a moment shaped like it) from a reader of global
+// tensors: only the rows that hold each slice.
+template <class Reader>
+void read_shard(const Reader& f, const std::string& name, ParamUnit& u, size_t param,
                 float* shard_buffer) {
   const ParamSpec& spec = u.params()[param].spec;
   if (!u.sharded()) {
@@ -188,28 +261,45 @@ std::string latest_checkpoint(const std::string& root) {
   return all.empty() ? std::string() : all.back().second;
 }
 
-namespace {
+// The index from the rank files' own records of their slices (so the index can only describe
+// files that were completely written), checked by opening it as the loader will.
+void write_checkpoint_index(const std::string& dir, const std::vector<int>& writers, int64_t step,
+                            bool moments) {
+  const fs::path tmp(dir);
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::object(),
+                         files = nlohmann::json::array();
+  for (int r : writers) {
+    const std::string file = checkpoint_rank_file(r);
+    const SafetensorsFile f((tmp / file).string());
+    const auto it = f.metadata().find("slices");
+    LOOM_CHECK(it != f.metadata().end(), f.path(), ": no \"slices\" in the metadata");
+    const auto slices = nlohmann::ordered_json::parse(it->second);
+    for (const auto& [name, sl] : slices.items()) {
+      auto& t = tensors[name];
+      if (t.is_null())
+        t = {{"dtype", f.entry(name).dtype},
+             {"shape", sl.at("shape")},
+             {"slices", nlohmann::json::array()}};
+      LOOM_CHECK(t["shape"] == sl.at("shape"), f.path(), ": tensor '", name, "' has global shape ",
+                 sl.at("shape").dump(), ", another rank's file says ", t["shape"].dump());
+      nlohmann::ordered_json piece = {{"file", file}};
+      for (const char* k : {"offsets", "lengths", "range"}) piece[k] = sl.at(k);
+      t["slices"].push_back(piece);
+    }
+    files.push_back(file);
+  }
+  nlohmann::ordered_json index;
+  index["format"] = "loom-sharded";
+  index["version"] = 1;
+  index["metadata"] = {{"step", std::to_string(step)}, {"optimizer", moments ? "adamw" : "none"}};
+  index["files"] = files;
+  index["tensors"] = tensors;
+  write_file((tmp / kShardedIndexName).string(), index.dump(1) + "\n");
+  // Opening it checks every slice against its file and that the slices add up to each tensor.
+  const SafetensorsDir check(tmp.string());
+}
 
-std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
-                             const TrainState& state, const std::string& tokenizer_json,
-                             const std::vector<NamedTensor>& weights,
-                             const std::vector<NamedTensor>& moments) {
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  LOOM_CHECK(!ec, "cannot create checkpoint directory '", root, "': ", ec.message());
-  const fs::path final_dir = fs::path(root) / checkpoint_name(state.step);
-  const fs::path tmp = fs::path(root) / (checkpoint_name(state.step) + ".tmp");
-  fs::remove_all(tmp, ec);  // a save of this step that crashed
-  LOOM_CHECK(!ec, "cannot remove stale '", tmp.string(), "': ", ec.message());
-  fs::create_directory(tmp, ec);
-  LOOM_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
-
-  write_safetensors_dir(tmp.string(), weights);
-  write_file((tmp / "config.json").string(), model.config().to_json() + "\n");
-  write_safetensors((tmp / "optimizer.safetensors").string(), moments,
-                    {{"format", "loom-adamw"}, {"step", std::to_string(optimizer.steps_taken())}});
-  if (!tokenizer_json.empty())
-    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
+void write_checkpoint_state(const std::string& dir, const TrainState& state) {
   nlohmann::ordered_json st;
   st["format"] = "loom-checkpoint";
   st["version"] = kStateVersion;
@@ -219,13 +309,37 @@ std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& 
   st["loss"] = state.loss;
   st["config"] = state.config_toml;
   st["tokens_per_step"] = state.tokens_per_step;
-  write_file((tmp / "state.json").string(), st.dump(2) + "\n");
+  const std::string path = (fs::path(dir) / "state.json").string();
+  write_file(path, st.dump(2) + "\n");
+  fsync_path(path, false);
+  fsync_path(dir, true);
+}
 
+std::string checkpoint_rank_file(int rank) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
+  return buf;
+}
+
+namespace {
+
+// World rank 0, once every rank's file is written: the index, the config, the tokenizer and
+// state.json (the completion marker) last, then the directory takes its name.
+std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, const std::string& config,
+                              const TrainState& state, const std::string& tokenizer_json,
+                              const std::vector<int>& writers) {
+  write_checkpoint_index(tmp.string(), writers, state.step, true);
+  write_file((tmp / "config.json").string(), config);
+  if (!tokenizer_json.empty())
+    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
   for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
-  fsync_path(tmp.string(), true);
+  write_checkpoint_state(tmp.string(), state);
+
+  const fs::path final_dir = root / checkpoint_name(state.step);
   // rename() cannot replace a non-empty directory: move an existing checkpoint of this step
   // aside first (its name is then no checkpoint name), and delete it once the new one is in place.
-  const fs::path old = fs::path(root) / (checkpoint_name(state.step) + ".old");
+  std::error_code ec;
+  const fs::path old = root / (checkpoint_name(state.step) + ".old");
   const bool replacing = fs::exists(final_dir, ec);
   if (replacing) {
     fs::remove_all(old, ec);
@@ -235,9 +349,86 @@ std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& 
   fs::rename(tmp, final_dir, ec);
   LOOM_CHECK(!ec, "cannot rename '", tmp.string(), "' to '", final_dir.string(),
              "': ", ec.message());
-  fsync_path(root, true);
+  fsync_path(root.string(), true);
   if (replacing) fs::remove_all(old, ec);
   return final_dir.string();
+}
+
+}  // namespace
+
+namespace {
+
+// What every rank knows once a save has begun: who writes what, and where.
+struct SavePlan {
+  dist::ProcessGroup* world = nullptr;  // nullptr: one process
+  int rank = 0;
+  bool write[2] = {false, false};  // this rank writes the TP-split / the other parameters
+  std::vector<int> writers;        // the ranks that write a file
+  fs::path root, tmp, final_dir;
+  std::string what;  // "saving checkpoint DIR", for errors
+  bool writer() const { return write[0] || write[1]; }
+  // Whatever fails, the half-written directory goes: it is never loaded, but it holds disk.
+  std::function<void()> cleanup() const {
+    return [r = rank, t = tmp] {
+      if (r != 0) return;
+      std::error_code ec;
+      fs::remove_all(t, ec);
+    };
+  }
+};
+
+// The collective start of a save: the writers agreed, world rank 0 has made the .tmp directory.
+SavePlan begin_save(const std::string& root, LlamaModel& model, AdamW& optimizer,
+                    const TrainState& state, const CheckpointComm& comm) {
+  LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
+  LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
+             optimizer.steps_taken(), " steps but the state says step ", state.step);
+  SavePlan plan;
+  plan.world = comm.world && comm.world->size() > 1 ? comm.world : nullptr;
+  plan.rank = plan.world ? plan.world->rank() : 0;
+  const int size = plan.world ? plan.world->size() : 1;
+
+  // Which ranks write what: the first of each set of ranks holding the same slices.
+  const std::array<int32_t, 4> key = content_keys(model);
+  Tensor mine = Tensor::empty({4}, DType::i32), keys = Tensor::empty({4 * size}, DType::i32);
+  std::copy(key.begin(), key.end(), mine.data<int32_t>());
+  if (plan.world)
+    plan.world->all_gather(mine, keys)->wait();
+  else
+    keys.copy_from(mine);
+  const int32_t* kk = keys.data<int32_t>();
+  for (int r = 0; r < size; ++r) {
+    bool first[2] = {true, true};
+    for (int c = 0; c < 2; ++c)
+      for (int q = 0; q < r && first[c]; ++q)
+        first[c] = !(kk[4 * q + 2 * c] == kk[4 * r + 2 * c] &&
+                     kk[4 * q + 2 * c + 1] == kk[4 * r + 2 * c + 1]);
+    if (first[0] || first[1]) plan.writers.push_back(r);
+    if (r == plan.rank) plan.write[0] = first[0], plan.write[1] = first[1];
+  }
+
+  plan.root = root;
+  plan.tmp = plan.root / (checkpoint_name(state.step) + ".tmp");
+  plan.final_dir = plan.root / checkpoint_name(state.step);
+  plan.what = str_cat("saving checkpoint ", plan.final_dir.string());
+  agree(plan.world, catch_error([&] {
+          if (plan.rank != 0) return;
+          std::error_code ec;
+          fs::create_directories(root, ec);
+          LOOM_CHECK(!ec, "cannot create checkpoint directory '", root, "': ", ec.message());
+          fs::remove_all(plan.tmp, ec);  // a save of this step that crashed
+          LOOM_CHECK(!ec, "cannot remove stale '", plan.tmp.string(), "': ", ec.message());
+          fs::create_directory(plan.tmp, ec);
+          LOOM_CHECK(!ec, "cannot create '", plan.tmp.string(), "': ", ec.message());
+        }),
+        plan.what, plan.cleanup());
+  return plan;
+}
+
+void write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step) {
+  write_safetensors(
+      (plan.tmp / checkpoint_rank_file(plan.rank)).string(), mine.tensors,
+      {{"format", "loom-shard"}, {"step", std::to_string(step)}, {"slices", mine.slices.dump()}});
 }
 
 }  // namespace
@@ -245,31 +436,128 @@ std::string write_checkpoint(const std::string& root, LlamaModel& model, AdamW& 
 std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json,
                             const CheckpointComm& comm) {
-  LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
-  LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
-             optimizer.steps_taken(), " steps but the state says step ", state.step);
-  std::vector<NamedTensor> weights, moments;
-  full_tensors(model, optimizer, comm.shard, comm.tp, weights, moments);
-  const bool writer = !comm.world || comm.world->rank() == 0;
-  std::string path = (fs::path(root) / checkpoint_name(state.step)).string(), error;
-  if (writer) {
-    try {
-      path = write_checkpoint(root, model, optimizer, state, tokenizer_json, weights, moments);
-    } catch (const Error& e) {
-      if (!comm.world || comm.world->size() == 1) throw;
-      error = e.what();
+  const SavePlan plan = begin_save(root, model, optimizer, state, comm);
+  agree(plan.world, catch_error([&] {
+          if (plan.writer())
+            write_rank_file(plan, rank_slices(model, optimizer, plan.write[0], plan.write[1]),
+                            state.step);
+        }),
+        plan.what, plan.cleanup());
+  std::string path = plan.final_dir.string();
+  const std::string config = model.config().to_json() + "\n";
+  agree(plan.world, catch_error([&] {
+          if (plan.rank == 0)
+            path =
+                finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
+        }),
+        plan.what, plan.cleanup());
+  return path;
+}
+
+// The background half of an async save. The writer thread of each writing rank writes its
+// staged copy; on world rank 0 it then waits for every writer's file (or its error) and
+// completes the checkpoint, so that it becomes a checkpoint without waiting for the next save.
+// The ranks share checkpoint.dir, and no collective runs off the main thread: a rank says that
+// its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error.
+struct PendingSave::Impl {
+  SavePlan plan;
+  std::string path;
+  std::string write_error;            // this rank's file
+  std::string finish_error;           // world rank 0: completing the checkpoint
+  std::atomic<bool> written{false};   // this rank's file is written (or failed)
+  std::atomic<bool> peers_ok{false};  // every rank said so through wait()'s collective
+  std::atomic<bool> cancel{false};
+  std::thread thread;
+};
+
+PendingSave::PendingSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PendingSave::~PendingSave() {
+  if (impl_ && impl_->thread.joinable()) {
+    impl_->cancel = true;
+    impl_->thread.join();
+  }
+}
+
+const std::string& PendingSave::path() const {
+  return impl_->path;
+}
+
+std::string PendingSave::wait() {
+  LOOM_CHECK(impl_ && impl_->thread.joinable(), "PendingSave::wait: called twice");
+  Impl& p = *impl_;
+  // Every rank's own file first, agreed collectively: then world rank 0 knows every file is
+  // there even if a rank's marker never appeared, and a failure stops its waiting.
+  p.written.wait(false);
+  try {
+    agree(p.plan.world, p.write_error, p.plan.what, [] {});
+  } catch (...) {
+    p.cancel = true;
+    p.thread.join();
+    p.plan.cleanup()();
+    throw;
+  }
+  p.peers_ok = true;
+  p.thread.join();
+  agree(p.plan.world, p.finish_error, p.plan.what, p.plan.cleanup());
+  return p.path;
+}
+
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+                                                   AdamW& optimizer, const TrainState& state,
+                                                   const std::string& tokenizer_json,
+                                                   const CheckpointComm& comm,
+                                                   std::function<void()> after_complete) {
+  auto impl = std::make_unique<PendingSave::Impl>();
+  impl->plan = begin_save(root, model, optimizer, state, comm);
+  impl->path = impl->plan.final_dir.string();
+  // The staging buffer: a copy of this rank's slices (its own shards at most), so training may
+  // change the shards while the thread writes.
+  RankSlices staged;
+  if (impl->plan.writer()) {
+    staged = rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1]);
+    for (NamedTensor& t : staged.tensors) {
+      Tensor copy = Tensor::empty(t.tensor.shape(), t.tensor.dtype());
+      copy.copy_from(t.tensor);
+      t.tensor = copy;
     }
   }
-  if (comm.world && comm.world->size() > 1) {
-    // Every rank learns whether the save succeeded, so none trains on after a failed save.
-    Tensor ok = Tensor::empty({1}, DType::i32);
-    ok.data<int32_t>()[0] = error.empty() ? 1 : 0;
-    comm.world->broadcast(ok, 0)->wait();
-    if (!error.empty()) fail(error);
-    LOOM_CHECK(ok.data<int32_t>()[0] == 1, "saving checkpoint ", path,
-               " failed on world rank 0 (its message names the cause)");
-  }
-  return path;
+  const std::string config = model.config().to_json() + "\n";
+  PendingSave::Impl* p = impl.get();
+  impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
+                              after = std::move(after_complete)] {
+    const SavePlan& plan = p->plan;
+    p->write_error = catch_error([&] {
+      if (!plan.writer()) return;
+      write_rank_file(plan, staged, state.step);
+      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".done")).string());
+    });
+    if (!p->write_error.empty())
+      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->write_error;
+    p->written = true;
+    p->written.notify_all();
+    if (plan.rank != 0 || !p->write_error.empty()) return;
+    p->finish_error = catch_error([&] {
+      for (int r : plan.writers) {
+        const fs::path done = plan.tmp / str_cat("rank-", r, ".done");
+        const fs::path e = plan.tmp / str_cat("rank-", r, ".error");
+        std::error_code ec;
+        while (!p->peers_ok && !fs::exists(done, ec) && !fs::exists(e, ec)) {
+          if (p->cancel) fail("cancelled while waiting for rank ", r, "'s file");
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        LOOM_CHECK(!fs::exists(e, ec), "rank ", r,
+                   " failed to write its file (its message names the cause)");
+      }
+      for (int r : plan.writers) {
+        std::error_code ec;
+        fs::remove(plan.tmp / str_cat("rank-", r, ".done"), ec);
+      }
+      finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
+      if (after) after();
+    });
+  });
+  return std::make_unique<PendingSave>(std::move(impl));
 }
 
 TrainState read_checkpoint_state(const std::string& dir) {
@@ -305,18 +593,48 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
   const TrainState st = read_checkpoint_state(dir);
   const std::string state_path = (d / "state.json").string();
 
-  // Weights: every model tensor, shapes checked by read_f32; and nothing the model lacks (a
-  // checkpoint of a deeper model would otherwise load silently).
-  const SafetensorsDir weights(dir);
-  std::set<std::string> names;
-  for (ParamUnit* u : model.units())
-    for (const Param& p : u->params()) names.insert(p.spec.name);
-  for (const std::string& n : weights.names())
-    LOOM_CHECK(names.count(n), dir, ": tensor '", n, "' (in ", weights.file_of(n).path(),
-               ") is not a parameter of the model being trained (a model of another shape?)");
-  model.load_hf(weights);
+  // Every tensor must be a parameter or a moment of one: a checkpoint of a deeper model would
+  // otherwise load silently.
+  const SafetensorsDir ckpt(dir);
   auto units = model.units();
+  std::set<std::string> names, mnames;
+  for (ParamUnit* u : units)
+    for (const Param& p : u->params()) {
+      names.insert(p.spec.name);
+      mnames.insert(p.spec.name + ".exp_avg");
+      mnames.insert(p.spec.name + ".exp_avg_sq");
+    }
+  for (const std::string& n : ckpt.names())
+    LOOM_CHECK(names.count(n) || (ckpt.sharded() && mnames.count(n)), dir, ": tensor '", n, "' (",
+               ckpt.where(n),
+               ") is not a parameter of the model being trained (a model of another shape?)");
+  model.load_hf(ckpt);
 
+  if (ckpt.sharded()) {
+    const auto it = ckpt.metadata().find("step");
+    LOOM_CHECK(it != ckpt.metadata().end() && it->second == std::to_string(st.step), dir, "/",
+               kShardedIndexName, ": step ",
+               it == ckpt.metadata().end() ? std::string("missing") : it->second, " but ",
+               state_path, " says step ", st.step, " (a torn or mismatched checkpoint)");
+    if (ckpt.metadata().count("optimizer") && ckpt.metadata().at("optimizer") == "none") {
+      // Converted from Hugging Face: AdamW starts afresh.
+      LOOM_CHECK(st.step == 0, dir, ": has no optimizer moments but is at step ", st.step);
+      for (auto* moments : {&optimizer.exp_avg(), &optimizer.exp_avg_sq()})
+        for (Tensor& m : *moments) std::fill_n(m.data<float>(), m.numel(), 0.0f);
+    } else {
+      for (size_t i = 0; i < units.size(); ++i)
+        for (size_t k = 0; k < units[i]->params().size(); ++k) {
+          const std::string& n = units[i]->params()[k].spec.name;
+          read_shard(ckpt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
+          read_shard(ckpt, n + ".exp_avg_sq", *units[i], k,
+                     optimizer.exp_avg_sq()[i].data<float>());
+        }
+    }
+    optimizer.set_steps_taken(st.step);
+    return st;
+  }
+
+  // A checkpoint of the earlier format: model.safetensors beside optimizer.safetensors.
   const std::string opt_path = (d / "optimizer.safetensors").string();
   LOOM_CHECK(fs::is_regular_file(opt_path, ec), "checkpoint '", dir,
              "' has no optimizer.safetensors");
@@ -331,12 +649,9 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
   }
   LOOM_CHECK(opt_step == st.step, opt_path, ": optimizer step ", opt_step, " but ", state_path,
              " says step ", st.step);
-  std::set<std::string> mnames;
   for (size_t i = 0; i < units.size(); ++i)
     for (size_t k = 0; k < units[i]->params().size(); ++k) {
       const std::string& n = units[i]->params()[k].spec.name;
-      mnames.insert(n + ".exp_avg");
-      mnames.insert(n + ".exp_avg_sq");
       read_shard(opt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
       read_shard(opt, n + ".exp_avg_sq", *units[i], k, optimizer.exp_avg_sq()[i].data<float>());
     }

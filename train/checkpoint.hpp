@@ -1,18 +1,23 @@
 #pragma once
-// Training checkpoints. A checkpoint is a directory ROOT/step-00000100/ holding
-//   model.safetensors      f32 master weights under their Hugging Face names (sharded into
-//                          model-0000i-of-0000n.safetensors + index beyond 5 GiB), and
-//   config.json            the Hugging Face model config: the directory is a Hugging Face model
-//                          that SafetensorsDir, `loom generate` and `[model] init_from` read;
-//   optimizer.safetensors  AdamW moments, "<name>.exp_avg" and "<name>.exp_avg_sq" (f32, the
-//                          parameter's shape), with the step count in the metadata ("step");
-//   state.json             step, data loader step, lr and loss of the last step, the resolved
-//                          job config (TOML);
-//   tokenizer.json         copied from the data directory when there is one.
-// Saving is atomic: everything is written into step-00000100.tmp, each file and the directory
-// are fsynced, the directory is renamed, the parent fsynced. Only names step-<digits> are
-// checkpoints, so a .tmp left by a crash is ignored (and replaced by the next save of that step).
+// Training checkpoints (docs/design.md, "Distributed checkpoints"). A checkpoint is a directory
+// ROOT/step-00000100/ holding
+//   rank-0000r.safetensors  each writing rank's slices of the f32 master weights and of the AdamW
+//                           moments ("<name>", "<name>.exp_avg", "<name>.exp_avg_sq"), written
+//                           by that rank from its own shards (no rank gathers the model); ranks
+//                           that hold the same slices as a lower rank (replicas) write nothing;
+//   loom.index.json         every tensor's global shape and dtype and which slice each file holds;
+//   config.json             the Hugging Face model config;
+//   state.json              step, data loader step, lr and loss of the last step, the resolved
+//                           job config (TOML): written last, the completion marker;
+//   tokenizer.json          copied from the data directory when there is one.
+// SafetensorsDir reads it like a Hugging Face directory (`loom generate`, `[model] init_from`).
+// Saving is atomic: every rank writes and fsyncs its file into step-00000100.tmp, then world
+// rank 0 writes the index, the config and state.json, fsyncs the directory and renames it. Only
+// names step-<digits> with a state.json are checkpoints, so a .tmp left by a crash is ignored
+// (and removed by clean_checkpoint_dir or the next save of that step).
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,10 +30,10 @@ namespace dist {
 class ProcessGroup;
 }
 
-// The ranks a checkpoint is saved from. `shard`: the group the model's units are sharded over
-// (nullptr: unsharded); `world`: all ranks (nullptr: one process). Each sharded unit is
-// all-gathered over `shard`, world rank 0 writes, and then tells every rank whether it succeeded
-// (a failed save is an error on every rank).
+// The ranks a checkpoint is saved from. `world`: all ranks (nullptr: one process); after each
+// phase of a save every rank learns every rank's failure (a failed save is an error on every
+// rank, naming the failing ranks' causes). `shard` and `tp` are not needed by the sharded save
+// (each rank writes what it holds) and kept for callers.
 struct CheckpointComm {
   dist::ProcessGroup* shard = nullptr;
   dist::ProcessGroup* world = nullptr;
@@ -54,19 +59,55 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 
 // Writes ROOT/step-<state.step>/ atomically (replacing one of the same step) and returns its path.
 // `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
-// Every rank of `comm` calls it. The files are the same whatever the layout.
+// Every rank of `comm` calls it. Each rank holds nothing beyond its own shards: its file is
+// written from views of them.
 std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
 
+// `[checkpoint] async = true`: the collective start of the save and a copy of this rank's shards
+// into a staging buffer happen here (the training stall); a background thread writes the copy,
+// and on world rank 0 completes the checkpoint (index, state.json, rename) once every rank's file
+// is there, then runs `after_complete` (the prune). wait() joins and tells every rank every
+// rank's failure (an error on every rank, as save_checkpoint); every rank must call it (the next
+// save and the end of training do) before any other save. Destroying it without wait() (an
+// error unwinding) stops waiting for other ranks and joins.
+class PendingSave {
+ public:
+  struct Impl;
+  explicit PendingSave(std::unique_ptr<Impl> impl);
+  ~PendingSave();
+  PendingSave(const PendingSave&) = delete;
+  PendingSave& operator=(const PendingSave&) = delete;
+  const std::string& path() const;  // the checkpoint's directory once complete
+  std::string wait();               // returns path()
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+                                                   AdamW& optimizer, const TrainState& state,
+                                                   const std::string& tokenizer_json = "",
+                                                   const CheckpointComm& comm = {},
+                                                   std::function<void()> after_complete = {});
+
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both
-// shapes), tensors the model does not have. A sharded model reads only its shards' slices, so a
-// checkpoint of any layout loads into any other.
+// shapes), tensors the model does not have. Each rank reads only the slices it holds from
+// whichever files have them, so a checkpoint of any layout loads into any other. Checkpoints of
+// the earlier format (model.safetensors + optimizer.safetensors) load too.
 TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
 // allocating anything.
 TrainState read_checkpoint_state(const std::string& dir);
+
+// The parts of a save, for tools that write a checkpoint without a model (loom convert): the
+// name of rank r's file, the index of the rank files `ranks` in `dir` (`moments`: whether they
+// hold the AdamW moments), and state.json, the completion marker (fsynced, with the directory).
+std::string checkpoint_rank_file(int rank);  // "rank-00003.safetensors"
+void write_checkpoint_index(const std::string& dir, const std::vector<int>& ranks, int64_t step,
+                            bool moments);
+void write_checkpoint_state(const std::string& dir, const TrainState& state);
 
 // Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all). Each is renamed
 // to step-N.deleting before it is deleted.

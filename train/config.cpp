@@ -113,6 +113,8 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "keep", &c.checkpoint.keep},
       {"checkpoint", "resume", &c.checkpoint.resume},
       {"checkpoint", "allow_config_change", &c.checkpoint.allow_config_change},
+      {"checkpoint", "last_save_in_hf", &c.checkpoint.last_save_in_hf},
+      {"checkpoint", "async", &c.checkpoint.async},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
       {"bench", "warmup_steps", &c.bench.warmup_steps},

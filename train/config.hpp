@@ -101,6 +101,12 @@ struct JobConfig {
     // A resume whose configuration differs from the checkpoint's in a key that changes the
     // training math (optimizer, schedule, batch, data, model) is refused unless this is true.
     bool allow_config_change = false;
+    // At the end of training the last checkpoint is also written as a Hugging Face directory,
+    // DIR/hf-step-<N> (f32), by `loom convert`'s code.
+    bool last_save_in_hf = false;
+    // Saves copy the shards to a staging buffer and a background thread writes them; the next
+    // save and the end of training wait for it.
+    bool async = false;
     bool operator==(const Checkpoint&) const = default;
   } checkpoint;
   struct Metrics {

@@ -22,6 +22,7 @@
 #include "model/safetensors.hpp"
 #include "parallel/cost_model.hpp"
 #include "train/checkpoint.hpp"
+#include "train/checkpoint_convert.hpp"
 #include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
@@ -540,36 +541,70 @@ TrainResult Trainer::run() {
   double ema_step_s = 0;
   const int64_t first_step = s.step + 1;
 
+  // A full disk: say how much room the directory needs, since the oldest checkpoint goes only
+  // after the new one is complete.
+  auto explain_save_error = [&](const Error& e) {
+    const std::string what = e.what();
+    if (what.find(std::strerror(ENOSPC)) == std::string::npos) throw e;
+    const std::string each = gib(size_t(s.mem.params) * 12);  // f32 weights + 2 moments
+    if (j.checkpoint.keep > 0)
+      fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
+           "' must have room for checkpoint.keep + 1 = ", j.checkpoint.keep + 1,
+           " checkpoints of about ", each,
+           " each (a new checkpoint is complete before the oldest is deleted); free space, "
+           "lower checkpoint.keep or use another checkpoint.dir");
+    fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
+         "' must have room for every checkpoint (checkpoint.keep = 0 keeps all), about ", each,
+         " each; free space, set checkpoint.keep or use another checkpoint.dir");
+  };
+  // checkpoint.async: the save being written in the background; the next save and the end of
+  // training wait for it.
+  std::unique_ptr<PendingSave> pending;
+  auto finish_pending = [&] {
+    if (!pending) return;
+    const auto t0 = Clock::now();
+    try {
+      result.last_checkpoint = pending->wait();
+    } catch (const Error& e) {
+      pending.reset();
+      explain_save_error(e);
+    }
+    pending.reset();
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
+    log.message(str_cat("saved ", result.last_checkpoint, " (waited ", buf, " s for it)"));
+  };
   auto save = [&](int64_t step) {
     if (j.checkpoint.dir.empty() || last_saved == step) return;
+    finish_pending();
     const auto t0 = Clock::now();
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step};
+    const CheckpointComm comm{s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp};
     try {
       share_pipeline_units(s.par, *s.adamw);
-      result.last_checkpoint =
-          save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json,
-                          {s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp});
+      if (j.checkpoint.async) {
+        const bool prune = s.writer;
+        pending = save_checkpoint_async(j.checkpoint.dir, *s.par.model, *s.adamw, st,
+                                        s.tokenizer_json, comm, [&j, prune] {
+                                          if (prune)
+                                            prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
+                                        });
+      } else {
+        result.last_checkpoint =
+            save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json, comm);
+      }
     } catch (const Error& e) {
-      // A full disk: say how much room the directory needs, since the oldest checkpoint goes
-      // only after the new one is complete.
-      const std::string what = e.what();
-      if (what.find(std::strerror(ENOSPC)) == std::string::npos) throw;
-      const std::string each = gib(size_t(s.mem.params) * 12);  // f32 weights + 2 moments
-      if (j.checkpoint.keep > 0)
-        fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
-             "' must have room for checkpoint.keep + 1 = ", j.checkpoint.keep + 1,
-             " checkpoints of about ", each,
-             " each (a new checkpoint is complete before the oldest is deleted); free space, "
-             "lower checkpoint.keep or use another checkpoint.dir");
-      fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
-           "' must have room for every checkpoint (checkpoint.keep = 0 keeps all), about ", each,
-           " each; free space, set checkpoint.keep or use another checkpoint.dir");
+      explain_save_error(e);
     }
-    if (s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
+    if (!j.checkpoint.async && s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
-    log.message(str_cat("step ", step, " | saved ", result.last_checkpoint, " (", buf, " s)"));
+    if (pending)
+      log.message(str_cat("step ", step, " | saving ", pending->path(), " in the background (", buf,
+                          " s stall)"));
+    else
+      log.message(str_cat("step ", step, " | saved ", result.last_checkpoint, " (", buf, " s)"));
   };
   auto validation = [&](int64_t step) {
     const double v = validate();
@@ -644,6 +679,29 @@ TrainResult Trainer::run() {
                           j.checkpoint.dir.empty() ? " (no checkpoint.dir: nothing saved)" : ""));
       break;
     }
+  }
+  finish_pending();
+  if (j.checkpoint.last_save_in_hf && !result.last_checkpoint.empty() && last_saved == s.step) {
+    // World rank 0 alone reads the checkpoint (streaming, one tensor at a time); every rank
+    // learns whether it worked.
+    const std::string hf =
+        (fs::path(j.checkpoint.dir) / ("hf-" + checkpoint_name(s.step))).string();
+    std::string error;
+    if (s.writer) {
+      try {
+        std::error_code ec;
+        fs::remove_all(hf, ec);  // an export of this step by an earlier run of it
+        export_hugging_face(result.last_checkpoint, hf);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    }
+    if (s.mesh && any_rank(s.mesh->world(), !error.empty()) && error.empty())
+      fail(
+          "checkpoint.last_save_in_hf: the export on world rank 0 failed (its message names the "
+          "cause)");
+    LOOM_CHECK(error.empty(), "checkpoint.last_save_in_hf: ", error);
+    log.message(str_cat("exported ", result.last_checkpoint, " as Hugging Face directory ", hf));
   }
   log.finish();
   return result;

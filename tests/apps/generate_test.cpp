@@ -122,6 +122,23 @@ TEST_F(GenerateCommand, PicksTheLatestCompleteCheckpoint) {
   EXPECT_NE(r.err.find("step-00000005"), std::string::npos) << r.err;
 }
 
+// A loom checkpoint (here converted from the Hugging Face directory) generates what the Hugging
+// Face directory does.
+TEST_F(GenerateCommand, ReadsLoomCheckpointsAndHuggingFaceDirectories) {
+  write_model(dir_ / "m", 4);
+  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "m").string() +
+                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
+  ASSERT_EQ(std::system(convert.c_str()), 0);
+  ASSERT_TRUE(fs::exists(dir_ / "ck/step-00000000/loom.index.json"));
+  const std::string args = " --prompt 'the fox' --max-tokens 12 --temperature 0";
+  const Result hf = generate("--checkpoint " + (dir_ / "m").string() + args);
+  const Result ck = generate("--checkpoint " + (dir_ / "ck").string() + args);
+  ASSERT_EQ(hf.rc, 0) << hf.err;
+  ASSERT_EQ(ck.rc, 0) << ck.err;
+  EXPECT_EQ(hf.out, ck.out);
+  EXPECT_NE(ck.err.find("step-00000000"), std::string::npos) << ck.err;
+}
+
 TEST_F(GenerateCommand, Errors) {
   write_model(dir_ / "m", 3);
   write_model(dir_ / "notok", 3, false);

@@ -42,8 +42,7 @@ def safetensors(tensors, metadata=None):
 
 # Safetensors: loom's own checkpoint files, and the other dtypes and shapes.
 ck = os.path.join(tmp, "ck", "step-00000002")
-put("fuzz_safetensors", "model.safetensors", read(os.path.join(ck, "model.safetensors")))
-put("fuzz_safetensors", "optimizer.safetensors", read(os.path.join(ck, "optimizer.safetensors")))
+put("fuzz_safetensors", "rank-00000.safetensors", read(os.path.join(ck, "rank-00000.safetensors")))
 f32 = struct.pack("<6f", 1, -2, 0.5, 3, 1e-3, -7)
 put("fuzz_safetensors", "dtypes.safetensors", safetensors([
     ("a", "F32", [2, 3], f32),

@@ -139,23 +139,26 @@ TEST(Checkpoint, RoundTripIsBitExactAndAHuggingFaceDir) {
   const TrainState st = state_at(2);
   const std::string dir = save_checkpoint(t / "ckpt", a.model, a.opt, st, t / "tokenizer.json");
   EXPECT_EQ(dir, t / "ckpt/step-00000002");
-  for (const char* f : {"model.safetensors", "config.json", "optimizer.safetensors", "state.json",
-                        "tokenizer.json"})
+  for (const char* f :
+       {"rank-00000.safetensors", "loom.index.json", "config.json", "state.json", "tokenizer.json"})
     EXPECT_TRUE(fs::is_regular_file(fs::path(dir) / f)) << f;
   EXPECT_FALSE(fs::exists(t / "ckpt/step-00000002.tmp"));
 
-  // A Hugging Face model directory: config.json gives the same shape, tensors by HF names, f32.
+  // Read like a Hugging Face model directory: config.json gives the same shape, tensors by HF
+  // names with their global shapes, f32.
   const LlamaConfig back = LlamaConfig::from_file(dir + "/config.json");
   EXPECT_EQ(back.to_json(), c.to_json());
   const SafetensorsDir hf(dir);
+  EXPECT_TRUE(hf.sharded());
   EXPECT_TRUE(hf.has("model.embed_tokens.weight"));
   EXPECT_TRUE(hf.has("model.layers.1.mlp.down_proj.weight"));
   EXPECT_TRUE(hf.has("lm_head.weight"));
-  EXPECT_EQ(hf.file_of("model.norm.weight").entry("model.norm.weight").dtype, "F32");
-  // The moments are stored per parameter name, with the step count.
-  const SafetensorsFile opt(dir + "/optimizer.safetensors");
-  EXPECT_EQ(opt.metadata().at("step"), "2");
-  EXPECT_EQ(opt.entry("model.layers.0.self_attn.q_proj.weight.exp_avg_sq").shape, (Shape{32, 32}));
+  EXPECT_EQ(hf.shape("model.embed_tokens.weight"), (Shape{40, 32}));
+  const SafetensorsFile rank0(dir + "/rank-00000.safetensors");
+  EXPECT_EQ(rank0.entry("model.norm.weight").dtype, "F32");
+  // The moments are stored per parameter name, with the step count in the index.
+  EXPECT_EQ(hf.metadata().at("step"), "2");
+  EXPECT_EQ(hf.shape("model.layers.0.self_attn.q_proj.weight.exp_avg_sq"), (Shape{32, 32}));
 
   // Restores into a differently initialized model: every bit of weights and moments.
   Trained b(c, 99);
@@ -193,7 +196,7 @@ TEST(Checkpoint, LeftoverTmpIsIgnoredAndReplaced) {
   save_checkpoint(t / "ck", a.model, a.opt, state_at(1));
   // A save of step 2 that crashed half-way: a .tmp directory with a partial file.
   fs::create_directories(t / "ck/step-00000002.tmp");
-  std::ofstream(t / "ck/step-00000002.tmp/model.safetensors") << "partial";
+  std::ofstream(t / "ck/step-00000002.tmp/rank-00000.safetensors") << "partial";
   EXPECT_EQ(fs::path(latest_checkpoint(t / "ck")).filename(), "step-00000001");
   Trained b(tiny(), 5);
   load_checkpoint(latest_checkpoint(t / "ck"), b.model, b.opt);
@@ -226,7 +229,7 @@ TEST(Checkpoint, CleansWhatInterruptedSavesAndPrunesLeave) {
   }
   // A prune of the old code cut short: step 4's directory lost its state.json and some files.
   fs::create_directories(t / "ck/step-00000004");
-  std::ofstream(t / "ck/step-00000004/model.safetensors") << "half deleted";
+  std::ofstream(t / "ck/step-00000004/rank-00000.safetensors") << "half deleted";
   EXPECT_EQ(fs::path(latest_checkpoint(t / "ck")).filename(), "step-00000003");
   // A save cut short, a prune cut short, and a replaced step whose new copy never took its name.
   fs::create_directories(t / "ck/step-00000005.tmp");
@@ -280,13 +283,14 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
   };
   Trained b(tiny(), 2);
 
+  const std::string rank0 = "/rank-00000.safetensors";
   std::string d = fresh("trunc_model");
-  truncate_file(d + "/model.safetensors", fs::file_size(d + "/model.safetensors") / 2);
-  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/model.safetensors"});
+  truncate_file(d + rank0, fs::file_size(d + rank0) / 2);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + rank0});
 
-  d = fresh("trunc_opt");
-  truncate_file(d + "/optimizer.safetensors", 100);
-  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/optimizer.safetensors"});
+  d = fresh("trunc_head");
+  truncate_file(d + rank0, 100);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + rank0});
 
   d = fresh("bad_state");
   std::ofstream(d + "/state.json") << "{\"format\": \"loom-checkpoint\", \"step\": ";
@@ -296,9 +300,14 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
   fs::remove(d + "/state.json");
   expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json"});
 
-  d = fresh("no_opt");
-  fs::remove(d + "/optimizer.safetensors");
-  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d, "optimizer.safetensors"});
+  d = fresh("no_rank_file");
+  fs::remove(d + rank0);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); },
+               {d, "loom.index.json", "rank-00000.safetensors", "missing"});
+
+  d = fresh("no_index");
+  fs::remove(d + "/loom.index.json");
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d, "loom.index.json"});
 
   d = fresh("step_mismatch");
   {
@@ -308,7 +317,7 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
     std::ofstream(d + "/state.json") << s;
   }
   expect_error([&] { load_checkpoint(d, b.model, b.opt); },
-               {"optimizer.safetensors", "step 1", "step 7"});
+               {"loom.index.json", "step 1", "step 7"});
 }
 
 TEST(Checkpoint, AnotherModelShapeIsNamed) {

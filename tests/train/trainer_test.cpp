@@ -243,8 +243,8 @@ TEST(Trainer, ResumeIsBitIdentical) {
                                                       ra.val_losses.end());
   EXPECT_EQ(r2.val_losses, later);
   // The final checkpoints agree too, and carry the tokenizer of the data directory.
-  EXPECT_EQ(read_text(job.path("a/step-00000006/model.safetensors")),
-            read_text(job.path("b/step-00000006/model.safetensors")));
+  EXPECT_EQ(read_text(job.path("a/step-00000006/rank-00000.safetensors")),
+            read_text(job.path("b/step-00000006/rank-00000.safetensors")));
   EXPECT_EQ(read_text(job.path("b/step-00000006/tokenizer.json")),
             read_text(job.data("tokenizer.json")));
 }
@@ -404,7 +404,8 @@ TEST(Trainer, InitFromAHuggingFaceDirectory) {
   Job job;
   std::vector<uint32_t> saved;
   {
-    Trainer a(job.config({"--training.steps=2", "--checkpoint.dir=" + job.path("ck")}),
+    Trainer a(job.config({"--training.steps=2", "--checkpoint.dir=" + job.path("ck"),
+                          "--checkpoint.last_save_in_hf=true"}),
               job.options());
     a.run();
     for (ParamUnit* u : a.model().units()) {
@@ -418,6 +419,19 @@ TEST(Trainer, InitFromAHuggingFaceDirectory) {
   EXPECT_EQ(b.step(), 0);
   std::vector<uint32_t> got;
   for (ParamUnit* u : b.model().units()) {
+    const size_t at = got.size();
+    got.resize(at + size_t(u->numel()));
+    std::memcpy(got.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
+  }
+  EXPECT_EQ(got, saved);
+  // checkpoint.last_save_in_hf: the last checkpoint as a Hugging Face directory too.
+  ASSERT_TRUE(fs::is_regular_file(job.path("ck/hf-step-00000002/model.safetensors")));
+  ASSERT_TRUE(fs::is_regular_file(job.path("ck/hf-step-00000002/config.json")));
+  EXPECT_EQ(list_checkpoints(job.path("ck")).size(), 1u);  // not taken for a checkpoint
+  Trainer c(job.config({"--model.init_from=" + job.path("ck/hf-step-00000002"), "--model.seed=78"}),
+            job.options());
+  got.clear();
+  for (ParamUnit* u : c.model().units()) {
     const size_t at = got.size();
     got.resize(at + size_t(u->numel()));
     std::memcpy(got.data() + at, u->flat().raw(), size_t(u->numel()) * 4);
@@ -479,7 +493,7 @@ TEST(Trainer, ConfigErrorsBeforeAnyWork) {
               job.options());
     t.run();
   }
-  const std::string f = job.path("ck/step-00000001/optimizer.safetensors");
+  const std::string f = job.path("ck/step-00000001/rank-00000.safetensors");
   fs::resize_file(f, fs::file_size(f) - 10);
   err({"--checkpoint.dir=" + job.path("ck"), "--checkpoint.resume=true"}, {f});
   // Resuming with another model shape names the tensor and both shapes.
@@ -737,16 +751,65 @@ TEST(Trainer, OutOfSpaceSaysThatKeepPlusOneCheckpointsMustFit) {
     std::string dir;
     ~Unmount() { (void)std::system(("umount " + dir).c_str()); }
   } unmount{mnt};
-  const std::string ck = mnt + "/ck";
-  expect_error(
-      [&] {
-        Trainer t(job.config({"--training.steps=3", "--checkpoint.dir=" + ck,
-                              "--checkpoint.interval=1", "--checkpoint.keep=1"}),
-                  job.options());
-        t.run();
-      },
-      {"No space left", ck, "checkpoint.keep + 1 = 2 checkpoints"});
-  const auto left = list_checkpoints(ck);
-  ASSERT_EQ(left.size(), 1u);
-  EXPECT_EQ(left[0].first, 1);
+  // Synchronous and asynchronous saves: the error names the file being written, the previous
+  // checkpoint is intact, nothing half-written is left.
+  for (const char* async : {"false", "true"}) {
+    const std::string ck = mnt + "/ck";
+    fs::remove_all(ck);
+    expect_error(
+        [&] {
+          Trainer t(
+              job.config({"--training.steps=3", "--checkpoint.dir=" + ck, "--checkpoint.interval=1",
+                          "--checkpoint.keep=1", std::string("--checkpoint.async=") + async}),
+              job.options());
+          t.run();
+        },
+        {"No space left", ck, "rank-00000.safetensors", "checkpoint.keep + 1 = 2 checkpoints"});
+    const auto left = list_checkpoints(ck);
+    ASSERT_EQ(left.size(), 1u) << "async " << async;
+    EXPECT_EQ(left[0].first, 1);
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(ck)) names.push_back(e.path().filename().string());
+    EXPECT_EQ(names, std::vector<std::string>{"step-00000001"}) << "async " << async;
+  }
+}
+
+// checkpoint.async: the same checkpoints as synchronous saves, byte for byte, each complete by
+// the next save and at the end, pruned to `keep`; and a resume from them is the same.
+TEST(Trainer, AsyncSavesWriteTheSameCheckpoints) {
+  Job job;
+  auto run = [&](const std::string& dir, bool async, int64_t keep) {
+    Trainer t(job.config({"--training.steps=5", "--checkpoint.interval=2",
+                          "--checkpoint.dir=" + job.path(dir),
+                          "--checkpoint.keep=" + std::to_string(keep),
+                          std::string("--checkpoint.async=") + (async ? "true" : "false")}),
+              job.options());
+    return t.run();
+  };
+  const TrainResult a = run("sync", false, 0), b = run("async", true, 0);
+  EXPECT_EQ(fs::path(b.last_checkpoint).filename(), "step-00000005");
+  const auto ca = list_checkpoints(job.path("sync")), cb = list_checkpoints(job.path("async"));
+  ASSERT_EQ(cb.size(), 3u);  // steps 2, 4 and 5
+  ASSERT_EQ(ca.size(), cb.size());
+  for (size_t i = 0; i < ca.size(); ++i) {
+    EXPECT_EQ(ca[i].first, cb[i].first);
+    for (const char* f : {"rank-00000.safetensors", "loom.index.json"})
+      EXPECT_TRUE(read_text(ca[i].second + "/" + f) == read_text(cb[i].second + "/" + f))
+          << cb[i].second << "/" << f;
+    // state.json differs in the config (checkpoint.dir, checkpoint.async) only.
+    const TrainState sa = read_checkpoint_state(ca[i].second),
+                     sb = read_checkpoint_state(cb[i].second);
+    EXPECT_EQ(sa.step, sb.step);
+    EXPECT_EQ(sa.data_step, sb.data_step);
+    EXPECT_EQ(sa.lr, sb.lr);
+    EXPECT_EQ(sa.loss, sb.loss);
+    // Nothing of the background protocol is left behind.
+    for (const auto& e : fs::directory_iterator(cb[i].second))
+      EXPECT_EQ(e.path().extension() == ".done" || e.path().extension() == ".error", false)
+          << e.path();
+  }
+  run("async_keep", true, 1);
+  const auto kept = list_checkpoints(job.path("async_keep"));
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0].first, 5);
 }

@@ -1,0 +1,48 @@
+#!/bin/bash
+# A damaged sharded checkpoint stops a 2-rank resume with an error naming the file (and the
+# tensor where there is one), exit non-zero, and nothing written: a missing rank file, a torn
+# index, an index that does not match its files, a checkpoint of another model.
+#   dcp_errors.sh LOOM MPIEXEC SOURCE_DIR
+set -euo pipefail
+loom=$1 mpiexec=$2 src=$3
+source "$(dirname "$0")/setup.sh"
+parity_setup dcp_errors "$src"/docs/design.md "$src"/train/*.cpp
+common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=2
+  --parallelism.dp_shard=2)
+"${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=2 --checkpoint.dir="$work/ck" \
+  --checkpoint.interval=2 >"$work/run.log" 2>&1 || { cat "$work/run.log"; exit 1; }
+ck=step-00000002
+status=0
+# expect NAME EDIT PATTERN...: applies EDIT to a copy, resumes, wants a non-zero exit, every
+# PATTERN in the output, and the directory as it was.
+expect() {
+  local name=$1 edit=$2
+  shift 2
+  rm -rf "$work/c"
+  cp -r "$work/ck" "$work/c"
+  (cd "$work/c/$ck" && eval "$edit")
+  local before
+  before=$(cd "$work/c" && find . -type f | sort | xargs md5sum)
+  if "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=3 --checkpoint.dir="$work/c" \
+    --checkpoint.resume=true "${extra[@]}" >"$work/out.log" 2>&1; then
+    echo "$name: the resume succeeded"
+    status=1
+    return
+  fi
+  for p in "$@"; do
+    grep -qF -- "$p" "$work/out.log" || { echo "$name: '$p' not in:"; cat "$work/out.log"; status=1; }
+  done
+  [ "$(cd "$work/c" && find . -type f | sort | xargs md5sum)" = "$before" ] ||
+    { echo "$name: the checkpoint directory changed"; status=1; }
+  echo "$name: $(grep -m1 'loom train: error' "$work/out.log")"
+}
+extra=()
+expect "missing rank file" "rm rank-00001.safetensors" "$ck/loom.index.json" "rank-00001.safetensors" "missing"
+expect "torn index" "head -c 300 loom.index.json > x && mv x loom.index.json" "$ck/loom.index.json" "not valid JSON"
+expect "swapped rank files" \
+  "mv rank-00000.safetensors x && mv rank-00001.safetensors rank-00000.safetensors && mv x rank-00001.safetensors" \
+  "$ck/loom.index.json" "rank-00000.safetensors" "mismatched index"
+sed 's/"hidden_size": 64/"hidden_size": 96/' "$src/tests/parity/tp_debug.json" >"$work/wide.json"
+extra=(--model.config="$work/wide.json" --checkpoint.allow_config_change=true)
+expect "another model" ":" "model.embed_tokens.weight" "[512, 96]" "[512, 64]"
+exit $status
