@@ -313,22 +313,26 @@ void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& 
   });
 }
 
-void gla_gate_forward(const Tensor& z, float normalizer, float clamp_min, Tensor& gk) {
+void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
+                      Tensor& gk) {
   LOOM_CHECK(z.is_contiguous() && gk.is_contiguous() && z.numel() == gk.numel(),
              "gla_gate_forward: z ", shape_str(z.shape()), " and gk ", shape_str(gk.shape()),
              " must be contiguous and the same size");
-  on("gla_gate_forward", z.device(),
-     [&] { cpu::gla_gate_forward(f(z), rows(z), cols(z), normalizer, clamp_min, f(gk)); });
+  on("gla_gate_forward", z.device(), [&] {
+    cpu::gla_gate_forward(f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min, f(gk));
+  });
 }
 
-void gla_gate_backward(const Tensor& dgk, const Tensor& z, float normalizer, float clamp_min,
-                       Tensor& dz) {
+void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
+                       float clamp_min, Tensor& dz, Tensor& dbias) {
   LOOM_CHECK(z.is_contiguous() && dgk.is_contiguous() && dz.is_contiguous() &&
                  z.numel() == dgk.numel() && z.numel() == dz.numel(),
              "gla_gate_backward: z, dgk and dz must be contiguous and the same size, got ",
              shape_str(z.shape()), ", ", shape_str(dgk.shape()), ", ", shape_str(dz.shape()));
-  on("gla_gate_backward", z.device(),
-     [&] { cpu::gla_gate_backward(f(dgk), f(z), rows(z), cols(z), normalizer, clamp_min, f(dz)); });
+  on("gla_gate_backward", z.device(), [&] {
+    cpu::gla_gate_backward(f(dgk), f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min,
+                           f(dz), bias.defined() ? f(dbias) : nullptr);
+  });
 }
 
 void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,

@@ -114,10 +114,12 @@ void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v
 void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
                   const Tensor& h0, const Tensor& dout, const Tensor& dht, Tensor& dq, Tensor& dk,
                   Tensor& dv, Tensor& dgk, Tensor& dh0);
-// gk = max(logsigmoid(z) / normalizer, clamp_min), z and gk contiguous [M, width] (gk may be z).
-void gla_gate_forward(const Tensor& z, float normalizer, float clamp_min, Tensor& gk);
-void gla_gate_backward(const Tensor& dgk, const Tensor& z, float normalizer, float clamp_min,
-                       Tensor& dz);
+// gk = max(logsigmoid(z + bias) / normalizer, clamp_min), z and gk contiguous [M, width] (gk may
+// be z), bias [width] or undefined. Backward: dz overwritten, dbias accumulated (with bias).
+void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
+                      Tensor& gk);
+void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
+                       float clamp_min, Tensor& dz, Tensor& dbias);
 // y [M, heads*dim] = rmsnorm per head of x times w [dim] times swish(g); g (a strided view allowed)
 // and w may be undefined (no gate, no weight). rstd [M*heads] saved.
 void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,

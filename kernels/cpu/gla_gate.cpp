@@ -1,7 +1,9 @@
 #include "kernels/cpu/gla_gate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "core/error.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
@@ -64,44 +66,64 @@ inline V sigmoid_neg(V z) {
 
 }  // namespace
 
-void gla_gate_forward_impl(const float* z, int64_t rows, int64_t width, float normalizer,
-                           float clamp_min, float* gk) {
-  const int64_t n = rows * width;
+// Row by row, so that the bias lines up with the columns; the rows are the parallel work.
+void gla_gate_forward_impl(const float* z, const float* bias, int64_t rows, int64_t width,
+                           float normalizer, float clamp_min, float* gk) {
   const float inv = 1.0f / normalizer;
-  const int64_t blocks = (n + kW - 1) / kW;
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (int64_t bl = 0; bl < blocks; ++bl) {
-    const int64_t i = bl * kW;
-    if (i + kW <= n) {
-      const vf g = logsigmoid(load(z + i)) * inv;
-      store(gk + i, g < splat(clamp_min) ? splat(clamp_min) : g);
-    } else {
-      for (int64_t j = i; j < n; ++j) {
-        const float g = logsigmoid(z[j]) * inv;
-        gk[j] = g < clamp_min ? clamp_min : g;
-      }
+#pragma omp parallel for schedule(static) if (rows * width >= kParallelMin)
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* zr = z + m * width;
+    float* gr = gk + m * width;
+    int64_t i = 0;
+    for (; i + kW <= width; i += kW) {
+      const vf zi = load(zr + i) + (bias ? load(bias + i) : splat(0.0f));
+      const vf g = logsigmoid(zi) * inv;
+      store(gr + i, g < splat(clamp_min) ? splat(clamp_min) : g);
+    }
+    for (; i < width; ++i) {
+      const float g = logsigmoid(zr[i] + (bias ? bias[i] : 0.0f)) * inv;
+      gr[i] = g < clamp_min ? clamp_min : g;
     }
   }
 }
 
-void gla_gate_backward_impl(const float* dgk, const float* z, int64_t rows, int64_t width,
-                            float normalizer, float clamp_min, float* dz) {
-  const int64_t n = rows * width;
+// dbias: rows are summed per chunk of rows and the partials added in chunk order; the chunking
+// depends only on `rows` (as rmsnorm's dw).
+void gla_gate_backward_impl(const float* dgk, const float* z, const float* bias, int64_t rows,
+                            int64_t width, float normalizer, float clamp_min, float* dz,
+                            float* dbias) {
+  constexpr int64_t kMaxChunks = 64;
   const float inv = 1.0f / normalizer;
-  const int64_t blocks = (n + kW - 1) / kW;
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (int64_t bl = 0; bl < blocks; ++bl) {
-    const int64_t i = bl * kW;
-    if (i + kW <= n) {
-      const vf zi = load(z + i);
-      const vf d = load(dgk + i) * sigmoid_neg(zi) * inv;
-      store(dz + i, logsigmoid(zi) * inv < splat(clamp_min) ? splat(0.0f) : d);
-    } else {
-      for (int64_t j = i; j < n; ++j) {
-        const float d = dgk[j] * sigmoid_neg(z[j]) * inv;
-        dz[j] = logsigmoid(z[j]) * inv < clamp_min ? 0.0f : d;
+  const int64_t chunk_rows = std::max<int64_t>(1, (rows + kMaxChunks - 1) / kMaxChunks);
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  std::vector<float> partial(bias && dbias ? size_t(chunks * width) : 0, 0.0f);
+#pragma omp parallel for schedule(static) if (rows * width >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t m = c * chunk_rows; m < std::min(rows, (c + 1) * chunk_rows); ++m) {
+      const float* zr = z + m * width;
+      const float* dr = dgk + m * width;
+      float* out = dz + m * width;
+      int64_t i = 0;
+      for (; i + kW <= width; i += kW) {
+        const vf zi = load(zr + i) + (bias ? load(bias + i) : splat(0.0f));
+        const vf d = load(dr + i) * sigmoid_neg(zi) * inv;
+        store(out + i, logsigmoid(zi) * inv < splat(clamp_min) ? splat(0.0f) : d);
       }
+      for (; i < width; ++i) {
+        const float zi = zr[i] + (bias ? bias[i] : 0.0f);
+        const float d = dr[i] * sigmoid_neg(zi) * inv;
+        out[i] = logsigmoid(zi) * inv < clamp_min ? 0.0f : d;
+      }
+      if (partial.empty()) continue;
+      float* __restrict p = partial.data() + c * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) p[j] += out[j];
     }
+  }
+  for (int64_t c = 0; c < int64_t(partial.size()) / width; ++c) {
+    const float* __restrict p = partial.data() + c * width;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) dbias[j] += p[j];
   }
 }
 
@@ -123,16 +145,17 @@ void check_args(const char* what, int64_t rows, int64_t width, float normalizer)
 HWY_EXPORT(gla_gate_forward_impl);
 HWY_EXPORT(gla_gate_backward_impl);
 
-void gla_gate_forward(const float* z, int64_t rows, int64_t width, float normalizer,
-                      float clamp_min, float* gk) {
+void gla_gate_forward(const float* z, const float* bias, int64_t rows, int64_t width,
+                      float normalizer, float clamp_min, float* gk) {
   check_args("gla_gate_forward", rows, width, normalizer);
-  LOOM_DISPATCH(gla_gate_forward_impl)(z, rows, width, normalizer, clamp_min, gk);
+  LOOM_DISPATCH(gla_gate_forward_impl)(z, bias, rows, width, normalizer, clamp_min, gk);
 }
 
-void gla_gate_backward(const float* dgk, const float* z, int64_t rows, int64_t width,
-                       float normalizer, float clamp_min, float* dz) {
+void gla_gate_backward(const float* dgk, const float* z, const float* bias, int64_t rows,
+                       int64_t width, float normalizer, float clamp_min, float* dz, float* dbias) {
   check_args("gla_gate_backward", rows, width, normalizer);
-  LOOM_DISPATCH(gla_gate_backward_impl)(dgk, z, rows, width, normalizer, clamp_min, dz);
+  LOOM_DISPATCH(gla_gate_backward_impl)
+  (dgk, z, bias, rows, width, normalizer, clamp_min, dz, dbias);
 }
 
 }  // namespace loom::cpu

@@ -1,6 +1,7 @@
 #include "kernels/cpu/gla_gate.hpp"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <limits>
@@ -38,13 +39,20 @@ std::vector<float> logits(size_t n, uint64_t seed) {
 TEST_ALL_ISAS(GlaGate, ForwardMatchesFp64) {
   const int64_t rows = 7, width = 37;
   const auto z = logits(size_t(rows * width), 1);
+  const auto bias = test::randn(size_t(width), 9);
   for (float clamp : {kNoClamp, -0.1f}) {
     for (float normalizer : {16.0f, 1.0f}) {
       std::vector<float> gk(z.size());
-      cpu::gla_gate_forward(z.data(), rows, width, normalizer, clamp, gk.data());
-      int clamped = 0;
+      // Without the bias first (the tails as drawn), then with it.
+      cpu::gla_gate_forward(z.data(), nullptr, rows, width, normalizer, clamp, gk.data());
       for (size_t i = 0; i < z.size(); ++i) {
         const double ref = gate(z[i], normalizer, clamp);
+        ASSERT_NEAR(gk[i], ref, 1e-6 * std::abs(ref) + 1e-30) << "z " << z[i];
+      }
+      cpu::gla_gate_forward(z.data(), bias.data(), rows, width, normalizer, clamp, gk.data());
+      int clamped = 0;
+      for (size_t i = 0; i < z.size(); ++i) {
+        const double ref = gate(double(z[i] + bias[i % width]), normalizer, clamp);
         clamped += ref == double(clamp);
         ASSERT_NEAR(gk[i], ref, 1e-6 * std::abs(ref) + 1e-30)
             << "z " << z[i] << " normalizer " << normalizer << " clamp " << clamp;
@@ -57,28 +65,35 @@ TEST_ALL_ISAS(GlaGate, ForwardMatchesFp64) {
 }
 
 // dz against fp64 central differences of the fp64 gate, element by element (each gk depends on
-// its own z only); where the clamp holds the gradient is exactly 0.
+// its own z only); where the clamp holds the gradient is exactly 0. dbias accumulates the column
+// sums of dz.
 TEST_ALL_ISAS(GlaGate, BackwardMatchesFiniteDifferences) {
   const int64_t rows = 5, width = 41;
   const auto z = logits(size_t(rows * width), 2);
   const auto dgk = test::randn(z.size(), 3);
+  const auto bias = test::randn(size_t(width), 10);
   for (float clamp : {kNoClamp, -0.1f}) {
     const float normalizer = clamp == kNoClamp ? 16.0f : 1.0f;
     std::vector<float> dz(z.size(), std::numeric_limits<float>::quiet_NaN());
-    cpu::gla_gate_backward(dgk.data(), z.data(), rows, width, normalizer, clamp, dz.data());
-    std::vector<double> num(z.size());
+    std::vector<float> db(size_t(width), 0.5f);
+    cpu::gla_gate_backward(dgk.data(), z.data(), bias.data(), rows, width, normalizer, clamp,
+                           dz.data(), db.data());
+    std::vector<double> num(z.size()), nb(size_t(width), 0.5);
     for (size_t i = 0; i < z.size(); ++i) {
-      const double h = 1e-6 * std::max(1.0, std::abs(double(z[i])));
-      num[i] = dgk[i] * (gate(z[i] + h, normalizer, clamp) - gate(z[i] - h, normalizer, clamp)) /
-               (2 * h);
+      const double zi = double(z[i] + bias[i % width]);
+      const double h = 1e-6 * std::max(1.0, std::abs(zi));
+      num[i] =
+          dgk[i] * (gate(zi + h, normalizer, clamp) - gate(zi - h, normalizer, clamp)) / (2 * h);
       // A difference straddling the clamp's kink measures neither side.
-      if (std::abs(logsigmoid(z[i]) / normalizer - clamp) < 1e-4) num[i] = dz[i];
+      if (std::abs(logsigmoid(zi) / normalizer - clamp) < 1e-4) num[i] = dz[i];
+      nb[i % width] += num[i];
       ASSERT_TRUE(std::isfinite(dz[i])) << i;
       ASSERT_NEAR(dz[i], num[i], 1e-5 * std::abs(num[i]) + 1e-9) << "z " << z[i];
-      if (logsigmoid(z[i]) / normalizer < clamp - 1e-4) {
+      if (logsigmoid(zi) / normalizer < clamp - 1e-4) {
         ASSERT_EQ(dz[i], 0.0f);
       }
     }
+    EXPECT_LT(test::rel_l2(db, nb), 1e-5);
   }
 }
 
@@ -86,15 +101,35 @@ TEST_ALL_ISAS(GlaGate, InPlace) {
   const int64_t rows = 3, width = 29;
   auto z = logits(size_t(rows * width), 4);
   std::vector<float> out(z.size());
-  cpu::gla_gate_forward(z.data(), rows, width, 16.0f, kNoClamp, out.data());
-  cpu::gla_gate_forward(z.data(), rows, width, 16.0f, kNoClamp, z.data());
+  const auto bias = test::randn(size_t(width), 11);
+  cpu::gla_gate_forward(z.data(), bias.data(), rows, width, 16.0f, kNoClamp, out.data());
+  cpu::gla_gate_forward(z.data(), bias.data(), rows, width, 16.0f, kNoClamp, z.data());
   EXPECT_EQ(out, z);
 }
 
 TEST(GlaGate, RejectsBadArguments) {
   float z = 0, g = 0;
-  test::expect_error([&] { cpu::gla_gate_forward(&z, 1, 1, 0.0f, kNoClamp, &g); },
+  test::expect_error([&] { cpu::gla_gate_forward(&z, nullptr, 1, 1, 0.0f, kNoClamp, &g); },
                      {"gla_gate_forward", "normalizer", "0"});
-  test::expect_error([&] { cpu::gla_gate_backward(&z, &z, 1, 0, 16.0f, kNoClamp, &g); },
-                     {"gla_gate_backward", "width"});
+  test::expect_error(
+      [&] { cpu::gla_gate_backward(&z, &z, nullptr, 1, 0, 16.0f, kNoClamp, &g, nullptr); },
+      {"gla_gate_backward", "width"});
+}
+
+// dbias has the same bits with 1 thread and several (a sum over many rows).
+TEST_ALL_ISAS(GlaGate, BiasGradientDeterministic) {
+  const int64_t rows = 2000, width = 24;
+  const auto z = logits(size_t(rows * width), 12), dgk = test::randn(z.size(), 13);
+  const auto bias = test::randn(size_t(width), 14);
+  const int threads = omp_get_max_threads();
+  std::vector<std::vector<float>> dbs;
+  for (int n : {1, std::max(threads, 3)}) {
+    omp_set_num_threads(n);
+    std::vector<float> dz(z.size()), db(size_t(width), 0.0f);
+    cpu::gla_gate_backward(dgk.data(), z.data(), bias.data(), rows, width, 16.0f, kNoClamp,
+                           dz.data(), db.data());
+    dbs.push_back(db);
+  }
+  omp_set_num_threads(threads);
+  EXPECT_EQ(dbs[0], dbs[1]);
 }

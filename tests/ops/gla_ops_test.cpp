@@ -44,9 +44,11 @@ TEST(GlaOps, CpuOpsEqualTheKernels) {
   Tensor z = Tensor::empty({M, Hkv * K}, DType::f32);
   ops::copy_rows(fused.narrow(1, S - Hkv * K, Hkv * K), z);
   Tensor gk = Tensor::empty({M, Hkv * K}, DType::f32);
-  ops::gla_gate_forward(z, 16.0f, kNoClamp, gk);
+  Tensor bias = random({Hkv * K}, 7);
+  ops::gla_gate_forward(z, bias, 16.0f, kNoClamp, gk);
   std::vector<float> want_gk(size_t(M * Hkv * K));
-  cpu::gla_gate_forward(z.data<float>(), M, Hkv * K, 16.0f, kNoClamp, want_gk.data());
+  cpu::gla_gate_forward(z.data<float>(), bias.data<float>(), M, Hkv * K, 16.0f, kNoClamp,
+                        want_gk.data());
   EXPECT_EQ(values(gk), want_gk);
 
   Tensor h0 = random({B, H, K, V}, 2), o = Tensor::empty({M, H * V}, DType::f32),
@@ -81,11 +83,13 @@ TEST(GlaOps, CpuOpsEqualTheKernels) {
   EXPECT_EQ(values(dgk), wdgk);
   EXPECT_EQ(values(dh0), wdh0);
 
-  Tensor dz = Tensor::empty({M, Hkv * K}, DType::f32);
-  ops::gla_gate_backward(dgk, z, 16.0f, -0.01f, dz);
-  std::vector<float> wdz(wdgk.size());
-  cpu::gla_gate_backward(wdgk.data(), z.data<float>(), M, Hkv * K, 16.0f, -0.01f, wdz.data());
+  Tensor dz = Tensor::empty({M, Hkv * K}, DType::f32), db = Tensor::zeros({Hkv * K}, DType::f32);
+  ops::gla_gate_backward(dgk, z, bias, 16.0f, -0.01f, dz, db);
+  std::vector<float> wdz(wdgk.size()), wdb(size_t(Hkv * K), 0.0f);
+  cpu::gla_gate_backward(wdgk.data(), z.data<float>(), bias.data<float>(), M, Hkv * K, 16.0f,
+                         -0.01f, wdz.data(), wdb.data());
   EXPECT_EQ(values(dz), wdz);
+  EXPECT_EQ(values(db), wdb);
 
   // The output norm with the gate read from a view, its weight accumulated.
   Tensor gfused = random({M, H * V + 5}, 4), g = gfused.narrow(1, 0, H * V);
@@ -137,8 +141,9 @@ TEST(GlaOps, MetaComputesNothing) {
   Tensor dq = meta({M, H * K}), dk = meta({M, H * K}), dv = meta({M, H * V}),
          dgk = meta({M, H * K}), dh0 = meta({B, H, K, V});
   ops::gla_backward(s, q, k, v, gk, Tensor(), o, ht, dq, dk, dv, dgk, dh0);
-  ops::gla_gate_forward(gk, 16.0f, kNoClamp, gk);
-  ops::gla_gate_backward(dgk, gk, 16.0f, kNoClamp, dgk);
+  Tensor b = meta({H * K});
+  ops::gla_gate_forward(gk, b, 16.0f, kNoClamp, gk);
+  ops::gla_gate_backward(dgk, gk, b, 16.0f, kNoClamp, dgk, b);
   Tensor rstd = meta({M * H}), w = meta({V});
   ops::gated_rmsnorm_forward(o, v, w, H, 1e-6f, o, rstd);
   ops::gated_rmsnorm_backward(o, o, v, w, rstd, H, dv, dv, w);
