@@ -1,0 +1,92 @@
+#include "model/gla.hpp"
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+
+namespace loom {
+
+namespace {
+
+Tensor f32(const Shape& s, Device d) {
+  return Tensor::empty(s, DType::f32, d);
+}
+
+}  // namespace
+
+GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device)
+    : config_(config), compute_(compute), device_(device) {
+  config_.validate("model config");
+  LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
+             "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
+  const bool bf = compute == DType::bf16;
+  const int64_t d = config_.hidden_size, V = config_.vocab_size;
+  const float s = float(config_.initializer_range);
+  embed_ = std::make_unique<ParamUnit>(
+      "embed",
+      std::vector<ParamSpec>{{"model.embeddings.weight", {V, d}, Init::normal, s, true, true}}, bf,
+      device);
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+    blocks_.push_back(std::make_unique<GlaBlock>(config_, l, bf, device));
+  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
+  if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}, Init::normal, s});
+  head_ = std::make_unique<ParamUnit>("head", head, bf, device);
+}
+
+std::vector<ParamUnit*> GlaModel::units() {
+  std::vector<ParamUnit*> u{embed_.get()};
+  for (auto& b : blocks_) u.push_back(&b->unit());
+  u.push_back(head_.get());
+  return u;
+}
+
+int64_t GlaModel::num_params() const {
+  int64_t n = embed_->numel() + head_->numel();
+  for (auto& b : blocks_) n += b->unit().numel();
+  return n;
+}
+
+void GlaModel::init_weights(uint64_t seed) {
+  for (ParamUnit* u : units()) u->init_weights(seed);
+}
+
+void GlaModel::zero_grad() {
+  for (ParamUnit* u : units()) u->zero_grad();
+}
+
+double GlaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                  int64_t T, float grad_scale) {
+  const int64_t M = B * T, d = config_.hidden_size;
+  StepContext ctx;
+  ctx.B = B;
+  ctx.T = T;
+  ctx.compute = compute_;
+  Tensor x = f32({M, d}, device_);
+  ops::embedding_forward(inputs, embed_->params()[0].value, x);
+  std::vector<GlaBlockActs> acts(blocks_.size());
+  for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward(ctx, x, acts[l]);
+
+  // The final norm, then the output projection fused with the loss, forward and backward.
+  Param& norm = head_->params()[0];
+  const float eps = float(config_.norm_eps);
+  Tensor rstd = f32({M}, device_), xf = f32({M, d}, device_), dxf = f32({M, d}, device_);
+  ops::rmsnorm_forward(x, norm.value, eps, xf, rstd);
+  ParamUnit& out_unit = config_.tie_word_embeddings ? *embed_ : *head_;
+  const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
+  ops::LinearCrossEntropy ce;
+  ce.x = ops::to_compute(xf, compute_);
+  ce.w = out_unit.gemm_weight(out_index);
+  ce.dx = dxf;
+  ce.dw = out_unit.params()[out_index].grad;
+  ce.targets = targets;
+  ce.V = config_.vocab_size;
+  ce.grad_scale = grad_scale;
+  const double loss = ops::linear_cross_entropy(ce);
+  Tensor dy = Tensor::zeros({M, d}, DType::f32, device_);
+  ops::rmsnorm_backward(dxf, x, norm.value, rstd, dy, norm.grad);
+
+  for (size_t l = blocks_.size(); l-- > 0;) blocks_[l]->backward(ctx, dy, acts[l]);
+  ops::embedding_backward(inputs, dy, embed_->params()[0].grad);
+  return loss;
+}
+
+}  // namespace loom

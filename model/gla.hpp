@@ -1,0 +1,41 @@
+#pragma once
+// The GLA model (fla's GLAForCausalLM): an embedding unit, GLA blocks (model/gla_block.hpp) and a
+// head unit (final norm, output projection fused with the loss), with fla's parameter names.
+// Single process for now; it shares LlamaModel's units, ops and kernels, not yet its hooks, tensor
+// or context parallelism.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "model/gla_block.hpp"
+#include "model/gla_config.hpp"
+#include "model/param_unit.hpp"
+
+namespace loom {
+
+class GlaModel {
+ public:
+  GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu);
+
+  const GlaConfig& config() const { return config_; }
+  std::vector<ParamUnit*> units();
+  int64_t num_params() const;
+  void init_weights(uint64_t seed);
+  void zero_grad();
+
+  // inputs/targets [B, T]: gradients of (grad_scale * the summed loss) accumulate into the units;
+  // returns the summed loss.
+  double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          float grad_scale);
+
+ private:
+  GlaConfig config_;
+  DType compute_;
+  Device device_;
+  std::unique_ptr<ParamUnit> embed_;
+  std::vector<std::unique_ptr<GlaBlock>> blocks_;
+  std::unique_ptr<ParamUnit> head_;
+};
+
+}  // namespace loom

@@ -1,0 +1,217 @@
+#include "model/gla_block.hpp"
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
+
+namespace loom {
+
+namespace {
+
+Tensor f32(const Shape& s, Device d) {
+  return Tensor::empty(s, DType::f32, d);
+}
+
+const ParallelContext& none() {
+  static const ParallelContext p;
+  return p;
+}
+
+// fla's current init: every linear N(0, initializer_range), o and down included; the gate bias 0
+// (a decay of logsigmoid(0)/16 per token at the start); norm weights 1.
+std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, GlaBlock::Index& ix) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  const int64_t d = c.hidden_size, G = c.kv_groups(), Kd = c.key_dim(), Vd = c.value_dim();
+  const int64_t r = c.gate_low_rank_dim, F = c.intermediate_size;
+  const float s = float(c.initializer_range);
+  std::vector<ParamSpec> specs;
+  int unused = 0;
+  auto add = [&](int& index, ParamSpec sp) {
+    index = int(specs.size());
+    specs.push_back(std::move(sp));
+  };
+  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s});
+  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s});
+  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s});
+  if (c.use_output_gate) add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s});
+  add(unused, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s});
+  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s});
+  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true});
+  if (c.elementwise_affine)
+    add(ix.gnorm, {p + "attn." + c.output_norm_name() + ".weight",
+                   {c.head_v_dim()},
+                   Init::ones,
+                   0,
+                   false,
+                   true});
+  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s});
+  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s});
+  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s});
+  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s});
+  return specs;
+}
+
+const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
+  const ParallelContext& p = par ? *par : none();
+  LOOM_CHECK(!p.tp.on() && p.cp.size() <= 1,
+             "GLA: tensor and context parallelism are not implemented yet (parallelism.tp and "
+             "parallelism.cp must be 1)");
+  LOOM_CHECK(!c.use_short_conv,
+             "GLA: use_short_conv is not implemented in the model yet (the kernel is)");
+  return p;
+}
+
+}  // namespace
+
+struct GlaBlock::Dims {
+  int64_t M, d, H, Hkv, Kd, Kg, Vd, Vg, rank, F, nproj;
+  float eps, normalizer, clamp;
+};
+
+GlaBlock::GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
+                   const ParallelContext* par)
+    : c_(c),
+      par_(&checked(par, c)),
+      unit_("layers." + std::to_string(layer), gla_block_specs(c, layer, ix_), bf16, device) {}
+
+GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
+  Dims g;
+  g.M = ctx.tokens();
+  g.d = c_.hidden_size;
+  g.H = c_.num_heads;
+  g.Hkv = c_.num_kv_heads;
+  g.Kd = c_.key_dim();
+  g.Kg = g.Kd / c_.kv_groups();
+  g.Vd = c_.value_dim();
+  g.Vg = g.Vd / c_.kv_groups();
+  g.rank = c_.gate_low_rank_dim;
+  g.F = c_.intermediate_size;
+  g.nproj = g.Kd + g.Kg + g.Vg + (c_.use_output_gate ? g.Vd : 0) + g.rank;
+  g.eps = float(c_.norm_eps);
+  g.normalizer = float(c_.gate_logit_normalizer);
+  g.clamp = c_.has_clamp_min ? float(c_.clamp_min) : -std::numeric_limits<float>::infinity();
+  return g;
+}
+
+Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& a) const {
+  const TpRuntime& tp = par_->tp;
+  const Dims g = dims(ctx);
+  const auto& P = unit_.params();
+  const Device dev = x.device();
+  const DType dt = ctx.compute;
+  Tensor none;
+
+  a.x = x;
+  a.rstd1 = f32({g.M}, dev);
+  {
+    Tensor xn1 = f32({g.M, g.d}, dev);
+    ops::rmsnorm_forward(x, P[size_t(ix_.norm1)].value, g.eps, xn1, a.rstd1);
+    a.proj = f32({g.M, g.nproj}, dev);
+    column_parallel_forward(tp, ops::to_compute(xn1, dt), weight(ix_.q), true, a.xn1, a.proj);
+  }
+  const Tensor q = a.proj.narrow(1, 0, g.Kd), k = a.proj.narrow(1, g.Kd, g.Kg),
+               v = a.proj.narrow(1, g.Kd + g.Kg, g.Vg);
+  // The low-rank gate: gk = logsigmoid(r W1^T + b1) / 16 (then clamp_min).
+  a.r = f32({g.M, g.rank}, dev);
+  ops::copy_rows(a.proj.narrow(1, g.nproj - g.rank, g.rank), a.r);
+  a.z = f32({g.M, g.Kg}, dev);
+  ops::linear(ops::to_compute(a.r, dt), weight(ix_.gk1), a.z);
+  a.gk = f32({g.M, g.Kg}, dev);
+  ops::gla_gate_forward(a.z, P[size_t(ix_.gb1)].value, g.normalizer, g.clamp, a.gk);
+
+  a.o = f32({g.M, g.Vd}, dev);
+  ops::gla_forward({ctx.B, g.H, g.Hkv}, q, k, v, a.gk, none, a.o, none);
+  {
+    const Tensor gate = c_.use_output_gate ? a.proj.narrow(1, g.Kd + g.Kg + g.Vg, g.Vd) : none;
+    Tensor y = f32({g.M, g.Vd}, dev);
+    a.rstd_o = f32({g.M * g.H}, dev);
+    ops::gated_rmsnorm_forward(a.o, gate, param_or_none(ix_.gnorm), g.H, g.eps, y, a.rstd_o);
+    a.y = ops::to_compute(y, dt);
+  }
+  a.h = row_parallel_forward(tp, a.y, weight(ix_.o), x);
+
+  a.rstd2 = f32({g.M}, dev);
+  {
+    Tensor xn2 = f32({g.M, g.d}, dev);
+    ops::rmsnorm_forward(a.h, P[size_t(ix_.norm2)].value, g.eps, xn2, a.rstd2);
+    a.gu = f32({g.M, 2 * g.F}, dev);
+    column_parallel_forward(tp, ops::to_compute(xn2, dt), weight(ix_.gate), true, a.xn2, a.gu);
+  }
+  {
+    Tensor act = f32({g.M, g.F}, dev);
+    ops::swiglu_forward(a.gu, act);
+    a.act = ops::to_compute(act, dt);
+  }
+  return row_parallel_forward(tp, a.act, weight(ix_.down), a.h);
+}
+
+void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
+  const TpRuntime& tp = par_->tp;
+  const Dims g = dims(ctx);
+  auto& P = unit_.params();
+  const Device dev = dy.device();
+  const DType dt = ctx.compute;
+  Tensor none;
+
+  // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
+  {
+    Tensor dgu = a.gu;
+    a.gu = Tensor();
+    Tensor dact = f32({g.M, g.F}, dev);
+    row_parallel_backward(tp, dy, a.act, weight(ix_.down), P[size_t(ix_.down)].grad, dact, dt);
+    a.act = Tensor();
+    ops::swiglu_backward(dact, dgu, dgu);
+    Tensor dxn2 = column_parallel_backward(tp, ops::to_compute(dgu, dt), a.xn2, weight(ix_.gate),
+                                           P[size_t(ix_.gate)].grad);
+    ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy,
+                          P[size_t(ix_.norm2)].grad);
+    a.h = a.rstd2 = a.xn2 = Tensor();
+  }
+  // Attention branch: h = x + o(norm_gate(gla(q, k, v, gate(r)), g)).
+  {
+    Tensor dproj = Tensor::zeros({g.M, g.nproj}, DType::f32, dev);
+    Tensor dO = f32({g.M, g.Vd}, dev);
+    {
+      Tensor dY = f32({g.M, g.Vd}, dev);
+      row_parallel_backward(tp, dy, a.y, weight(ix_.o), P[size_t(ix_.o)].grad, dY, dt);
+      a.y = Tensor();
+      const int64_t og = g.Kd + g.Kg + g.Vg;
+      const Tensor gate = c_.use_output_gate ? a.proj.narrow(1, og, g.Vd) : none;
+      Tensor dgate = c_.use_output_gate ? dproj.narrow(1, og, g.Vd) : none;
+      Tensor dw = ix_.gnorm < 0 ? none : P[size_t(ix_.gnorm)].grad;
+      ops::gated_rmsnorm_backward(dY, a.o, gate, param_or_none(ix_.gnorm), a.rstd_o, g.H, dO, dgate,
+                                  dw);
+      a.o = a.rstd_o = Tensor();
+    }
+    {
+      Tensor dq = dproj.narrow(1, 0, g.Kd), dk = dproj.narrow(1, g.Kd, g.Kg),
+             dv = dproj.narrow(1, g.Kd + g.Kg, g.Vg);
+      Tensor dgk = f32({g.M, g.Kg}, dev);
+      ops::gla_backward({ctx.B, g.H, g.Hkv}, a.proj.narrow(1, 0, g.Kd),
+                        a.proj.narrow(1, g.Kd, g.Kg), a.proj.narrow(1, g.Kd + g.Kg, g.Vg), a.gk,
+                        none, dO, none, dq, dk, dv, dgk, none);
+      a.gk = Tensor();
+      ops::gla_gate_backward(dgk, a.z, P[size_t(ix_.gb1)].value, g.normalizer, g.clamp, dgk,
+                             P[size_t(ix_.gb1)].grad);
+      Tensor dr = f32({g.M, g.rank}, dev);
+      ops::linear_backward(ops::to_compute(dgk, dt), ops::to_compute(a.r, dt), weight(ix_.gk1),
+                           P[size_t(ix_.gk1)].grad, dr);
+      Tensor dr_view = dproj.narrow(1, g.nproj - g.rank, g.rank);
+      ops::copy_rows(dr, dr_view);
+      a.z = a.r = Tensor();
+    }
+    Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dproj, dt), a.xn1, weight(ix_.q),
+                                           P[size_t(ix_.q)].grad);
+    ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy,
+                          P[size_t(ix_.norm1)].grad);
+  }
+  a = GlaBlockActs();
+}
+
+}  // namespace loom
