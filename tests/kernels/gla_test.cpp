@@ -323,3 +323,111 @@ TEST(GlaCore, RejectsBadShapes) {
   a.sub_chunk = 16, a.q.ld = 4;
   test::expect_error([&] { cpu::gla_forward(a, {&x, 0}, nullptr); }, {"row stride of q", "16"});
 }
+
+namespace {
+
+// Rows [t0, t0 + n) of every sample of a [B*T, W] tensor, as a [B*n, W] tensor, and back.
+std::vector<float> take(const std::vector<float>& x, int64_t B, int64_t T, int64_t t0, int64_t n) {
+  const int64_t W = int64_t(x.size()) / (B * T);
+  std::vector<float> out(size_t(B * n * W));
+  for (int64_t b = 0; b < B; ++b)
+    std::copy_n(x.data() + (b * T + t0) * W, n * W, out.data() + b * n * W);
+  return out;
+}
+void put(const std::vector<float>& seg, int64_t B, int64_t T, int64_t t0, int64_t n,
+         std::vector<float>& x) {
+  const int64_t W = int64_t(x.size()) / (B * T);
+  for (int64_t b = 0; b < B; ++b)
+    std::copy_n(seg.data() + b * n * W, n * W, x.data() + (b * T + t0) * W);
+}
+
+// S_out = Diag(e^a) S_in + E per (sample, query head): a [B, Hkv, K] is a segment's total
+// log-decay (its kv head's), E [B, H, K, V] its final state from zero.
+std::vector<float> fold(const Dims& d, const std::vector<float>& a, const std::vector<float>& S,
+                        const std::vector<float>& E) {
+  std::vector<float> out(S.size());
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.H; ++h)
+      for (int64_t i = 0; i < d.K; ++i) {
+        const float e = std::exp(a[(b * d.Hkv + h / (d.H / d.Hkv)) * d.K + i]);
+        for (int64_t j = 0; j < d.V; ++j) {
+          const size_t x = size_t(((b * d.H + h) * d.K + i) * d.V + j);
+          out[x] = e * S[x] + E[x];
+        }
+      }
+  return out;
+}
+
+}  // namespace
+
+// Context parallelism by state passing (spec section 9), in one process: the sequence cut into
+// segments of unequal lengths; each segment's zero-start final state and total decay, a prefix
+// fold for the starting states, then each segment's forward from its state; backward with each
+// segment's dh0 from dht = 0 and a suffix fold for its dht. Every output and gradient equals the
+// unsplit run's; starting every segment from zero (what a trainer without state passing does) is
+// far off.
+TEST(GlaCore, StatePassingAcrossSegmentsEqualsUnsplit) {
+  const Dims d{2, 130, 4, 2, 16, 24};
+  const Inputs in = make_inputs(d, 4.0f, 3.0f, 21);
+  const Out whole = run(in);
+  const std::vector<int64_t> cuts = {0, 20, 67, 100, 130};
+  const size_t nseg = cuts.size() - 1, state = in.h0.size();
+  std::vector<Inputs> seg;
+  std::vector<std::vector<float>> a(nseg), E(nseg), D(nseg);
+  for (size_t s = 0; s < nseg; ++s) {
+    const int64_t t0 = cuts[s], n = cuts[s + 1] - cuts[s];
+    Inputs x{{d.B, n, d.H, d.Hkv, d.K, d.V}, take(in.q, d.B, d.T, t0, n),
+             take(in.k, d.B, d.T, t0, n),    take(in.v, d.B, d.T, t0, n),
+             take(in.gk, d.B, d.T, t0, n),   std::vector<float>(state, 0.0f),
+             take(in.dout, d.B, d.T, t0, n), std::vector<float>(state, 0.0f)};
+    a[s].assign(size_t(d.B * d.Hkv * d.K), 0.0f);
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < d.Hkv * d.K; ++i)
+          a[s][b * d.Hkv * d.K + i] += x.gk[(b * n + t) * d.Hkv * d.K + i];
+    const Out zero = run(x);  // from h0 = 0 with dht = 0: the summaries E and D
+    E[s] = zero.ht;
+    D[s] = zero.dh0;
+    seg.push_back(std::move(x));
+  }
+  Out joined{std::vector<float>(whole.o.size()),
+             {},
+             std::vector<float>(whole.dq.size()),
+             std::vector<float>(whole.dk.size()),
+             std::vector<float>(whole.dv.size()),
+             std::vector<float>(whole.dgk.size()),
+             {}};
+  std::vector<std::vector<float>> S_in(nseg), dS_out(nseg);
+  S_in[0] = in.h0;
+  for (size_t s = 0; s + 1 < nseg; ++s) S_in[s + 1] = fold(d, a[s], S_in[s], E[s]);
+  dS_out[nseg - 1] = in.dht;
+  for (size_t s = nseg - 1; s-- > 0;) dS_out[s] = fold(d, a[s + 1], dS_out[s + 1], D[s + 1]);
+  for (bool passing : {true, false}) {
+    for (size_t s = 0; s < nseg; ++s) {
+      Inputs x = seg[s];
+      x.h0 = passing || s == 0 ? S_in[s] : std::vector<float>(state, 0.0f);
+      x.dht = passing || s + 1 == nseg ? dS_out[s] : std::vector<float>(state, 0.0f);
+      const Out o = run(x);
+      const int64_t t0 = cuts[s], n = cuts[s + 1] - cuts[s];
+      put(o.o, d.B, d.T, t0, n, joined.o);
+      put(o.dq, d.B, d.T, t0, n, joined.dq);
+      put(o.dk, d.B, d.T, t0, n, joined.dk);
+      put(o.dv, d.B, d.T, t0, n, joined.dv);
+      put(o.dgk, d.B, d.T, t0, n, joined.dgk);
+      if (s == 0) joined.dh0 = o.dh0;
+      if (s + 1 == nseg) joined.ht = o.ht;
+    }
+    if (passing) {
+      EXPECT_LT(test::rel_l2(joined.o, whole.o), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.ht, whole.ht), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.dq, whole.dq), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.dk, whole.dk), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.dv, whole.dv), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.dgk, whole.dgk), 1e-6);
+      EXPECT_LT(test::rel_l2(joined.dh0, whole.dh0), 1e-6);
+    } else {
+      EXPECT_GT(test::rel_l2(joined.o, whole.o), 1e-2);
+      EXPECT_GT(test::rel_l2(joined.dk, whole.dk), 1e-2);
+    }
+  }
+}
