@@ -50,6 +50,12 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, GlaBlo
                    false,
                    true});
   add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s});
+  if (c.use_short_conv) {
+    const int64_t W = c.conv_size;
+    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true});
+  }
   add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true});
   add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s});
   add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s});
@@ -57,13 +63,11 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, GlaBlo
   return specs;
 }
 
-const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
+const ParallelContext& checked(const ParallelContext* par) {
   const ParallelContext& p = par ? *par : none();
   LOOM_CHECK(!p.tp.on() && p.cp.size() <= 1,
              "GLA: tensor and context parallelism are not implemented yet (parallelism.tp and "
              "parallelism.cp must be 1)");
-  LOOM_CHECK(!c.use_short_conv,
-             "GLA: use_short_conv is not implemented in the model yet (the kernel is)");
   return p;
 }
 
@@ -77,7 +81,7 @@ struct GlaBlock::Dims {
 GlaBlock::GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
                    const ParallelContext* par)
     : c_(c),
-      par_(&checked(par, c)),
+      par_(&checked(par)),
       unit_("layers." + std::to_string(layer), gla_block_specs(c, layer, ix_), bf16, device) {}
 
 GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
@@ -115,8 +119,19 @@ Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& 
     a.proj = f32({g.M, g.nproj}, dev);
     column_parallel_forward(tp, ops::to_compute(xn1, dt), weight(ix_.q), true, a.xn1, a.proj);
   }
-  const Tensor q = a.proj.narrow(1, 0, g.Kd), k = a.proj.narrow(1, g.Kd, g.Kg),
-               v = a.proj.narrow(1, g.Kd + g.Kg, g.Vg);
+  // q, k, v: the projections, or their short convolutions (the same columns of another buffer).
+  const int64_t off[3] = {0, g.Kd, g.Kd + g.Kg}, width[3] = {g.Kd, g.Kg, g.Vg};
+  if (c_.use_short_conv) {
+    a.qkv_c = f32({g.M, g.Kd + g.Kg + g.Vg}, dev);
+    for (int i = 0; i < 3; ++i) {
+      Tensor dst = a.qkv_c.narrow(1, off[i], width[i]);
+      ops::short_conv_forward(a.proj.narrow(1, off[i], width[i]), P[size_t(ix_.conv + i)].value,
+                              ctx.B, dst);
+    }
+  }
+  const Tensor& src = c_.use_short_conv ? a.qkv_c : a.proj;
+  const Tensor q = src.narrow(1, off[0], width[0]), k = src.narrow(1, off[1], width[1]),
+               v = src.narrow(1, off[2], width[2]);
   // The low-rank gate: gk = logsigmoid(r W1^T + b1) / 16 (then clamp_min).
   a.r = f32({g.M, g.rank}, dev);
   ops::copy_rows(a.proj.narrow(1, g.nproj - g.rank, g.rank), a.r);
@@ -190,12 +205,27 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       a.o = a.rstd_o = Tensor();
     }
     {
-      Tensor dq = dproj.narrow(1, 0, g.Kd), dk = dproj.narrow(1, g.Kd, g.Kg),
-             dv = dproj.narrow(1, g.Kd + g.Kg, g.Vg);
+      // The core's input gradients go to the projections' columns of dproj, or first to a
+      // buffer that the short convolutions' backward turns into them.
+      const int64_t off[3] = {0, g.Kd, g.Kd + g.Kg}, width[3] = {g.Kd, g.Kg, g.Vg};
+      Tensor dsrc = c_.use_short_conv ? f32({g.M, g.Kd + g.Kg + g.Vg}, dev) : dproj;
+      const Tensor& src = c_.use_short_conv ? a.qkv_c : a.proj;
+      Tensor dq = dsrc.narrow(1, off[0], width[0]), dk = dsrc.narrow(1, off[1], width[1]),
+             dv = dsrc.narrow(1, off[2], width[2]);
       Tensor dgk = f32({g.M, g.Kg}, dev);
-      ops::gla_backward({ctx.B, g.H, g.Hkv}, a.proj.narrow(1, 0, g.Kd),
-                        a.proj.narrow(1, g.Kd, g.Kg), a.proj.narrow(1, g.Kd + g.Kg, g.Vg), a.gk,
+      ops::gla_backward({ctx.B, g.H, g.Hkv}, src.narrow(1, off[0], width[0]),
+                        src.narrow(1, off[1], width[1]), src.narrow(1, off[2], width[2]), a.gk,
                         none, dO, none, dq, dk, dv, dgk, none);
+      if (c_.use_short_conv) {
+        for (int i = 0; i < 3; ++i) {
+          Tensor dx = dproj.narrow(1, off[i], width[i]);
+          const size_t w = size_t(ix_.conv + i);
+          ops::short_conv_backward(dsrc.narrow(1, off[i], width[i]),
+                                   a.proj.narrow(1, off[i], width[i]), P[w].value, ctx.B, dx,
+                                   P[w].grad);
+        }
+        a.qkv_c = Tensor();
+      }
       a.gk = Tensor();
       ops::gla_gate_backward(dgk, a.z, P[size_t(ix_.gb1)].value, g.normalizer, g.clamp, dgk,
                              P[size_t(ix_.gb1)].grad);

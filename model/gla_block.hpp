@@ -2,7 +2,8 @@
 // A GLA block (fla's GLABlock: gated linear attention + SwiGLU MLP, pre-norm residuals) with fla's
 // parameter names, built from the shared layers as TransformerBlock is. The q, k, v, g and
 // gk_proj.0 weights are adjacent in the unit and read as one fused GEMM (spec: they all read the
-// normed input). Single process for now: tensor and context parallelism and activation
+// normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
+// before the core. Single process for now: tensor and context parallelism and activation
 // checkpointing are refused until the plan table and the CP state passing exist.
 #include <cstdint>
 
@@ -19,6 +20,7 @@ struct GlaBlockActs {
   Tensor rstd1;   // [M]
   Tensor xn1;     // attention norm output, as the GEMM reads it [M, d]
   Tensor proj;    // q | k | v | g | r [M, Kd + Kd/G + Vd/G + Vd + rank]
+  Tensor qkv_c;   // q | k | v after the short convolution (use_short_conv) [M, Kd + Kd/G + Vd/G]
   Tensor r;       // the low-rank gate input, contiguous [M, rank]
   Tensor z;       // gk_proj.1 output before the bias [M, Kd/G]
   Tensor gk;      // log-decay [M, Kd/G]
@@ -55,8 +57,8 @@ class GlaBlock {
   // Indices of the parameters in the unit (-1: absent, e.g. the norm weight without
   // elementwise_affine).
   struct Index {
-    int norm1 = -1, q = -1, gk1 = -1, gb1 = -1, gnorm = -1, o = -1, norm2 = -1, gate = -1,
-        down = -1;
+    int norm1 = -1, q = -1, gk1 = -1, gb1 = -1, gnorm = -1, o = -1, conv = -1, norm2 = -1,
+        gate = -1, down = -1;  // conv: q_conv1d, then k_conv1d and v_conv1d
   };
 
  private:

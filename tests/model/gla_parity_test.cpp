@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-GlaConfig small_config(bool tied) {
+GlaConfig small_config(bool tied, bool conv = false) {
   GlaConfig c;
   c.hidden_size = 64;
   c.num_hidden_layers = 2;
@@ -31,6 +31,8 @@ GlaConfig small_config(bool tied) {
     c.has_clamp_min = true;
     c.clamp_min = -0.045;
   }
+  c.use_short_conv = conv;
+  c.conv_size = 3;
   return c;
 }
 
@@ -114,4 +116,8 @@ TEST(GlaTorchParity, UntiedGqa) {
 
 TEST(GlaTorchParity, TiedNoOutputGateClamped) {
   check_parity(small_config(true), 2, 45, "tied");
+}
+
+TEST(GlaTorchParity, ShortConvolution) {
+  check_parity(small_config(false, true), 2, 37, "conv");
 }

@@ -3,7 +3,7 @@
 
 Written from the equations of ../shared/specs/GLA.md section 3 (fla's definitions) with fla's
 parameter names; imports nothing of loom and nothing of fla. PyTorch 1.13: RMSNorm by hand, the
-GLA core as the token-by-token recurrence under autograd.
+GLA core as the token-by-token recurrence under autograd, the short convolution by F.conv1d.
 
   torch_gla.py --dir D
       reads D/config.json (fla's GLAConfig fields), D/model.safetensors, D/tokens.bin (int32
@@ -45,8 +45,10 @@ class Config:
         self.tied = bool(g("tie_word_embeddings", False))
         self.normalizer = float(g("gate_logit_normalizer", 16))
         self.rank = int(g("gate_low_rank_dim", 16))
-        if g("use_short_conv", False) or d.get("feature_map") or d.get("attn"):
-            raise ValueError("this reference has no short conv, feature map or hybrid layers")
+        self.conv = bool(g("use_short_conv", False))
+        self.W = int(g("conv_size", 4))
+        if d.get("feature_map") or d.get("attn"):
+            raise ValueError("this reference has no feature map or hybrid layers")
         self.G = self.H // self.Hkv
         self.K = self.Kd // self.H
         self.V = self.Vd // self.H
@@ -71,6 +73,10 @@ class Config:
             if self.affine:
                 s[p + f"attn.{self.norm_name()}.weight"] = (self.V,)
             s[p + "attn.o_proj.weight"] = (d, self.Vd)
+            if self.conv:
+                s[p + "attn.q_conv1d.weight"] = (self.Kd, 1, self.W)
+                s[p + "attn.k_conv1d.weight"] = (self.Kd // G, 1, self.W)
+                s[p + "attn.v_conv1d.weight"] = (self.Vd // G, 1, self.W)
             s[p + "mlp_norm.weight"] = (d,)
             s[p + "mlp.gate_proj.weight"] = (self.F, d)
             s[p + "mlp.up_proj.weight"] = (self.F, d)
@@ -98,12 +104,25 @@ def gla_recurrence(q, k, v, gk, scale):
     return torch.stack(out, 1)
 
 
+def short_conv(x, w):
+    """Causal depthwise convolution + SiLU over the sequence: x [B, T, C], w [C, 1, W];
+    y_t = silu(sum_j w[c, 0, j] x_{t-W+1+j}) with zeros before the start."""
+    T, W = x.shape[1], w.shape[-1]
+    u = F.conv1d(x.transpose(1, 2), w, padding=W - 1, groups=x.shape[2])[..., :T]
+    return F.silu(u).transpose(1, 2)
+
+
 def gla_layer(cfg, P, p, xn):
     B, T, _ = xn.shape
     lin = lambda x, n: x @ P[p + n].t()  # noqa: E731
-    q = lin(xn, "attn.q_proj.weight").view(B, T, cfg.H, cfg.K)
-    k = lin(xn, "attn.k_proj.weight").view(B, T, cfg.Hkv, cfg.K)
-    v = lin(xn, "attn.v_proj.weight").view(B, T, cfg.Hkv, cfg.V)
+    q, k, v = lin(xn, "attn.q_proj.weight"), lin(xn, "attn.k_proj.weight"), lin(xn, "attn.v_proj.weight")
+    if cfg.conv:
+        q = short_conv(q, P[p + "attn.q_conv1d.weight"])
+        k = short_conv(k, P[p + "attn.k_conv1d.weight"])
+        v = short_conv(v, P[p + "attn.v_conv1d.weight"])
+    q = q.reshape(B, T, cfg.H, cfg.K)
+    k = k.reshape(B, T, cfg.Hkv, cfg.K)
+    v = v.reshape(B, T, cfg.Hkv, cfg.V)
     z = lin(lin(xn, "attn.gk_proj.0.weight"), "attn.gk_proj.1.weight") + P[p + "attn.gk_proj.1.bias"]
     gk = F.logsigmoid(z) / cfg.normalizer
     if cfg.clamp_min is not None:
