@@ -104,6 +104,19 @@ void check_parity(const GlaConfig& config, int64_t B, int64_t T, const std::stri
       ++n;
     }
   EXPECT_EQ(n, int(config.params().size()));  // every parameter of fla's table compared
+
+  // bf16 GEMMs (fp32 accumulation) on the same weights: the loss within bf16's rounding.
+  GlaModel bf(config, DType::bf16);
+  auto fu = model.units(), bu = bf.units();
+  for (size_t i = 0; i < fu.size(); ++i) {
+    std::copy_n(fu[i]->flat().data<float>(), fu[i]->numel(), bu[i]->flat().data<float>());
+    bu[i]->refresh_bf16();
+  }
+  bf.zero_grad();
+  const double bf_loss =
+      bf.forward_backward(in.data(), tg.data(), B, T, 1.0f / float(B * T)) / double(B * T);
+  EXPECT_LE(std::abs(bf_loss - torch_loss) / std::abs(torch_loss), 2e-2) << "bf16 " << bf_loss;
+  EXPECT_NE(bf_loss, loss);  // the bf16 path ran
   fs::remove_all(dir);
 }
 
