@@ -19,6 +19,11 @@ class GlaModel {
   GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu);
 
   const GlaConfig& config() const { return config_; }
+  DType compute_dtype() const { return compute_; }
+  const GlaBlock& block(size_t l) const { return *blocks_[l]; }
+  size_t num_blocks() const { return blocks_.size(); }
+  const ParamUnit& embedding() const { return *embed_; }
+  const ParamUnit& head() const { return *head_; }
   std::vector<ParamUnit*> units();
   int64_t num_params() const;
   void init_weights(uint64_t seed);

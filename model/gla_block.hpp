@@ -40,6 +40,8 @@ class GlaBlock {
            const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
+  struct Index;
+  const Index& index() const { return ix_; }
 
   // x [M, d] -> output [M, d] (a new tensor); saves into `acts`.
   Tensor forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
