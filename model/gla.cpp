@@ -49,6 +49,12 @@ void GlaModel::init_weights(uint64_t seed) {
   for (ParamUnit* u : units()) u->init_weights(seed);
 }
 
+void GlaModel::set_activation_checkpoint(const ActivationCheckpoint& ac) {
+  LOOM_CHECK(ac.every_n >= 1, "activation checkpointing: every_n = ", ac.every_n,
+             ", expected a positive integer");
+  for (size_t l = 0; l < blocks_.size(); ++l) blocks_[l]->set_checkpoint(ac.block_mode(int64_t(l)));
+}
+
 void GlaModel::zero_grad() {
   for (ParamUnit* u : units()) u->zero_grad();
 }
@@ -64,6 +70,8 @@ double GlaModel::forward_backward(const int32_t* inputs, const int32_t* targets,
   ops::embedding_forward(inputs, embed_->params()[0].value, x);
   std::vector<GlaBlockActs> acts(blocks_.size());
   for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward(ctx, x, acts[l]);
+  saved_bytes_ = 0;
+  for (const GlaBlockActs& a : acts) saved_bytes_ += a.bytes();
 
   // The final norm, then the output projection fused with the loss, forward and backward.
   Param& norm = head_->params()[0];

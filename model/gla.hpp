@@ -27,6 +27,10 @@ class GlaModel {
   std::vector<ParamUnit*> units();
   int64_t num_params() const;
   void init_weights(uint64_t seed);
+  // Activation checkpointing of every block (default: none).
+  void set_activation_checkpoint(const ActivationCheckpoint& ac);
+  // Bytes the blocks saved in the last forward_backward, measured before their backward.
+  size_t last_saved_activation_bytes() const { return saved_bytes_; }
   void zero_grad();
 
   // inputs/targets [B, T]: gradients of (grad_scale * the summed loss) accumulate into the units;
@@ -41,6 +45,7 @@ class GlaModel {
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<GlaBlock>> blocks_;
   std::unique_ptr<ParamUnit> head_;
+  size_t saved_bytes_ = 0;
 };
 
 }  // namespace loom

@@ -103,7 +103,29 @@ GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
   return g;
 }
 
+size_t GlaBlockActs::bytes() const {
+  size_t n = 0;
+  for (const Tensor* t :
+       {&x, &rstd1, &xn1, &proj, &qkv_c, &r, &z, &gk, &o, &rstd_o, &y, &h, &rstd2, &xn2, &gu, &act})
+    if (t->defined()) n += t->nbytes();
+  return n;
+}
+
 Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& a) const {
+  Tensor out = run_forward(ctx, x, a);
+  if (ac_ == ActivationCheckpoint::Mode::full) {
+    // Only the input stays; backward recomputes the rest from it.
+    a = GlaBlockActs();
+    a.x = x;
+  } else if (ac_ == ActivationCheckpoint::Mode::op) {
+    // Element-wise outputs that backward recomputes from what stays (the same kernels on the same
+    // inputs: the same bits).
+    a.xn1 = a.y = a.xn2 = a.act = Tensor();
+  }
+  return out;
+}
+
+Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& a) const {
   const TpRuntime& tp = par_->tp;
   const Dims g = dims(ctx);
   const auto& P = unit_.params();
@@ -174,16 +196,31 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
   const DType dt = ctx.compute;
   Tensor none;
 
+  if (!a.h.defined()) run_forward(ctx, Tensor(a.x), a);  // `full`: everything again
+  // `op`: the norm outputs the GEMMs read, from the norm inputs that stayed.
+  auto norm_output = [&](const Tensor& saved, const Tensor& in, int w) -> Tensor {
+    if (saved.defined()) return saved;
+    Tensor xn = f32({g.M, g.d}, dev), rstd = f32({g.M}, dev);
+    ops::rmsnorm_forward(in, P[size_t(w)].value, g.eps, xn, rstd);
+    return ops::to_compute(xn, dt);
+  };
+
   // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
   {
+    if (!a.act.defined()) {  // before the SwiGLU backward overwrites gu
+      Tensor act = f32({g.M, g.F}, dev);
+      ops::swiglu_forward(a.gu, act);
+      a.act = ops::to_compute(act, dt);
+    }
     Tensor dgu = a.gu;
     a.gu = Tensor();
     Tensor dact = f32({g.M, g.F}, dev);
     row_parallel_backward(tp, dy, a.act, weight(ix_.down), P[size_t(ix_.down)].grad, dact, dt);
     a.act = Tensor();
     ops::swiglu_backward(dact, dgu, dgu);
-    Tensor dxn2 = column_parallel_backward(tp, ops::to_compute(dgu, dt), a.xn2, weight(ix_.gate),
-                                           P[size_t(ix_.gate)].grad);
+    Tensor dxn2 =
+        column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, ix_.norm2),
+                                 weight(ix_.gate), P[size_t(ix_.gate)].grad);
     ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy,
                           P[size_t(ix_.norm2)].grad);
     a.h = a.rstd2 = a.xn2 = Tensor();
@@ -193,11 +230,16 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     Tensor dproj = Tensor::zeros({g.M, g.nproj}, DType::f32, dev);
     Tensor dO = f32({g.M, g.Vd}, dev);
     {
+      const int64_t og = g.Kd + g.Kg + g.Vg;
+      const Tensor gate = c_.use_output_gate ? a.proj.narrow(1, og, g.Vd) : none;
+      if (!a.y.defined()) {  // `op`: the normed, gated core output o_proj's gradient reads
+        Tensor y = f32({g.M, g.Vd}, dev), rstd = f32({g.M * g.H}, dev);
+        ops::gated_rmsnorm_forward(a.o, gate, param_or_none(ix_.gnorm), g.H, g.eps, y, rstd);
+        a.y = ops::to_compute(y, dt);
+      }
       Tensor dY = f32({g.M, g.Vd}, dev);
       row_parallel_backward(tp, dy, a.y, weight(ix_.o), P[size_t(ix_.o)].grad, dY, dt);
       a.y = Tensor();
-      const int64_t og = g.Kd + g.Kg + g.Vg;
-      const Tensor gate = c_.use_output_gate ? a.proj.narrow(1, og, g.Vd) : none;
       Tensor dgate = c_.use_output_gate ? dproj.narrow(1, og, g.Vd) : none;
       Tensor dw = ix_.gnorm < 0 ? none : P[size_t(ix_.gnorm)].grad;
       ops::gated_rmsnorm_backward(dY, a.o, gate, param_or_none(ix_.gnorm), a.rstd_o, g.H, dO, dgate,
@@ -236,8 +278,9 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       ops::copy_rows(dr, dr_view);
       a.z = a.r = Tensor();
     }
-    Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dproj, dt), a.xn1, weight(ix_.q),
-                                           P[size_t(ix_.q)].grad);
+    Tensor dxn1 =
+        column_parallel_backward(tp, ops::to_compute(dproj, dt), norm_output(a.xn1, a.x, ix_.norm1),
+                                 weight(ix_.q), P[size_t(ix_.q)].grad);
     ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy,
                           P[size_t(ix_.norm1)].grad);
   }

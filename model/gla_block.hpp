@@ -3,8 +3,9 @@
 // parameter names, built from the shared layers as TransformerBlock is. The q, k, v, g and
 // gk_proj.0 weights are adjacent in the unit and read as one fused GEMM (spec: they all read the
 // normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
-// before the core. Single process for now: tensor and context parallelism and activation
-// checkpointing are refused until the plan table and the CP state passing exist.
+// before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
+// gated core output and the SwiGLU output are recomputed). Single process for now: tensor and
+// context parallelism are refused until the plan table and the CP state passing exist.
 #include <cstdint>
 
 #include "core/tensor.hpp"
@@ -32,6 +33,8 @@ struct GlaBlockActs {
   Tensor xn2;     // MLP norm output, as the GEMM reads it [M, d]
   Tensor gu;      // gate and up projections [M, 2F]
   Tensor act;     // silu(gate) * up, as the GEMM reads it [M, F]
+  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, y, xn2 and act.
+  size_t bytes() const;
 };
 
 class GlaBlock {
@@ -43,6 +46,9 @@ class GlaBlock {
   struct Index;
   const Index& index() const { return ix_; }
 
+  // What forward saves (none, full or op; see ActivationCheckpoint).
+  void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
+
   // x [M, d] -> output [M, d] (a new tensor); saves into `acts`.
   Tensor forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
   // dy: the gradient w.r.t. the output, turned in place into the gradient w.r.t. the input;
@@ -52,6 +58,7 @@ class GlaBlock {
  private:
   struct Dims;
   Dims dims(const StepContext& ctx) const;
+  Tensor run_forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
   const Tensor& weight(int i) const { return unit_.gemm_weight(size_t(i)); }
   Tensor param_or_none(int i) const { return i < 0 ? Tensor() : unit_.params()[size_t(i)].value; }
 
@@ -68,6 +75,7 @@ class GlaBlock {
   const ParallelContext* par_;
   Index ix_;  // before unit_: filled while its specs are made
   ParamUnit unit_;
+  ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
 };
 
 }  // namespace loom
