@@ -13,11 +13,15 @@ Tensor f32(const Shape& s, Device d) {
 
 }  // namespace
 
-GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device)
+GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, TpOptions tp)
     : config_(config), compute_(compute), device_(device) {
   config_.validate("model config");
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
              "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
+  if (tp.size() <= 1) tp.group = nullptr;
+  par_ = std::make_unique<ParallelContext>();
+  par_->tp.opt = tp;
+  par_->tp.pool = &pool_;
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size;
   const float s = float(config_.initializer_range);
@@ -26,7 +30,7 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device)
       std::vector<ParamSpec>{{"model.embeddings.weight", {V, d}, Init::normal, s, true, true}}, bf,
       device);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
-    blocks_.push_back(std::make_unique<GlaBlock>(config_, l, bf, device));
+    blocks_.push_back(std::make_unique<GlaBlock>(config_, l, bf, device, par_.get()));
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}, Init::normal, s});
   head_ = std::make_unique<ParamUnit>("head", head, bf, device);

@@ -1,22 +1,25 @@
 #pragma once
 // The GLA model (fla's GLAForCausalLM): an embedding unit, GLA blocks (model/gla_block.hpp) and a
 // head unit (final norm, output projection fused with the loss), with fla's parameter names.
-// Single process for now; it shares LlamaModel's units, ops and kernels, not yet its hooks, tensor
-// or context parallelism.
+// It shares LlamaModel's units, ops, kernels and tensor-parallel layers; not yet its hooks (FSDP),
+// sequence or context parallelism. Under tensor parallelism the blocks hold their heads' slices;
+// the embedding and the head are replicated (each rank computes the same loss and gradients).
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "distributed/buffer_pool.hpp"
 #include "model/gla_block.hpp"
 #include "model/gla_config.hpp"
 #include "model/param_unit.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
 
 namespace loom {
 
 class GlaModel {
  public:
-  GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu);
+  GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu, TpOptions tp = {});
 
   const GlaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }
@@ -42,6 +45,8 @@ class GlaModel {
   GlaConfig config_;
   DType compute_;
   Device device_;
+  dist::BufferPool pool_;
+  std::unique_ptr<ParallelContext> par_;  // stable address: the blocks point at it
   std::unique_ptr<ParamUnit> embed_;
   std::vector<std::unique_ptr<GlaBlock>> blocks_;
   std::unique_ptr<ParamUnit> head_;

@@ -2,6 +2,7 @@
 
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -22,52 +23,71 @@ const ParallelContext& none() {
 }
 
 // fla's current init: every linear N(0, initializer_range), o and down included; the gate bias 0
-// (a decay of logsigmoid(0)/16 per token at the start); norm weights 1.
-std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, GlaBlock::Index& ix) {
+// (a decay of logsigmoid(0)/16 per token at the start); norm weights 1. Under tensor parallelism
+// (the spec's plan): q, k, v, g, gk_proj.1 (weight and bias), the convolutions, gate and up split
+// by rows (whole heads per rank), o and down by columns; the norms and gk_proj.0 replicated.
+std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp_rank, int tp,
+                                       GlaBlock::Index& ix) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
-  const int64_t d = c.hidden_size, G = c.kv_groups(), Kd = c.key_dim(), Vd = c.value_dim();
-  const int64_t r = c.gate_low_rank_dim, F = c.intermediate_size;
+  const int64_t d = c.hidden_size, G = c.kv_groups(), Kd = c.key_dim() / tp,
+                Vd = c.value_dim() / tp;
+  const int64_t r = c.gate_low_rank_dim, F = c.intermediate_size / tp;
   const float s = float(c.initializer_range);
+  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
   std::vector<ParamSpec> specs;
   int unused = 0;
   auto add = [&](int& index, ParamSpec sp) {
+    sp.tp_rank = tp_rank;
+    sp.tp_count = tp;
     index = int(specs.size());
     specs.push_back(std::move(sp));
   };
-  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true});
-  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s});
-  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s});
-  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s});
-  if (c.use_output_gate) add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s});
-  add(unused, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s});
-  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s});
-  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true});
+  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true, N});
+  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s, true, false, R});
+  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s, true, false, R});
+  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s, true, false, R});
+  if (c.use_output_gate)
+    add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s, true, false, R});
+  add(ix.gk0, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s, true, false, N});
+  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s, true, false, R});
+  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true, R});
   if (c.elementwise_affine)
     add(ix.gnorm, {p + "attn." + c.output_norm_name() + ".weight",
                    {c.head_v_dim()},
                    Init::ones,
                    0,
                    false,
-                   true});
-  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s});
+                   true,
+                   N});
+  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s, true, false, C});
   if (c.use_short_conv) {
     const int64_t W = c.conv_size;
-    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true});
-    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true});
-    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true});
+    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true, R});
+    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true, R});
+    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true, R});
   }
-  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true});
-  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s});
-  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s});
-  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s});
+  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true, N});
+  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false, R});
+  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false, R});
+  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false, C});
   return specs;
 }
 
-const ParallelContext& checked(const ParallelContext* par) {
+const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
   const ParallelContext& p = par ? *par : none();
-  LOOM_CHECK(!p.tp.on() && p.cp.size() <= 1,
-             "GLA: tensor and context parallelism are not implemented yet (parallelism.tp and "
-             "parallelism.cp must be 1)");
+  LOOM_CHECK(p.cp.size() <= 1,
+             "GLA: context parallelism is not implemented yet (parallelism.cp must be 1)");
+  if (p.tp.on()) {
+    const int n = p.tp.opt.size();
+    LOOM_CHECK(!p.tp.sp(), "GLA: tensor parallelism runs without sequence parallelism for now ",
+               "(set parallelism.tp_sequence_parallel = false)");
+    for (auto [what, v] : {std::pair<const char*, int64_t>{"num_heads", c.num_heads},
+                           {"num_kv_heads", c.num_kv_heads},
+                           {"intermediate_size", c.intermediate_size}})
+      LOOM_CHECK(v % n == 0, "GLA tensor parallelism: model ", what, " = ", v,
+                 " is not divisible by parallelism.tp = ", n, " (every tp rank holds whole ", what,
+                 " / tp)");
+  }
   return p;
 }
 
@@ -81,21 +101,25 @@ struct GlaBlock::Dims {
 GlaBlock::GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
                    const ParallelContext* par)
     : c_(c),
-      par_(&checked(par)),
-      unit_("layers." + std::to_string(layer), gla_block_specs(c, layer, ix_), bf16, device) {}
+      par_(&checked(par, c)),
+      unit_("layers." + std::to_string(layer),
+            gla_block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size(), ix_), bf16,
+            device) {}
 
+// This tp rank's sizes (its heads) of one micro-batch.
 GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
+  const int tp = par_->tp.opt.size();
   Dims g;
   g.M = ctx.tokens();
   g.d = c_.hidden_size;
-  g.H = c_.num_heads;
-  g.Hkv = c_.num_kv_heads;
-  g.Kd = c_.key_dim();
+  g.H = c_.num_heads / tp;
+  g.Hkv = c_.num_kv_heads / tp;
+  g.Kd = c_.key_dim() / tp;
   g.Kg = g.Kd / c_.kv_groups();
-  g.Vd = c_.value_dim();
+  g.Vd = c_.value_dim() / tp;
   g.Vg = g.Vd / c_.kv_groups();
   g.rank = c_.gate_low_rank_dim;
-  g.F = c_.intermediate_size;
+  g.F = c_.intermediate_size / tp;
   g.nproj = g.Kd + g.Kg + g.Vg + (c_.use_output_gate ? g.Vd : 0) + g.rank;
   g.eps = float(c_.norm_eps);
   g.normalizer = float(c_.gate_logit_normalizer);
@@ -241,9 +265,20 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       row_parallel_backward(tp, dy, a.y, weight(ix_.o), P[size_t(ix_.o)].grad, dY, dt);
       a.y = Tensor();
       Tensor dgate = c_.use_output_gate ? dproj.narrow(1, og, g.Vd) : none;
+      // The head norm's weight is replicated while each rank holds its heads: its gradient is a
+      // partial sum over tp (flame's plan misses it, spec 8.1), summed here into a zeroed buffer
+      // so that a gradient accumulated over micro-batches is not summed twice.
       Tensor dw = ix_.gnorm < 0 ? none : P[size_t(ix_.gnorm)].grad;
+      if (tp.on() && dw.defined()) {
+        dw = tp_pooled(tp, "gla_gnorm_grad", dw.shape(), DType::f32, dev);
+        dw.zero_();
+      }
       ops::gated_rmsnorm_backward(dY, a.o, gate, param_or_none(ix_.gnorm), a.rstd_o, g.H, dO, dgate,
                                   dw);
+      if (tp.on() && dw.defined()) {
+        tp_all_reduce(tp, dw);
+        ops::add_inplace(P[size_t(ix_.gnorm)].grad, dw);
+      }
       a.o = a.rstd_o = Tensor();
     }
     {
@@ -278,9 +313,21 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       ops::copy_rows(dr, dr_view);
       a.z = a.r = Tensor();
     }
+    // gk_proj.0 is replicated but reads this rank's partial dr: its gradient rows of the fused
+    // GEMM are a partial sum over tp. They go to zeroed rows, are summed, then added back.
+    Tensor gk0_grad = P[size_t(ix_.gk0)].grad, gk0_before;
+    if (tp.on()) {
+      gk0_before = f32(gk0_grad.shape(), dev);
+      ops::copy_rows(gk0_grad, gk0_before);
+      gk0_grad.zero_();
+    }
     Tensor dxn1 =
         column_parallel_backward(tp, ops::to_compute(dproj, dt), norm_output(a.xn1, a.x, ix_.norm1),
                                  weight(ix_.q), P[size_t(ix_.q)].grad);
+    if (tp.on()) {
+      tp_all_reduce(tp, gk0_grad);
+      ops::add_inplace(gk0_grad, gk0_before);
+    }
     ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy,
                           P[size_t(ix_.norm1)].grad);
   }

@@ -4,8 +4,9 @@
 // gk_proj.0 weights are adjacent in the unit and read as one fused GEMM (spec: they all read the
 // normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
 // before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
-// gated core output and the SwiGLU output are recomputed). Single process for now: tensor and
-// context parallelism are refused until the plan table and the CP state passing exist.
+// gated core output and the SwiGLU output are recomputed). Tensor parallelism without sequence
+// parallelism (heads split over tp ranks, the spec's plan); context parallelism is refused until
+// the CP state passing exists.
 #include <cstdint>
 
 #include "core/tensor.hpp"
@@ -66,7 +67,7 @@ class GlaBlock {
   // Indices of the parameters in the unit (-1: absent, e.g. the norm weight without
   // elementwise_affine).
   struct Index {
-    int norm1 = -1, q = -1, gk1 = -1, gb1 = -1, gnorm = -1, o = -1, conv = -1, norm2 = -1,
+    int norm1 = -1, q = -1, gk0 = -1, gk1 = -1, gb1 = -1, gnorm = -1, o = -1, conv = -1, norm2 = -1,
         gate = -1, down = -1;  // conv: q_conv1d, then k_conv1d and v_conv1d
   };
 

@@ -1,0 +1,98 @@
+// GLA under tensor parallelism (run by mpirun on 2 ranks, every rank runs every test): the tp
+// model's loss equals the single-process model's, and each rank's parameter gradients equal the
+// matching slices of the single-process gradients, the replicated gk_proj.0 and head norm (whose
+// gradients are partial sums over tp) included.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "distributed/mpi_process_group.hpp"
+#include "model/gla.hpp"
+#include "tests/test_util.hpp"
+
+using namespace loom;
+
+namespace {
+
+// This rank's part of a global gradient, as ParamSpec::for_global_runs lays it out.
+std::vector<float> local_slice(const ParamSpec& spec, const float* global) {
+  std::vector<float> out(size_t(shape_numel(spec.shape)));
+  spec.for_global_runs(0, int64_t(out.size()), [&](int64_t g, int64_t n, int64_t local) {
+    std::copy_n(global + g, n, out.data() + local);
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST(GlaTensorParallel, MatchesSingleProcess) {
+  auto group = dist::make_mpi_world_group("tp");
+  ASSERT_EQ(group->size(), 2);
+  for (bool conv : {false, true}) {
+    SCOPED_TRACE(conv ? "short conv" : "no conv");
+    GlaConfig c;
+    c.hidden_size = 64;
+    c.num_hidden_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;  // GQA: one kv head and two query heads per rank
+    c.intermediate_size = 96;
+    c.vocab_size = 101;
+    c.use_short_conv = conv;
+    const int64_t B = 2, T = 37;
+    const auto tok = test::random_tokens(B * T + 1, c.vocab_size, 8);
+
+    GlaModel one(c, DType::f32);
+    one.init_weights(5);
+    one.zero_grad();
+    const double loss1 = one.forward_backward(tok.data(), tok.data() + 1, B, T, 0.01f);
+
+    TpOptions tp;
+    tp.group = group.get();
+    tp.sequence_parallel = false;
+    GlaModel split(c, DType::f32, Device::cpu, tp);
+    split.init_weights(5);  // Philox by global index: each rank's slices of the same weights
+    split.zero_grad();
+    const double loss2 = split.forward_backward(tok.data(), tok.data() + 1, B, T, 0.01f);
+    EXPECT_LT(std::abs(loss2 - loss1) / std::abs(loss1), 1e-6);
+
+    auto u1 = one.units(), u2 = split.units();
+    ASSERT_EQ(u1.size(), u2.size());
+    int compared = 0;
+    for (size_t i = 0; i < u1.size(); ++i) {
+      ASSERT_EQ(u1[i]->params().size(), u2[i]->params().size());
+      for (size_t j = 0; j < u1[i]->params().size(); ++j) {
+        const Param& p1 = u1[i]->params()[j];
+        const Param& p2 = u2[i]->params()[j];
+        ASSERT_EQ(p1.spec.name, p2.spec.name);
+        const auto want_w = local_slice(p2.spec, p1.value.data<float>());
+        const float* w = p2.value.data<float>();
+        ASSERT_EQ(std::vector<float>(w, w + want_w.size()), want_w) << p2.spec.name;
+        const auto want = local_slice(p2.spec, p1.grad.data<float>());
+        const float* g = p2.grad.data<float>();
+        EXPECT_LT(test::rel_l2(std::vector<float>(g, g + want.size()), want), 1e-5) << p2.spec.name;
+        ++compared;
+      }
+    }
+    EXPECT_EQ(compared, int(c.params().size()));
+  }
+}
+
+TEST(GlaTensorParallel, RefusesSequenceParallelAndUnevenHeads) {
+  auto group = dist::make_mpi_world_group("tp");
+  GlaConfig c;
+  c.hidden_size = 64;
+  c.num_hidden_layers = 1;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 96;
+  c.vocab_size = 101;
+  TpOptions tp;
+  tp.group = group.get();
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
+                     {"sequence parallelism", "tp_sequence_parallel"});
+  tp.sequence_parallel = false;
+  c.num_kv_heads = 1;
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
+                     {"num_kv_heads", "1", "parallelism.tp = 2"});
+}
