@@ -65,27 +65,40 @@ void GlaModel::zero_grad() {
 
 double GlaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                   int64_t T, float grad_scale) {
+  const TpRuntime& tp = par_->tp;
+  const int tpn = tp.opt.size();
   const int64_t M = B * T, d = config_.hidden_size;
+  LOOM_CHECK(!tp.sp() || M % tpn == 0, "sequence parallelism: the micro-batch's B*T = ", M,
+             " rows are not divisible by parallelism.tp = ", tpn);
+  // With SP the residual stream holds this rank's rows [own * Mx, own * Mx + Mx).
+  const int64_t Mx = tp.sp() ? M / tpn : M, own = tp.opt.rank();
   StepContext ctx;
   ctx.B = B;
   ctx.T = T;
   ctx.compute = compute_;
   Tensor x = f32({M, d}, device_);
   ops::embedding_forward(inputs, embed_->params()[0].value, x);
+  if (tp.sp()) {
+    Tensor mine = f32({Mx, d}, device_);
+    ops::copy_rows(x.narrow(0, own * Mx, Mx), mine);
+    x = mine;
+  }
   std::vector<GlaBlockActs> acts(blocks_.size());
   for (size_t l = 0; l < blocks_.size(); ++l) x = blocks_[l]->forward(ctx, x, acts[l]);
   saved_bytes_ = 0;
   for (const GlaBlockActs& a : acts) saved_bytes_ += a.bytes();
 
-  // The final norm, then the output projection fused with the loss, forward and backward.
+  // The final norm, then the output projection fused with the loss over every row (the head is
+  // replicated over tp: each rank computes the same loss and head gradients).
   Param& norm = head_->params()[0];
   const float eps = float(config_.norm_eps);
-  Tensor rstd = f32({M}, device_), xf = f32({M, d}, device_), dxf = f32({M, d}, device_);
+  Tensor rstd = f32({Mx}, device_), xf = f32({Mx, d}, device_), dxf = f32({M, d}, device_);
   ops::rmsnorm_forward(x, norm.value, eps, xf, rstd);
   ParamUnit& out_unit = config_.tie_word_embeddings ? *embed_ : *head_;
   const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
   ops::LinearCrossEntropy ce;
   ce.x = ops::to_compute(xf, compute_);
+  if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
   ce.w = out_unit.gemm_weight(out_index);
   ce.dx = dxf;
   ce.dw = out_unit.params()[out_index].grad;
@@ -93,11 +106,15 @@ double GlaModel::forward_backward(const int32_t* inputs, const int32_t* targets,
   ce.V = config_.vocab_size;
   ce.grad_scale = grad_scale;
   const double loss = ops::linear_cross_entropy(ce);
-  Tensor dy = Tensor::zeros({M, d}, DType::f32, device_);
-  ops::rmsnorm_backward(dxf, x, norm.value, rstd, dy, norm.grad);
+  Tensor dy = Tensor::zeros({Mx, d}, DType::f32, device_);
+  const Tensor dxf_mine = tp.sp() ? dxf.narrow(0, own * Mx, Mx) : dxf;
+  tp_summed_norm_grad(tp, norm.grad, [&](Tensor& g) {
+    ops::rmsnorm_backward(dxf_mine, x, norm.value, rstd, dy, g);
+  });
 
   for (size_t l = blocks_.size(); l-- > 0;) blocks_[l]->backward(ctx, dy, acts[l]);
-  ops::embedding_backward(inputs, dy, embed_->params()[0].grad);
+  // Every rank adds every row's gradient to its (replicated) table.
+  ops::embedding_backward(inputs, tp.sp() ? tp_gather_input(tp, dy) : dy, embed_->params()[0].grad);
   return loss;
 }
 

@@ -1,9 +1,10 @@
 #pragma once
 // The GLA model (fla's GLAForCausalLM): an embedding unit, GLA blocks (model/gla_block.hpp) and a
 // head unit (final norm, output projection fused with the loss), with fla's parameter names.
-// It shares LlamaModel's units, ops, kernels and tensor-parallel layers; not yet its hooks (FSDP),
-// sequence or context parallelism. Under tensor parallelism the blocks hold their heads' slices;
-// the embedding and the head are replicated (each rank computes the same loss and gradients).
+// It shares LlamaModel's units, ops, kernels and tensor-parallel layers; not yet its hooks (FSDP)
+// or context parallelism. Under tensor parallelism the blocks hold their heads' slices (with
+// sequence parallelism the residual stream holds this rank's rows); the embedding and the head
+// are replicated (each rank computes the same loss and gradients for them).
 #include <cstdint>
 #include <memory>
 #include <vector>

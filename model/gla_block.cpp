@@ -79,8 +79,6 @@ const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
              "GLA: context parallelism is not implemented yet (parallelism.cp must be 1)");
   if (p.tp.on()) {
     const int n = p.tp.opt.size();
-    LOOM_CHECK(!p.tp.sp(), "GLA: tensor parallelism runs without sequence parallelism for now ",
-               "(set parallelism.tp_sequence_parallel = false)");
     for (auto [what, v] : {std::pair<const char*, int64_t>{"num_heads", c.num_heads},
                            {"num_kv_heads", c.num_kv_heads},
                            {"intermediate_size", c.intermediate_size}})
@@ -94,7 +92,7 @@ const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
 }  // namespace
 
 struct GlaBlock::Dims {
-  int64_t M, d, H, Hkv, Kd, Kg, Vd, Vg, rank, F, nproj;
+  int64_t M, Mx, d, H, Hkv, Kd, Kg, Vd, Vg, rank, F, nproj;  // Mx: rows of the residual here
   float eps, normalizer, clamp;
 };
 
@@ -111,6 +109,7 @@ GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
   const int tp = par_->tp.opt.size();
   Dims g;
   g.M = ctx.tokens();
+  g.Mx = par_->tp.sp() ? g.M / tp : g.M;
   g.d = c_.hidden_size;
   g.H = c_.num_heads / tp;
   g.Hkv = c_.num_kv_heads / tp;
@@ -158,9 +157,9 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
   Tensor none;
 
   a.x = x;
-  a.rstd1 = f32({g.M}, dev);
+  a.rstd1 = f32({g.Mx}, dev);
   {
-    Tensor xn1 = f32({g.M, g.d}, dev);
+    Tensor xn1 = f32({g.Mx, g.d}, dev);
     ops::rmsnorm_forward(x, P[size_t(ix_.norm1)].value, g.eps, xn1, a.rstd1);
     a.proj = f32({g.M, g.nproj}, dev);
     column_parallel_forward(tp, ops::to_compute(xn1, dt), weight(ix_.q), true, a.xn1, a.proj);
@@ -197,9 +196,9 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
   }
   a.h = row_parallel_forward(tp, a.y, weight(ix_.o), x);
 
-  a.rstd2 = f32({g.M}, dev);
+  a.rstd2 = f32({g.Mx}, dev);
   {
-    Tensor xn2 = f32({g.M, g.d}, dev);
+    Tensor xn2 = f32({g.Mx, g.d}, dev);
     ops::rmsnorm_forward(a.h, P[size_t(ix_.norm2)].value, g.eps, xn2, a.rstd2);
     a.gu = f32({g.M, 2 * g.F}, dev);
     column_parallel_forward(tp, ops::to_compute(xn2, dt), weight(ix_.gate), true, a.xn2, a.gu);
@@ -224,9 +223,9 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
   // `op`: the norm outputs the GEMMs read, from the norm inputs that stayed.
   auto norm_output = [&](const Tensor& saved, const Tensor& in, int w) -> Tensor {
     if (saved.defined()) return saved;
-    Tensor xn = f32({g.M, g.d}, dev), rstd = f32({g.M}, dev);
+    Tensor xn = f32({g.Mx, g.d}, dev), rstd = f32({g.Mx}, dev);
     ops::rmsnorm_forward(in, P[size_t(w)].value, g.eps, xn, rstd);
-    return ops::to_compute(xn, dt);
+    return tp.sp() ? tp_gather_input(tp, ops::to_compute(xn, dt)) : ops::to_compute(xn, dt);
   };
 
   // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
@@ -245,8 +244,9 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     Tensor dxn2 =
         column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, ix_.norm2),
                                  weight(ix_.gate), P[size_t(ix_.gate)].grad);
-    ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy,
-                          P[size_t(ix_.norm2)].grad);
+    tp_summed_norm_grad(tp, P[size_t(ix_.norm2)].grad, [&](Tensor& gw) {
+      ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy, gw);
+    });
     a.h = a.rstd2 = a.xn2 = Tensor();
   }
   // Attention branch: h = x + o(norm_gate(gla(q, k, v, gate(r)), g)).
@@ -328,8 +328,9 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       tp_all_reduce(tp, gk0_grad);
       ops::add_inplace(gk0_grad, gk0_before);
     }
-    ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy,
-                          P[size_t(ix_.norm1)].grad);
+    tp_summed_norm_grad(tp, P[size_t(ix_.norm1)].grad, [&](Tensor& gw) {
+      ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy, gw);
+    });
   }
   a = GlaBlockActs();
 }

@@ -4,9 +4,9 @@
 // gk_proj.0 weights are adjacent in the unit and read as one fused GEMM (spec: they all read the
 // normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
 // before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
-// gated core output and the SwiGLU output are recomputed). Tensor parallelism without sequence
-// parallelism (heads split over tp ranks, the spec's plan); context parallelism is refused until
-// the CP state passing exists.
+// gated core output and the SwiGLU output are recomputed). Tensor parallelism with or without
+// sequence parallelism (heads split over tp ranks, the spec's plan); context parallelism is
+// refused until the CP state passing exists.
 #include <cstdint>
 
 #include "core/tensor.hpp"

@@ -1,12 +1,15 @@
-// GLA under tensor parallelism (run by mpirun on 2 ranks, every rank runs every test): the tp
-// model's loss equals the single-process model's, and each rank's parameter gradients equal the
-// matching slices of the single-process gradients, the replicated gk_proj.0 and head norm (whose
-// gradients are partial sums over tp) included.
+// GLA under tensor parallelism (run by mpirun on 2 ranks, every rank runs every test), with and
+// without sequence parallelism and checkpointing: the tp model's loss equals the single-process
+// model's, and each rank's parameter gradients equal the matching slices of the single-process
+// gradients, the replicated gk_proj.0 and head norm (whose gradients are partial sums over tp)
+// included.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
+#include "core/error.hpp"
 #include "distributed/mpi_process_group.hpp"
 #include "model/gla.hpp"
 #include "tests/test_util.hpp"
@@ -29,8 +32,12 @@ std::vector<float> local_slice(const ParamSpec& spec, const float* global) {
 TEST(GlaTensorParallel, MatchesSingleProcess) {
   auto group = dist::make_mpi_world_group("tp");
   ASSERT_EQ(group->size(), 2);
-  for (bool conv : {false, true}) {
-    SCOPED_TRACE(conv ? "short conv" : "no conv");
+  for (auto [conv, sp, ac] : {std::tuple{false, false, ActivationCheckpoint::Mode::none},
+                              std::tuple{true, false, ActivationCheckpoint::Mode::none},
+                              std::tuple{false, true, ActivationCheckpoint::Mode::none},
+                              std::tuple{true, true, ActivationCheckpoint::Mode::op},
+                              std::tuple{false, true, ActivationCheckpoint::Mode::full}}) {
+    SCOPED_TRACE(str_cat(conv ? "short conv" : "no conv", sp ? ", SP" : "", ", AC ", int(ac)));
     GlaConfig c;
     c.hidden_size = 64;
     c.num_hidden_layers = 2;
@@ -49,8 +56,9 @@ TEST(GlaTensorParallel, MatchesSingleProcess) {
 
     TpOptions tp;
     tp.group = group.get();
-    tp.sequence_parallel = false;
+    tp.sequence_parallel = sp;
     GlaModel split(c, DType::f32, Device::cpu, tp);
+    split.set_activation_checkpoint({ac, 1});
     split.init_weights(5);  // Philox by global index: each rank's slices of the same weights
     split.zero_grad();
     const double loss2 = split.forward_backward(tok.data(), tok.data() + 1, B, T, 0.01f);
@@ -78,7 +86,7 @@ TEST(GlaTensorParallel, MatchesSingleProcess) {
   }
 }
 
-TEST(GlaTensorParallel, RefusesSequenceParallelAndUnevenHeads) {
+TEST(GlaTensorParallel, RefusesUnevenHeads) {
   auto group = dist::make_mpi_world_group("tp");
   GlaConfig c;
   c.hidden_size = 64;
@@ -89,9 +97,6 @@ TEST(GlaTensorParallel, RefusesSequenceParallelAndUnevenHeads) {
   c.vocab_size = 101;
   TpOptions tp;
   tp.group = group.get();
-  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
-                     {"sequence parallelism", "tp_sequence_parallel"});
-  tp.sequence_parallel = false;
   c.num_kv_heads = 1;
   test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
                      {"num_kv_heads", "1", "parallelism.tp = 2"});
