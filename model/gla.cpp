@@ -13,7 +13,8 @@ Tensor f32(const Shape& s, Device d) {
 
 }  // namespace
 
-GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, TpOptions tp)
+GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, TpOptions tp,
+                   CpOptions cp)
     : config_(config), compute_(compute), device_(device) {
   config_.validate("model config");
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
@@ -22,6 +23,8 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, TpOpti
   par_ = std::make_unique<ParallelContext>();
   par_->tp.opt = tp;
   par_->tp.pool = &pool_;
+  if (cp.size() <= 1) cp.group = nullptr;
+  par_->cp = cp;
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size;
   const float s = float(config_.initializer_range);
@@ -76,6 +79,7 @@ double GlaModel::forward_backward(const int32_t* inputs, const int32_t* targets,
   ctx.B = B;
   ctx.T = T;
   ctx.compute = compute_;
+  cp_micro_batch_positions(par_->cp, T, tp.sp() ? tpn : 1, ctx.positions, ctx.cp_pos);
   Tensor x = f32({M, d}, device_);
   ops::embedding_forward(inputs, embed_->params()[0].value, x);
   if (tp.sp()) {

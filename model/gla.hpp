@@ -1,10 +1,11 @@
 #pragma once
 // The GLA model (fla's GLAForCausalLM): an embedding unit, GLA blocks (model/gla_block.hpp) and a
 // head unit (final norm, output projection fused with the loss), with fla's parameter names.
-// It shares LlamaModel's units, ops, kernels and tensor-parallel layers; not yet its hooks (FSDP)
-// or context parallelism. Under tensor parallelism the blocks hold their heads' slices (with
-// sequence parallelism the residual stream holds this rank's rows); the embedding and the head
-// are replicated (each rank computes the same loss and gradients for them).
+// It shares LlamaModel's units, ops, kernels and tensor-parallel layers; not yet its hooks
+// (FSDP). Context parallelism passes the GLA state between segments. Under tensor parallelism the
+// blocks hold their heads' slices (with sequence parallelism the residual stream holds this rank's
+// rows); the embedding and the head are replicated (each rank computes the same loss and gradients
+// for them).
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -20,7 +21,11 @@ namespace loom {
 
 class GlaModel {
  public:
-  GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu, TpOptions tp = {});
+  // With context parallelism forward_backward takes this cp rank's tokens (T = seq_len / cp, at
+  // the zigzag positions of parallel/layers/context_parallel.hpp); its loss and gradients are this
+  // rank's share (the caller sums them over cp, as FSDP does over dp_shard x cp).
+  GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu, TpOptions tp = {},
+           CpOptions cp = {});
 
   const GlaConfig& config() const { return config_; }
   DType compute_dtype() const { return compute_; }

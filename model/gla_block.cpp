@@ -75,8 +75,10 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
 
 const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
   const ParallelContext& p = par ? *par : none();
-  LOOM_CHECK(p.cp.size() <= 1,
-             "GLA: context parallelism is not implemented yet (parallelism.cp must be 1)");
+  LOOM_CHECK(p.cp.size() <= 1 || !c.use_short_conv,
+             "GLA: use_short_conv with context parallelism needs the previous segment's last ",
+             "conv_size - 1 rows, which is not implemented (set parallelism.cp = 1 or "
+             "use_short_conv = false)");
   if (p.tp.on()) {
     const int n = p.tp.opt.size();
     for (auto [what, v] : {std::pair<const char*, int64_t>{"num_heads", c.num_heads},
@@ -186,7 +188,10 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
   ops::gla_gate_forward(a.z, P[size_t(ix_.gb1)].value, g.normalizer, g.clamp, a.gk);
 
   a.o = f32({g.M, g.Vd}, dev);
-  ops::gla_forward({ctx.B, g.H, g.Hkv}, q, k, v, a.gk, none, a.o, none);
+  if (par_->cp.size() > 1)
+    gla_cp_forward(par_->cp, {ctx.B, g.H, g.Hkv}, ctx.positions, q, k, v, a.gk, a.o, a.cp);
+  else
+    ops::gla_forward({ctx.B, g.H, g.Hkv}, q, k, v, a.gk, none, a.o, none);
   {
     const Tensor gate = c_.use_output_gate ? a.proj.narrow(1, g.Kd + g.Kg + g.Vg, g.Vd) : none;
     Tensor y = f32({g.M, g.Vd}, dev);
@@ -290,9 +295,14 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       Tensor dq = dsrc.narrow(1, off[0], width[0]), dk = dsrc.narrow(1, off[1], width[1]),
              dv = dsrc.narrow(1, off[2], width[2]);
       Tensor dgk = f32({g.M, g.Kg}, dev);
-      ops::gla_backward({ctx.B, g.H, g.Hkv}, src.narrow(1, off[0], width[0]),
-                        src.narrow(1, off[1], width[1]), src.narrow(1, off[2], width[2]), a.gk,
-                        none, dO, none, dq, dk, dv, dgk, none);
+      if (par_->cp.size() > 1)
+        gla_cp_backward(par_->cp, {ctx.B, g.H, g.Hkv}, ctx.positions,
+                        src.narrow(1, off[0], width[0]), src.narrow(1, off[1], width[1]),
+                        src.narrow(1, off[2], width[2]), a.gk, a.cp, dO, dq, dk, dv, dgk);
+      else
+        ops::gla_backward({ctx.B, g.H, g.Hkv}, src.narrow(1, off[0], width[0]),
+                          src.narrow(1, off[1], width[1]), src.narrow(1, off[2], width[2]), a.gk,
+                          none, dO, none, dq, dk, dv, dgk, none);
       if (c_.use_short_conv) {
         for (int i = 0; i < 3; ++i) {
           Tensor dx = dproj.narrow(1, off[i], width[i]);

@@ -5,14 +5,15 @@
 // normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
 // before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
 // gated core output and the SwiGLU output are recomputed). Tensor parallelism with or without
-// sequence parallelism (heads split over tp ranks, the spec's plan); context parallelism is
-// refused until the CP state passing exists.
+// sequence parallelism (heads split over tp ranks, the spec's plan); context parallelism by state
+// passing (parallel/layers/gla_state_passing.hpp), without the short convolution for now.
 #include <cstdint>
 
 #include "core/tensor.hpp"
 #include "model/gla_config.hpp"
 #include "model/param_unit.hpp"
 #include "model/transformer_block.hpp"  // ParallelContext, StepContext
+#include "parallel/layers/gla_state_passing.hpp"
 
 namespace loom {
 
@@ -34,6 +35,7 @@ struct GlaBlockActs {
   Tensor xn2;     // MLP norm output, as the GEMM reads it [M, d]
   Tensor gu;      // gate and up projections [M, 2F]
   Tensor act;     // silu(gate) * up, as the GEMM reads it [M, F]
+  GlaCpSaved cp;  // context parallelism: the segments' decays and starting states
   // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, y, xn2 and act.
   size_t bytes() const;
 };

@@ -101,3 +101,84 @@ TEST(GlaTensorParallel, RefusesUnevenHeads) {
   test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
                      {"num_kv_heads", "1", "parallelism.tp = 2"});
 }
+
+// Context parallelism by state passing over 2 ranks (zigzag: rank r holds segments r and 3 - r
+// of every sample, so rank 1's two segments are adjacent): the losses and gradients of the two
+// ranks sum to the single-process run's, also with checkpointing `full` (its recomputation runs
+// the all-gathers again).
+TEST(GlaContextParallel, MatchesSingleProcess) {
+  auto group = dist::make_mpi_world_group("cp");
+  const int cpn = group->size(), rank = group->rank();
+  ASSERT_EQ(cpn, 2);
+  for (auto ac : {ActivationCheckpoint::Mode::none, ActivationCheckpoint::Mode::full}) {
+    SCOPED_TRACE(str_cat("AC ", int(ac)));
+    GlaConfig c;
+    c.hidden_size = 64;
+    c.num_hidden_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.intermediate_size = 96;
+    c.vocab_size = 101;
+    const int64_t B = 2, T = 84;  // 4 segments of 21 tokens: partial chunks inside each
+    const auto tok = test::random_tokens(B * (T + 1), c.vocab_size, 9);
+    std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        in[size_t(b * T + t)] = tok[size_t(b * (T + 1) + t)];
+        tg[size_t(b * T + t)] = tok[size_t(b * (T + 1) + t + 1)];
+      }
+    GlaModel one(c, DType::f32);
+    one.init_weights(5);
+    one.zero_grad();
+    const double loss1 = one.forward_backward(in.data(), tg.data(), B, T, 0.01f);
+
+    const auto pos = cp_positions(T, cpn, rank);
+    const int64_t Tl = int64_t(pos.size());
+    std::vector<int32_t> lin(size_t(B * Tl)), ltg(size_t(B * Tl));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tl; ++t) {
+        lin[size_t(b * Tl + t)] = in[size_t(b * T + pos[size_t(t)])];
+        ltg[size_t(b * Tl + t)] = tg[size_t(b * T + pos[size_t(t)])];
+      }
+    CpOptions cp;
+    cp.group = group.get();
+    GlaModel split(c, DType::f32, Device::cpu, {}, cp);
+    split.set_activation_checkpoint({ac, 1});
+    split.init_weights(5);
+    split.zero_grad();
+    Tensor loss = Tensor::empty({1}, DType::f32);
+    loss.data<float>()[0] = float(split.forward_backward(lin.data(), ltg.data(), B, Tl, 0.01f));
+    group->all_reduce(loss, dist::ReduceOp::sum)->wait();
+    EXPECT_LT(std::abs(loss.data<float>()[0] - loss1) / std::abs(loss1), 1e-5);
+    auto u1 = one.units(), u2 = split.units();
+    for (size_t i = 0; i < u1.size(); ++i) {
+      group->all_reduce(u2[i]->grad_flat(), dist::ReduceOp::sum)->wait();
+      for (size_t j = 0; j < u1[i]->params().size(); ++j) {
+        const Param& p1 = u1[i]->params()[j];
+        const Param& p2 = u2[i]->params()[j];
+        const float* g1 = p1.grad.data<float>();
+        const float* g2 = p2.grad.data<float>();
+        EXPECT_LT(test::rel_l2(std::vector<float>(g2, g2 + p2.grad.numel()),
+                               std::vector<float>(g1, g1 + p1.grad.numel())),
+                  1e-5)
+            << p2.spec.name;
+      }
+    }
+  }
+}
+
+TEST(GlaContextParallel, RefusesShortConv) {
+  auto group = dist::make_mpi_world_group("cp");
+  GlaConfig c;
+  c.hidden_size = 64;
+  c.num_hidden_layers = 1;
+  c.intermediate_size = 96;
+  c.vocab_size = 101;
+  c.num_heads = 4;
+  c.num_kv_heads = 4;
+  c.use_short_conv = true;
+  CpOptions cp;
+  cp.group = group.get();
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, cp); },
+                     {"use_short_conv", "context parallelism"});
+}
