@@ -1,6 +1,11 @@
 #include "model/gla.hpp"
 
+#include <filesystem>
+#include <fstream>
+#include <set>
+
 #include "core/error.hpp"
+#include "model/safetensors.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
@@ -54,6 +59,37 @@ int64_t GlaModel::num_params() const {
 
 void GlaModel::init_weights(uint64_t seed) {
   for (ParamUnit* u : units()) u->init_weights(seed);
+}
+
+void GlaModel::load_hf(const SafetensorsDir& dir) {
+  std::set<std::string> expected;
+  for (ParamUnit* u : units()) {
+    for (auto& p : u->params()) {
+      expected.insert(p.spec.name);
+      if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+        dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+      else
+        read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
+                         p.value.data<float>());
+    }
+    u->refresh_bf16();
+  }
+  for (const std::string& n : dir.names())
+    LOOM_CHECK(expected.count(n), "GLA checkpoint: tensor '", n,
+               "' is not a parameter of this model (config.json describes another variant: "
+               "use_output_gate, use_short_conv, elementwise_affine, tie_word_embeddings?)");
+}
+
+void GlaModel::save_hf(const std::string& dir) {
+  LOOM_CHECK(tp_size() == 1, "GLA save_hf: one process only (tp = ", tp_size(), ")");
+  std::filesystem::create_directories(dir);
+  std::vector<NamedTensor> w;
+  for (ParamUnit* u : units())
+    for (auto& p : u->params()) w.push_back({p.spec.name, p.value});
+  write_safetensors_dir(dir, w);
+  std::ofstream f(std::filesystem::path(dir) / "config.json");
+  f << config_.to_json();
+  LOOM_CHECK(f.good(), "GLA save_hf: cannot write ", dir, "/config.json");
 }
 
 void GlaModel::set_activation_checkpoint(const ActivationCheckpoint& ac) {

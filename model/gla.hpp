@@ -8,6 +8,7 @@
 // for them).
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -18,6 +19,8 @@
 #include "parallel/layers/tensor_parallel.hpp"
 
 namespace loom {
+
+class SafetensorsDir;
 
 class GlaModel {
  public:
@@ -36,6 +39,15 @@ class GlaModel {
   std::vector<ParamUnit*> units();
   int64_t num_params() const;
   void init_weights(uint64_t seed);
+  // Every parameter from an fla-format checkpoint (config.json's model, fla's names), shapes
+  // checked; under tensor parallelism each rank reads its slices. Tensors the model does not
+  // have are an error naming them (another variant of the model).
+  void load_hf(const SafetensorsDir& dir);
+  // fla-format weights (global tensors, fla's names) into `dir`/model*.safetensors and its
+  // config.json. One process only.
+  void save_hf(const std::string& dir);
+  int tp_size() const { return par_->tp.opt.size(); }
+  int cp_size() const { return par_->cp.size(); }
   // Activation checkpointing of every block (default: none).
   void set_activation_checkpoint(const ActivationCheckpoint& ac);
   // Bytes the blocks saved in the last forward_backward, measured before their backward.

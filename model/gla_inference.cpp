@@ -16,6 +16,9 @@ Tensor f32(const Shape& s) {
 }  // namespace
 
 GlaInference::GlaInference(GlaModel& model) : model_(model), c_(model.config()) {
+  LOOM_CHECK(model.tp_size() == 1 && model.cp_size() == 1,
+             "GLA generate: runs one process (the model has tp = ", model.tp_size(),
+             ", cp = ", model.cp_size(), ")");
   const int64_t C3 = c_.key_dim() + (c_.key_dim() + c_.value_dim()) / c_.kv_groups();
   for (size_t l = 0; l < model.num_blocks(); ++l) {
     Layer layer{&model.block(l), f32({1, c_.num_heads, c_.head_k_dim(), c_.head_v_dim()}), {}};
