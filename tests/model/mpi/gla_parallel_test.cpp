@@ -2,16 +2,18 @@
 // without sequence parallelism and checkpointing: the tp model's loss equals the single-process
 // model's, and each rank's parameter gradients equal the matching slices of the single-process
 // gradients, the replicated gk_proj.0 and head norm (whose gradients are partial sums over tp)
-// included.
+// included. One case loads its weights from an fla-format checkpoint (each rank its slices).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <tuple>
 #include <vector>
 
 #include "core/error.hpp"
 #include "distributed/mpi_process_group.hpp"
 #include "model/gla.hpp"
+#include "model/safetensors.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -59,7 +61,15 @@ TEST(GlaTensorParallel, MatchesSingleProcess) {
     tp.sequence_parallel = sp;
     GlaModel split(c, DType::f32, Device::cpu, tp);
     split.set_activation_checkpoint({ac, 1});
-    split.init_weights(5);  // Philox by global index: each rank's slices of the same weights
+    if (conv && sp) {
+      // Each rank reads its slices of the single-process model's fla-format checkpoint.
+      const std::string dir = str_cat(testing::TempDir(), "loom_gla_tp_io_", group->rank());
+      one.save_hf(dir);
+      split.load_hf(SafetensorsDir(dir));
+      std::filesystem::remove_all(dir);
+    } else {
+      split.init_weights(5);  // Philox by global index: each rank's slices of the same weights
+    }
     split.zero_grad();
     const double loss2 = split.forward_backward(tok.data(), tok.data() + 1, B, T, 0.01f);
     EXPECT_LT(std::abs(loss2 - loss1) / std::abs(loss1), 1e-6);
