@@ -313,6 +313,23 @@ void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& 
   });
 }
 
+void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) {
+  LOOM_CHECK(gk.is_contiguous() && decay.numel() == s.B * gk.size(1), "gla_decay_total: gk ",
+             shape_str(gk.shape()), " must be contiguous, decay ", shape_str(decay.shape()),
+             " must hold B * its columns");
+  on("gla_decay_total", gk.device(), [&] {
+    cpu::gla_decay_total(s.B, rows(gk) / s.B, s.Hkv, gk.size(1) / s.Hkv, f(gk), f(decay));
+  });
+}
+
+void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S) {
+  LOOM_CHECK(S.ndim() == 4 && E.numel() == S.numel() && S.is_contiguous() && E.is_contiguous(),
+             "gla_state_fold: S ", shape_str(S.shape()), " and E ", shape_str(E.shape()),
+             " must be contiguous [B, H, K, V]");
+  on("gla_state_fold", S.device(),
+     [&] { cpu::gla_state_fold(s.B, s.H, s.Hkv, S.size(2), S.size(3), f(decay), f(E), f(S)); });
+}
+
 void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
                       Tensor& gk) {
   LOOM_CHECK(z.is_contiguous() && gk.is_contiguous() && z.numel() == gk.numel(),

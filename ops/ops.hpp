@@ -114,6 +114,10 @@ void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v
 void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
                   const Tensor& h0, const Tensor& dout, const Tensor& dht, Tensor& dq, Tensor& dk,
                   Tensor& dv, Tensor& dgk, Tensor& dh0);
+// Context parallelism by state passing: decay [B, Hkv, K] = the sum of gk [B*T, Hkv*K] over each
+// sample's T tokens; S [B, H, K, V] <- Diag(e^decay) S + E (decay of each head's kv head).
+void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay);
+void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S);
 // gk = max(logsigmoid(z + bias) / normalizer, clamp_min), z and gk contiguous [M, width] (gk may
 // be z), bias [width] or undefined. Backward: dz overwritten, dbias accumulated (with bias).
 void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,

@@ -394,6 +394,35 @@ void gla_backward_impl(const GlaCore& a, GlaIn dout, const float* dht, const Gla
   }
 }
 
+void gla_decay_total_impl(int64_t B, int64_t T, int64_t Hkv, int64_t K, const float* gk,
+                          float* decay) {
+  const int64_t W = Hkv * K;
+  for (int64_t b = 0; b < B; ++b) {
+    float* __restrict out = decay + b * W;
+    std::fill_n(out, W, 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* __restrict g = gk + (b * T + t) * W;
+#pragma omp simd
+      for (int64_t i = 0; i < W; ++i) out[i] += g[i];
+    }
+  }
+}
+
+void gla_state_fold_impl(int64_t B, int64_t H, int64_t Hkv, int64_t K, int64_t V,
+                         const float* decay, const float* E, float* S) {
+  const int64_t G = H / Hkv;
+#pragma omp parallel for collapse(2) schedule(static) if (B * H * K * V >= (int64_t{1} << 16))
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < K; ++i) {
+        const float e = dexp(decay[(b * Hkv + h / G) * K + i]);
+        float* __restrict row = S + ((b * H + h) * K + i) * V;
+        const float* __restrict er = E + ((b * H + h) * K + i) * V;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) row[j] = e * row[j] + er[j];
+      }
+}
+
 }  // namespace loom::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -423,6 +452,21 @@ void check_args(const char* what, const GlaCore& a) {
 
 HWY_EXPORT(gla_forward_impl);
 HWY_EXPORT(gla_backward_impl);
+HWY_EXPORT(gla_decay_total_impl);
+HWY_EXPORT(gla_state_fold_impl);
+
+void gla_decay_total(int64_t B, int64_t T, int64_t Hkv, int64_t K, const float* gk, float* decay) {
+  LOOM_CHECK(B >= 0 && T >= 0 && Hkv > 0 && K > 0, "gla_decay_total: bad shape B ", B, " T ", T,
+             " Hkv ", Hkv, " K ", K);
+  LOOM_DISPATCH(gla_decay_total_impl)(B, T, Hkv, K, gk, decay);
+}
+
+void gla_state_fold(int64_t B, int64_t H, int64_t Hkv, int64_t K, int64_t V, const float* decay,
+                    const float* E, float* S) {
+  LOOM_CHECK(B >= 0 && H > 0 && Hkv > 0 && H % Hkv == 0 && K > 0 && V > 0,
+             "gla_state_fold: bad shape B ", B, " H ", H, " Hkv ", Hkv, " K ", K, " V ", V);
+  LOOM_DISPATCH(gla_state_fold_impl)(B, H, Hkv, K, V, decay, E, S);
+}
 
 void gla_forward(const GlaCore& a, GlaOut o, float* ht) {
   check_args("gla_forward", a);

@@ -48,4 +48,11 @@ struct GlaCoreGrads {
 };
 void gla_backward(const GlaCore& a, GlaIn dout, const float* dht, const GlaCoreGrads& g);
 
+// The pieces of context parallelism by state passing (parallel/layers/gla_state_passing.hpp).
+// decay [B, Hkv, K] = the sum over the T tokens of gk [B*T, Hkv*K] (a segment's total log-decay).
+void gla_decay_total(int64_t B, int64_t T, int64_t Hkv, int64_t K, const float* gk, float* decay);
+// S [B, H, K, V] <- Diag(e^decay) S + E per (sample, query head), decay of the head's kv head.
+void gla_state_fold(int64_t B, int64_t H, int64_t Hkv, int64_t K, int64_t V, const float* decay,
+                    const float* E, float* S);
+
 }  // namespace loom::cpu

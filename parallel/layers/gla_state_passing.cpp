@@ -1,7 +1,5 @@
 #include "parallel/layers/gla_state_passing.hpp"
 
-#include <cmath>
-
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
 
@@ -53,19 +51,6 @@ void put(const Tensor& seg, int64_t B, int64_t T, int64_t t0, int64_t n, Tensor&
   }
 }
 
-// S <- Diag(e^a) S + E per (sample, query head); a [B, Hkv, K] of the kv head, S, E [B, H, K, V].
-void fold(const ops::Gla& s, int64_t K, int64_t V, const float* a, const float* E, float* S) {
-  const int64_t G = s.H / s.Hkv;
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t h = 0; h < s.H; ++h)
-      for (int64_t i = 0; i < K; ++i) {
-        const float e = std::exp(a[(b * s.Hkv + h / G) * K + i]);
-        float* row = S + ((b * s.H + h) * K + i) * V;
-        const float* er = E + ((b * s.H + h) * K + i) * V;
-        for (int64_t j = 0; j < V; ++j) row[j] = e * row[j] + er[j];
-      }
-}
-
 // All ranks' [local segments, n] blocks, by global segment index: out [segments, n].
 Tensor gather_by_segment(const CpOptions& cp, const Tensor& local, int64_t T_global,
                          int64_t n_local) {
@@ -106,15 +91,8 @@ void gla_cp_forward(const CpOptions& cp, const ops::Gla& s, const std::vector<in
     Tensor o_zero = f32({s.B * sg.n, s.H * V}, dev);
     Tensor E = mine_E.narrow(0, i, 1).view({s.B, s.H, K, V});
     ops::gla_forward(s, qs.back(), ks.back(), vs.back(), gs.back(), none, o_zero, E);
-    if (!ops::computes(dev)) continue;
-    float* a = mine_a.data<float>() + i * dec;
-    const float* g = gs.back().data<float>();
-    for (int64_t b = 0; b < s.B; ++b)
-      for (int64_t j = 0; j < s.Hkv * K; ++j) {
-        float sum = 0;
-        for (int64_t t = 0; t < sg.n; ++t) sum += g[(b * sg.n + t) * s.Hkv * K + j];
-        a[b * s.Hkv * K + j] = sum;
-      }
+    Tensor a = mine_a.narrow(0, i, 1).view({s.B, s.Hkv, K});
+    ops::gla_decay_total(s, gs.back(), a);
   }
   saved.a_all = gather_by_segment(cp, mine_a, T * cp.size(), L);
   const Tensor all_E = gather_by_segment(cp, mine_E, T * cp.size(), L);
@@ -127,9 +105,7 @@ void gla_cp_forward(const CpOptions& cp, const ops::Gla& s, const std::vector<in
         saved.S_in[size_t(i)] = f32(S.shape(), dev);
         saved.S_in[size_t(i)].copy_from(S);
       }
-    if (ops::computes(dev))
-      fold(s, K, V, saved.a_all.data<float>() + g * dec, all_E.data<float>() + g * state,
-           S.data<float>());
+    ops::gla_state_fold(s, saved.a_all.narrow(0, g, 1), all_E.narrow(0, g, 1), S);
   }
   for (int64_t i = 0; i < L; ++i) {
     Tensor os = f32({s.B * sg.n, s.H * V}, dev);
@@ -146,7 +122,7 @@ void gla_cp_backward(const CpOptions& cp, const ops::Gla& s, const std::vector<i
   const Device dev = q.device();
   const int64_t T = int64_t(positions.size()), K = q.size(1) / s.H, V = v.size(1) / s.Hkv;
   const Segments sg = segments(positions);
-  const int64_t L = int64_t(sg.global.size()), state = s.B * s.H * K * V, dec = s.B * s.Hkv * K;
+  const int64_t L = int64_t(sg.global.size()), state = s.B * s.H * K * V;
   Tensor none;
   struct Seg {
     Tensor q, k, v, g, dout, dq, dk, dv, dg;
@@ -178,9 +154,7 @@ void gla_cp_backward(const CpOptions& cp, const ops::Gla& s, const std::vector<i
         dht[size_t(i)] = f32(dS.shape(), dev);
         dht[size_t(i)].copy_from(dS);
       }
-    if (ops::computes(dev))
-      fold(s, K, V, saved.a_all.data<float>() + g * dec, all.data<float>() + g * state,
-           dS.data<float>());
+    ops::gla_state_fold(s, saved.a_all.narrow(0, g, 1), all.narrow(0, g, 1), dS);
   }
   for (int64_t i = 0; i < L; ++i) {
     Seg& x = seg[size_t(i)];

@@ -431,3 +431,30 @@ TEST(GlaCore, StatePassingAcrossSegmentsEqualsUnsplit) {
     }
   }
 }
+
+// The state-passing pieces: a segment's total decay and the fold S <- e^decay S + E (GQA: a
+// query head folds with its kv head's decay), against fp64.
+TEST_ALL_ISAS(GlaCore, DecayTotalAndStateFold) {
+  const int64_t B = 2, T = 13, H = 4, Hkv = 2, K = 24, V = 20;
+  const auto gk = test::randn(size_t(B * T * Hkv * K), 31, 0.3f);
+  std::vector<float> decay(size_t(B * Hkv * K));
+  cpu::gla_decay_total(B, T, Hkv, K, gk.data(), decay.data());
+  std::vector<double> want(decay.size(), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < Hkv * K; ++i)
+        want[size_t(b * Hkv * K + i)] += gk[size_t((b * T + t) * Hkv * K + i)];
+  EXPECT_LT(test::rel_l2(decay, want), 1e-6);
+  auto S = test::randn(size_t(B * H * K * V), 32);
+  const auto E = test::randn(S.size(), 33);
+  std::vector<double> ref(S.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < V; ++j) {
+          const size_t x = size_t(((b * H + h) * K + i) * V + j);
+          ref[x] = std::exp(double(decay[size_t((b * Hkv + h / 2) * K + i)])) * S[x] + E[x];
+        }
+  cpu::gla_state_fold(B, H, Hkv, K, V, decay.data(), E.data(), S.data());
+  EXPECT_LT(test::rel_l2(S, ref), 1e-6);
+}

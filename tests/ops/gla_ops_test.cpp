@@ -141,6 +141,9 @@ TEST(GlaOps, MetaComputesNothing) {
   Tensor dq = meta({M, H * K}), dk = meta({M, H * K}), dv = meta({M, H * V}),
          dgk = meta({M, H * K}), dh0 = meta({B, H, K, V});
   ops::gla_backward(s, q, k, v, gk, Tensor(), o, ht, dq, dk, dv, dgk, dh0);
+  Tensor decay = meta({B, H, K});
+  ops::gla_decay_total(s, gk, decay);
+  ops::gla_state_fold(s, decay, ht, ht);
   Tensor b = meta({H * K});
   ops::gla_gate_forward(gk, b, 16.0f, kNoClamp, gk);
   ops::gla_gate_backward(dgk, gk, b, 16.0f, kNoClamp, dgk, b);
