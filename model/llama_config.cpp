@@ -58,6 +58,9 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
   LOOM_CHECK(j.is_object(), source, ": expected a JSON object (a Hugging Face config.json), found ",
              j.type_name());
 
+  // A GLA config (model/gla_config.hpp) lacks Llama's fields; say what it is instead.
+  LOOM_CHECK(!(j.contains("model_type") && j["model_type"] == "gla"), source,
+             ": field 'model_type': \"gla\" is a GLA model (model/gla_config.hpp), not a Llama");
   LlamaConfig c;
   c.hidden_size = required_int(j, "hidden_size", source);
   c.intermediate_size = required_int(j, "intermediate_size", source);

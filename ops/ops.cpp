@@ -10,9 +10,13 @@
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/cpu/embedding.hpp"
+#include "kernels/cpu/gated_rmsnorm.hpp"
 #include "kernels/cpu/gemm.hpp"
+#include "kernels/cpu/gla.hpp"
+#include "kernels/cpu/gla_gate.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
 #include "kernels/cpu/sharded.hpp"
+#include "kernels/cpu/short_conv.hpp"
 #include "kernels/cpu/swiglu.hpp"
 
 namespace loom::ops {
@@ -254,6 +258,144 @@ void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dou
   on("attention_delta", out.device(), [&] {
     const int64_t T = rows(out) / B;
     cpu::attention_delta(B, T, Hq, out.size(1) / Hq, f(out), f(dout), f(delta));
+  });
+}
+
+namespace {
+
+cpu::GlaCore gla_core(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const Tensor& gk, const Tensor& h0) {
+  cpu::GlaCore a;
+  a.B = s.B, a.T = rows(q) / s.B, a.H = s.H, a.Hkv = s.Hkv;
+  a.K = q.size(1) / s.H, a.V = v.size(1) / s.Hkv;
+  a.scale = scale(a.K);
+  a.chunk = s.chunk, a.sub_chunk = s.sub_chunk;
+  a.q = {f(q), stride(q)}, a.k = {f(k), stride(k)}, a.v = {f(v), stride(v)};
+  a.gk = {f(gk), stride(gk)};
+  a.h0 = h0.defined() ? f(h0) : nullptr;
+  return a;
+}
+
+float* f_or_null(Tensor& t) {
+  return t.defined() ? f(t) : nullptr;
+}
+const float* f_or_null(const Tensor& t) {
+  return t.defined() ? f(t) : nullptr;
+}
+
+void check_gla(const char* op, const Gla& s, const Tensor& q) {
+  LOOM_CHECK(s.B > 0 && s.H > 0 && rows(q) % s.B == 0 && q.size(1) % s.H == 0, op, ": q ",
+             shape_str(q.shape()), " does not split into B ", s.B, " samples and H ", s.H,
+             " heads");
+}
+
+}  // namespace
+
+void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
+                 const Tensor& h0, Tensor& o, Tensor& ht) {
+  check_gla("gla_forward", s, q);
+  on("gla_forward", q.device(), [&] {
+    cpu::gla_forward(gla_core(s, q, k, v, gk, h0), {f(o), stride(o)}, f_or_null(ht));
+  });
+}
+
+void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
+                  const Tensor& h0, const Tensor& dout, const Tensor& dht, Tensor& dq, Tensor& dk,
+                  Tensor& dv, Tensor& dgk, Tensor& dh0) {
+  check_gla("gla_backward", s, q);
+  on("gla_backward", q.device(), [&] {
+    cpu::GlaCoreGrads g{{f(dq), stride(dq)},
+                        {f(dk), stride(dk)},
+                        {f(dv), stride(dv)},
+                        {f(dgk), stride(dgk)},
+                        f_or_null(dh0)};
+    cpu::gla_backward(gla_core(s, q, k, v, gk, h0), {f(dout), stride(dout)}, f_or_null(dht), g);
+  });
+}
+
+void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) {
+  LOOM_CHECK(gk.is_contiguous() && decay.numel() == s.B * gk.size(1), "gla_decay_total: gk ",
+             shape_str(gk.shape()), " must be contiguous, decay ", shape_str(decay.shape()),
+             " must hold B * its columns");
+  on("gla_decay_total", gk.device(), [&] {
+    cpu::gla_decay_total(s.B, rows(gk) / s.B, s.Hkv, gk.size(1) / s.Hkv, f(gk), f(decay));
+  });
+}
+
+void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S) {
+  LOOM_CHECK(S.ndim() == 4 && E.numel() == S.numel() && S.is_contiguous() && E.is_contiguous(),
+             "gla_state_fold: S ", shape_str(S.shape()), " and E ", shape_str(E.shape()),
+             " must be contiguous [B, H, K, V]");
+  on("gla_state_fold", S.device(),
+     [&] { cpu::gla_state_fold(s.B, s.H, s.Hkv, S.size(2), S.size(3), f(decay), f(E), f(S)); });
+}
+
+void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
+                      Tensor& gk) {
+  LOOM_CHECK(z.is_contiguous() && gk.is_contiguous() && z.numel() == gk.numel(),
+             "gla_gate_forward: z ", shape_str(z.shape()), " and gk ", shape_str(gk.shape()),
+             " must be contiguous and the same size");
+  on("gla_gate_forward", z.device(), [&] {
+    cpu::gla_gate_forward(f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min, f(gk));
+  });
+}
+
+void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
+                       float clamp_min, Tensor& dz, Tensor& dbias) {
+  LOOM_CHECK(z.is_contiguous() && dgk.is_contiguous() && dz.is_contiguous() &&
+                 z.numel() == dgk.numel() && z.numel() == dz.numel(),
+             "gla_gate_backward: z, dgk and dz must be contiguous and the same size, got ",
+             shape_str(z.shape()), ", ", shape_str(dgk.shape()), ", ", shape_str(dz.shape()));
+  on("gla_gate_backward", z.device(), [&] {
+    cpu::gla_gate_backward(f(dgk), f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min,
+                           f(dz), bias.defined() ? f(dbias) : nullptr);
+  });
+}
+
+void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,
+                           float eps, Tensor& y, Tensor& rstd) {
+  LOOM_CHECK(heads > 0 && x.is_contiguous() && y.is_contiguous() && cols(x) % heads == 0,
+             "gated_rmsnorm_forward: x ", shape_str(x.shape()),
+             " must be contiguous and split into ", heads, " heads");
+  on("gated_rmsnorm_forward", x.device(), [&] {
+    const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, eps};
+    cpu::gated_rmsnorm_forward(s, f(x), f_or_null(g), g.defined() ? stride(g) : 0, f_or_null(w),
+                               f(y), f(rstd));
+  });
+}
+
+void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& w,
+                            const Tensor& rstd, int64_t heads, Tensor& dx, Tensor& dg, Tensor& dw) {
+  LOOM_CHECK(heads > 0 && x.is_contiguous() && dy.is_contiguous() && dx.is_contiguous() &&
+                 cols(x) % heads == 0,
+             "gated_rmsnorm_backward: x ", shape_str(x.shape()),
+             " must be contiguous and split into ", heads, " heads");
+  on("gated_rmsnorm_backward", x.device(), [&] {
+    const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, 0.0f};  // eps is in rstd
+    cpu::gated_rmsnorm_backward(s, f(dy), f(x), f_or_null(g), g.defined() ? stride(g) : 0,
+                                f_or_null(w), f(rstd), f(dx), g.defined() ? f(dg) : nullptr,
+                                g.defined() ? stride(dg) : 0, w.defined() ? f(dw) : nullptr);
+  });
+}
+
+void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y) {
+  LOOM_CHECK(B > 0 && rows(x) % B == 0, "short_conv_forward: ", rows(x),
+             " rows do not split into B ", B, " samples");
+  on("short_conv_forward", x.device(), [&] {
+    const int64_t C = x.size(1);
+    const cpu::ShortConv s{B, rows(x) / B, C, w.numel() / C};
+    cpu::short_conv_forward(s, f(x), stride(x), f(w), f(y), stride(y));
+  });
+}
+
+void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B, Tensor& dx,
+                         Tensor& dw) {
+  LOOM_CHECK(B > 0 && rows(x) % B == 0, "short_conv_backward: ", rows(x),
+             " rows do not split into B ", B, " samples");
+  on("short_conv_backward", x.device(), [&] {
+    const int64_t C = x.size(1);
+    const cpu::ShortConv s{B, rows(x) / B, C, w.numel() / C};
+    cpu::short_conv_backward(s, f(dy), stride(dy), f(x), stride(x), f(w), f(dx), stride(dx), f(dw));
   });
 }
 

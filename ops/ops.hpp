@@ -99,6 +99,44 @@ void attention_merge(int64_t B, int64_t Hq, Tensor& out, Tensor& lse, const Tens
 // delta [B, Hq, T] = rowsum(dout * out) per head.
 void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dout, Tensor& delta);
 
+// ---- GLA (gated linear attention, kernels/cpu/gla*.hpp)
+// ------------------------------------------ The chunked core: q [B*T, H*K], k and gk [B*T, Hkv*K],
+// v [B*T, Hkv*V] (strided views allowed), h0 [B, H, K, V] or undefined (zero state); o [B*T, H*V]
+// written, ht [B, H, K, V] written when defined. The scale is K^-1/2.
+struct Gla {
+  int64_t B = 0, H = 0, Hkv = 0;
+  int64_t chunk = 64, sub_chunk = 16;
+};
+void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
+                 const Tensor& h0, Tensor& o, Tensor& ht);
+// dq, dk, dv, dgk (views with the strides of q, k, v, gk) overwritten, dh0 when defined; dht may
+// be undefined (zero).
+void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
+                  const Tensor& h0, const Tensor& dout, const Tensor& dht, Tensor& dq, Tensor& dk,
+                  Tensor& dv, Tensor& dgk, Tensor& dh0);
+// Context parallelism by state passing: decay [B, Hkv, K] = the sum of gk [B*T, Hkv*K] over each
+// sample's T tokens; S [B, H, K, V] <- Diag(e^decay) S + E (decay of each head's kv head).
+void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay);
+void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S);
+// gk = max(logsigmoid(z + bias) / normalizer, clamp_min), z and gk contiguous [M, width] (gk may
+// be z), bias [width] or undefined. Backward: dz overwritten, dbias accumulated (with bias).
+void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
+                      Tensor& gk);
+void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
+                       float clamp_min, Tensor& dz, Tensor& dbias);
+// y [M, heads*dim] = rmsnorm per head of x times w [dim] times swish(g); g (a strided view allowed)
+// and w may be undefined (no gate, no weight). rstd [M*heads] saved.
+void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,
+                           float eps, Tensor& y, Tensor& rstd);
+// dx overwritten, dg (strides of g) overwritten when g is defined, dw accumulated when w is.
+void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& w,
+                            const Tensor& rstd, int64_t heads, Tensor& dx, Tensor& dg, Tensor& dw);
+// y [B*T, C] = silu(causal depthwise conv(x)), x a strided view allowed, w [C, W] (or fla's
+// [C, 1, W]). dx overwritten (strides of dx's view), dw accumulated.
+void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y);
+void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B, Tensor& dx,
+                         Tensor& dw);
+
 // ---- loss -------------------------------------------------------------------------------------
 // The output projection fused with cross-entropy (kernels/cpu/cross_entropy.hpp): x [N, D],
 // w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
