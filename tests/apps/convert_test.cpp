@@ -4,12 +4,14 @@
 // with nothing written.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "core/philox.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "train/checkpoint.hpp"
@@ -178,4 +180,67 @@ TEST_F(ConvertCommand, BadInputIsNamedAndNothingIsWritten) {
   // Nothing half-written anywhere.
   for (const auto& e : fs::directory_iterator(dir_))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+}
+
+// A checkpoint that loom trained and saved, exported by `loom convert`, runs in the independent
+// PyTorch reference (tests/parity/torch_llama.py, /usr/bin/python3 with Debian's python3-torch):
+// the same loss and parameter gradients as loom on the same tokens. The export reads the
+// checkpoint's rank file and index, not loom's in-memory weights, so a slice written or named
+// wrongly shows here.
+TEST_F(ConvertCommand, ExportRunsInThePyTorchReference) {
+  const LlamaConfig c = config();
+  LlamaModel m(c, DType::f32);
+  m.init_weights(3);
+  const int64_t B = 2, T = 19, V = c.vocab_size;
+  std::vector<float> u(size_t(B * (T + 1)));
+  philox_uniform(philox_key(11, "convert.tokens"), 0, int64_t(u.size()), u.data());
+  std::vector<int32_t> rows(u.size()), in(size_t(B * T)), tg(size_t(B * T));
+  for (size_t i = 0; i < u.size(); ++i) rows[i] = int32_t(u[i] * float(V));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      in[size_t(b * T + t)] = rows[size_t(b * (T + 1) + t)];
+      tg[size_t(b * T + t)] = rows[size_t(b * (T + 1) + t + 1)];
+    }
+  // Two AdamW steps, so the exported weights (norms included) are no longer their initial values.
+  AdamW opt(m.units(), AdamWConfig{});
+  for (int s = 0; s < 2; ++s) {
+    m.zero_grad();
+    m.forward_backward(in.data(), tg.data(), B, T, 1.0f / float(B * T));
+    opt.step(1e-2f);
+  }
+  save_checkpoint(p("ck"), m, opt, TrainState{2, 2, 1e-2, 0, "", B * T});
+  Result r = convert(p("ck") + " " + p("hf"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  ASSERT_TRUE(fs::exists(dir_ / "hf/model.safetensors")) << "one file, as torch_llama.py reads";
+  {
+    std::ofstream tok(dir_ / "hf/tokens.bin", std::ios::binary);
+    tok.write(reinterpret_cast<const char*>(rows.data()), std::streamsize(rows.size() * 4));
+    std::ofstream(dir_ / "hf/tokens.json") << "{\"batch\": " << B << ", \"seq_len\": " << T << "}";
+  }
+  m.zero_grad();
+  const double loss =
+      m.forward_backward(in.data(), tg.data(), B, T, 1.0f / float(B * T)) / double(B * T);
+
+  const char* src = std::getenv("LOOM_SOURCE_DIR");
+  const std::string cmd = "/usr/bin/python3 " + std::string(src ? src : ".") +
+                          "/tests/parity/torch_llama.py --dir " + p("hf") +
+                          " --dtype float32 --threads 1 > " + p("torch.log") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd << "\n" << slurp(dir_ / "torch.log");
+  SafetensorsFile ref(p("hf/torch_out.safetensors"));
+  float torch_loss;
+  ref.read_f32("loss", {1}, &torch_loss);
+  EXPECT_LE(std::abs(loss - torch_loss) / std::abs(torch_loss), 1e-5)
+      << "loom " << loss << " torch " << torch_loss;
+  for (ParamUnit* u : m.units())
+    for (auto& prm : u->params()) {
+      std::vector<float> want(size_t(prm.grad.numel()));
+      ref.read_f32(prm.spec.name, prm.grad.shape(), want.data());
+      const float* got = prm.grad.data<float>();
+      double num = 0, den = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+        den += double(want[i]) * want[i];
+      }
+      EXPECT_LE(std::sqrt(num / den), 1e-4) << prm.spec.name;
+    }
 }

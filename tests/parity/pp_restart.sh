@@ -16,25 +16,11 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --checkpoint.dir="$work/ck" --checkpoint.interval=10 --checkpoint.keep=0 \
   --metrics.jsonl="$work/full.jsonl" >"$work/full.log" 2>&1 || { cat "$work/full.log"; exit 1; }
 rm -rf "$work/ck/step-00000012"
-want=$(grep '"step": 11,' "$work/full.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
+want=$(step_loss "$work/full.jsonl" 11)
 status=0
 for layout in "1 --training.local_batch_size=1 --training.grad_accum_steps=4" \
   "4 --training.local_batch_size=1 --parallelism.pp=4 --parallelism.pp_schedule=interleaved_1f1b --parallelism.pp_microbatches=4" \
   "4 --training.local_batch_size=2 --parallelism.dp_shard=2 --parallelism.tp=2"; do
-  set -- $layout
-  np=$1
-  shift
-  rm -rf "$work/ck2" "$work/res.jsonl"
-  cp -r "$work/ck" "$work/ck2"
-  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" --training.steps=11 --checkpoint.dir="$work/ck2" \
-    --checkpoint.resume=true --checkpoint.allow_config_change=true --metrics.jsonl="$work/res.jsonl" \
-    "$@" >"$work/res.log" 2>&1 ||
-    { cat "$work/res.log"; exit 1; }
-  grep -q "resumed from .*step-00000010 (step 10)" "$work/res.log" ||
-    { echo "np $np $*: did not resume from step 10"; cat "$work/res.log"; exit 1; }
-  got=$(grep '"step": 11,' "$work/res.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
-  rel=$(awk -v a="$got" -v b="$want" 'BEGIN { d = a - b; if (d < 0) d = -d; print d / b }')
-  echo "np $np $*: step 11 loss $got (uninterrupted pp2 x tp2: $want; relative difference $rel)"
-  awk -v r="$rel" 'BEGIN { exit !(r <= 1e-6) }' || status=1
+  resume_step11 "$work/ck" "$want" 1e-6 rel "pp2 x tp2" $layout || status=1
 done
 exit $status

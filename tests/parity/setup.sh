@@ -13,3 +13,34 @@ parity_setup() {
   "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
     --save-tokenizer "$work/tok.json" >/dev/null
 }
+
+# The loss of STEP in a metrics file (--metrics.jsonl).
+step_loss() {  # step_loss METRICS STEP
+  grep "\"step\": $2," "$1" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2
+}
+
+# resume_step11 CKPT_DIR WANT TOL rel|abs NAME NP ARGS...: resumes a copy of CKPT_DIR (a run
+# saved at step 10) with NP ranks and the array $common plus ARGS for 11 steps, checks that it
+# resumed from step 10 (a run that trained from scratch might pass the tolerance too), prints its
+# step-11 loss next to WANT (the uninterrupted run of NAME) and fails when they differ by more than
+# TOL, relative or absolute. 11 steps instead of the saved run's 12 change the cosine schedule,
+# which the step-11 loss does not depend on: allowed explicitly.
+resume_step11() {
+  local ck=$1 want=$2 tol=$3 kind=$4 name=$5 np=$6
+  shift 6
+  rm -rf "$work/ck2" "$work/res.jsonl"
+  cp -r "$ck" "$work/ck2"
+  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" --training.steps=11 --checkpoint.dir="$work/ck2" \
+    --checkpoint.resume=true --checkpoint.allow_config_change=true --metrics.jsonl="$work/res.jsonl" \
+    "$@" >"$work/res.log" 2>&1 || { cat "$work/res.log"; return 1; }
+  grep -q "resumed from .*step-00000010 (step 10)" "$work/res.log" ||
+    { echo "$name -> np $np $*: did not resume from step 10"; cat "$work/res.log"; return 1; }
+  local got diff
+  got=$(step_loss "$work/res.jsonl" 11)
+  [ -n "$got" ] && [ -n "$want" ] ||
+    { echo "$name -> np $np $*: no step-11 loss (resumed '$got', uninterrupted '$want')"; return 1; }
+  diff=$(awk -v a="$got" -v b="$want" -v k="$kind" \
+    'BEGIN { d = a - b; if (d < 0) d = -d; if (k == "rel") d /= (b < 0 ? -b : b); print d }')
+  echo "$name -> np $np $*: step 11 loss $got (uninterrupted: $want; $kind difference $diff)"
+  awk -v d="$diff" -v t="$tol" 'BEGIN { exit !(d <= t) }'
+}

@@ -14,25 +14,9 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.l
   --checkpoint.dir="$work/ck" --checkpoint.interval=10 --checkpoint.keep=0 \
   --metrics.jsonl="$work/full.jsonl" >"$work/full.log" 2>&1 || { cat "$work/full.log"; exit 1; }
 rm -rf "$work/ck/step-00000012"
-want=$(grep '"step": 11,' "$work/full.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
+want=$(step_loss "$work/full.jsonl" 11)
 status=0
 for layout in "1" "4 --parallelism.tp=4" "4 --parallelism.tp=2 --parallelism.dp_shard=2 --training.local_batch_size=2"; do
-  set -- $layout
-  np=$1
-  shift
-  rm -rf "$work/ck2" "$work/res.jsonl"
-  cp -r "$work/ck" "$work/ck2"
-  # 11 steps instead of 12 (to stop after the compared step) change the cosine schedule, which
-  # the step-11 loss does not depend on: allowed explicitly.
-  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" --training.steps=11 --checkpoint.dir="$work/ck2" \
-    --checkpoint.resume=true --checkpoint.allow_config_change=true --metrics.jsonl="$work/res.jsonl" \
-    "$@" >"$work/res.log" 2>&1 ||
-    { cat "$work/res.log"; exit 1; }
-  grep -q "resumed from .*step-00000010 (step 10)" "$work/res.log" ||
-    { echo "np $np $*: did not resume from step 10"; cat "$work/res.log"; exit 1; }
-  got=$(grep '"step": 11,' "$work/res.jsonl" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2)
-  rel=$(awk -v a="$got" -v b="$want" 'BEGIN { d = a - b; if (d < 0) d = -d; print d / b }')
-  echo "np $np $*: step 11 loss $got (uninterrupted TP 2: $want; relative difference $rel)"
-  awk -v r="$rel" 'BEGIN { exit !(r <= 5e-5) }' || status=1
+  resume_step11 "$work/ck" "$want" 5e-5 rel "TP 2" $layout || status=1
 done
 exit $status
