@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -317,11 +318,16 @@ TEST(CheckpointReshard, SavesHoldOnlyTheShardsPlusTheStagingCopy) {
       });
     for (auto& t : threads) t.join();
     for (const std::string& e : errors) ASSERT_EQ(e, "");
-    int64_t staging = 0;  // f32 weights + 2 moments of every rank's shards
-    for (int64_t s : shard_numel) staging += 3 * s * 4;
+    int64_t staging = 0, largest = 0;  // f32 weights + 2 moments of every rank's shards
+    for (int64_t s : shard_numel) {
+      staging += 3 * s * 4;
+      largest = std::max(largest, 3 * s * 4);
+    }
     const size_t small = 16 << 10;  // seen: 8 KiB (the key and error all-gathers)
     if (async) {
-      EXPECT_GE(peak_increase, size_t(staging) * 9 / 10) << "the staging copy";
+      // Each rank's writer frees its copy once written, so the four copies need not overlap
+      // (seen: 204288 of 218764 bytes at the peak): at least one whole copy, at most all four.
+      EXPECT_GE(peak_increase, size_t(largest)) << "the staging copy";
       EXPECT_LE(peak_increase, size_t(staging) * 11 / 10 + small);
     } else {
       EXPECT_LE(peak_increase, small) << "the model is " << model_numel * 4 << " bytes";
