@@ -16,11 +16,18 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.l
 n=0
 for mode in false true; do
   for victims in one all; do
-    for delay in 1.3 1.8; do
+    for delay in 0.3 0.8; do
       n=$((n + 1))
       "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=100000 \
         --checkpoint.async=$mode --checkpoint.resume=true >"$work/run.log" 2>&1 &
       job=$!
+      # The moment is counted from the job's first save: mpirun's start-up alone took more than
+      # the old fixed 1.3 s in a fresh Debian root under load (no rank existed yet to kill).
+      for _ in $(seq 600); do
+        grep -q '^step ' "$work/run.log" 2>/dev/null && break
+        kill -0 "$job" 2>/dev/null || break
+        sleep 0.1
+      done
       sleep "$delay"
       ranks=$(pgrep -P "$job" || true)
       [ -n "$ranks" ] || { echo "run $n: no ranks to kill"; cat "$work/run.log"; exit 1; }
