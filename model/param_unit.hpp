@@ -97,17 +97,29 @@ void read_param_slice(const Reader& f, const std::string& name, const ParamSpec&
   const Shape g = spec.global_shape();
   const int64_t row = g.empty() ? 1 : shape_numel(g) / g[0];
   const int64_t real = spec.global_numel();
-  std::vector<float> rows;
+  // Whole rows go straight to `out`; a run that starts or ends inside a row reads that row into
+  // one row of scratch, so a load holds no copy of a slice (a shard's runs start anywhere).
+  Tensor scratch;
   spec.for_global_runs(local_begin, count, [&](int64_t gb, int64_t n, int64_t local) {
     // Padding rows (past the real ones) are not in the file: zero.
     const int64_t keep = std::clamp<int64_t>(real - gb, 0, n);
-    std::fill_n(out + (local - local_begin) + keep, n - keep, 0.0f);
+    float* dst = out + (local - local_begin);
+    std::fill_n(dst + keep, n - keep, 0.0f);
     n = keep;
-    if (n == 0) return;
-    const int64_t r0 = gb / row, r1 = (gb + n - 1) / row + 1;
-    rows.resize(size_t((r1 - r0) * row));
-    f.read_f32(name, g, rows.data(), r0, r1 - r0);
-    std::copy_n(rows.data() + (gb - r0 * row), n, out + (local - local_begin));
+    while (n > 0) {
+      const int64_t r = gb / row, c = gb % row;
+      if (c == 0 && n >= row) {
+        const int64_t whole = n / row;
+        f.read_f32(name, g, dst, r, whole);
+        gb += whole * row, dst += whole * row, n -= whole * row;
+        continue;
+      }
+      if (!scratch.defined()) scratch = Tensor::empty({row}, DType::f32);
+      const int64_t take = std::min(n, row - c);
+      f.read_f32(name, g, scratch.data<float>(), r, 1);
+      std::copy_n(scratch.data<float>() + c, take, dst);
+      gb += take, dst += take, n -= take;
+    }
   });
 }
 

@@ -535,23 +535,31 @@ void SafetensorsDir::read_f32(const std::string& name, const Shape& expected, fl
              ", ", row_begin + rows, ") out of range for dimension 0 of size ", dim0);
   const int64_t n = rows * (dim0 == 0 ? 0 : shape_numel(shape) / dim0);
   // Every element from exactly one slice: an index whose slices overlap or leave a hole is
-  // refused rather than read as zeros or twice.
-  std::vector<uint8_t> seen(size_t(n), 0);
-  for (const Piece& p : pieces) {
-    const SafetensorsFile& f = *files_[p.file];
+  // refused rather than read as zeros or twice. Checked on the runs (not per element, which would
+  // cost a byte of heap per element read) before anything is read.
+  struct Run {
+    int64_t to, len, at;
+    const Piece* piece;
+  };
+  std::vector<Run> runs;
+  for (const Piece& p : pieces)
     for_slice_runs(p.slice, shape, row_begin, rows, [&](int64_t at, int64_t len, int64_t to) {
-      for (int64_t i = to; i < to + len; ++i) {
-        LOOM_CHECK(!seen[size_t(i)], what, ": an element of rows [", row_begin, ", ",
-                   row_begin + rows, ") is in two slices (", f.path(),
-                   " and another): a torn or mismatched index");
-        seen[size_t(i)] = 1;
-      }
-      f.read_f32(name, {p.slice.numel()}, out + to, at, len);
+      runs.push_back({to, len, at, &p});
     });
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.to < b.to; });
+  int64_t covered = 0, missing = 0;
+  for (const Run& r : runs) {
+    LOOM_CHECK(r.to >= covered, what, ": an element of rows [", row_begin, ", ", row_begin + rows,
+               ") is in two slices (", files_[r.piece->file]->path(),
+               " and another): a torn or mismatched index");
+    missing += r.to - covered;
+    covered = r.to + r.len;
   }
-  const int64_t missing = std::count(seen.begin(), seen.end(), uint8_t(0));
+  missing += n - covered;
   LOOM_CHECK(missing == 0, what, ": ", missing, " elements of rows [", row_begin, ", ",
              row_begin + rows, ") are in no slice (a missing file or a torn index)");
+  for (const Run& r : runs)
+    files_[r.piece->file]->read_f32(name, {r.piece->slice.numel()}, out + r.to, r.at, r.len);
 }
 
 std::vector<std::string> SafetensorsDir::names() const {

@@ -93,6 +93,11 @@ int64_t parse_step_name(const std::string& name) {
   return v;
 }
 
+// Whether `units` (ascending; empty: every unit) holds unit i.
+bool holds(const std::vector<size_t>& units, size_t i) {
+  return units.empty() || std::binary_search(units.begin(), units.end(), i);
+}
+
 bool tp_split(const ParamSpec& spec) {
   return spec.split != TpSplit::none && spec.tp_count > 1;
 }
@@ -106,10 +111,13 @@ struct RankSlices {
 
 // `split`, `unsplit`: whether this rank writes the parameters tensor parallelism splits, and the
 // others (content_keys).
-RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit) {
+// `held`: the units this rank writes (empty: all).
+RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit,
+                       const std::vector<size_t>& held) {
   RankSlices out;
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i) {
+    if (!holds(held, i)) continue;
     ParamUnit& u = *units[i];
     const Tensor* buffers[3] = {&u.master_shard(), &opt.exp_avg()[i], &opt.exp_avg_sq()[i]};
     for (const Tensor* t : buffers)
@@ -145,13 +153,17 @@ RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit) 
 // replicas, the ranks of a cp group, the tp ranks for the parameters TP does not split) write it
 // once: the first of them. Two keys, [0] for the split parameters and [1] for the others, each a
 // hash of what the rank holds of them.
-std::array<int32_t, 4> content_keys(LlamaModel& model) {
+// Under pp only the units of the rank's stages count: the pp ranks hold different ones.
+std::array<int32_t, 4> content_keys(LlamaModel& model, const std::vector<size_t>& held) {
   std::array<uint64_t, 2> h = {1469598103934665603ull, 1469598103934665603ull};
   auto mix = [](uint64_t& x, const std::string& s) {
     for (unsigned char c : s) x = (x ^ c) * 1099511628211ull;
     x = (x ^ 0xff) * 1099511628211ull;
   };
-  for (ParamUnit* u : model.units()) {
+  const auto units = model.units();
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (!holds(held, i)) continue;
+    ParamUnit* u = units[i];
     const std::string unit =
         str_cat(u->name(), "@", u->shard_layout().rank, "/", u->shard_layout().count);
     mix(h[0], unit);
@@ -363,6 +375,7 @@ struct SavePlan {
   dist::ProcessGroup* world = nullptr;  // nullptr: one process
   int rank = 0;
   bool write[2] = {false, false};  // this rank writes the TP-split / the other parameters
+  std::vector<size_t> units;       // the units it writes (CheckpointComm::units)
   std::vector<int> writers;        // the ranks that write a file
   fs::path root, tmp, final_dir;
   std::string what;  // "saving checkpoint DIR", for errors
@@ -389,7 +402,11 @@ SavePlan begin_save(const std::string& root, LlamaModel& model, AdamW& optimizer
   const int size = plan.world ? plan.world->size() : 1;
 
   // Which ranks write what: the first of each set of ranks holding the same slices.
-  const std::array<int32_t, 4> key = content_keys(model);
+  plan.units = comm.units;
+  LOOM_CHECK(std::is_sorted(plan.units.begin(), plan.units.end()) &&
+                 (plan.units.empty() || plan.units.back() < model.units().size()),
+             "save_checkpoint: CheckpointComm::units must be ascending unit indices");
+  const std::array<int32_t, 4> key = content_keys(model, plan.units);
   Tensor mine = Tensor::empty({4}, DType::i32), keys = Tensor::empty({4 * size}, DType::i32);
   std::copy(key.begin(), key.end(), mine.data<int32_t>());
   if (plan.world)
@@ -439,7 +456,8 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
   const SavePlan plan = begin_save(root, model, optimizer, state, comm);
   agree(plan.world, catch_error([&] {
           if (plan.writer())
-            write_rank_file(plan, rank_slices(model, optimizer, plan.write[0], plan.write[1]),
+            write_rank_file(plan,
+                            rank_slices(model, optimizer, plan.write[0], plan.write[1], plan.units),
                             state.step);
         }),
         plan.what, plan.cleanup());
@@ -515,7 +533,8 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
   // change the shards while the thread writes.
   RankSlices staged;
   if (impl->plan.writer()) {
-    staged = rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1]);
+    staged =
+        rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1], impl->plan.units);
     for (NamedTensor& t : staged.tensors) {
       Tensor copy = Tensor::empty(t.tensor.shape(), t.tensor.dtype());
       copy.copy_from(t.tensor);
@@ -587,7 +606,8 @@ TrainState read_checkpoint_state(const std::string& dir) {
   return st;
 }
 
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
+TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer,
+                           const std::vector<size_t>& held) {
   const fs::path d(dir);
   std::error_code ec;
   const TrainState st = read_checkpoint_state(dir);
@@ -608,7 +628,26 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
     LOOM_CHECK(names.count(n) || (ckpt.sharded() && mnames.count(n)), dir, ": tensor '", n, "' (",
                ckpt.where(n),
                ") is not a parameter of the model being trained (a model of another shape?)");
-  model.load_hf(ckpt);
+  LOOM_CHECK(
+      std::is_sorted(held.begin(), held.end()) && (held.empty() || held.back() < units.size()),
+      "load_checkpoint: the units to read must be ascending unit indices");
+  if (held.empty()) {
+    model.load_hf(ckpt);
+  } else {
+    // Under pp: the rank's own units only (LlamaModel::load_hf per unit); the others are zeroed,
+    // so that what the rank never uses is at least not left uninitialized.
+    for (size_t i = 0; i < units.size(); ++i) {
+      ParamUnit& u = *units[i];
+      if (!holds(held, i)) {
+        for (Tensor* t : {&u.master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
+          std::fill_n(t->data<float>(), t->numel(), 0.0f);
+      } else {
+        for (size_t k = 0; k < u.params().size(); ++k)
+          read_shard(ckpt, u.params()[k].spec.name, u, k, u.master_shard().data<float>());
+      }
+      if (!u.sharded()) u.refresh_bf16();
+    }
+  }
 
   if (ckpt.sharded()) {
     const auto it = ckpt.metadata().find("step");
@@ -623,7 +662,7 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
         for (Tensor& m : *moments) std::fill_n(m.data<float>(), m.numel(), 0.0f);
     } else {
       for (size_t i = 0; i < units.size(); ++i)
-        for (size_t k = 0; k < units[i]->params().size(); ++k) {
+        for (size_t k = 0; holds(held, i) && k < units[i]->params().size(); ++k) {
           const std::string& n = units[i]->params()[k].spec.name;
           read_shard(ckpt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
           read_shard(ckpt, n + ".exp_avg_sq", *units[i], k,

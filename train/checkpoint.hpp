@@ -38,6 +38,9 @@ struct CheckpointComm {
   dist::ProcessGroup* shard = nullptr;
   dist::ProcessGroup* world = nullptr;
   dist::ProcessGroup* tp = nullptr;  // tensor parallelism: slices gathered to global tensors
+  // Pipeline parallelism: the units of this rank's stages, ascending; every pp rank holds every
+  // unit but keeps only these up to date, and writes only these. Empty: every unit.
+  std::vector<size_t> units;
 };
 struct TrainState {
   int64_t step = 0;       // optimizer steps completed
@@ -96,7 +99,10 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
 // shapes), tensors the model does not have. Each rank reads only the slices it holds from
 // whichever files have them, so a checkpoint of any layout loads into any other. Checkpoints of
 // the earlier format (model.safetensors + optimizer.safetensors) load too.
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
+// `units` (pipeline parallelism: the rank's stages' units, ascending; empty: every unit): only
+// these are read, the others' weights and moments are zeroed (the rank never uses them).
+TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer,
+                           const std::vector<size_t>& units = {});
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
 // allocating anything.
 TrainState read_checkpoint_state(const std::string& dir);

@@ -82,15 +82,4 @@ double TrainStep::run_pipeline(int64_t micro_batches,
   return group_sum(cp, loss);
 }
 
-void share_pipeline_units(ParallelModel& model, AdamW& optimizer) {
-  if (!model.pipeline) return;
-  auto units = model.model->units();
-  for (size_t i = 0; i < units.size(); ++i) {
-    const int owner = model.pipeline->unit_owner(i);
-    for (Tensor* t :
-         {&units[i]->master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
-      model.groups.pp->broadcast(*t, owner)->wait();
-  }
-}
-
 }  // namespace loom

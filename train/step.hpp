@@ -40,8 +40,4 @@ class TrainStep {
   int64_t tokens_per_step_;
 };
 
-// With pp every rank holds every unit but updates only its stages': before a checkpoint is
-// written, each unit's weights and moments are broadcast from the pp rank that owns it.
-void share_pipeline_units(ParallelModel& model, AdamW& optimizer);
-
 }  // namespace loom

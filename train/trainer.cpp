@@ -52,6 +52,34 @@ std::string gib(size_t bytes) {
   return buf;
 }
 
+// The bytes of this rank's shards a checkpoint holds: f32 master weights and both AdamW moments.
+size_t checkpoint_shard_bytes(LlamaModel& model, AdamW& optimizer) {
+  size_t n = 0;
+  auto units = model.units();
+  for (size_t i = 0; i < units.size(); ++i)
+    n += units[i]->master_shard().nbytes() + optimizer.exp_avg()[i].nbytes() +
+         optimizer.exp_avg_sq()[i].nbytes();
+  return n;
+}
+
+// A save or a load may allocate, beyond the rank's shards (and, for an async save, its staging
+// copy of them), only the small tensors of its agreements (written keys, error texts): nothing
+// the size of a tensor of the model. bench/ckpt_bench.sh fails a rank that goes over.
+constexpr size_t kCheckpointSlackBytes = size_t(64) << 10;
+
+// One rank's memory and time for a save or a load, as "key=value" fields that
+// bench/ckpt_bench.sh reads from the rank logs ([job] rank_logs).
+std::string checkpoint_stats(const char* what, int rank, double seconds, size_t held, size_t shards,
+                             size_t peak, size_t staging) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "checkpoint stats: %s rank=%d seconds=%.3f held_bytes=%zu shard_bytes=%zu "
+                "extra_peak_bytes=%zu bound_extra_bytes=%zu",
+                what, rank, seconds, held, shards, peak > held ? peak - held : 0,
+                staging + kCheckpointSlackBytes);
+  return buf;
+}
+
 // The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
 class RunLog {
  public:
@@ -223,6 +251,8 @@ struct Trainer::State {
   std::string config_note;           // the keys a resume changed (checkpoint.allow_config_change)
   std::vector<std::string> cleaned;  // what clean_checkpoint_dir did
   double last_loss = 0, last_lr = 0;
+  std::string load_stats;       // checkpoint_stats of the resume's load ("" when not resuming)
+  size_t peak_before_load = 0;  // the allocator's peak before the load reset it
 
   int64_t tokens_per_step() const { return G * B * T * groups.size; }
 
@@ -442,7 +472,17 @@ void Trainer::State::build_optimizer() {
 
 void Trainer::State::load_or_init() {
   if (!resume_dir.empty()) {
-    const TrainState st = load_checkpoint(resume_dir, *par.model, *adamw);
+    auto& alloc = Allocator::get(Device::cpu);
+    peak_before_load = alloc.stats().peak_allocated;
+    const size_t held = alloc.stats().allocated;
+    alloc.reset_peak();
+    const auto t0 = Clock::now();
+    const TrainState st =
+        load_checkpoint(resume_dir, *par.model, *adamw,
+                        par.pipeline ? par.pipeline->owned_units() : std::vector<size_t>{});
+    load_stats = checkpoint_stats("load", mesh ? mesh->world_rank() : 0, seconds_since(t0), held,
+                                  checkpoint_shard_bytes(*par.model, *adamw),
+                                  alloc.stats().peak_allocated, 0);
     step = st.step;
     data_offset = st.data_step - st.step;
     last_loss = st.loss;
@@ -523,6 +563,7 @@ TrainResult Trainer::run() {
       log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
     if (!s.config_note.empty()) log.message(s.config_note);
     for (const std::string& c : s.cleaned) log.message(str_cat("  checkpoint.dir: ", c));
+    if (!s.load_stats.empty()) log.message("  " + s.load_stats);
   }
   double peak = 0;
   if (s.opt.gemm_peak_seconds > 0) {
@@ -536,6 +577,10 @@ TrainResult Trainer::run() {
   }
 
   auto& alloc = Allocator::get(Device::cpu);
+  // A save (and the load) resets the allocator's peak to measure itself: the run's peak is kept
+  // here.
+  size_t run_peak = s.peak_before_load;
+  auto peak_allocated = [&] { return std::max(run_peak, alloc.stats().peak_allocated); };
   const double flops_per_token = s.mc.flops_per_token(s.T);
   int64_t last_saved = -1;
   double ema_step_s = 0;
@@ -577,11 +622,16 @@ TrainResult Trainer::run() {
   auto save = [&](int64_t step) {
     if (j.checkpoint.dir.empty() || last_saved == step) return;
     finish_pending();
+    run_peak = peak_allocated();
+    const size_t held = alloc.stats().allocated;
+    alloc.reset_peak();
     const auto t0 = Clock::now();
     TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step};
-    const CheckpointComm comm{s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp};
+    // Under pp each rank writes only its stages' units, the only ones it keeps up to date.
+    const CheckpointComm comm{
+        s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp,
+        s.par.pipeline ? s.par.pipeline->owned_units() : std::vector<size_t>{}};
     try {
-      share_pipeline_units(s.par, *s.adamw);
       if (j.checkpoint.async) {
         const bool prune = s.writer;
         pending = save_checkpoint_async(j.checkpoint.dir, *s.par.model, *s.adamw, st,
@@ -598,8 +648,15 @@ TrainResult Trainer::run() {
     }
     if (!j.checkpoint.async && s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
     last_saved = step;
+    const double seconds = seconds_since(t0);
+    const size_t shards = checkpoint_shard_bytes(*s.par.model, *s.adamw);
+    // The async save's staging copy holds at most the rank's shards.
+    log.message(str_cat("step ", step, " | ",
+                        checkpoint_stats(pending ? "save_async" : "save",
+                                         s.mesh ? s.mesh->world_rank() : 0, seconds, held, shards,
+                                         alloc.stats().peak_allocated, pending ? shards : 0)));
     char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
+    std::snprintf(buf, sizeof buf, "%.2f", seconds);
     if (pending)
       log.message(str_cat("step ", step, " | saving ", pending->path(), " in the background (", buf,
                           " s stall)"));
@@ -633,7 +690,7 @@ TrainResult Trainer::run() {
     m.loss = loss;
     m.lr = lr;
     m.grad_norm = norm;
-    m.peak_allocated_bytes = alloc.stats().peak_allocated;
+    m.peak_allocated_bytes = peak_allocated();
     m.tokens_seen = step * tokens_per_step;
     if (!r.updated) {
       log.step(m);
@@ -656,7 +713,7 @@ TrainResult Trainer::run() {
     m.mfu = peak > 0 ? flops_per_token * m.tokens_per_s /
                            (peak * double(s.mesh ? s.mesh->world_size() : 1))
                      : 0;
-    m.peak_allocated_bytes = alloc.stats().peak_allocated;
+    m.peak_allocated_bytes = peak_allocated();
     // The first step pays for allocations: the ETA is a moving average of the later ones.
     if (step <= first_step + 1)
       ema_step_s = m.step_seconds;
