@@ -40,7 +40,7 @@ struct CheckpointComm {
   dist::ProcessGroup* tp = nullptr;  // tensor parallelism: slices gathered to global tensors
   // Pipeline parallelism: the units of this rank's stages, ascending; every pp rank holds every
   // unit but keeps only these up to date, and writes only these. Empty: every unit.
-  std::vector<size_t> units;
+  std::vector<size_t> units = {};
 };
 struct TrainState {
   int64_t step = 0;       // optimizer steps completed
