@@ -15,7 +15,7 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.l
 ck=step-00000002
 status=0
 # expect NAME EDIT PATTERN...: applies EDIT to a copy, resumes, wants a non-zero exit, every
-# PATTERN in the output, and the directory as it was.
+# PATTERN in every rank's error (its log, job.rank_logs), and the directory as it was.
 expect() {
   local name=$1 edit=$2
   shift 2
@@ -24,14 +24,20 @@ expect() {
   (cd "$work/c/$ck" && eval "$edit")
   local before
   before=$(cd "$work/c" && find . -type f | sort | xargs md5sum)
+  rm -rf "$work/logs"
   if "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=3 --checkpoint.dir="$work/c" \
-    --checkpoint.resume=true "${extra[@]}" >"$work/out.log" 2>&1; then
+    --checkpoint.resume=true --job.rank_logs=true --job.dump_dir="$work" "${extra[@]}" \
+    >"$work/out.log" 2>&1; then
     echo "$name: the resume succeeded"
     status=1
     return
   fi
-  for p in "$@"; do
-    grep -qF -- "$p" "$work/out.log" || { echo "$name: '$p' not in:"; cat "$work/out.log"; status=1; }
+  # Every rank's own error names them, not only the first rank's.
+  for r in 0 1; do
+    for p in "$@"; do
+      grep "error:" "$work/logs/rank-$r.log" 2>/dev/null | grep -qF -- "$p" ||
+        { echo "$name: rank $r's log has no error with '$p':"; cat "$work/logs/rank-$r.log" "$work/out.log"; status=1; }
+    done
   done
   [ "$(cd "$work/c" && find . -type f | sort | xargs md5sum)" = "$before" ] ||
     { echo "$name: the checkpoint directory changed"; status=1; }
