@@ -9,10 +9,12 @@
 #     shards of the checkpoint (f32 weights + 2 moments) and the allocator's peak during the save
 #     (load) over what it held before, against the bound: 64 KiB for the ranks' agreements (the
 #     file is written from views of the shards; the load reads into them);
-#   - under FSDP ASYNC_NP, an asynchronous save at step 1: its training stall (the training
-#     thread's time in the save: the agreement and the staging copy) against the synchronous
-#     save's wall time (at most 10%), and the peak over held against the staging copy (at most
-#     the rank's shards) + 64 KiB.
+#   - under FSDP ASYNC_NP, 4 steps saving at steps 2 and 4, synchronously and asynchronously: the
+#     training stall of each async save (the training thread's time in the save: the agreement
+#     and the staging copy; the wait for the previous save's write is printed apart, "waited")
+#     against the synchronous save's wall time, at most 10% for the second save (the first one
+#     also faults in the staging buffer's pages; printed too), and the peak over held against
+#     the staging copy (the rank's shards, one buffer) + 64 KiB.
 # Exits non-zero when a rank breaks its bound, or the stall is over 10% of the synchronous save.
 # Each checkpoint is 12 bytes x 316.7M = 3.8 GB on disk, removed once measured; the ranks
 # together need about 16 bytes per parameter (5.1 GB) of memory, 8.9 GB with the async staging.
@@ -58,14 +60,15 @@ train() {  # train NAME NP ARGS...: loom train under FSDP NP; rank logs in $work
 }
 
 status=0
-# table NAME KIND: the per-rank "checkpoint stats: KIND" lines of run NAME, each against its bound;
-# sets $wall to the slowest rank's seconds.
+# table NAME KIND [STEP]: the per-rank "checkpoint stats: KIND" lines of run NAME (of the save of
+# STEP), each against its bound; sets $wall to the slowest rank's seconds.
 table() {
-  local name=$1 kind=$2 out
-  out=$(cat "$work/$1"/logs/rank-*.log | grep -o "checkpoint stats: $kind .*" |
+  local name=$1 kind=$2 at=${3:+step $3 | } out
+  out=$(cat "$work/$1"/logs/rank-*.log | grep -F "${at}checkpoint stats: $kind " |
+    grep -o "checkpoint stats: $kind .*" |
     awk '{for (i = 4; i <= NF; ++i) {split($i, kv, "="); v[kv[1]] = kv[2]}
       ok = v["extra_peak_bytes"] <= v["bound_extra_bytes"]
-      printf "  %4d %9.2f %12.1f %12.1f %14.1f %14.1f  %s\n", v["rank"], v["seconds"],
+      printf "  %4d %9.3f %12.1f %12.1f %14.1f %14.1f  %s\n", v["rank"], v["seconds"],
         v["held_bytes"] / 2^20, v["shard_bytes"] / 2^20, v["extra_peak_bytes"] / 2^10,
         v["bound_extra_bytes"] / 2^10, ok ? "ok" : "OVER THE BOUND"}' | sort -n)
   [ -n "$out" ] || { echo "$name: no '$kind' figures in the rank logs"; status=1; wall=0; return; }
@@ -73,7 +76,7 @@ table() {
     "bound+ KiB"
   echo "$out"
   grep -q "OVER" <<<"$out" && status=1
-  wall=$(awk '$2 > m {m = $2} END {print m}' <<<"$out")
+  wall=$(awk 'NR == 1 || $2 > m {m = $2} END {print m}' <<<"$out")
 }
 
 declare -A save_s load_s
@@ -91,13 +94,25 @@ for np in $nps; do
   rm -rf "$work/ck$np"
 done
 
-echo "== FSDP $async_np: asynchronous save of step 1 (load average $(cut -d' ' -f1 /proc/loadavg))"
-train "async$async_np" "$async_np" --training.steps=1 --checkpoint.dir="$work/cka" \
-  --checkpoint.async=true
-table "async$async_np" save_async
-stall=$wall
-grep -ao "waited [0-9.]* s" "$work/async$async_np.out" | sed 's/^/  background write: /'
-rm -rf "$work/cka"
+# The stall: the same run under FSDP ASYNC_NP, saving at steps 2 and 4, synchronously and with
+# checkpoint.async. The first async save allocates its staging buffer (page faults on every page);
+# the second gets the same block back from the caching allocator: the steady state, which the
+# bound applies to (both are printed).
+declare -A stall sync
+for mode in sync async; do
+  echo "== FSDP $async_np: $mode saves at steps 2 and 4 (load average $(cut -d' ' -f1 /proc/loadavg))"
+  train "$mode$async_np" "$async_np" --training.steps=4 --checkpoint.interval=2 \
+    --checkpoint.dir="$work/ck_$mode" --checkpoint.async=$([ $mode = async ] && echo true || echo false)
+  for st in 2 4; do
+    echo " save of step $st:"
+    table "$mode$async_np" "$([ $mode = async ] && echo save_async || echo save)" "$st"
+    [ $mode = async ] && stall[$st]=$wall || sync[$st]=$wall
+  done
+  grep -ao "step [0-9]*/[0-9]* [^[:cntrl:]]*" "$work/$mode$async_np.out" | sed 's/^/  /' || true
+  grep -ao "saved [^ ]* (waited [0-9.]* s for it)" "$work/$mode$async_np.out" |
+    sed 's/^/  background write: /' || true
+  rm -rf "$work/ck_$mode"
+done
 
 echo "== summary ($((params * 12)) bytes per checkpoint; load average $(cut -d' ' -f1-3 /proc/loadavg))"
 printf "  %5s %10s %10s %12s %12s\n" ranks save_s load_s "save MB/s" "load MB/s"
@@ -105,10 +120,14 @@ for np in $nps; do
   awk -v n="$np" -v s="${save_s[$np]}" -v l="${load_s[$np]}" -v b="$((params * 12))" \
     'BEGIN {printf "  %5d %10.2f %10.2f %12.0f %12.0f\n", n, s, l, s ? b / s / 1e6 : 0, l ? b / l / 1e6 : 0}'
 done
-if [ -n "${save_s[$async_np]:-}" ]; then
-  ratio=$(awk -v a="$stall" -v s="${save_s[$async_np]}" 'BEGIN {printf "%.4f", a / s}')
-  echo "  async stall under FSDP $async_np: $stall s against the synchronous save's ${save_s[$async_np]} s:" \
-    "$(awk -v r="$ratio" 'BEGIN {printf "%.1f%%", 100 * r}') (bound 10%)"
-  awk -v r="$ratio" 'BEGIN {exit !(r <= 0.10)}' || { echo "  OVER THE BOUND"; status=1; }
-fi
+for st in 2 4; do
+  ratio=$(awk -v a="${stall[$st]}" -v s="${sync[$st]}" 'BEGIN {printf "%.4f", s ? a / s : 99}')
+  echo "  FSDP $async_np, save of step $st: async stall ${stall[$st]} s, synchronous save ${sync[$st]} s:" \
+    "$(awk -v r="$ratio" 'BEGIN {printf "%.1f%%", 100 * r}')$([ $st = 4 ] && echo " (bound 10%)" ||
+      echo " (first save: the staging buffer's pages are faulted in)")"
+  if [ $st = 4 ] && ! awk -v r="$ratio" 'BEGIN {exit !(r <= 0.10)}'; then
+    echo "  OVER THE BOUND"
+    status=1
+  fi
+done
 exit $status

@@ -530,14 +530,21 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
   impl->plan = begin_save(root, model, optimizer, state, comm);
   impl->path = impl->plan.final_dir.string();
   // The staging buffer: a copy of this rank's slices (its own shards at most), so training may
-  // change the shards while the thread writes.
+  // change the shards while the thread writes. One buffer, not one per tensor: its size is the
+  // slices' to the allocator's rounding, and the caching allocator hands the same block to the
+  // next save, whose copy then takes no page faults.
   RankSlices staged;
   if (impl->plan.writer()) {
     staged =
         rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1], impl->plan.units);
+    int64_t total = 0;
+    for (const NamedTensor& t : staged.tensors) total += t.tensor.numel();
+    const Tensor buffer = Tensor::empty({total}, DType::f32);
+    int64_t at = 0;
     for (NamedTensor& t : staged.tensors) {
-      Tensor copy = Tensor::empty(t.tensor.shape(), t.tensor.dtype());
+      Tensor copy = buffer.narrow(0, at, t.tensor.numel());
       copy.copy_from(t.tensor);
+      at += t.tensor.numel();
       t.tensor = copy;
     }
   }

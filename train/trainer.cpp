@@ -650,11 +650,13 @@ TrainResult Trainer::run() {
     last_saved = step;
     const double seconds = seconds_since(t0);
     const size_t shards = checkpoint_shard_bytes(*s.par.model, *s.adamw);
-    // The async save's staging copy holds at most the rank's shards.
-    log.message(str_cat("step ", step, " | ",
-                        checkpoint_stats(pending ? "save_async" : "save",
-                                         s.mesh ? s.mesh->world_rank() : 0, seconds, held, shards,
-                                         alloc.stats().peak_allocated, pending ? shards : 0)));
+    // The async save's staging copy holds at most the rank's shards (one buffer, rounded by
+    // the allocator).
+    log.message(
+        str_cat("step ", step, " | ",
+                checkpoint_stats(pending ? "save_async" : "save", s.mesh ? s.mesh->world_rank() : 0,
+                                 seconds, held, shards, alloc.stats().peak_allocated,
+                                 pending ? Allocator::round_size(shards) : 0)));
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f", seconds);
     if (pending)
