@@ -525,7 +525,8 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json,
                                                    const CheckpointComm& comm,
-                                                   std::function<void()> after_complete) {
+                                                   std::function<void()> after_complete,
+                                                   const Tensor& staging) {
   auto impl = std::make_unique<PendingSave::Impl>();
   impl->plan = begin_save(root, model, optimizer, state, comm);
   impl->path = impl->plan.final_dir.string();
@@ -539,7 +540,10 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
         rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1], impl->plan.units);
     int64_t total = 0;
     for (const NamedTensor& t : staged.tensors) total += t.tensor.numel();
-    const Tensor buffer = Tensor::empty({total}, DType::f32);
+    const bool given = staging.defined() && staging.dtype() == DType::f32 &&
+                       staging.is_contiguous() && staging.numel() >= total;
+    const Tensor buffer = given ? staging.view({staging.numel()}).narrow(0, 0, total)
+                                : Tensor::empty({total}, DType::f32);
     int64_t at = 0;
     for (NamedTensor& t : staged.tensors) {
       Tensor copy = buffer.narrow(0, at, t.tensor.numel());

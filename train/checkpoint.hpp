@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/tensor.hpp"
+
 namespace loom {
 
 class LlamaModel;
@@ -74,7 +76,8 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
 // is there, then runs `after_complete` (the prune). wait() joins and tells every rank every
 // rank's failure (an error on every rank, as save_checkpoint); every rank must call it (the next
 // save and the end of training do) before any other save. Destroying it without wait() (an
-// error unwinding) stops waiting for other ranks and joins.
+// error unwinding) stops waiting for other ranks and joins. `staging`: an f32 buffer the copy goes
+// into when it is large enough (a caller's, allocated once), else one is allocated.
 class PendingSave {
  public:
   struct Impl;
@@ -92,7 +95,8 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json = "",
                                                    const CheckpointComm& comm = {},
-                                                   std::function<void()> after_complete = {});
+                                                   std::function<void()> after_complete = {},
+                                                   const Tensor& staging = {});
 
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both
