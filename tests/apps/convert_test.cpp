@@ -3,6 +3,7 @@
 // weights and fresh AdamW state, and bad input is an error naming the directory, file and tensor,
 // with nothing written.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -49,9 +50,11 @@ class ConvertCommand : public ::testing::Test {
     const char* b = std::getenv("LOOM_BIN");
     if (!b) GTEST_SKIP() << "LOOM_BIN is not set (run through ctest)";
     bin_ = b;
+    // The pid too: other checkouts on the machine run the same tests at the same time.
     dir_ = fs::temp_directory_path() /
            ("loom_convert_test_" +
-            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+            std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
