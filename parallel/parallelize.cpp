@@ -50,6 +50,16 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   auto units = pp::stage_units(int(m.model->config().num_hidden_layers), s.stages, layers);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
+  // The last stage's replica of a tied embedding gets its gradient outside the unit hooks of
+  // FSDP/DDP (its unit 0 never runs a backward there), so it would be neither reduce-scattered
+  // nor all-reduced over dp: refused until the replica takes part in their reductions.
+  LOOM_CHECK(!m.pipeline->tied_across_ranks() || (!m.fsdp && !m.ddp),
+             "tie_word_embeddings (the model's config.json) with parallelism.pp = ", p,
+             " and data parallelism (parallelism.dp_shard x cp = ",
+             m.groups.shard ? m.groups.shard->size() : 1,
+             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
+             "): the tied embedding's replica on the last stage is not reduced over dp yet; "
+             "expected dp_shard = cp = dp_replicate = 1 with tied embeddings, or pp = 1");
   // pp_fsdp_gather = "microbatch": FSDP's per-unit gathers and reduce-scatters complete within
   // each action, so micro-batches in flight never overlap on a unit's gathered buffers. Left in
   // flight across actions, pp2 x fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs

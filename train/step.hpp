@@ -40,6 +40,11 @@ class TrainStep {
   int64_t tokens_per_step_;
 };
 
+// Validation under pp: the batches through a forward-only schedule (PipelineExecutor::run_forward);
+// returns their summed loss over this dp rank's tokens (summed over cp and pp, the same on every
+// rank of the dp coordinate), as the loop of forward passes gives in one process.
+double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBatch>& batches);
+
 // With pp every rank holds every unit but updates only its stages': before a checkpoint is
 // written, each unit's weights and moments are broadcast from the pp rank that owns it.
 void share_pipeline_units(ParallelModel& model, AdamW& optimizer);
