@@ -1,13 +1,12 @@
 #!/bin/bash
 # Pipeline benchmark (issue 14): for (p, m) in (2,4) (2,8) (4,8) (4,16) (8,16) and each schedule
-# the executor runs (gpipe, 1f1b, interleaved_1f1b with 2 and 4 stages per rank where the
-# 16-layer model has a block for every stage), a short pp job (bench/pp-16l.json: dim 128, ffn
+# (gpipe, 1f1b, interleaved_1f1b with 2 and 4 stages per rank where the 16-layer model has a
+# block for every stage, zb1p, zbv), a short pp job (bench/pp-16l.json: dim 128, ffn
 # 384, 16 layers; one sample of 64 tokens per micro-batch) writes Chrome traces ([profiling]
 # trace); bench/pp_trace replays each action's mean CPU time (steps after the first) through the
 # simulator and prints the bubble next to the closed form, and each rank's point-to-point bytes
 # of a step next to the analytic figure (exit non-zero when they differ). CPU times, not wall
 # times: 8 ranks sharing 2 cores would measure the OS scheduler, not the schedule.
-# zb1p and zbv are not run: the executor has no I/W backward split yet.
 #   bench/pp_bench.sh [--smoke] [LOOM [PP_TRACE]]
 # --smoke: (2, 4) only, 3 steps (the pipeline_bench_smoke test).
 set -euo pipefail
@@ -34,7 +33,7 @@ bytes=$((B * T * dim * 4))  # one activation or gradient message, f32
 status=0
 for c in $cases; do
   p=${c%,*} m=${c#*,}
-  for sv in gpipe:1 1f1b:1 interleaved_1f1b:2 interleaved_1f1b:4; do
+  for sv in gpipe:1 1f1b:1 interleaved_1f1b:2 interleaved_1f1b:4 zb1p:1 zbv:2; do
     s=${sv%:*} v=${sv#*:}
     if [ $((p * v)) -gt $layers ]; then
       echo "$s p $p v $v m $m: not run ($((p * v)) stages, $layers blocks)"

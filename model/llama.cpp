@@ -202,6 +202,12 @@ Tensor LlamaModel::backward(ActivationStore& s, size_t first, size_t last, Tenso
   return dy;
 }
 
+Tensor LlamaModel::backward_input(ActivationStore& s, size_t first, size_t last, Tensor dy,
+                                  DeferredWeightGrads& deferred) {
+  const ops::DeferWeightGrads defer(deferred);
+  return backward(s, first, last, std::move(dy));
+}
+
 double LlamaModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                     int64_t T, float grad_scale) {
   ActivationStore s = micro_batch(inputs, targets, B, T, grad_scale);

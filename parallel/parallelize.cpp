@@ -50,6 +50,15 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   auto units = pp::stage_units(int(m.model->config().num_hidden_layers), s.stages, layers);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
+  // FSDP and DDP reduce a unit's gradient in its after_backward hook, which I runs: the weight
+  // gradients of W would come after the reduction.
+  LOOM_CHECK(!m.pipeline->schedule().split_backward() || (!m.fsdp && !m.ddp),
+             "parallelism.pp_schedule = \"", m.pipeline->schedule().name,
+             "\" with data parallelism (parallelism.dp_shard x cp = ",
+             m.groups.shard ? m.groups.shard->size() : 1,
+             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
+             "): zero-bubble schedules (I/W) do not run with FSDP or DDP yet; expected "
+             "dp_shard = cp = dp_replicate = 1, or gpipe, 1f1b or interleaved_1f1b");
   // The last stage's replica of a tied embedding gets its gradient outside the unit hooks of
   // FSDP/DDP (its unit 0 never runs a backward there), so it would be neither reduce-scattered
   // nor all-reduced over dp: refused until the replica takes part in their reductions.

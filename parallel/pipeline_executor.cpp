@@ -41,10 +41,12 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
   // rank builds every unit); sum_tied_gradients() makes the two gradients one, as Megatron does.
   tied_across_ = model_.config().tie_word_embeddings &&
                  schedule_.stage_rank.front() != schedule_.stage_rank.back();
-  // I/W need a backward split into input and weight gradients, which the blocks do not have yet.
-  LOOM_CHECK(!schedule_.split_backward(), "parallelism.pp_schedule = \"", schedule_.name,
-             "\": zero-bubble schedules (I/W actions) are not supported by the executor yet; ",
-             "expected gpipe, 1f1b or interleaved_1f1b");
+  // I/W: linear layers defer their weight gradients (ops::DeferWeightGrads), keeping their
+  // output gradient and input. With tp those may be pooled buffers that the next layer reuses.
+  LOOM_CHECK(!schedule_.split_backward() || model_.tp().size() <= 1, "parallelism.pp_schedule = \"",
+             schedule_.name, "\" with parallelism.tp = ", model_.tp().size(),
+             ": zero-bubble schedules (I/W actions) run without tensor parallelism only; expected "
+             "parallelism.tp = 1, or gpipe, 1f1b or interleaved_1f1b");
 }
 
 std::vector<size_t> PipelineExecutor::owned_units() const {
@@ -107,6 +109,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
   std::map<Key, Posted> recvs;
   std::map<Key, Tensor> local;  // handed between two stages of this rank
   std::vector<Posted> sends;
+  std::map<std::pair<int, int>, LlamaModel::DeferredWeightGrads> deferred;  // (stage, mb)
 
   auto store_of = [&](int mb) -> ActivationStore& {
     auto it = stores.find(mb);
@@ -202,16 +205,37 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
         y = model_.forward(st, first, last, std::move(x));
       }
       if (a.stage + 1 < s.stages) hand_on(a, false, a.stage + 1, std::move(y));
+    } else if (a.op == pp::Op::W) {
+      // The weight gradients that this stage's I deferred, from its saved operands: no
+      // recomputation, and each weight gets the additions of a full backward in the same order.
+      auto it = deferred.find({a.stage, a.mb});
+      LOOM_CHECK(it != deferred.end(), "pipeline schedule ", s.name, ": rank ", rank_, " action ",
+                 pp::to_string(a), " runs before its I");
+      if (drop_weight_grads_) {
+        it->second.clear();
+      } else {
+        trace::Span sp("action", pp::to_string(a));
+        tag(sp);
+        LlamaModel::weight_grads(it->second);
+      }
+      deferred.erase(it);
     } else {
       Tensor dy = a.stage + 1 < s.stages ? received(a, true, a.stage) : Tensor();
       Tensor dx;
       {
         trace::Span sp("action", pp::to_string(a));
         tag(sp);
-        dx = model_.backward(st, first, last, std::move(dy));
+        if (a.op == pp::Op::I) {
+          // Every linear layer's dW waits for this stage's W.
+          dx = model_.backward_input(st, first, last, std::move(dy), deferred[{a.stage, a.mb}]);
+        } else {
+          dx = model_.backward(st, first, last, std::move(dy));
+        }
       }
       if (a.stage == s.stages - 1) loss += st.loss;
       if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx));
+    }
+    if (a.op == pp::Op::B || a.op == pp::Op::W) {
       if (--pending[a.mb] == 0) {
         stores.erase(a.mb);
         pending.erase(a.mb);
@@ -229,8 +253,9 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
         .arg("p2p_bytes", int64_t((group_ ? group_->counters().bytes_sent : 0) - bytes0));
     for (auto& p : sends) p.work->wait();
   }
-  LOOM_CHECK(recvs.empty() && local.empty() && stores.empty(), "pipeline schedule ", s.name,
-             ": rank ", rank_, " ended the step with messages or micro-batches left over");
+  LOOM_CHECK(recvs.empty() && local.empty() && stores.empty() && deferred.empty(),
+             "pipeline schedule ", s.name, ": rank ", rank_,
+             " ended the step with messages or micro-batches left over");
   return loss;
 }
 

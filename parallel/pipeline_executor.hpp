@@ -73,6 +73,10 @@ class PipelineExecutor {
   // For the anti-test only: the tied gradients are not summed, which the parity must catch.
   void set_skip_tied_sum(bool on) { skip_tied_sum_ = on; }
 
+  // For the anti-test only: W actions drop their deferred weight gradients instead of running
+  // them, which the parity must catch.
+  void set_drop_weight_grads(bool on) { drop_weight_grads_ = on; }
+
   // For the anti-test only: micro-batch j's activation is sent as j ^ 1's, so the next stage
   // computes on its neighbour's, which the parity test must catch.
   void set_swap_activations(bool on) { swap_activations_ = on; }
@@ -86,6 +90,7 @@ class PipelineExecutor {
   bool swap_activations_ = false;
   bool tied_across_ = false;
   bool skip_tied_sum_ = false;
+  bool drop_weight_grads_ = false;
   std::function<void()> after_action_;
   std::function<void(const pp::Action&)> before_action_;
 };

@@ -1,9 +1,9 @@
 // The pipeline executor over real MPI ranks (one pp rank each) against one process: every rank
 // also runs the whole model with grad_accum_steps = m on the same micro-batches, and the units of
 // its stages must hold the same gradient bits, the head's rank the same summed loss bits, every
-// rank the same gradient norm bits, for
-// gpipe, 1f1b and interleaved_1f1b (balanced and explicit uneven splits). The anti-test feeds a
-// micro-batch's activation to its neighbour, which the comparison must catch on some rank.
+// rank the same gradient norm bits, for gpipe, 1f1b, interleaved_1f1b (balanced and explicit
+// uneven splits), zb1p and zbv (I/W). The anti-tests feed a micro-batch's activation to its
+// neighbour and drop the W steps' weight gradients, which the comparison must catch on some rank.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -58,7 +58,7 @@ struct Data {
 
 // Number of ranks (summed over the group) whose gradients or loss differ from one process.
 int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vector<int>& split,
-               bool swap) {
+               bool swap, bool drop_w = false) {
   const int p = world().size();
   const LlamaConfig c = config(layers);
   const Data data(m, int(c.vocab_size));
@@ -78,6 +78,8 @@ int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vecto
   PipelineExecutor ex(model, pp::make_schedule(kind, p, v, m),
                       pp::stage_units(layers, p * v, split), &world());
   ex.set_swap_activations(swap);
+  ex.set_drop_weight_grads(drop_w);
+  swap = swap || drop_w;  // an anti-test: mismatches are expected, not failures
   const double loss = ex.run(
       [&](int j) {
         return PipelineMicroBatch{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
@@ -160,9 +162,27 @@ TEST(PipelineExecutor, AntiTestSwappedActivationIsCaught) {
 
 namespace {
 
-TEST(PipelineExecutor, ZeroBubbleRefusedNamingTheKey) {
+TEST(PipelineExecutor, ZeroBubbleBitwise) {
+  // I runs the input gradient with every linear layer's dW deferred, W runs them from the saved
+  // operands: each weight gets the same additions in the same order as one process.
   const int p = world().size();
-  LlamaModel model(config(2 * p), DType::f32);
+  EXPECT_EQ(mismatches(pp::ScheduleKind::zb1p, 1, p, 2 * p, {}, false), 0);
+  EXPECT_EQ(mismatches(pp::ScheduleKind::zb1p, 1, 2 * p + 1, 2 * p, {}, false), 0);
+  EXPECT_EQ(mismatches(pp::ScheduleKind::zbv, 2, 2 * p, 2 * p, {}, false), 0);
+}
+
+TEST(PipelineExecutor, AntiTestDroppedWeightGradientIsCaught) {
+  const int p = world().size();
+  EXPECT_GT(mismatches(pp::ScheduleKind::zb1p, 1, p, 2 * p, {}, false, true), 0);
+}
+
+TEST(PipelineExecutor, ZeroBubbleWithTensorParallelRefusedNamingTheKey) {
+  // The same ranks as tp and pp group: enough to build the model and reach the check.
+  const int p = world().size();
+  if (p != 2) GTEST_SKIP() << "the test model's 2 kv heads take tp = 2";
+  TpOptions tp;
+  tp.group = &world();
+  LlamaModel model(config(2 * p), DType::f32, Device::cpu, {}, tp);
   std::string msg;
   try {
     PipelineExecutor ex(model, pp::make_schedule(pp::ScheduleKind::zb1p, p, 1, p),
@@ -170,7 +190,9 @@ TEST(PipelineExecutor, ZeroBubbleRefusedNamingTheKey) {
   } catch (const Error& e) {
     msg = e.what();
   }
-  EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\" with parallelism.tp = 2"),
+            std::string::npos)
+      << msg;
 }
 
 // Tied embeddings with the first and last stages on different ranks: the last stage's head writes
