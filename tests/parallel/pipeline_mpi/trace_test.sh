@@ -1,8 +1,9 @@
 #!/bin/bash
 # [profiling] trace under pp: every rank writes DIR/rank-R.json, and in every step span each
 # action of its schedule list appears once per round, in the list's order (pp_trace check):
-# pp 2 1f1b with grad_accum_steps 2 (two rounds a step), pp 2 interleaved, pp 2 x tp 2 (world
-# ranks 0-1 are pp rank 0). The anti-check: the check against another schedule must fail.
+# pp 2 1f1b with grad_accum_steps 2 (two rounds a step), pp 2 interleaved, zbv (F, I and W
+# actions, two stages per rank in a V), pp 2 x tp 2 (world ranks 0-1 are pp rank 0). The
+# anti-check: the check against another schedule must fail.
 #   trace_test.sh LOOM MPIEXEC PP_TRACE SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 pp_trace=$3 src=$4
@@ -22,6 +23,8 @@ run 1f1b 2 --parallelism.pp=2 --parallelism.pp_microbatches=4 --training.grad_ac
 run interleaved 2 --parallelism.pp=2 --parallelism.pp_microbatches=4 \
   --parallelism.pp_schedule=interleaved_1f1b
 "$pp_trace" check "$work/interleaved" interleaved_1f1b 2 2 4 3
+run zbv 2 --parallelism.pp=2 --parallelism.pp_microbatches=4 --parallelism.pp_schedule=zbv
+"$pp_trace" check "$work/zbv" zbv 2 2 4 3
 run tp2 4 --parallelism.pp=2 --parallelism.tp=2 --parallelism.pp_microbatches=2
 "$pp_trace" check "$work/tp2" 1f1b 2 1 2 3
 # Each rank's file is a Chrome trace with the step spans' CPU time.
