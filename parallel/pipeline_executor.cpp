@@ -20,6 +20,8 @@ Key key(const pp::Message& m) {
 struct Posted {
   Tensor buf;
   std::unique_ptr<dist::Work> work;
+  pp::Message msg;  // sends: what and to whom, for the trace
+  int peer = -1;
 };
 
 }  // namespace
@@ -177,6 +179,8 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     p.work = group_->send(t, to_rank, pp::message_tag(sent, s.stages, s.microbatches));
     p.work->set_context(context(a, m, to_rank, "sending the"));
     p.buf = std::move(t);
+    p.msg = m;
+    p.peer = to_rank;
     sends.push_back(std::move(p));
   };
 
@@ -251,7 +255,11 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     // the schedule's analytic figure.
     w.arg("count", int64_t(sends.size()))
         .arg("p2p_bytes", int64_t((group_ ? group_->counters().bytes_sent : 0) - bytes0));
-    for (auto& p : sends) p.work->wait();
+    for (auto& p : sends) {
+      trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));
+      sw.arg("peer", p.peer).arg("stage", p.msg.stage).arg("mb", p.msg.mb);
+      p.work->wait();
+    }
   }
   LOOM_CHECK(recvs.empty() && local.empty() && stores.empty() && deferred.empty(),
              "pipeline schedule ", s.name, ": rank ", rank_,
