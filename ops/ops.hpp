@@ -45,11 +45,12 @@ struct DeferredWeightGrad {
   Tensor dy, x, dw;
 };
 // While one lives on this thread, linear_backward computes dx only and appends its weight
-// gradient's operands to `into`: dy copied (callers overwrite or reuse it), x and dw by reference
-// (x must not be written afterwards: saved activations are not). Not nestable.
+// gradient's operands to `into`: dy copied (callers overwrite or reuse it), dw by reference, x by
+// reference (saved activations are not written afterwards) or, with `copy_inputs`, copied (tensor
+// parallelism gathers inputs into pooled buffers that the next layer reuses). Not nestable.
 class DeferWeightGrads {
  public:
-  explicit DeferWeightGrads(std::vector<DeferredWeightGrad>& into);
+  explicit DeferWeightGrads(std::vector<DeferredWeightGrad>& into, bool copy_inputs = false);
   ~DeferWeightGrads();
   DeferWeightGrads(const DeferWeightGrads&) = delete;
   DeferWeightGrads& operator=(const DeferWeightGrads&) = delete;

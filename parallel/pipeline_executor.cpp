@@ -43,12 +43,6 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
   // rank builds every unit); sum_tied_gradients() makes the two gradients one, as Megatron does.
   tied_across_ = model_.config().tie_word_embeddings &&
                  schedule_.stage_rank.front() != schedule_.stage_rank.back();
-  // I/W: linear layers defer their weight gradients (ops::DeferWeightGrads), keeping their
-  // output gradient and input. With tp those may be pooled buffers that the next layer reuses.
-  LOOM_CHECK(!schedule_.split_backward() || model_.tp().size() <= 1, "parallelism.pp_schedule = \"",
-             schedule_.name, "\" with parallelism.tp = ", model_.tp().size(),
-             ": zero-bubble schedules (I/W actions) run without tensor parallelism only; expected "
-             "parallelism.tp = 1, or gpipe, 1f1b or interleaved_1f1b");
 }
 
 std::vector<size_t> PipelineExecutor::owned_units() const {

@@ -176,25 +176,6 @@ TEST(PipelineExecutor, AntiTestDroppedWeightGradientIsCaught) {
   EXPECT_GT(mismatches(pp::ScheduleKind::zb1p, 1, p, 2 * p, {}, false, true), 0);
 }
 
-TEST(PipelineExecutor, ZeroBubbleWithTensorParallelRefusedNamingTheKey) {
-  // The same ranks as tp and pp group: enough to build the model and reach the check.
-  const int p = world().size();
-  if (p != 2) GTEST_SKIP() << "the test model's 2 kv heads take tp = 2";
-  TpOptions tp;
-  tp.group = &world();
-  LlamaModel model(config(2 * p), DType::f32, Device::cpu, {}, tp);
-  std::string msg;
-  try {
-    PipelineExecutor ex(model, pp::make_schedule(pp::ScheduleKind::zb1p, p, 1, p),
-                        pp::stage_units(2 * p, p), &world());
-  } catch (const Error& e) {
-    msg = e.what();
-  }
-  EXPECT_NE(msg.find("parallelism.pp_schedule = \"zb1p\" with parallelism.tp = 2"),
-            std::string::npos)
-      << msg;
-}
-
 // Tied embeddings with the first and last stages on different ranks: the last stage's head writes
 // its replica of the embedding and sum_tied_gradients() exchanges and adds the two. Returns the
 // worst relative L2 (over the ranks) of the embedding's gradient against one process on the first
