@@ -239,7 +239,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
         pending.erase(a.mb);
       }
     }
-    if (after_action_) after_action_();
+    if (after_action_) after_action_(a);
     // Drive the transfers in flight (Open MPI progresses only inside MPI calls).
     for (auto& p : sends) p.work->test();
   }
@@ -308,7 +308,7 @@ double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)
         p.buf = std::move(y);
         sends.push_back(std::move(p));
       }
-      if (after_action_) after_action_();
+      if (after_action_) after_action_(a);
       for (auto& p : sends) p.work->test();
     }
   }

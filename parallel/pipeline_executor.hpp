@@ -58,8 +58,12 @@ class PipelineExecutor {
   double run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n);
 
   // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
-  // the units, so that micro-batches in flight never share a unit's gathered buffers).
-  void set_after_action(std::function<void()> fn) { after_action_ = std::move(fn); }
+  // the units, so that micro-batches in flight never share a unit's gathered buffers; DDP under
+  // zero bubble: reduce a stage's units after its last W).
+  void set_after_action(std::function<void(const pp::Action&)> fn) {
+    after_action_ = std::move(fn);
+  }
+  const pp::UnitRange& stage_units(int stage) const { return units_[size_t(stage)]; }
   // Called before every action (DDP: reduce only in the step's last micro-batch's backward).
   void set_before_action(std::function<void(const pp::Action&)> fn) {
     before_action_ = std::move(fn);
@@ -91,7 +95,7 @@ class PipelineExecutor {
   bool tied_across_ = false;
   bool skip_tied_sum_ = false;
   bool drop_weight_grads_ = false;
-  std::function<void()> after_action_;
+  std::function<void(const pp::Action&)> after_action_;
   std::function<void(const pp::Action&)> before_action_;
 };
 
