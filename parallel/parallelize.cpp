@@ -58,16 +58,16 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
              ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
              "): zero-bubble schedules (I/W) do not run with FSDP yet; expected "
              "dp_shard = cp = 1 (DDP: dp_replicate), or gpipe, 1f1b or interleaved_1f1b");
-  // The last stage's replica of a tied embedding gets its gradient outside the unit hooks of
-  // FSDP/DDP (its unit 0 never runs a backward there), so it would be neither reduce-scattered
-  // nor all-reduced over dp: refused until the replica takes part in their reductions.
-  LOOM_CHECK(!m.pipeline->tied_across_ranks() || (!m.fsdp && !m.ddp),
+  // The last stage's replica of a tied embedding gets its gradient outside FSDP's unit hooks (its
+  // unit 0 runs no backward there): gathered for the head, it would be neither reduce-scattered
+  // nor kept. Refused until the replica takes part in FSDP's reductions. (DDP: TrainStep
+  // all-reduces the replica over dp before the tied sum.)
+  LOOM_CHECK(!m.pipeline->tied_across_ranks() || !m.fsdp,
              "tie_word_embeddings (the model's config.json) with parallelism.pp = ", p,
-             " and data parallelism (parallelism.dp_shard x cp = ",
-             m.groups.shard ? m.groups.shard->size() : 1,
-             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
-             "): the tied embedding's replica on the last stage is not reduced over dp yet; "
-             "expected dp_shard = cp = dp_replicate = 1 with tied embeddings, or pp = 1");
+             " and FSDP (parallelism.dp_shard x cp = ", m.groups.shard ? m.groups.shard->size() : 1,
+             "): the tied embedding's replica on the last stage is not reduce-scattered yet; "
+             "expected dp_shard = cp = 1 with tied embeddings (dp_replicate for data "
+             "parallelism), or pp = 1");
   // pp_fsdp_gather = "microbatch": FSDP's per-unit gathers and reduce-scatters complete within
   // each action, so micro-batches in flight never overlap on a unit's gathered buffers. Left in
   // flight across actions, pp2 x fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs

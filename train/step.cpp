@@ -29,7 +29,14 @@ StepResult TrainStep::run(int64_t micro_batches,
     }
   }
   model_.finish_step();
-  if (model_.pipeline) model_.pipeline->sum_tied_gradients();
+  if (model_.pipeline && model_.pipeline->tied_across_ranks()) {
+    // DDP reduced the first stage's embedding in its hooks; the last stage's replica never ran
+    // them: its dp ranks (all on the last stage) sum it here, so the tied sum adds two dp sums.
+    if (model_.ddp && model_.pipeline->holds_head())
+      model_.groups.dp->all_reduce(model_.model->units().front()->grad_flat(), dist::ReduceOp::sum)
+          ->wait();
+    model_.pipeline->sum_tied_gradients();
+  }
   StepResult r;
   // With pp the loss is on the head's rank only (0 elsewhere).
   r.loss =
