@@ -3,9 +3,8 @@
 // step's loss and the final weights (relative L2 over all parameters together,
 // ||run - ref|| / ||ref||) against TOLERANCE, every step's gradient norm (relative difference)
 // against 10 x TOLERANCE (0: every bit of all three). The norm is the least stable of the three:
-// it adds the squares of gradients that are sums of nearly cancelling terms, and when it crosses
-// the clipping threshold the two runs clip differently; seen: tp 2 with tied embeddings (no pp)
-// 5.2e-5 off at a step where its loss is 1e-8 off, bf16 layouts 9e-4.
+// it adds the squares of gradients that are sums of nearly cancelling terms; seen: tp 2 with
+// tied embeddings (no pp) 5.2e-5 off at a step where its loss is 1e-8 off, bf16 layouts 9e-4.
 // Prints the worst figures; exit 1 when one is over the tolerance or the runs differ in steps or
 // tensors, 2 on bad input.
 #include <cmath>
