@@ -14,6 +14,7 @@
 #include "model/llama_config.hpp"
 #include "model/param_unit.hpp"
 #include "model/transformer_block.hpp"
+#include "ops/ops.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
@@ -93,6 +94,15 @@ class LlamaModel {
   // (ignored when that is the head: the loss gives it); returns the gradient w.r.t. unit first's
   // input (empty for the embedding). The head's backward sets s.loss.
   Tensor backward(ActivationStore& s, size_t first, size_t last, Tensor dy = {});
+  // Zero-bubble pipelines split a backward into the input gradient (I) and the weight gradient
+  // (W). backward_input is backward() with every linear layer's weight gradient left in
+  // `deferred` (its output gradient copied, its saved input kept; the norms', the embedding's and
+  // the head's weight gradients come with I); weight_grads runs them later in the same order,
+  // with no recomputation, giving each weight the bits of backward().
+  using DeferredWeightGrads = std::vector<ops::DeferredWeightGrad>;
+  Tensor backward_input(ActivationStore& s, size_t first, size_t last, Tensor dy,
+                        DeferredWeightGrads& deferred);
+  static void weight_grads(DeferredWeightGrads& deferred) { ops::run_weight_grads(deferred); }
   // The whole model on one micro-batch (pp = 1): forward over every unit, then backward. Returns
   // the sum of the per-token losses.
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,

@@ -101,12 +101,47 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   });
 }
 
+namespace {
+thread_local std::vector<DeferredWeightGrad>* g_deferred = nullptr;
+thread_local bool g_copy_inputs = false;
+
+Tensor copy_of(const Tensor& t) {
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device());
+  c.copy_from(t);
+  return c;
+}
+}  // namespace
+
+DeferWeightGrads::DeferWeightGrads(std::vector<DeferredWeightGrad>& into, bool copy_inputs) {
+  LOOM_CHECK(!g_deferred, "DeferWeightGrads: already deferring on this thread");
+  g_deferred = &into;
+  g_copy_inputs = copy_inputs;
+}
+DeferWeightGrads::~DeferWeightGrads() {
+  g_deferred = nullptr;
+  g_copy_inputs = false;
+}
+
 void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx) {
   on("linear_backward", dy.device(), [&] {
     const int64_t M = rows(dy), N = cols(dy), K = cols(x);
     cpu::linear_backward_input(dy.raw(), w.raw(), f(dx), M, N, K, dy.dtype(), false);
+    if (g_deferred) {
+      g_deferred->push_back({copy_of(dy), g_copy_inputs ? copy_of(x) : x, dw});
+      return;
+    }
     cpu::linear_backward_weight(dy.raw(), x.raw(), f(dw), M, N, K, dy.dtype());
   });
+}
+
+void run_weight_grads(std::vector<DeferredWeightGrad>& list) {
+  for (DeferredWeightGrad& d : list) {
+    on("linear_backward_weight", d.dy.device(), [&] {
+      cpu::linear_backward_weight(d.dy.raw(), d.x.raw(), f(d.dw), rows(d.dy), cols(d.dy), cols(d.x),
+                                  d.dy.dtype());
+    });
+  }
+  list.clear();
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {

@@ -39,6 +39,26 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false
 // For y = x w^T: dx [M, K] = dy w (overwritten), then dw [N, K] += dy^T x.
 void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx);
 
+// A weight gradient left for later (zero-bubble pipelines split a backward into the input
+// gradient I and the weight gradient W): dw += dy^T x with the kernel linear_backward uses.
+struct DeferredWeightGrad {
+  Tensor dy, x, dw;
+};
+// While one lives on this thread, linear_backward computes dx only and appends its weight
+// gradient's operands to `into`: dy copied (callers overwrite or reuse it), dw by reference, x by
+// reference (saved activations are not written afterwards) or, with `copy_inputs`, copied (tensor
+// parallelism gathers inputs into pooled buffers that the next layer reuses). Not nestable.
+class DeferWeightGrads {
+ public:
+  explicit DeferWeightGrads(std::vector<DeferredWeightGrad>& into, bool copy_inputs = false);
+  ~DeferWeightGrads();
+  DeferWeightGrads(const DeferWeightGrads&) = delete;
+  DeferWeightGrads& operator=(const DeferWeightGrads&) = delete;
+};
+// Runs the deferred weight gradients in the order they were deferred, then clears the list: each
+// dw gets the same additions, in the same order, as linear_backward would have given it.
+void run_weight_grads(std::vector<DeferredWeightGrad>& list);
+
 // ---- normalization, activation, position -------------------------------------------------------
 // y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward.
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);

@@ -50,20 +50,51 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
   auto units = pp::stage_units(int(m.model->config().num_hidden_layers), s.stages, layers);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
+  // FSDP reduce-scatters a unit's gradient and frees its full buffer in its after_backward hook,
+  // which I runs: the weight gradients of W would come after the reduction.
+  LOOM_CHECK(!m.pipeline->schedule().split_backward() || !m.fsdp, "parallelism.pp_schedule = \"",
+             m.pipeline->schedule().name, "\" with data parallelism (parallelism.dp_shard x cp = ",
+             m.groups.shard ? m.groups.shard->size() : 1,
+             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
+             "): zero-bubble schedules (I/W) do not run with FSDP yet; expected "
+             "dp_shard = cp = 1 (DDP: dp_replicate), or gpipe, 1f1b or interleaved_1f1b");
+  // The last stage's replica of a tied embedding gets its gradient outside FSDP's unit hooks (its
+  // unit 0 runs no backward there): gathered for the head, it would be neither reduce-scattered
+  // nor kept. Refused until the replica takes part in FSDP's reductions. (DDP: TrainStep
+  // all-reduces the replica over dp before the tied sum.)
+  LOOM_CHECK(!m.pipeline->tied_across_ranks() || !m.fsdp,
+             "tie_word_embeddings (the model's config.json) with parallelism.pp = ", p,
+             " and FSDP (parallelism.dp_shard x cp = ", m.groups.shard ? m.groups.shard->size() : 1,
+             "): the tied embedding's replica on the last stage is not reduce-scattered yet; "
+             "expected dp_shard = cp = 1 with tied embeddings (dp_replicate for data "
+             "parallelism), or pp = 1");
   // pp_fsdp_gather = "microbatch": FSDP's per-unit gathers and reduce-scatters complete within
   // each action, so micro-batches in flight never overlap on a unit's gathered buffers. Left in
   // flight across actions, pp2 x fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs
   // of 3 (a unit's buffers reused by the next micro-batch while a collective still used them is
   // the likely cause, not proven); completed per action, 15 runs of 15 matched.
-  if (m.fsdp) m.pipeline->set_after_action([f = m.fsdp.get()] { f->finish_backward(); });
+  if (m.fsdp)
+    m.pipeline->set_after_action([f = m.fsdp.get()](const pp::Action&) { f->finish_backward(); });
   // DDP all-reduces each unit once per step, in the backward of the step's last micro-batch
   // (TrainStep::run_pipeline sets *pp_last_round for the step's last run of the schedule).
   if (m.ddp) {
     const int last_mb = m.pipeline->schedule().microbatches - 1;
+    const bool zb = m.pipeline->schedule().split_backward();
     m.pipeline->set_before_action(
-        [d = m.ddp.get(), last = m.pp_last_round, last_mb](const pp::Action& a) {
-          d->set_sync(*last && a.op != pp::Op::F && a.mb == last_mb);
+        [d = m.ddp.get(), last = m.pp_last_round, last_mb, zb](const pp::Action& a) {
+          d->set_sync(!zb && *last && a.op == pp::Op::B && a.mb == last_mb);
         });
+    // Under zero bubble a unit's gradient is complete only after its stage's last W: its units
+    // are all-reduced then (the hook of I would reduce before W adds the linear layers').
+    if (zb)
+      m.pipeline->set_after_action([d = m.ddp.get(), last = m.pp_last_round, last_mb,
+                                    p = m.pipeline.get()](const pp::Action& a) {
+        if (!*last || a.op != pp::Op::W || a.mb != last_mb) return;
+        const auto [first, end] = p->stage_units(a.stage);
+        d->set_sync(true);
+        for (size_t u = end; u-- > first;) d->after_backward(u);
+        d->set_sync(false);
+      });
   }
 }
 

@@ -5,6 +5,8 @@
 #include <tuple>
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
+#include "kernels/cpu/cast.hpp"
 #include "parallel/pipeline/simulate.hpp"
 
 namespace loom {
@@ -18,6 +20,8 @@ Key key(const pp::Message& m) {
 struct Posted {
   Tensor buf;
   std::unique_ptr<dist::Work> work;
+  pp::Message msg;  // sends: what and to whom, for the trace
+  int peer = -1;
 };
 
 }  // namespace
@@ -35,18 +39,10 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
              schedule_.stages, " stages; the stage split has ", units_.size());
   LOOM_CHECK(units_.front().first == 0 && units_.back().second == model_.num_units(),
              "pipeline: the stages must cover units 0..", model_.num_units());
-  // The head reads and writes the embedding: on another rank it would read a stale copy and its
-  // gradient would never reach the embedding's owner (Megatron sums the two copies; to come).
-  LOOM_CHECK(
-      !model_.config().tie_word_embeddings ||
-          schedule_.stage_rank.front() == schedule_.stage_rank.back(),
-      "pipeline: the model ties its embeddings (tie_word_embeddings in its config.json) and ",
-      "the first and last stages are on different pp ranks; tied embeddings under ",
-      "parallelism.pp > 1 are not supported yet");
-  // I/W need a backward split into input and weight gradients, which the blocks do not have yet.
-  LOOM_CHECK(!schedule_.split_backward(), "parallelism.pp_schedule = \"", schedule_.name,
-             "\": zero-bubble schedules (I/W actions) are not supported by the executor yet; ",
-             "expected gpipe, 1f1b or interleaved_1f1b");
+  // With tied embeddings the last stage's head reads and writes its replica of the embedding (every
+  // rank builds every unit); sum_tied_gradients() makes the two gradients one, as Megatron does.
+  tied_across_ = model_.config().tie_word_embeddings &&
+                 schedule_.stage_rank.front() != schedule_.stage_rank.back();
 }
 
 std::vector<size_t> PipelineExecutor::owned_units() const {
@@ -54,6 +50,36 @@ std::vector<size_t> PipelineExecutor::owned_units() const {
   for (int st : schedule_.stages_of(rank_))
     for (size_t u = units_[size_t(st)].first; u < units_[size_t(st)].second; ++u) out.push_back(u);
   return out;
+}
+
+std::vector<bool> PipelineExecutor::counted_units() const {
+  std::vector<bool> out(model_.num_units(), false);
+  for (size_t u : owned_units()) out[u] = true;
+  return out;
+}
+
+void PipelineExecutor::sum_tied_gradients() {
+  if (!tied_across_ || skip_tied_sum_) return;
+  const int first = schedule_.stage_rank.front(), last = schedule_.stage_rank.back();
+  if (rank_ != first && rank_ != last) return;
+  // The embedding's gradient (first stage) and the head's use of it (last stage) are exchanged
+  // and added: a + b has the same bits as b + a, so both copies get the same sum, and with the
+  // same optimizer state from the same start both apply the same update: the two copies stay
+  // equal without broadcasting the weights.
+  ParamUnit& emb = *model_.units().front();
+  const Tensor g = emb.grad_shard();
+  Tensor other = Tensor::empty({g.numel()}, DType::f32, g.device());
+  const int peer = rank_ == first ? last : first;
+  const int tag = 2 * schedule_.stages * schedule_.microbatches;  // past every activation's tag
+  auto recv = group_->recv(other, peer, tag);
+  recv->set_context(str_cat("pipeline schedule ", schedule_.name,
+                            ": receiving the tied embedding's gradient from pp rank ", peer));
+  auto send = group_->send(g, peer, tag);
+  send->set_context(str_cat("pipeline schedule ", schedule_.name,
+                            ": sending the tied embedding's gradient to pp rank ", peer));
+  recv->wait();
+  send->wait();
+  cpu::add_inplace(g.data<float>(), other.data<float>(), g.numel());
 }
 
 int PipelineExecutor::unit_owner(size_t unit) const {
@@ -67,8 +93,8 @@ bool PipelineExecutor::holds_head() const {
   return schedule_.stage_rank[size_t(schedule_.stages - 1)] == rank_;
 }
 
-double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch,
-                             float grad_scale) {
+double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale,
+                             double loss) {
   const pp::Schedule& s = schedule_;
   const auto& order = s.orders[size_t(rank_)];
   const int64_t d = model_.config().hidden_size;
@@ -79,7 +105,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
   std::map<Key, Posted> recvs;
   std::map<Key, Tensor> local;  // handed between two stages of this rank
   std::vector<Posted> sends;
-  double loss = 0;
+  std::map<std::pair<int, int>, LlamaModel::DeferredWeightGrads> deferred;  // (stage, mb)
 
   auto store_of = [&](int mb) -> ActivationStore& {
     auto it = stores.find(mb);
@@ -125,7 +151,11 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     LOOM_CHECK(it != recvs.end(), "pipeline schedule ", s.name, ": rank ", rank_, " action ",
                pp::to_string(a), " has no ", backward ? "gradient" : "activation",
                " posted for it");
-    it->second.work->wait();
+    {
+      trace::Span w("wait", str_cat("recv ", backward ? "gradient" : "activation"));
+      w.arg("peer", pp::sender_of(s, m)).arg("stage", stage).arg("mb", a.mb);
+      it->second.work->wait();
+    }
     Tensor t = std::move(it->second.buf);
     recvs.erase(it);
     return t;
@@ -143,9 +173,12 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     p.work = group_->send(t, to_rank, pp::message_tag(sent, s.stages, s.microbatches));
     p.work->set_context(context(a, m, to_rank, "sending the"));
     p.buf = std::move(t);
+    p.msg = m;
+    p.peer = to_rank;
     sends.push_back(std::move(p));
   };
 
+  const uint64_t bytes0 = group_ ? group_->counters().bytes_sent : 0;
   if (group_) post_recvs(0);
   for (size_t k = 0; k < order.size(); ++k) {
     if (group_) post_recvs(k + 1);
@@ -153,27 +186,133 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     if (before_action_) before_action_(a);
     const auto [first, last] = units_[size_t(a.stage)];
     ActivationStore& st = store_of(a.mb);
+    // The action's span covers its compute only: the wait for its input is a span of its own, so
+    // that the CPU time a trace gives per action is the work (MPI spins while it waits).
+    auto tag = [&](trace::Span& sp) {
+      const std::string name = pp::to_string(a);
+      sp.arg("stage", a.stage)
+          .arg("mb", a.mb)
+          .arg("kind", name.substr(name.find_first_of("FBIW"), 1));
+    };
     if (a.op == pp::Op::F) {
       Tensor x = a.stage > 0 ? received(a, false, a.stage) : Tensor();
-      Tensor y = model_.forward(st, first, last, std::move(x));
+      Tensor y;
+      {
+        trace::Span sp("action", pp::to_string(a));
+        tag(sp);
+        y = model_.forward(st, first, last, std::move(x));
+      }
       if (a.stage + 1 < s.stages) hand_on(a, false, a.stage + 1, std::move(y));
+    } else if (a.op == pp::Op::W) {
+      // The weight gradients that this stage's I deferred, from its saved operands: no
+      // recomputation, and each weight gets the additions of a full backward in the same order.
+      auto it = deferred.find({a.stage, a.mb});
+      LOOM_CHECK(it != deferred.end(), "pipeline schedule ", s.name, ": rank ", rank_, " action ",
+                 pp::to_string(a), " runs before its I");
+      if (drop_weight_grads_) {
+        it->second.clear();
+      } else {
+        trace::Span sp("action", pp::to_string(a));
+        tag(sp);
+        LlamaModel::weight_grads(it->second);
+      }
+      deferred.erase(it);
     } else {
       Tensor dy = a.stage + 1 < s.stages ? received(a, true, a.stage) : Tensor();
-      Tensor dx = model_.backward(st, first, last, std::move(dy));
+      Tensor dx;
+      {
+        trace::Span sp("action", pp::to_string(a));
+        tag(sp);
+        if (a.op == pp::Op::I) {
+          // Every linear layer's dW waits for this stage's W.
+          dx = model_.backward_input(st, first, last, std::move(dy), deferred[{a.stage, a.mb}]);
+        } else {
+          dx = model_.backward(st, first, last, std::move(dy));
+        }
+      }
       if (a.stage == s.stages - 1) loss += st.loss;
       if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx));
+    }
+    if (a.op == pp::Op::B || a.op == pp::Op::W) {
       if (--pending[a.mb] == 0) {
         stores.erase(a.mb);
         pending.erase(a.mb);
       }
     }
-    if (after_action_) after_action_();
+    if (after_action_) after_action_(a);
     // Drive the transfers in flight (Open MPI progresses only inside MPI calls).
     for (auto& p : sends) p.work->test();
   }
+  {
+    trace::Span w("wait", "sends");
+    // The bytes this run sent on the pp group (its counters), which the benchmark compares with
+    // the schedule's analytic figure.
+    w.arg("count", int64_t(sends.size()))
+        .arg("p2p_bytes", int64_t((group_ ? group_->counters().bytes_sent : 0) - bytes0));
+    for (auto& p : sends) {
+      trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));
+      sw.arg("peer", p.peer).arg("stage", p.msg.stage).arg("mb", p.msg.mb);
+      p.work->wait();
+    }
+  }
+  LOOM_CHECK(recvs.empty() && local.empty() && stores.empty() && deferred.empty(),
+             "pipeline schedule ", s.name, ": rank ", rank_,
+             " ended the step with messages or micro-batches left over");
+  return loss;
+}
+
+double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n) {
+  const pp::Schedule& s = schedule_;
+  const int64_t d = model_.config().hidden_size;
+  const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
+  const size_t head = model_.num_units() - 1;
+  // Past the training step's activation, gradient and tied-embedding tags; one per stage, and
+  // MPI keeps the order of messages with the same tag between two ranks, which is the order both
+  // ranks go through the micro-batches.
+  const int tag_base = 2 * s.stages * s.microbatches + 1;
+  std::vector<Posted> sends;
+  double loss = 0;
+  for (int mb = 0; mb < n; ++mb) {
+    const PipelineMicroBatch b = batch(mb);
+    ActivationStore st = model_.micro_batch(b.inputs, b.targets, b.B, b.T, 0.0f);
+    Tensor x;  // the residual stream handed between this rank's consecutive stages
+    for (int stage = 0; stage < s.stages; ++stage) {
+      if (s.stage_rank[size_t(stage)] != rank_) continue;
+      const pp::Action a{stage, pp::Op::F, mb};
+      if (before_action_) before_action_(a);
+      if (stage > 0 && s.stage_rank[size_t(stage - 1)] != rank_) {
+        x = Tensor::empty({sp ? b.B * b.T / model_.tp().size() : b.B * b.T, d}, DType::f32,
+                          model_.device());
+        const int peer = s.stage_rank[size_t(stage - 1)];
+        auto w = group_->recv(x, peer, tag_base + stage);
+        w->set_context(str_cat("pipeline validation (forward only), stage ", stage,
+                               ", micro-batch ", mb, ": receiving the activation from pp rank ",
+                               peer));
+        w->wait();
+      }
+      const auto [first, last] = units_[size_t(stage)];
+      Tensor y = model_.forward(st, first, last, std::move(x));
+      if (stage + 1 == s.stages) {
+        // The head's loss is fused with its backward; its input gradient is dropped.
+        model_.backward(st, head, head + 1);
+        loss += st.loss;
+      } else if (s.stage_rank[size_t(stage + 1)] == rank_) {
+        x = std::move(y);
+      } else {
+        Posted p;
+        const int peer = s.stage_rank[size_t(stage + 1)];
+        p.work = group_->send(y, peer, tag_base + stage + 1);
+        p.work->set_context(str_cat("pipeline validation (forward only), stage ", stage,
+                                    ", micro-batch ", mb, ": sending the activation to pp rank ",
+                                    peer));
+        p.buf = std::move(y);
+        sends.push_back(std::move(p));
+      }
+      if (after_action_) after_action_(a);
+      for (auto& p : sends) p.work->test();
+    }
+  }
   for (auto& p : sends) p.work->wait();
-  LOOM_CHECK(recvs.empty() && local.empty() && stores.empty(), "pipeline schedule ", s.name,
-             ": rank ", rank_, " ended the step with messages or micro-batches left over");
   return loss;
 }
 

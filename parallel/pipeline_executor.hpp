@@ -37,21 +37,49 @@ class PipelineExecutor {
   int rank() const { return rank_; }
   // The units of this rank's stages, ascending.
   std::vector<size_t> owned_units() const;
+  // Per unit (units() order): whether this rank's stages hold it, i.e. whether this rank counts
+  // its gradient in the norm (a tied embedding's replica on the last stage is not counted).
+  std::vector<bool> counted_units() const;
   bool holds_head() const;
   int unit_owner(size_t unit) const;  // the pp rank whose stage holds the unit
 
   // This rank's actions over micro-batches 0..microbatches-1 (`batch(j)`). Gradients of
-  // grad_scale x the summed loss accumulate into this rank's units. Returns the summed loss of
-  // the micro-batches whose head is on this rank (0 elsewhere).
-  double run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale);
+  // grad_scale x the summed loss accumulate into this rank's units. Returns `loss` plus the
+  // losses of the micro-batches whose head is on this rank, added in micro-batch order (`loss`
+  // elsewhere): a step of several rounds adds its losses as one process's loop does.
+  double run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale,
+             double loss = 0);
+
+  // Forward only (validation): micro-batches 0..n-1 through every stage, the head's loss computed
+  // with a zero gradient scale and nothing sent back. Each rank runs its (micro-batch, stage)
+  // pairs in that order, which every dependency follows, so blocking receives cannot deadlock.
+  // Returns the summed loss of the micro-batches on the head's rank (0 elsewhere), in micro-batch
+  // order. The caller clears the (zero) gradients.
+  double run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n);
 
   // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
-  // the units, so that micro-batches in flight never share a unit's gathered buffers).
-  void set_after_action(std::function<void()> fn) { after_action_ = std::move(fn); }
+  // the units, so that micro-batches in flight never share a unit's gathered buffers; DDP under
+  // zero bubble: reduce a stage's units after its last W).
+  void set_after_action(std::function<void(const pp::Action&)> fn) {
+    after_action_ = std::move(fn);
+  }
+  const pp::UnitRange& stage_units(int stage) const { return units_[size_t(stage)]; }
   // Called before every action (DDP: reduce only in the step's last micro-batch's backward).
   void set_before_action(std::function<void(const pp::Action&)> fn) {
     before_action_ = std::move(fn);
   }
+
+  // Tied embeddings with the first and last stages on different ranks: the last stage's head
+  // writes its replica of the embedding. Called once per step after every round (and before the
+  // norm): the first and last stages exchange the embedding's gradient and both keep the sum.
+  bool tied_across_ranks() const { return tied_across_; }
+  void sum_tied_gradients();
+  // For the anti-test only: the tied gradients are not summed, which the parity must catch.
+  void set_skip_tied_sum(bool on) { skip_tied_sum_ = on; }
+
+  // For the anti-test only: W actions drop their deferred weight gradients instead of running
+  // them, which the parity must catch.
+  void set_drop_weight_grads(bool on) { drop_weight_grads_ = on; }
 
   // For the anti-test only: micro-batch j's activation is sent as j ^ 1's, so the next stage
   // computes on its neighbour's, which the parity test must catch.
@@ -64,7 +92,10 @@ class PipelineExecutor {
   dist::ProcessGroup* group_;
   int rank_ = 0;
   bool swap_activations_ = false;
-  std::function<void()> after_action_;
+  bool tied_across_ = false;
+  bool skip_tied_sum_ = false;
+  bool drop_weight_grads_ = false;
+  std::function<void(const pp::Action&)> after_action_;
   std::function<void(const pp::Action&)> before_action_;
 };
 

@@ -117,6 +117,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
+      {"profiling", "trace", &c.profiling.trace},
       {"bench", "warmup_steps", &c.bench.warmup_steps},
       {"bench", "steps", &c.bench.steps},
       {"memory", "limit_gb", &c.memory.limit_gb},
@@ -335,6 +336,14 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
   check(c.checkpoint.keep >= 0, "checkpoint.keep", "a non-negative integer (0 = keep all)",
         c.checkpoint.keep);
   check(c.metrics.log_every >= 1, "metrics.log_every", "a positive integer", c.metrics.log_every);
+  {
+    // A directory, made if missing; an existing file there would fail only at the end of training.
+    std::error_code ec;
+    const std::string& t = c.profiling.trace;
+    check(t.empty() || !std::filesystem::exists(t, ec) || std::filesystem::is_directory(t, ec),
+          "profiling.trace", "a directory (made if missing) for the per-rank trace files",
+          str_cat("\"", t, "\" (an existing file)"));
+  }
   check(c.bench.warmup_steps >= 0, "bench.warmup_steps", "a non-negative integer",
         c.bench.warmup_steps);
   check(c.bench.steps >= 1, "bench.steps", "a positive integer", c.bench.steps);
@@ -380,8 +389,8 @@ bool JobConfig::operator==(const JobConfig& o) const {
   return job == o.job && model == o.model && data == o.data && training == o.training &&
          optimizer == o.optimizer && lr_scheduler == o.lr_scheduler && validation == o.validation &&
          parallelism == o.parallelism && activation_checkpoint == o.activation_checkpoint &&
-         checkpoint == o.checkpoint && metrics == o.metrics && bench == o.bench &&
-         memory == o.memory;
+         checkpoint == o.checkpoint && metrics == o.metrics && profiling == o.profiling &&
+         bench == o.bench && memory == o.memory;
 }
 
 JobConfig parse_job_config(const std::string& toml_text, const std::string& source,

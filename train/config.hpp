@@ -114,6 +114,12 @@ struct JobConfig {
     int64_t log_every = 1;
     bool operator==(const Metrics&) const = default;
   } metrics;
+  struct Profiling {
+    // "" = off; else each rank writes DIR/rank-R.json (R its world rank): a Chrome trace (opens in
+    // Perfetto) of every step with a span per pipeline action and wait, each with its CPU time.
+    std::string trace;
+    bool operator==(const Profiling&) const = default;
+  } profiling;
   struct Bench {
     int64_t warmup_steps = 2;
     int64_t steps = 5;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/error.hpp"
 #include "distributed/group_sum.hpp"
 #include "distributed/process_group.hpp"
 #include "kernels/cpu/adamw.hpp"
@@ -54,14 +55,20 @@ void AdamW::step(float lr) {
 
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
                       dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group,
-                      dist::ProcessGroup* pp_group) {
+                      dist::ProcessGroup* pp_group, const std::vector<bool>& counted) {
   const int tp = tp_group ? tp_group->size() : 1;
-  double ss = 0;
-  for (ParamUnit* u : units) {
-    if (u->device() == Device::meta) continue;
+  LOOM_CHECK(counted.empty() || counted.size() == units.size(), "clip_grad_norm: ", counted.size(),
+             " counted flags for ", units.size(), " units");
+  // One squared sum per unit, each reduced over the groups, then the units added in unit order on
+  // every rank: the same additions in the same order whatever the pp split (a unit's sum comes
+  // from its one owner, the others adding exact zeros), so pp changes no bit of the clip factor.
+  std::vector<double> per_unit(units.size(), 0.0);
+  for (size_t i = 0; i < units.size(); ++i) {
+    ParamUnit* u = units[i];
+    if (u->device() == Device::meta || (!counted.empty() && !counted[i])) continue;
     const float* g = u->grad_shard().data<float>();
     if (tp == 1) {
-      ss += cpu::sum_squares(g, u->shard_numel());
+      per_unit[i] = cpu::sum_squares(g, u->shard_numel());
       continue;
     }
     // Parameters that tensor parallelism does not split (norms) hold the same gradient on every
@@ -69,10 +76,13 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
     // counts them once.
     for (const ShardSlice& s : u->shard_slices()) {
       const double part = cpu::sum_squares(g + s.shard_offset, s.count);
-      ss += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
+      per_unit[i] += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
     }
   }
-  ss = group_sum(pp_group, group_sum(tp_group, group_sum(shard_group, ss)));
+  per_unit =
+      group_sum_each(pp_group, group_sum_each(tp_group, group_sum_each(shard_group, per_unit)));
+  double ss = 0;
+  for (double x : per_unit) ss += x;
   const double norm = std::sqrt(ss);
   if (max_norm > 0 && norm > max_norm) {
     // PyTorch adds 1e-6 to the norm in the denominator; do the same so clipped runs match.

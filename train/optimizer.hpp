@@ -43,10 +43,14 @@ class AdamW {
 // over it, in rank order, so every rank gets the same norm); nullptr when nothing is sharded.
 // `tp_group`: the tensor-parallel group (split parameters summed over it, replicated ones
 // counted once); nullptr without tensor parallelism. `pp_group`: the pipeline ranks, each holding
-// the gradients of its stages' units only (the others are zero); nullptr without pp.
+// the gradients of its stages' units only; nullptr without pp. `counted`: per unit, whether
+// this rank counts it (pp: the units of its stages, not a tied embedding's replica on the last
+// stage); empty: every unit. The units' sums are added in unit order, so the norm's bits do not
+// depend on how the units are spread over pp ranks.
 double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
                       dist::ProcessGroup* shard_group = nullptr,
                       dist::ProcessGroup* tp_group = nullptr,
-                      dist::ProcessGroup* pp_group = nullptr);
+                      dist::ProcessGroup* pp_group = nullptr,
+                      const std::vector<bool>& counted = {});
 
 }  // namespace loom

@@ -29,12 +29,21 @@ StepResult TrainStep::run(int64_t micro_batches,
     }
   }
   model_.finish_step();
+  if (model_.pipeline && model_.pipeline->tied_across_ranks()) {
+    // DDP reduced the first stage's embedding in its hooks; the last stage's replica never ran
+    // them: its dp ranks (all on the last stage) sum it here, so the tied sum adds two dp sums.
+    if (model_.ddp && model_.pipeline->holds_head())
+      model_.groups.dp->all_reduce(model_.model->units().front()->grad_flat(), dist::ReduceOp::sum)
+          ->wait();
+    model_.pipeline->sum_tied_gradients();
+  }
   StepResult r;
   // With pp the loss is on the head's rank only (0 elsewhere).
   r.loss =
       group_sum(model_.groups.pp, group_sum(model_.groups.dp, loss_sum)) / double(tokens_per_step_);
-  r.grad_norm = clip_grad_norm(model_.model->units(), max_norm_, model_.groups.shard,
-                               model_.groups.tp, model_.groups.pp);
+  r.grad_norm = clip_grad_norm(
+      model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp, model_.groups.pp,
+      model_.pipeline ? model_.pipeline->counted_units() : std::vector<bool>{});
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
   if (r.updated) optimizer_.step(float(lr));
   return r;
@@ -72,14 +81,43 @@ double TrainStep::run_pipeline(int64_t micro_batches,
       }
     }
     *model_.pp_last_round = first + m == micro_batches;
-    loss += pipe.run(
+    loss = pipe.run(
         [&](int j) {
           const CpBatch& c = round[size_t(j)];
           return PipelineMicroBatch{c.inputs.data(), c.targets.data(), B, c.T};
         },
-        grad_scale);
+        grad_scale, loss);
   }
   return group_sum(cp, loss);
+}
+
+double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBatch>& batches) {
+  dist::ProcessGroup* cp = model.groups.cp;
+  const int sp_tp =
+      model.groups.tp && model.model->tp().sequence_parallel ? model.groups.tp->size() : 1;
+  std::vector<CpBatch> mine(batches.size());
+  for (size_t j = 0; j < batches.size(); ++j) {
+    const MicroBatch& mb = batches[j];
+    CpBatch& c = mine[j];
+    if (cp) {
+      c = cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
+                         sp_tp);
+    } else {
+      c.T = mb.T;
+      c.inputs = mb.inputs;
+      c.targets = mb.targets;
+    }
+  }
+  const double loss = model.pipeline->run_forward(
+      [&](int j) {
+        const CpBatch& c = mine[size_t(j)];
+        return PipelineMicroBatch{c.inputs.data(), c.targets.data(), batches[size_t(j)].B, c.T};
+      },
+      int(batches.size()));
+  // FSDP's collectives completed after every action; DDP did not sync (no backward action).
+  model.model->zero_grad();
+  // The loss is on the head's rank only: summed over pp (exact zeros elsewhere) it keeps its bits.
+  return group_sum(model.groups.pp, group_sum(cp, loss));
 }
 
 }  // namespace loom

@@ -40,4 +40,9 @@ class TrainStep {
   int64_t tokens_per_step_;
 };
 
+// Validation under pp: the batches through a forward-only schedule (PipelineExecutor::run_forward);
+// returns their summed loss over this dp rank's tokens (summed over cp and pp, the same on every
+// rank of the dp coordinate), as the loop of forward passes gives in one process.
+double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBatch>& batches);
+
 }  // namespace loom

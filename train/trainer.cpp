@@ -14,6 +14,7 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "data/data_loader.hpp"
 #include "data/token_shard.hpp"
 #include "distributed/group_sum.hpp"
@@ -398,10 +399,6 @@ void Trainer::State::build_data() {
   dl.seed = uint64_t(j.model.seed);
   loader = std::make_unique<DataLoader>(*train, dl);
   if (j.validation.interval > 0) {
-    LOOM_CHECK(j.parallelism.pp == 1, "validation.interval = ", j.validation.interval,
-               " with parallelism.pp = ", j.parallelism.pp,
-               ": validation under pipeline parallelism is not supported yet; set "
-               "--validation.interval=0");
     LOOM_CHECK(!TokenStream::find_files(j.data.path, "val").empty(),
                "validation.interval = ", j.validation.interval, " but data.path '", j.data.path,
                "' has no val-*.bin shards (tokenize with --val-fraction, or set ",
@@ -513,11 +510,16 @@ double Trainer::validate() {
   State& s = *s_;
   LOOM_CHECK(!s.val_batches.empty(), "validate: no validation batches (validation.interval = 0)");
   // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
-  // and the (zero) gradients are cleared.
+  // and the (zero) gradients are cleared. Under pp a forward-only schedule runs the stages (the
+  // head's fused loss still runs its backward, with scale 0).
   double sum = 0;
-  for (const MicroBatch& mb : s.val_batches)
-    sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
-  s.par.model->zero_grad();
+  if (s.par.pipeline) {
+    sum = pipeline_validation_loss(s.par, s.val_batches);
+  } else {
+    for (const MicroBatch& mb : s.val_batches)
+      sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
+    s.par.model->zero_grad();
+  }
   sum = group_sum(s.groups.dp, sum);
   return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.groups.size);
 }
@@ -686,12 +688,33 @@ TrainResult Trainer::run() {
     log.validation(step, v);
   };
 
+  // [profiling] trace: this rank's spans (steps, pipeline actions and waits), written at the end.
+  std::unique_ptr<trace::Recorder> tracer;
+  struct Uninstall {
+    ~Uninstall() { trace::set_recorder(nullptr); }
+  } uninstall;
+  const std::string trace_path =
+      j.profiling.trace.empty() ? std::string()
+                                : (fs::path(j.profiling.trace) /
+                                   str_cat("rank-", s.mesh ? s.mesh->world_rank() : 0, ".json"))
+                                      .string();
+  if (!trace_path.empty()) {
+    std::error_code ec;
+    fs::create_directories(j.profiling.trace, ec);
+    LOOM_CHECK(fs::is_directory(j.profiling.trace), "profiling.trace = \"", j.profiling.trace,
+               "\": cannot make the directory (", ec.message(), ")");
+    tracer = std::make_unique<trace::Recorder>(s.mesh ? s.mesh->world_rank() : 0);
+    trace::set_recorder(tracer.get());
+  }
+
   TrainStep train_step(s.par, *s.adamw, j.training.max_norm, tokens_per_step);
   for (int64_t step = first_step; step <= N; ++step) {
     const auto t0 = Clock::now();
     const int64_t data_step = step - 1 + s.data_offset;
     MicroBatch mb;
     const double lr = s.schedule.at(step);
+    trace::Span step_span("step", str_cat("step ", step));
+    step_span.arg("step", step);
     const StepResult r = train_step.run(
         s.G,
         [&](int64_t micro) -> const MicroBatch& {
@@ -699,6 +722,7 @@ TrainResult Trainer::run() {
           return mb;
         },
         lr);
+    step_span.end();
     const double loss = r.loss, norm = r.grad_norm;
 
     StepMetrics m;
@@ -755,6 +779,10 @@ TrainResult Trainer::run() {
     }
   }
   finish_pending();
+  if (tracer) {
+    tracer->write(trace_path);
+    log.message(str_cat("trace: ", trace_path));
+  }
   if (j.checkpoint.last_save_in_hf && !result.last_checkpoint.empty() && last_saved == s.step) {
     // World rank 0 alone reads the checkpoint (streaming, one tensor at a time); every rank
     // learns whether it worked.

@@ -5,7 +5,8 @@
 # single-process reference over the same global batches (local_batch_size 4, grad_accum_steps =
 # DP x the run's accumulation with DP = NP / tp: micro-batch m of the reference is exactly the
 # batch of dp rank m mod DP), then compares per-step losses and final weights (parity_compare).
-# A reference override is given as --ref:key=value (e.g. the param dtype of the reference).
+# A reference override is given as --ref:key=value (e.g. the param dtype of the reference);
+# --parity:norm_tol=X holds the gradient norms to X instead of 10 x TOLERANCE (parity_compare).
 # PARITY_EXPECT=mismatch inverts the verdict: exit 0 only when the comparison ran to the end and
 # reported the run out of tolerance.
 set -euo pipefail
@@ -15,10 +16,11 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/loom_parity_${name}.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 
-run_args=() ref_args=() accum=1 tp=1 cp=1 pp=1 ppm=1
+run_args=() ref_args=() accum=1 tp=1 cp=1 pp=1 ppm=1 norm_tol=
 for a in "$@"; do
   case $a in
     --ref:*) ref_args+=("--${a#--ref:}") ;;
+    --parity:norm_tol=*) norm_tol=${a#*=} ;;
     --training.grad_accum_steps=*) accum=${a#*=}; run_args+=("$a") ;;
     --parallelism.tp=*) tp=${a#*=}; run_args+=("$a") ;;
     --parallelism.cp=*) cp=${a#*=}; run_args+=("$a") ;;
@@ -50,6 +52,7 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.s
   { cat "$work/run.log"; exit 1; }
 grep -m1 "x dp" "$work/run.log" || true
 compare_args=("$work/ref.jsonl" "$work/ref/step-00000020" "$work/run.jsonl" "$work/run/step-00000020" "$tol")
+[ -n "$norm_tol" ] && compare_args+=("$norm_tol")
 if [ "${PARITY_EXPECT:-match}" = mismatch ]; then
   # The harness's own test: both runs must complete and the comparison must fail on the
   # tolerance (not on a crash, a missing step or a missing tensor).

@@ -422,3 +422,17 @@ TEST(JobConfig, ValidationKeys) {
                {"command line", "validation.steps", "positive"});
   expect_error([] { parse("[validation]\nevery = 3\n"); }, {"validation.every", "interval"});
 }
+
+TEST(JobConfig, ProfilingTraceKey) {
+  EXPECT_EQ(parse("").profiling.trace, "");  // off unless asked for
+  JobConfig c = parse("[profiling]\ntrace = \"traces\"\n");
+  EXPECT_EQ(c.profiling.trace, "traces");
+  EXPECT_FALSE(c == parse(""));
+  EXPECT_EQ(parse(loom::to_toml(c)), c);
+  // An existing file cannot hold the per-rank files.
+  const std::string file = ::testing::TempDir() + "/loom_trace_is_a_file";
+  { std::ofstream(file) << "x"; }
+  expect_error([&] { parse("", {"--profiling.trace=" + file}); },
+               {"profiling.trace", "a directory", "an existing file"});
+  expect_error([] { parse("[profiling]\ntrace = 3\n"); }, {"profiling.trace", "string"});
+}

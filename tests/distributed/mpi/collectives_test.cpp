@@ -4,9 +4,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <thread>
 
+#include "distributed/group_sum.hpp"
 #include "distributed/mpi_process_group.hpp"
 
 using namespace loom;
@@ -347,4 +349,21 @@ TEST_F(Mpi, SplitByParity) {
   Tensor all = sentinel(DType::i32, g->size());
   g->all_gather(me, all)->wait();
   for (int k = 0; k < g->size(); ++k) EXPECT_EQ(get(all, k), expected[k]);
+}
+
+TEST_F(Mpi, GroupSumKeepsEveryBitAndAddsInRankOrder) {
+  // A double no float pair holds (53 significant bits): held by the last rank alone, it comes
+  // back unchanged on every rank (the hi+lo transport kept about 48 bits).
+  const double x = 1.0 / 3.0 + 0x1p-50;
+  const double got = loom::group_sum(world_.get(), r_ == n_ - 1 ? x : 0.0);
+  EXPECT_EQ(std::memcmp(&got, &x, sizeof x), 0) << got << " vs " << x;
+  // Element-wise, in rank order: the sum of 0.1 * (rank + 1) added as a loop over ranks would.
+  std::vector<double> mine{0.1 * (r_ + 1), -double(r_), 0.0};
+  const std::vector<double> sums = loom::group_sum_each(world_.get(), mine);
+  double want = 0;
+  for (int r = 0; r < n_; ++r) want += 0.1 * (r + 1);
+  ASSERT_EQ(sums.size(), 3u);
+  EXPECT_EQ(sums[0], want);
+  EXPECT_EQ(sums[1], -double(n_ * (n_ - 1) / 2));
+  EXPECT_EQ(sums[2], 0.0);
 }
