@@ -99,12 +99,12 @@ struct GlaBlock::Dims {
 };
 
 GlaBlock::GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
-                   const ParallelContext* par)
+                   const ParallelContext* par, ShardLayout shard)
     : c_(c),
       par_(&checked(par, c)),
       unit_("layers." + std::to_string(layer),
-            gla_block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size(), ix_), bf16,
-            device) {}
+            gla_block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size(), ix_), bf16, device,
+            shard) {}
 
 // This tp rank's sizes (its heads) of one micro-batch.
 GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {

@@ -42,8 +42,10 @@ struct GlaBlockActs {
 
 class GlaBlock {
  public:
+  // `shard`: the unit's FSDP sharding (its parameters are then views of the gathered weights
+  // between the hooks' gather and release).
   GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
-           const ParallelContext* par = nullptr);
+           const ParallelContext* par = nullptr, ShardLayout shard = {});
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
   struct Index;

@@ -22,7 +22,7 @@ struct Posted {
 
 }  // namespace
 
-PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
+PipelineExecutor::PipelineExecutor(Model& model, pp::Schedule schedule,
                                    std::vector<pp::UnitRange> stage_units,
                                    dist::ProcessGroup* group)
     : model_(model), schedule_(std::move(schedule)), units_(std::move(stage_units)), group_(group) {
@@ -38,8 +38,7 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
   // The head reads and writes the embedding: on another rank it would read a stale copy and its
   // gradient would never reach the embedding's owner (Megatron sums the two copies; to come).
   LOOM_CHECK(
-      !model_.config().tie_word_embeddings ||
-          schedule_.stage_rank.front() == schedule_.stage_rank.back(),
+      !model_.tie_word_embeddings() || schedule_.stage_rank.front() == schedule_.stage_rank.back(),
       "pipeline: the model ties its embeddings (tie_word_embeddings in its config.json) and ",
       "the first and last stages are on different pp ranks; tied embeddings under ",
       "parallelism.pp > 1 are not supported yet");
@@ -71,7 +70,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
                              float grad_scale) {
   const pp::Schedule& s = schedule_;
   const auto& order = s.orders[size_t(rank_)];
-  const int64_t d = model_.config().hidden_size;
+  const int64_t d = model_.hidden_size();
   const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
   // A micro-batch's store lives from this rank's first forward of it to its last backward.
   std::map<int, std::unique_ptr<ActivationStore>> stores;

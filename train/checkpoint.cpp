@@ -20,7 +20,7 @@
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 #include "model/safetensors.hpp"
 #include "model/tensor_slice.hpp"
 #include "train/optimizer.hpp"
@@ -106,7 +106,7 @@ struct RankSlices {
 
 // `split`, `unsplit`: whether this rank writes the parameters tensor parallelism splits, and the
 // others (content_keys).
-RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit) {
+RankSlices rank_slices(Model& model, AdamW& opt, bool split, bool unsplit) {
   RankSlices out;
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i) {
@@ -145,7 +145,7 @@ RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit) 
 // replicas, the ranks of a cp group, the tp ranks for the parameters TP does not split) write it
 // once: the first of them. Two keys, [0] for the split parameters and [1] for the others, each a
 // hash of what the rank holds of them.
-std::array<int32_t, 4> content_keys(LlamaModel& model) {
+std::array<int32_t, 4> content_keys(Model& model) {
   std::array<uint64_t, 2> h = {1469598103934665603ull, 1469598103934665603ull};
   auto mix = [](uint64_t& x, const std::string& s) {
     for (unsigned char c : s) x = (x ^ c) * 1099511628211ull;
@@ -378,7 +378,7 @@ struct SavePlan {
 };
 
 // The collective start of a save: the writers agreed, world rank 0 has made the .tmp directory.
-SavePlan begin_save(const std::string& root, LlamaModel& model, AdamW& optimizer,
+SavePlan begin_save(const std::string& root, Model& model, AdamW& optimizer,
                     const TrainState& state, const CheckpointComm& comm) {
   LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
   LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
@@ -433,7 +433,7 @@ void write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step)
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json,
                             const CheckpointComm& comm) {
   const SavePlan plan = begin_save(root, model, optimizer, state, comm);
@@ -444,7 +444,7 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
         }),
         plan.what, plan.cleanup());
   std::string path = plan.final_dir.string();
-  const std::string config = model.config().to_json() + "\n";
+  const std::string config = model.config_json() + "\n";
   agree(plan.world, catch_error([&] {
           if (plan.rank == 0)
             path =
@@ -503,7 +503,7 @@ std::string PendingSave::wait() {
   return p.path;
 }
 
-std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Model& model,
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json,
                                                    const CheckpointComm& comm,
@@ -522,7 +522,7 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
       t.tensor = copy;
     }
   }
-  const std::string config = model.config().to_json() + "\n";
+  const std::string config = model.config_json() + "\n";
   PendingSave::Impl* p = impl.get();
   impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
                               after = std::move(after_complete)] {
@@ -587,7 +587,7 @@ TrainState read_checkpoint_state(const std::string& dir) {
   return st;
 }
 
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer) {
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer) {
   const fs::path d(dir);
   std::error_code ec;
   const TrainState st = read_checkpoint_state(dir);

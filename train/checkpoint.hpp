@@ -24,7 +24,7 @@
 
 namespace loom {
 
-class LlamaModel;
+class Model;
 class AdamW;
 namespace dist {
 class ProcessGroup;
@@ -61,7 +61,7 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 // `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
 // Every rank of `comm` calls it. Each rank holds nothing beyond its own shards: its file is
 // written from views of them.
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
 
@@ -85,7 +85,7 @@ class PendingSave {
  private:
   std::unique_ptr<Impl> impl_;
 };
-std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Model& model,
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json = "",
                                                    const CheckpointComm& comm = {},
@@ -96,7 +96,7 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
 // shapes), tensors the model does not have. Each rank reads only the slices it holds from
 // whichever files have them, so a checkpoint of any layout loads into any other. Checkpoints of
 // the earlier format (model.safetensors + optimizer.safetensors) load too.
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer);
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer);
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
 // allocating anything.
 TrainState read_checkpoint_state(const std::string& dir);

@@ -59,7 +59,7 @@ TEST(GlaTensorParallel, MatchesSingleProcess) {
     TpOptions tp;
     tp.group = group.get();
     tp.sequence_parallel = sp;
-    GlaModel split(c, DType::f32, Device::cpu, tp);
+    GlaModel split(c, DType::f32, Device::cpu, {}, tp);
     split.set_activation_checkpoint({ac, 1});
     if (conv && sp) {
       // Each rank reads its slices of the single-process model's fla-format checkpoint.
@@ -108,7 +108,7 @@ TEST(GlaTensorParallel, RefusesUnevenHeads) {
   TpOptions tp;
   tp.group = group.get();
   c.num_kv_heads = 1;
-  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, tp); },
                      {"num_kv_heads", "1", "parallelism.tp = 2"});
 }
 
@@ -152,7 +152,7 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
       }
     CpOptions cp;
     cp.group = group.get();
-    GlaModel split(c, DType::f32, Device::cpu, {}, cp);
+    GlaModel split(c, DType::f32, Device::cpu, {}, {}, cp);
     split.set_activation_checkpoint({ac, 1});
     split.init_weights(5);
     split.zero_grad();
@@ -189,6 +189,6 @@ TEST(GlaContextParallel, RefusesShortConv) {
   c.use_short_conv = true;
   CpOptions cp;
   cp.group = group.get();
-  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, cp); },
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, {}, cp); },
                      {"use_short_conv", "context parallelism"});
 }
