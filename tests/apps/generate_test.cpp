@@ -78,6 +78,7 @@ class GenerateCommand : public ::testing::Test {
     c.hidden_size = 64;
     c.num_hidden_layers = 2;
     c.num_heads = 4;
+    c.num_kv_heads = 4;
     c.intermediate_size = 128;
     c.vocab_size = 320;
     c.use_short_conv = true;
