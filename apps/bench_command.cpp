@@ -265,8 +265,9 @@ int bench_command(const Args& args) {
   std::printf("  step time (median)  %.2f ms over %d steps after %d warm-up\n", step_s * 1e3, steps,
               warmup);
   std::printf("  tokens/s            %.0f\n", tokens_per_s);
-  std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, 6N + 12LHQT)\n", flops / 1e9,
-              mc.flops_per_token(T) / 1e6);
+  std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, %s)\n", flops / 1e9,
+              mc.flops_per_token(T) / 1e6,
+              mc.is_gla() ? "6N + 12LHKV: GLA's recurrent core" : "6N + 12LHQT");
   std::printf("  GEMM peak measured  %.1f GFLOP/s (%s)\n", peak_flops / 1e9,
               std::string(dtype_name(compute)).c_str());
   std::printf("  MFU                 %.1f%% of the measured GEMM peak\n", 100 * mfu);
