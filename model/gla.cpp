@@ -49,26 +49,10 @@ std::string GlaModel::describe() const {
 }
 
 void GlaModel::load_hf(const SafetensorsDir& dir) {
+  load_units(dir);
   std::set<std::string> expected;
-  for (ParamUnit* u : units()) {
+  for (ParamUnit* u : units())
     for (auto& p : u->params()) expected.insert(p.spec.name);
-    if (!u->sharded()) {
-      for (auto& p : u->params()) {
-        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
-          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
-        else
-          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
-                           p.value.data<float>());
-      }
-      u->refresh_bf16();
-      continue;
-    }
-    float* shard = u->master_shard().data<float>();
-    for (const ShardSlice& sl : u->shard_slices()) {
-      const ParamSpec& spec = u->params()[sl.param].spec;
-      read_param_slice(dir, spec.name, spec, sl.begin, sl.count, shard + sl.shard_offset);
-    }
-  }
   for (const std::string& n : dir.names()) {
     // A loom checkpoint also holds each parameter's AdamW moments.
     const bool moment = dir.sharded() && (n.ends_with(".exp_avg") || n.ends_with(".exp_avg_sq"));

@@ -89,11 +89,21 @@ uint64_t GlaModel::tp_bytes_per_micro_batch(int64_t, int64_t) const {
   return 0;
 }
 
-uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t, int64_t) const {
-  LOOM_CHECK(cp().size() <= 1,
-             "GLA: the context-parallel state passing's traffic is not modelled yet (loom bench "
-             "--check, bytes_per_step): use parallelism.cp = 1, or a Llama model");
-  return 0;
+// The state passing (parallel/layers/gla_state_passing.cpp), per block: forward all-gathers the
+// two segments' total decays [B, Hkv, K] and zero-start states [B, H, K, V], backward the
+// segments' D [B, H, K, V]; a recomputed (`full`) block gathers its forward's again. Independent
+// of T.
+uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t) const {
+  const int n = cp().size();
+  if (n <= 1) return 0;
+  const int tpn = tp().size();
+  const uint64_t K = uint64_t(config_.head_k_dim()), V = uint64_t(config_.head_v_dim());
+  const uint64_t state = 2 * uint64_t(B) * uint64_t(config_.num_heads / tpn) * K * V * 4;
+  const uint64_t decay = 2 * uint64_t(B) * uint64_t(config_.num_kv_heads / tpn) * K * 4;
+  const uint64_t k = uint64_t(n - 1), L = num_blocks();
+  const uint64_t forward = k * (decay + state), backward = k * state;
+  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
+  return L * (forward + backward) + recomputed * forward;
 }
 
 // The state passing's fold: every segment's zero-start final state, [2 cp, B, H, K, V], gathered

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "core/error.hpp"
-#include "model/safetensors.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
@@ -76,27 +75,6 @@ std::string LlamaModel::describe() const {
   return str_cat("dim ", config_.hidden_size, ", ", config_.num_hidden_layers, " layers, ",
                  config_.num_attention_heads, "/", config_.num_key_value_heads, " heads, ffn ",
                  config_.intermediate_size, ", vocab ", config_.vocab_size);
-}
-
-void LlamaModel::load_hf(const SafetensorsDir& dir) {
-  for (ParamUnit* u : units()) {
-    if (!u->sharded()) {
-      for (auto& p : u->params()) {
-        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
-          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
-        else
-          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
-                           p.value.data<float>());
-      }
-      u->refresh_bf16();
-      continue;
-    }
-    float* shard = u->master_shard().data<float>();
-    for (const ShardSlice& s : u->shard_slices()) {
-      const ParamSpec& spec = u->params()[s.param].spec;
-      read_param_slice(dir, spec.name, spec, s.begin, s.count, shard + s.shard_offset);
-    }
-  }
 }
 
 const RopeTable& LlamaModel::rope_for(int64_t T) {

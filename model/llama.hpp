@@ -36,7 +36,6 @@ class LlamaModel final : public Model {
   bool tie_word_embeddings() const override { return config_.tie_word_embeddings; }
   std::string describe() const override;
   double flops_per_token(int64_t T) const override { return config_.flops_per_token(T); }
-  void load_hf(const SafetensorsDir& dir) override;
 
   // Bytes of activations one micro-batch holds at its peak (the analytic figure of the memory
   // model): without checkpointing every block's saved tensors; with it, the larger of what the

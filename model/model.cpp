@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "model/safetensors.hpp"
 
 namespace loom {
 
@@ -42,6 +43,27 @@ int64_t Model::num_params() const {
 
 void Model::init_weights(uint64_t seed) {
   for (ParamUnit* u : units()) u->init_weights(seed);
+}
+
+void Model::load_units(const SafetensorsDir& dir) {
+  for (ParamUnit* u : units()) {
+    if (!u->sharded()) {
+      for (auto& p : u->params()) {
+        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+        else
+          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
+                           p.value.data<float>());
+      }
+      u->refresh_bf16();
+      continue;
+    }
+    float* shard = u->master_shard().data<float>();
+    for (const ShardSlice& s : u->shard_slices()) {
+      const ParamSpec& spec = u->params()[s.param].spec;
+      read_param_slice(dir, spec.name, spec, s.begin, s.count, shard + s.shard_offset);
+    }
+  }
 }
 
 void Model::zero_grad() {

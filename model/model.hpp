@@ -92,8 +92,9 @@ class Model {
   const ActivationCheckpoint& activation_checkpoint() const { return ac_; }
 
   void init_weights(uint64_t seed);
-  // Every parameter, shapes checked; a sharded model reads only its shards' slices.
-  virtual void load_hf(const SafetensorsDir& dir) = 0;
+  // Every parameter, shapes checked; a sharded model reads only its shards' slices
+  // (load_units; a model may check more, e.g. that `dir` holds no tensor it does not have).
+  virtual void load_hf(const SafetensorsDir& dir) { load_units(dir); }
   void zero_grad();
 
   // A micro-batch: inputs/targets [B, T]; with context parallelism this cp rank's tokens
@@ -142,6 +143,9 @@ class Model {
   ParamUnit& head_unit() { return *head_; }
   const ParamUnit& head_unit() const { return *head_; }
   size_t head_index() const { return blocks_.size() + 1; }
+  // Every parameter of every unit from `dir` (global names): whole or this tp rank's slice into
+  // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones.
+  void load_units(const SafetensorsDir& dir);
   // Rows of the residual stream on this rank (B*T / tp with sequence parallelism).
   int64_t residual_rows(const StepContext& ctx) const;
 
