@@ -77,9 +77,6 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
                            groups.shard ? groups.shard->size() : 1};
   const TpOptions tp = apply_tp(groups, options);
   const CpOptions cp = apply_cp(groups, options);
-  LOOM_CHECK(!groups.pp || !config.is_gla(), "parallelism.pp = ", groups.pp ? groups.pp->size() : 1,
-             ": pipeline parallelism with a GLA model (model_type \"gla\") is not supported yet; "
-             "use parallelism.pp = 1");
   m.model = make_model(config, compute, options.device, layout, tp, cp);
   check_plan(*m.model, config.is_gla() ? gla_plan() : llama_plan());
   apply_ac(*m.model, options.ac);

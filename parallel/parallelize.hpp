@@ -10,8 +10,7 @@
 // The model (model/model.hpp: Llama or GLA, by the config's model_type) takes its tp and cp
 // options when it is built (each unit holds its tp slices), so apply_tp and apply_cp give the
 // options the model is built with and the model's plan (llama_plan.hpp) is checked on the built
-// model; activation checkpointing and the data-parallel hooks apply to it afterwards. Pipeline
-// parallelism is refused for GLA (not tested yet).
+// model; activation checkpointing and the data-parallel hooks apply to it afterwards.
 #include <cstdint>
 #include <memory>
 #include <vector>
