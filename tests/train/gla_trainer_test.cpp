@@ -117,7 +117,8 @@ TEST(GlaTrainer, LossFalls) {
   ASSERT_EQ(r.steps.size(), 60u);
   // ln(48) = 3.87 at the start (initializer_range 0.02: near-uniform logits).
   EXPECT_NEAR(r.steps.front().loss, std::log(double(kVocab)), 0.3);
-  EXPECT_LT(r.steps.back().loss, 0.5 * r.steps.front().loss);
+  // The sequence is learnt (seen: 0.097 on AVX-512, 0.095 on AVX2).
+  EXPECT_LT(r.steps.back().loss, 0.5);
   ASSERT_EQ(r.val_losses.size(), 3u);
   EXPECT_LT(r.val_losses.back().second, r.val_losses.front().second);
 }
