@@ -124,7 +124,17 @@ uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t) const {
   const uint64_t state = 2 * uint64_t(B) * uint64_t(config_.num_heads / tpn) * K * V * 4;
   const uint64_t decay = 2 * uint64_t(B) * uint64_t(config_.num_kv_heads / tpn) * K * 4;
   const uint64_t k = uint64_t(n - 1), L = num_blocks();
-  const uint64_t forward = k * (decay + state), backward = k * state;
+  // The short convolution's halo: every segment's last conv_size - 1 rows of q | k | v, gathered
+  // in forward, again in backward, and their gradient gathered back.
+  const uint64_t halo =
+      config_.use_short_conv && config_.conv_size > 1
+          ? 2 * uint64_t(B) * uint64_t(config_.conv_size - 1) *
+                uint64_t((config_.key_dim() + config_.key_dim() / config_.kv_groups() +
+                          config_.value_dim() / config_.kv_groups()) /
+                         tpn) *
+                4
+          : 0;
+  const uint64_t forward = k * (decay + state + halo), backward = k * (state + 2 * halo);
   const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
   return L * (forward + backward) + recomputed * forward;
 }
