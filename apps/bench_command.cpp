@@ -8,7 +8,7 @@
 // groups' counters, reset after warm-up, divided by the timed steps) against the cost model's
 // figure, and tokens/s. With --check the command fails unless every rank's bytes equal the
 // analytic figure and its peak is within 5% of the expected one. Not in the memory model: ring
-// attention's working set in backward beyond LlamaModel::ring_working_bytes, so under cp the
+// attention's working set in backward beyond Model::ring_working_bytes, so under cp the
 // measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full activation
 // checkpointing, where a block's backward is the peak).
 #include <algorithm>
@@ -26,7 +26,7 @@
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
 #include "kernels/cpu/gemm.hpp"
-#include "model/llama.hpp"
+#include "model/model_config.hpp"
 #include "parallel/cost_model.hpp"
 #include "train/config.hpp"
 #include "train/launch.hpp"
@@ -101,7 +101,7 @@ int bench_command(const Args& args) {
   LOOM_CHECK(!config_path.empty(), "bench step needs --config FILE");
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
-  const LlamaConfig mc = LlamaConfig::from_file(resolve_model_config(job.model.config, toml_dir));
+  const ModelConfig mc = ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir));
   const DType compute = dtype_from_name(job.training.mixed_precision_param);
   const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
   const int warmup = int(job.bench.warmup_steps), steps = int(job.bench.steps);
@@ -120,7 +120,7 @@ int bench_command(const Args& args) {
 
   auto& alloc = Allocator::get(Device::cpu);
   ParallelModel par = parallelize(mc, compute, parallel_groups(mesh), parallelize_options(job));
-  LlamaModel& model = *par.model;
+  Model& model = *par.model;
   model.init_weights(uint64_t(job.model.seed));
   AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1), float(job.optimizer.beta2),
                  float(job.optimizer.eps), float(job.optimizer.weight_decay)};
@@ -135,8 +135,8 @@ int bench_command(const Args& args) {
   std::vector<int32_t> inputs(size_t(B * T)), targets(size_t(B * T));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      inputs[b * T + t] = int32_t(u[b * (T + 1) + t] * mc.vocab_size);
-      targets[b * T + t] = int32_t(u[b * (T + 1) + t + 1] * mc.vocab_size);
+      inputs[b * T + t] = int32_t(u[b * (T + 1) + t] * mc.vocab_size());
+      targets[b * T + t] = int32_t(u[b * (T + 1) + t + 1] * mc.vocab_size());
     }
 
   const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh, par.groups);
@@ -265,8 +265,9 @@ int bench_command(const Args& args) {
   std::printf("  step time (median)  %.2f ms over %d steps after %d warm-up\n", step_s * 1e3, steps,
               warmup);
   std::printf("  tokens/s            %.0f\n", tokens_per_s);
-  std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, 6N + 12LHQT)\n", flops / 1e9,
-              mc.flops_per_token(T) / 1e6);
+  std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, %s)\n", flops / 1e9,
+              mc.flops_per_token(T) / 1e6,
+              mc.is_gla() ? "6N + 12LHKV: GLA's recurrent core" : "6N + 12LHQT");
   std::printf("  GEMM peak measured  %.1f GFLOP/s (%s)\n", peak_flops / 1e9,
               std::string(dtype_name(compute)).c_str());
   std::printf("  MFU                 %.1f%% of the measured GEMM peak\n", 100 * mfu);

@@ -7,14 +7,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "apps/commands.hpp"
 #include "data/tokenizer.hpp"
+#include "model/gla.hpp"
+#include "model/gla_inference.hpp"
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
+#include "model/model_config.hpp"
 #include "model/safetensors.hpp"
 
 namespace loom {
@@ -169,9 +173,9 @@ int generate_command(const Args& args) {
   LOOM_CHECK(fs::exists(tok_path), "tokenizer file ", tok_path.string(), " does not exist");
   const Tokenizer tok = Tokenizer::load(tok_path.string());
 
-  const LlamaConfig config = LlamaConfig::from_file((dir / "config.json").string());
-  LOOM_CHECK(tok.vocab_size() <= config.vocab_size, "the tokenizer ", tok_path.string(), " has ",
-             tok.vocab_size(), " ids but the model's vocab_size is ", config.vocab_size);
+  const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  LOOM_CHECK(tok.vocab_size() <= config.vocab_size(), "the tokenizer ", tok_path.string(), " has ",
+             tok.vocab_size(), " ids but the model's vocab_size is ", config.vocab_size());
 
   std::vector<int32_t> ids = tok.encode(o.prompt);
   LOOM_CHECK(!ids.empty(), "the prompt encodes to no tokens; give a non-empty --prompt");
@@ -183,24 +187,37 @@ int generate_command(const Args& args) {
     if (bos >= 0) ids.insert(ids.begin(), bos);
   }
   const int64_t n_prompt = int64_t(ids.size());
-  LOOM_CHECK(n_prompt + o.max_tokens <= config.max_position_embeddings, "the prompt (", n_prompt,
-             " tokens) plus --max-tokens ", o.max_tokens, " exceeds the model's ",
-             "max_position_embeddings = ", config.max_position_embeddings);
+  // GLA has no positions (its recurrent state carries any length); Llama's RoPE is trained up to
+  // max_position_embeddings.
+  LOOM_CHECK(config.is_gla() || n_prompt + o.max_tokens <= config.max_position_embeddings(),
+             "the prompt (", n_prompt, " tokens) plus --max-tokens ", o.max_tokens,
+             " exceeds the model's ",
+             "max_position_embeddings = ", config.max_position_embeddings());
 
   auto t_load = std::chrono::steady_clock::now();
-  LlamaModel model(config, compute);
-  model.load_hf(SafetensorsDir(dir.string()));
-  // The last token drawn is never fed back, so the cache needs one position less than it holds.
-  LlamaInference inf(model, n_prompt + std::max<int64_t>(o.max_tokens - 1, 0));
+  const std::unique_ptr<Model> model = make_model(config, compute);
+  model->load_hf(SafetensorsDir(dir.string()));
+  // Llama: a KV cache; the last token drawn is never fed back, so the cache needs one position
+  // less than it holds. GLA: the recurrent state.
+  std::unique_ptr<LlamaInference> llama;
+  std::unique_ptr<GlaInference> gla;
+  if (config.is_gla())
+    gla = std::make_unique<GlaInference>(static_cast<GlaModel&>(*model));
+  else
+    llama = std::make_unique<LlamaInference>(static_cast<LlamaModel&>(*model),
+                                             n_prompt + std::max<int64_t>(o.max_tokens - 1, 0));
+  auto feed = [&](const int32_t* tokens, int64_t n) {
+    return gla ? gla->forward(tokens, n) : llama->forward(tokens, n);
+  };
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
   std::fwrite(o.prompt.data(), 1, o.prompt.size(), stdout);
   std::fflush(stdout);
-  const int64_t V = config.vocab_size, V_tok = tok.vocab_size();
+  const int64_t V = config.vocab_size(), V_tok = tok.vocab_size();
   const int32_t eot = tok.eot_id();
   auto t0 = std::chrono::steady_clock::now();
-  Tensor logits = inf.forward(ids.data(), n_prompt);
+  Tensor logits = feed(ids.data(), n_prompt);
   auto t1 = std::chrono::steady_clock::now();
   int64_t generated = 0;
   for (; generated < o.max_tokens; ++generated) {
@@ -212,7 +229,7 @@ int generate_command(const Args& args) {
     const std::string piece = tok.decode({next});
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-    if (generated + 1 < o.max_tokens) logits = inf.forward(&next, 1);
+    if (generated + 1 < o.max_tokens) logits = feed(&next, 1);
   }
   auto t2 = std::chrono::steady_clock::now();
   std::fputc('\n', stdout);

@@ -75,10 +75,6 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
 
 const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
   const ParallelContext& p = par ? *par : none();
-  LOOM_CHECK(p.cp.size() <= 1 || !c.use_short_conv,
-             "GLA: use_short_conv with context parallelism needs the previous segment's last ",
-             "conv_size - 1 rows, which is not implemented (set parallelism.cp = 1 or "
-             "use_short_conv = false)");
   if (p.tp.on()) {
     const int n = p.tp.opt.size();
     for (auto [what, v] : {std::pair<const char*, int64_t>{"num_heads", c.num_heads},
@@ -99,12 +95,12 @@ struct GlaBlock::Dims {
 };
 
 GlaBlock::GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
-                   const ParallelContext* par)
+                   const ParallelContext* par, ShardLayout shard)
     : c_(c),
       par_(&checked(par, c)),
       unit_("layers." + std::to_string(layer),
-            gla_block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size(), ix_), bf16,
-            device) {}
+            gla_block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size(), ix_), bf16, device,
+            shard) {}
 
 // This tp rank's sizes (its heads) of one micro-batch.
 GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
@@ -172,8 +168,12 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
     a.qkv_c = f32({g.M, g.Kd + g.Kg + g.Vg}, dev);
     for (int i = 0; i < 3; ++i) {
       Tensor dst = a.qkv_c.narrow(1, off[i], width[i]);
-      ops::short_conv_forward(a.proj.narrow(1, off[i], width[i]), P[size_t(ix_.conv + i)].value,
-                              ctx.B, dst);
+      if (conv_halo())
+        gla_cp_short_conv_forward(par_->cp, ctx.positions, a.proj.narrow(1, off[i], width[i]),
+                                  P[size_t(ix_.conv + i)].value, ctx.B, dst);
+      else
+        ops::short_conv_forward(a.proj.narrow(1, off[i], width[i]), P[size_t(ix_.conv + i)].value,
+                                ctx.B, dst);
     }
   }
   const Tensor& src = c_.use_short_conv ? a.qkv_c : a.proj;
@@ -307,9 +307,14 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
         for (int i = 0; i < 3; ++i) {
           Tensor dx = dproj.narrow(1, off[i], width[i]);
           const size_t w = size_t(ix_.conv + i);
-          ops::short_conv_backward(dsrc.narrow(1, off[i], width[i]),
-                                   a.proj.narrow(1, off[i], width[i]), P[w].value, ctx.B, dx,
-                                   P[w].grad);
+          if (conv_halo())
+            gla_cp_short_conv_backward(par_->cp, ctx.positions, dsrc.narrow(1, off[i], width[i]),
+                                       a.proj.narrow(1, off[i], width[i]), P[w].value, ctx.B, dx,
+                                       P[w].grad);
+          else
+            ops::short_conv_backward(dsrc.narrow(1, off[i], width[i]),
+                                     a.proj.narrow(1, off[i], width[i]), P[w].value, ctx.B, dx,
+                                     P[w].grad);
         }
         a.qkv_c = Tensor();
       }

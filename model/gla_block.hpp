@@ -6,7 +6,7 @@
 // before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
 // gated core output and the SwiGLU output are recomputed). Tensor parallelism with or without
 // sequence parallelism (heads split over tp ranks, the spec's plan); context parallelism by state
-// passing (parallel/layers/gla_state_passing.hpp), without the short convolution for now.
+// passing (parallel/layers/gla_state_passing.hpp), the short convolution's halo rows gathered.
 #include <cstdint>
 
 #include "core/tensor.hpp"
@@ -42,8 +42,10 @@ struct GlaBlockActs {
 
 class GlaBlock {
  public:
+  // `shard`: the unit's FSDP sharding (its parameters are then views of the gathered weights
+  // between the hooks' gather and release).
   GlaBlock(const GlaConfig& c, int64_t layer, bool bf16, Device device,
-           const ParallelContext* par = nullptr);
+           const ParallelContext* par = nullptr, ShardLayout shard = {});
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
   struct Index;
@@ -63,6 +65,8 @@ class GlaBlock {
   Dims dims(const StepContext& ctx) const;
   Tensor run_forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
   const Tensor& weight(int i) const { return unit_.gemm_weight(size_t(i)); }
+  // Under cp a segment's convolution reads the previous segment's last conv_size - 1 rows.
+  bool conv_halo() const { return par_->cp.size() > 1 && c_.conv_size > 1; }
   Tensor param_or_none(int i) const { return i < 0 ? Tensor() : unit_.params()[size_t(i)].value; }
 
  public:

@@ -252,4 +252,11 @@ int64_t GlaConfig::num_params() const {
   return n;
 }
 
+double GlaConfig::flops_per_token(int64_t) const {
+  const int64_t V = vocab_size, d = hidden_size;
+  const int64_t n = num_params() - V * d + (tie_word_embeddings ? V * d : 0);
+  return 6.0 * double(n) + 12.0 * double(num_hidden_layers) * double(num_heads) *
+                               double(head_k_dim()) * double(head_v_dim());
+}
+
 }  // namespace loom

@@ -56,6 +56,12 @@ struct GlaConfig {
   };
   std::vector<Param> params() const;
   int64_t num_params() const;  // with tied embeddings the shared matrix counts once
+  // Training FLOPs per token: 6N (N: the parameters but the input embedding, the output
+  // projection counted) plus the core in its recurrent form, forward 4 H dk dv per layer (the
+  // state update k^T v and the read-out q S), backward twice that. Independent of T: the chunked
+  // kernel's intra-chunk products are not counted, as Llama's convention counts attention's
+  // scores and not the softmax.
+  double flops_per_token(int64_t T) const;
 };
 
 }  // namespace loom

@@ -54,15 +54,15 @@ size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64
 }
 
 uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
-  const TpRuntime& tp = par_->tp;
+  const TpRuntime& tp = par().tp;
   const int n = tp.opt.size();
   if (n == 1) return 0;
   // The ProcessGroup's ring convention (docs/design.md, "Distributed runtime").
   auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
-  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = blocks_.size();
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = num_blocks();
   const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
   const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
-  const uint64_t recomputed = uint64_t(ac_.recomputed_blocks(int64_t(L)));
+  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
   // Without SP a recomputed forward all-reduces the attention output once more.
   if (!tp.sp()) return ar(M * d * 4) * (2 + 4 * L + recomputed) + loss;
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
@@ -72,7 +72,9 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
                              + (tp.opt.recompute_allgather ? 2 * ag_x : 0);
   // `op` gathers the recomputed norm outputs in backward (as recompute_allgather does).
   const uint64_t op =
-      ac_.mode == ActivationCheckpoint::Mode::op && !tp.opt.recompute_allgather ? 2 * ag_x : 0;
+      activation_checkpoint().mode == ActivationCheckpoint::Mode::op && !tp.opt.recompute_allgather
+          ? 2 * ag_x
+          : 0;
   // A recomputed forward: the two gathers and the attention's reduce-scatter (not the MLP's).
   return f32                                                     // embedding reduce-scatter
          + (per_block + op) * L + recomputed * (2 * ag_x + f32)  // blocks
@@ -86,13 +88,62 @@ size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
 }
 
 uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
-  const int64_t L = int64_t(blocks_.size());
-  return ring_bytes(par_->cp, ring_kv_bytes(B, T), L, ac_.recomputed_blocks(L));
+  const int64_t L = int64_t(num_blocks());
+  return ring_bytes(cp(), ring_kv_bytes(B, T), L, activation_checkpoint().recomputed_blocks(L));
 }
 
 size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {
-  return loom::ring_working_bytes(par_->cp, ring_kv_bytes(B, T), B * T,
+  return loom::ring_working_bytes(cp(), ring_kv_bytes(B, T), B * T,
                                   config_.num_attention_heads / tp().size());
+}
+
+size_t LlamaModel::saved_activation_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  return saved_activation_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
+                                tp().recompute_allgather, activation_checkpoint());
+}
+
+// The fused output projection + loss at the start of the head's backward.
+size_t LlamaModel::head_workspace_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  const bool sp = n > 1 && tp().sequence_parallel;
+  const size_t M = size_t(B * T), d = size_t(config_.hidden_size);
+  const size_t logits_chunk = size_t(loss_chunk_rows(config_, B, T, compute_)) *
+                              size_t(config_.vocab_size / n) *
+                              (4 + (compute_ == DType::bf16 ? 2 : 0));
+  // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
+  // rstd, and the loss's chunk of logits.
+  if (n == 1) return M * d * (4 + dtype_size(compute_) + 4) + M * 4 + logits_chunk;
+  // With tp: x, xf and rstd of this rank's rows, the loss's glse; the gathered xf, dxf and the
+  // lse are pooled communication buffers (tp_comm_buffer_bytes).
+  const size_t Mx = sp ? M / size_t(n) : M;
+  return Mx * d * (4 + dtype_size(compute_)) + Mx * 4 + M * 4 + logits_chunk;
+}
+
+size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                        int tp, bool sp) {
+  if (tp <= 1) return 0;
+  const size_t n = size_t(tp), M = size_t(B * T), d = size_t(c.hidden_size);
+  const size_t Mx = sp ? M / n : M;
+  // A row-parallel output and a column-parallel input gradient before their sum over tp
+  // ("row_out", "col_dx"), the loss's gathered log-sum-exps and target logits.
+  size_t bytes = 2 * M * d * 4 + n * M * 4 + M * 4;
+  if (compute == DType::bf16) {
+    // The loss's chunk of logit gradients in bf16 ("ce_dlogits").
+    const int64_t chunk = loss_chunk_rows(c, B, T, compute);
+    const size_t rows =
+        size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64, int64_t(M))));
+    bytes += rows * size_t((c.vocab_size + tp - 1) / tp) * 2;
+  }
+  // SP: the reduce-scattered rows of both, the gathered GEMM input (compute dtype) and output
+  // gradient (f32), and a norm's weight gradient part.
+  if (sp) bytes += 2 * Mx * d * 4 + M * d * dtype_size(compute) + M * d * 4 + d * 4;
+  return bytes;
+}
+
+size_t LlamaModel::tp_comm_buffer_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  return tp_comm_buffer_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel);
 }
 
 }  // namespace loom

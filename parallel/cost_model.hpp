@@ -15,10 +15,10 @@
 //     after forward (`never`: all; the tied embedding), each as ParamUnit's gathered buffer
 //   + the head's full f32 gradient (and the tied embedding's)
 //   + the saved activations of the local batch at their peak, by the [activation_checkpoint]
-//     policy (LlamaModel::saved_activation_bytes)
+//     policy (Model::saved_activation_bytes; LlamaModel's and GlaModel's own)
 //   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits)
 //   + with tp, the pooled communication buffers (tp_comm_buffer_bytes)
-//   + with cp, ring attention's working set in a block's backward (LlamaModel::ring_working_bytes):
+//   + with cp, ring attention's working set in a block's backward (Model::ring_working_bytes):
 //     the peak moves into the last block's backward, where what it frees (the head's workspace
 //     and gradient, its own MLP activations) and what it adds besides the ring (its gradient,
 //     dqkv, dattn) about cancel (measured within 1.5% on bench-tiny cp 2, p2p and allgather,
@@ -31,8 +31,8 @@
 // per step: HSDP's all-reduce of each gradient shard over dp_replicate, the gradient norm's
 // all-gather of 8 bytes over dp_shard (x cp) and over tp, and the loss's all-gather of 8 bytes
 // over dp. DDP: one all-reduce of each unit's gradient per step plus the loss's all-gather. Per
-// micro-batch, tp's collectives (LlamaModel::tp_bytes_per_micro_batch) and context parallelism's
-// ring attention K/V and dK/dV transfers (LlamaModel::cp_bytes_per_micro_batch) and the 8-byte
+// micro-batch, tp's collectives (Model::tp_bytes_per_micro_batch) and context parallelism's
+// ring attention K/V and dK/dV transfers (Model::cp_bytes_per_micro_batch) and the 8-byte
 // sum of the loss over cp.
 #include <cstddef>
 #include <cstdint>
@@ -60,14 +60,9 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T);
 // Bytes one rank of `m` sends per step of G micro-batches (reduce: the gradients' dtype).
 uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, int64_t G);
 
-// The pooled communication buffers of tensor parallelism after a step (LlamaModel's
-// comm_buffer_bytes()): one per (purpose, dtype, size) of the model's pooled() calls.
-size_t tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute, int tp,
-                            bool sp);
-
 // This rank's model as parallelize() builds it, on the meta device: every tensor booked, no
 // memory behind it, so the cost model can be asked before anything is allocated.
-ParallelModel plan_model(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+ParallelModel plan_model(const ModelConfig& config, DType compute, const ParallelGroups& groups,
                          ParallelizeOptions options);
 
 }  // namespace loom

@@ -4,7 +4,7 @@
 
 namespace loom::parallel {
 
-Ddp::Ddp(LlamaModel& model, dist::ProcessGroup& dp, DType reduce_dtype)
+Ddp::Ddp(Model& model, dist::ProcessGroup& dp, DType reduce_dtype)
     : units_(model.units()), dp_(dp), reduce_dtype_(reduce_dtype) {
   LOOM_CHECK(reduce_dtype == DType::f32 || reduce_dtype == DType::bf16,
              "DDP: reduce dtype must be float32 or bfloat16, got ", dtype_name(reduce_dtype));

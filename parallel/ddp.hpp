@@ -10,13 +10,13 @@
 
 #include "core/tensor.hpp"
 #include "distributed/process_group.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 
 namespace loom::parallel {
 
 class Ddp final : public UnitHooks {
  public:
-  Ddp(LlamaModel& model, dist::ProcessGroup& dp, DType reduce_dtype);
+  Ddp(Model& model, dist::ProcessGroup& dp, DType reduce_dtype);
   ~Ddp() override;
   Ddp(const Ddp&) = delete;
   Ddp& operator=(const Ddp&) = delete;

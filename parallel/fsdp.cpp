@@ -19,14 +19,14 @@ struct Fsdp::UnitState {
   Tensor reduce_in, reduce_out;              // kept alive until `reduce` completes
 };
 
-Fsdp::Fsdp(LlamaModel& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
+Fsdp::Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
            const FsdpConfig& config)
     : model_(model),
       units_(model.units()),
       shard_(shard),
       replicate_(replicate),
       config_(config),
-      tied_(model.config().tie_word_embeddings),
+      tied_(model.tie_word_embeddings()),
       state_(units_.size()) {
   LOOM_CHECK(config.reduce_dtype == DType::f32 || config.reduce_dtype == DType::bf16,
              "FSDP: reduce dtype must be float32 or bfloat16, got ",

@@ -1,6 +1,6 @@
 #pragma once
 // FSDP (ZeRO-3) and HSDP over the model's parameter units (DESIGN.md decision 3), as UnitHooks
-// that LlamaModel::forward_backward calls around each unit.
+// that Model::forward and Model::backward call around each unit (model/model.hpp).
 //
 // Every unit is sharded over the `shard` group (the mesh's "dp_shard"). Around a unit's work:
 //   before_forward(i)   gather unit i (all-gather of its shard, cast to the param dtype first;
@@ -32,7 +32,7 @@
 
 #include "core/tensor.hpp"
 #include "distributed/process_group.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 
 namespace loom::parallel {
 
@@ -47,7 +47,7 @@ struct FsdpConfig {
 class Fsdp final : public UnitHooks {
  public:
   // The model must be sharded over `shard` (ShardLayout{shard.rank(), shard.size()}).
-  Fsdp(LlamaModel& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
+  Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
        const FsdpConfig& config);
   ~Fsdp() override;
   Fsdp(const Fsdp&) = delete;
@@ -76,7 +76,7 @@ class Fsdp final : public UnitHooks {
   void complete_gather(size_t unit);
   void complete_reduce(size_t unit);
 
-  LlamaModel& model_;
+  Model& model_;
   std::vector<ParamUnit*> units_;
   dist::ProcessGroup& shard_;
   dist::ProcessGroup* replicate_;

@@ -1,7 +1,7 @@
 #include "parallel/llama_plan.hpp"
 
 #include "core/error.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 
 namespace loom {
 
@@ -20,6 +20,30 @@ constexpr PlanEntry kLlamaPlan[] = {
     {"model.layers.*.mlp.down_proj.weight", TpStyle::row},
     {"model.norm.weight", TpStyle::replicated},
     {"lm_head.weight", TpStyle::column},  // vocabulary-parallel rows (loss parallel)
+};
+
+constexpr PlanEntry kGlaPlan[] = {
+    {"model.embeddings.weight", TpStyle::replicated},
+    {"model.layers.*.attn_norm.weight", TpStyle::replicated},
+    {"model.layers.*.attn.q_proj.weight", TpStyle::column},
+    {"model.layers.*.attn.k_proj.weight", TpStyle::column},
+    {"model.layers.*.attn.v_proj.weight", TpStyle::column},
+    {"model.layers.*.attn.g_proj.weight", TpStyle::column},
+    {"model.layers.*.attn.gk_proj.0.weight", TpStyle::replicated},
+    {"model.layers.*.attn.gk_proj.1.weight", TpStyle::column},
+    {"model.layers.*.attn.gk_proj.1.bias", TpStyle::column},
+    {"model.layers.*.attn.g_norm_swish_gate.weight", TpStyle::replicated},
+    {"model.layers.*.attn.g_norm.weight", TpStyle::replicated},
+    {"model.layers.*.attn.o_proj.weight", TpStyle::row},
+    {"model.layers.*.attn.q_conv1d.weight", TpStyle::column},
+    {"model.layers.*.attn.k_conv1d.weight", TpStyle::column},
+    {"model.layers.*.attn.v_conv1d.weight", TpStyle::column},
+    {"model.layers.*.mlp_norm.weight", TpStyle::replicated},
+    {"model.layers.*.mlp.gate_proj.weight", TpStyle::column},
+    {"model.layers.*.mlp.up_proj.weight", TpStyle::column},
+    {"model.layers.*.mlp.down_proj.weight", TpStyle::row},
+    {"model.norm.weight", TpStyle::replicated},
+    {"lm_head.weight", TpStyle::replicated},
 };
 
 TpStyle style_of(TpSplit s) {
@@ -52,6 +76,10 @@ std::span<const PlanEntry> llama_plan() {
   return kLlamaPlan;
 }
 
+std::span<const PlanEntry> gla_plan() {
+  return kGlaPlan;
+}
+
 bool plan_matches(const std::string& pattern, const std::string& name) {
   size_t p = 0, n = 0;
   while (p < pattern.size()) {
@@ -69,7 +97,7 @@ bool plan_matches(const std::string& pattern, const std::string& name) {
   return n == name.size();
 }
 
-void check_plan(LlamaModel& model, std::span<const PlanEntry> plan) {
+void check_plan(Model& model, std::span<const PlanEntry> plan) {
   for (ParamUnit* u : model.units())
     for (const Param& p : u->params()) {
       const PlanEntry* entry = nullptr;

@@ -8,7 +8,7 @@
 
 namespace loom {
 
-class LlamaModel;
+class Model;
 
 enum class TpStyle {
   column,      // output rows split over tp (ParamSpec TpSplit::rows): q, k, v, gate, up, vocab
@@ -24,12 +24,16 @@ struct PlanEntry {
 
 // Llama's plan (Megatron's layout).
 std::span<const PlanEntry> llama_plan();
+// GLA's plan (flame's parallelize_fla): q, k, v, g and gk_proj.1 column-parallel, o row-parallel,
+// gk_proj.0 and the norms replicated; the embedding and the head replicated (not vocabulary
+// parallel).
+std::span<const PlanEntry> gla_plan();
 
 // Whether `name` matches `pattern` (`*`: any run of characters other than '.').
 bool plan_matches(const std::string& pattern, const std::string& name);
 
 // loom::Error naming the parameter when one of the model's parameters has no entry in `plan`, or
 // is split otherwise than the plan says.
-void check_plan(LlamaModel& model, std::span<const PlanEntry> plan);
+void check_plan(Model& model, std::span<const PlanEntry> plan);
 
 }  // namespace loom

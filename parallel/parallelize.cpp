@@ -25,7 +25,7 @@ CpOptions apply_cp(const ParallelGroups& g, const ParallelizeOptions& o) {
   return cp;
 }
 
-void apply_ac(LlamaModel& model, const ActivationCheckpoint& ac) {
+void apply_ac(Model& model, const ActivationCheckpoint& ac) {
   model.set_activation_checkpoint(ac);
 }
 
@@ -47,7 +47,7 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
              s.ranks, " rows (pp ranks); expected parallelism.pp = ", p);
   std::vector<int> layers;
   if (!o.pp_stage_layers.empty()) layers = pp::parse_stage_layers(o.pp_stage_layers);
-  auto units = pp::stage_units(int(m.model->config().num_hidden_layers), s.stages, layers);
+  auto units = pp::stage_units(int(m.model->num_blocks()), s.stages, layers);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
   // FSDP reduce-scatters a unit's gradient and frees its full buffer in its after_backward hook,
@@ -100,7 +100,7 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
 
 }  // namespace
 
-ParallelModel parallelize(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+ParallelModel parallelize(const ModelConfig& config, DType compute, const ParallelGroups& groups,
                           const ParallelizeOptions& options) {
   ParallelModel m;
   m.groups = groups;
@@ -108,8 +108,8 @@ ParallelModel parallelize(const LlamaConfig& config, DType compute, const Parall
                            groups.shard ? groups.shard->size() : 1};
   const TpOptions tp = apply_tp(groups, options);
   const CpOptions cp = apply_cp(groups, options);
-  m.model = std::make_unique<LlamaModel>(config, compute, options.device, layout, tp, cp);
-  check_plan(*m.model, llama_plan());
+  m.model = make_model(config, compute, options.device, layout, tp, cp);
+  check_plan(*m.model, config.is_gla() ? gla_plan() : llama_plan());
   apply_ac(*m.model, options.ac);
   if (groups.shard)
     apply_fsdp(m, options.fsdp);

@@ -7,15 +7,17 @@
 //   apply_fsdp  FSDP over dp_shard x cp (HSDP when dp_replicate > 1 too), or
 //   apply_ddp   DDP when only dp_replicate > 1
 //   apply_pp    the pipeline schedule and this rank's stages (parallel/pipeline_executor.hpp)
-// LlamaModel takes its tp and cp options when it is built (each unit holds its tp slices), so
-// apply_tp and apply_cp give the options the model is built with and the plan is checked on the
-// built model; activation checkpointing and the data-parallel hooks apply to it afterwards.
+// The model (model/model.hpp: Llama or GLA, by the config's model_type) takes its tp and cp
+// options when it is built (each unit holds its tp slices), so apply_tp and apply_cp give the
+// options the model is built with and the model's plan (llama_plan.hpp) is checked on the built
+// model; activation checkpointing and the data-parallel hooks apply to it afterwards.
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "core/dtype.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
+#include "model/model_config.hpp"
 #include "parallel/ddp.hpp"
 #include "parallel/fsdp.hpp"
 #include "parallel/parallel_dims.hpp"
@@ -44,7 +46,7 @@ struct ParallelizeOptions {
 // The model of one rank with its parallel hooks.
 struct ParallelModel {
   ParallelGroups groups;
-  std::unique_ptr<LlamaModel> model;  // declared first: the hooks detach from it on destruction
+  std::unique_ptr<Model> model;  // declared first: the hooks detach from it on destruction
   std::unique_ptr<parallel::Fsdp> fsdp;
   std::unique_ptr<parallel::Ddp> ddp;
   std::unique_ptr<PipelineExecutor> pipeline;  // with pp: this rank's stages and action list
@@ -64,7 +66,7 @@ struct ParallelModel {
 };
 
 // The model is allocated (sharded over groups.shard) but not initialized.
-ParallelModel parallelize(const LlamaConfig& config, DType compute, const ParallelGroups& groups,
+ParallelModel parallelize(const ModelConfig& config, DType compute, const ParallelGroups& groups,
                           const ParallelizeOptions& options);
 
 // This cp rank's tokens of a [B, T] batch: the zigzag layout's chunks r and 2*cp-1-r of every

@@ -26,7 +26,7 @@ struct Posted {
 
 }  // namespace
 
-PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
+PipelineExecutor::PipelineExecutor(Model& model, pp::Schedule schedule,
                                    std::vector<pp::UnitRange> stage_units,
                                    dist::ProcessGroup* group)
     : model_(model), schedule_(std::move(schedule)), units_(std::move(stage_units)), group_(group) {
@@ -41,14 +41,20 @@ PipelineExecutor::PipelineExecutor(LlamaModel& model, pp::Schedule schedule,
              "pipeline: the stages must cover units 0..", model_.num_units());
   // With tied embeddings the last stage's head reads and writes its replica of the embedding (every
   // rank builds every unit); sum_tied_gradients() makes the two gradients one, as Megatron does.
-  tied_across_ = model_.config().tie_word_embeddings &&
-                 schedule_.stage_rank.front() != schedule_.stage_rank.back();
+  tied_across_ =
+      model_.tie_word_embeddings() && schedule_.stage_rank.front() != schedule_.stage_rank.back();
 }
 
 std::vector<size_t> PipelineExecutor::owned_units() const {
   std::vector<size_t> out;
   for (int st : schedule_.stages_of(rank_))
     for (size_t u = units_[size_t(st)].first; u < units_[size_t(st)].second; ++u) out.push_back(u);
+  return out;
+}
+
+std::vector<size_t> PipelineExecutor::used_units() const {
+  std::vector<size_t> out = owned_units();
+  if (tied_across_ && holds_head() && (out.empty() || out.front() != 0)) out.insert(out.begin(), 0);
   return out;
 }
 
@@ -97,7 +103,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
                              double loss) {
   const pp::Schedule& s = schedule_;
   const auto& order = s.orders[size_t(rank_)];
-  const int64_t d = model_.config().hidden_size;
+  const int64_t d = model_.hidden_size();
   const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
   // A micro-batch's store lives from this rank's first forward of it to its last backward.
   std::map<int, std::unique_ptr<ActivationStore>> stores;
@@ -105,7 +111,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
   std::map<Key, Posted> recvs;
   std::map<Key, Tensor> local;  // handed between two stages of this rank
   std::vector<Posted> sends;
-  std::map<std::pair<int, int>, LlamaModel::DeferredWeightGrads> deferred;  // (stage, mb)
+  std::map<std::pair<int, int>, Model::DeferredWeightGrads> deferred;  // (stage, mb)
 
   auto store_of = [&](int mb) -> ActivationStore& {
     auto it = stores.find(mb);
@@ -214,7 +220,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
       } else {
         trace::Span sp("action", pp::to_string(a));
         tag(sp);
-        LlamaModel::weight_grads(it->second);
+        Model::weight_grads(it->second);
       }
       deferred.erase(it);
     } else {
@@ -263,7 +269,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
 
 double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n) {
   const pp::Schedule& s = schedule_;
-  const int64_t d = model_.config().hidden_size;
+  const int64_t d = model_.hidden_size();
   const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
   const size_t head = model_.num_units() - 1;
   // Past the training step's activation, gradient and tied-embedding tags; one per stage, and

@@ -1,7 +1,7 @@
 #pragma once
 // Runs one pp rank's action list (parallel/pipeline/schedule.hpp) on the model: per micro-batch an
 // ActivationStore lives from the rank's first forward of it to its last backward; a stage's
-// forward and backward are LlamaModel::forward/backward over the stage's units; activations and
+// forward and backward are Model::forward/backward over the stage's units; activations and
 // their gradients cross ranks as tagged nonblocking sends/receives on the pp group (the tag is the
 // message's direction, stage and micro-batch, so messages between the same two ranks cannot be
 // matched to the wrong receive), receives posted one action ahead so that a transfer overlaps the
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "distributed/process_group.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 #include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/stage_split.hpp"
 
@@ -30,13 +30,16 @@ class PipelineExecutor {
  public:
   // `stage_units[s]`: the units of stage s (pp::stage_units). `group`: the pp group, whose rank
   // is the pp rank; nullptr for a one-rank schedule.
-  PipelineExecutor(LlamaModel& model, pp::Schedule schedule, std::vector<pp::UnitRange> stage_units,
+  PipelineExecutor(Model& model, pp::Schedule schedule, std::vector<pp::UnitRange> stage_units,
                    dist::ProcessGroup* group);
 
   const pp::Schedule& schedule() const { return schedule_; }
   int rank() const { return rank_; }
   // The units of this rank's stages, ascending.
   std::vector<size_t> owned_units() const;
+  // The units whose weights this rank reads: its own and, on the head's rank of a model with
+  // tied embeddings across ranks, the embedding's replica (a resume must load it too).
+  std::vector<size_t> used_units() const;
   // Per unit (units() order): whether this rank's stages hold it, i.e. whether this rank counts
   // its gradient in the norm (a tied embedding's replica on the last stage is not counted).
   std::vector<bool> counted_units() const;
@@ -86,7 +89,7 @@ class PipelineExecutor {
   void set_swap_activations(bool on) { swap_activations_ = on; }
 
  private:
-  LlamaModel& model_;
+  Model& model_;
   pp::Schedule schedule_;
   std::vector<pp::UnitRange> units_;
   dist::ProcessGroup* group_;

@@ -20,7 +20,7 @@
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 #include "model/safetensors.hpp"
 #include "model/tensor_slice.hpp"
 #include "train/optimizer.hpp"
@@ -112,7 +112,7 @@ struct RankSlices {
 // `split`, `unsplit`: whether this rank writes the parameters tensor parallelism splits, and the
 // others (content_keys).
 // `held`: the units this rank writes (empty: all).
-RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit,
+RankSlices rank_slices(Model& model, AdamW& opt, bool split, bool unsplit,
                        const std::vector<size_t>& held) {
   RankSlices out;
   auto units = model.units();
@@ -154,7 +154,7 @@ RankSlices rank_slices(LlamaModel& model, AdamW& opt, bool split, bool unsplit,
 // once: the first of them. Two keys, [0] for the split parameters and [1] for the others, each a
 // hash of what the rank holds of them.
 // Under pp only the units of the rank's stages count: the pp ranks hold different ones.
-std::array<int32_t, 4> content_keys(LlamaModel& model, const std::vector<size_t>& held) {
+std::array<int32_t, 4> content_keys(Model& model, const std::vector<size_t>& held) {
   std::array<uint64_t, 2> h = {1469598103934665603ull, 1469598103934665603ull};
   auto mix = [](uint64_t& x, const std::string& s) {
     for (unsigned char c : s) x = (x ^ c) * 1099511628211ull;
@@ -391,7 +391,7 @@ struct SavePlan {
 };
 
 // The collective start of a save: the writers agreed, world rank 0 has made the .tmp directory.
-SavePlan begin_save(const std::string& root, LlamaModel& model, AdamW& optimizer,
+SavePlan begin_save(const std::string& root, Model& model, AdamW& optimizer,
                     const TrainState& state, const CheckpointComm& comm) {
   LOOM_CHECK(!root.empty(), "save_checkpoint: empty checkpoint directory");
   LOOM_CHECK(optimizer.steps_taken() == state.step, "save_checkpoint: the optimizer has taken ",
@@ -450,7 +450,7 @@ void write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step)
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json,
                             const CheckpointComm& comm) {
   const SavePlan plan = begin_save(root, model, optimizer, state, comm);
@@ -462,7 +462,7 @@ std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& o
         }),
         plan.what, plan.cleanup());
   std::string path = plan.final_dir.string();
-  const std::string config = model.config().to_json() + "\n";
+  const std::string config = model.config_json() + "\n";
   agree(plan.world, catch_error([&] {
           if (plan.rank == 0)
             path =
@@ -521,7 +521,7 @@ std::string PendingSave::wait() {
   return p.path;
 }
 
-std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Model& model,
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json,
                                                    const CheckpointComm& comm,
@@ -552,7 +552,7 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
       t.tensor = copy;
     }
   }
-  const std::string config = model.config().to_json() + "\n";
+  const std::string config = model.config_json() + "\n";
   PendingSave::Impl* p = impl.get();
   impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
                               after = std::move(after_complete)] {
@@ -617,7 +617,7 @@ TrainState read_checkpoint_state(const std::string& dir) {
   return st;
 }
 
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer,
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer,
                            const std::vector<size_t>& held) {
   const fs::path d(dir);
   std::error_code ec;
@@ -645,7 +645,7 @@ TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& opt
   if (held.empty()) {
     model.load_hf(ckpt);
   } else {
-    // Under pp: the rank's own units only (LlamaModel::load_hf per unit); the others are zeroed,
+    // Under pp: the rank's own units only (Model::load_hf per unit); the others are zeroed,
     // so that what the rank never uses is at least not left uninitialized.
     for (size_t i = 0; i < units.size(); ++i) {
       ParamUnit& u = *units[i];

@@ -26,7 +26,7 @@
 
 namespace loom {
 
-class LlamaModel;
+class Model;
 class AdamW;
 namespace dist {
 class ProcessGroup;
@@ -66,7 +66,7 @@ std::string latest_checkpoint(const std::string& root);  // "" if there is none
 // `tokenizer_json`: a file to copy as tokenizer.json ("" for none).
 // Every rank of `comm` calls it. Each rank holds nothing beyond its own shards: its file is
 // written from views of them.
-std::string save_checkpoint(const std::string& root, LlamaModel& model, AdamW& optimizer,
+std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimizer,
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
 
@@ -91,7 +91,7 @@ class PendingSave {
  private:
   std::unique_ptr<Impl> impl_;
 };
-std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, LlamaModel& model,
+std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Model& model,
                                                    AdamW& optimizer, const TrainState& state,
                                                    const std::string& tokenizer_json = "",
                                                    const CheckpointComm& comm = {},
@@ -105,7 +105,7 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Llam
 // the earlier format (model.safetensors + optimizer.safetensors) load too.
 // `units` (pipeline parallelism: the rank's stages' units, ascending; empty: every unit): only
 // these are read, the others' weights and moments are zeroed (the rank never uses them).
-TrainState load_checkpoint(const std::string& dir, LlamaModel& model, AdamW& optimizer,
+TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer,
                            const std::vector<size_t>& units = {});
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
 // allocating anything.

@@ -7,12 +7,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
 
 #include "core/error.hpp"
-#include "model/llama.hpp"
+#include "model/model_config.hpp"
 #include "model/safetensors.hpp"
 #include "model/tensor_slice.hpp"
 #include "train/checkpoint.hpp"
@@ -44,12 +45,12 @@ std::vector<std::pair<std::string, Shape>> model_tensors(const std::string& src,
                                                          const SafetensorsDir& reader) {
   const std::string config_path = (fs::path(src) / "config.json").string();
   LOOM_CHECK(fs::is_regular_file(config_path), src, ": no config.json (the model's shape)");
-  const LlamaConfig config = LlamaConfig::from_file(config_path);
+  const ModelConfig config = ModelConfig::from_file(config_path);
   // A model on the meta device: the parameters' names and shapes, no memory.
-  LlamaModel meta(config, DType::f32, Device::meta);
+  const std::unique_ptr<Model> meta = make_model(config, DType::f32, Device::meta);
   std::vector<std::pair<std::string, Shape>> out;
   std::map<std::string, Shape> want;
-  for (ParamUnit* u : meta.units())
+  for (ParamUnit* u : meta->units())
     for (const Param& p : u->params()) {
       out.emplace_back(p.spec.name, p.spec.global_shape());
       want[p.spec.name] = p.spec.global_shape();
@@ -164,7 +165,7 @@ void export_hugging_face(const std::string& src, const std::string& dst,
 void import_hugging_face(const std::string& src, const std::string& dst) {
   const SafetensorsDir reader(src);
   const auto tensors = model_tensors(src, reader);
-  const LlamaConfig config = LlamaConfig::from_file((fs::path(src) / "config.json").string());
+  const ModelConfig config = ModelConfig::from_file((fs::path(src) / "config.json").string());
   write_dir_atomically(dst, [&](const fs::path& tmp) {
     // One rank's file holding every tensor whole: each a slice that is the whole box.
     std::vector<TensorHeader> headers;

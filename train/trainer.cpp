@@ -20,7 +20,7 @@
 #include "distributed/group_sum.hpp"
 #include "distributed/mesh.hpp"
 #include "kernels/cpu/gemm.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
 #include "model/safetensors.hpp"
 #include "parallel/cost_model.hpp"
 #include "train/checkpoint.hpp"
@@ -55,7 +55,7 @@ std::string gib(size_t bytes) {
 }
 
 // The bytes of this rank's shards a checkpoint holds: f32 master weights and both AdamW moments.
-size_t checkpoint_shard_bytes(LlamaModel& model, AdamW& optimizer) {
+size_t checkpoint_shard_bytes(Model& model, AdamW& optimizer) {
   size_t n = 0;
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i)
@@ -146,7 +146,7 @@ constexpr const char* kMathKeys[] = {
 // What differs between the checkpoint `dir` (state `st`) and this run in a way that changes
 // the training math: "key: <checkpoint value> in the checkpoint, <value> now" lines.
 std::vector<std::string> math_differences(const std::string& dir, const TrainState& st,
-                                          const JobConfig& now, const LlamaConfig& model_now,
+                                          const JobConfig& now, const ModelConfig& model_now,
                                           int64_t tokens_per_step) {
   std::vector<std::string> out;
   const std::string state_path = (fs::path(dir) / "state.json").string();
@@ -173,7 +173,7 @@ std::vector<std::string> math_differences(const std::string& dir, const TrainSta
   // The model: the checkpoint's config.json against the one this run reads (its path may move).
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
   if (fs::is_regular_file(cfg_path)) {
-    const auto a = nlohmann::json::parse(LlamaConfig::from_file(cfg_path).to_json());
+    const auto a = nlohmann::json::parse(ModelConfig::from_file(cfg_path).to_json());
     const auto b = nlohmann::json::parse(model_now.to_json());
     for (const auto& [k, v] : b.items())
       if (!a.contains(k) || a[k] != v)
@@ -207,7 +207,7 @@ MemoryEstimate memory_estimate(const MemoryCost& c, int64_t num_params) {
 
 }  // namespace
 
-MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
+MemoryEstimate estimate_training_memory(const ModelConfig& c, int64_t batch, int64_t seq_len,
                                         DType compute, const ActivationCheckpoint& ac) {
   ParallelizeOptions o;
   o.ac = ac;
@@ -233,7 +233,8 @@ struct Trainer::State {
   ParallelGroups groups;  // of the mesh (all nullptr: one process)
   bool writer = true;     // world rank 0: prints, writes metrics and checkpoints
   std::unique_ptr<FILE, FileCloser> devnull;
-  LlamaConfig mc;
+  std::optional<ModelConfig> mc_;  // set by read_config()
+  const ModelConfig& mc() const { return *mc_; }
   std::string model_config_path;
   DType compute = DType::f32;
   int64_t B = 0, T = 0, G = 0;  // micro-batch, sequence, micro-batches per step
@@ -323,14 +324,15 @@ void Trainer::State::read_config() {
              "checkpoint.resume = true needs checkpoint.dir (where to look for checkpoints)");
 
   model_config_path = resolve_model_config(j.model.config, j.base_dir);
-  mc = LlamaConfig::from_file(model_config_path);
+  mc_ = ModelConfig::from_file(model_config_path);
+  const ModelConfig& mc = *mc_;
   mc.validate(model_config_path);
   // RoPE is defined for any position, but the model is not trained (and `loom generate` refuses
   // to run) beyond max_position_embeddings: refused here rather than after the training.
-  LOOM_CHECK(j.training.seq_len <= mc.max_position_embeddings,
+  LOOM_CHECK(j.training.seq_len <= mc.max_position_embeddings(),
              "training.seq_len = ", j.training.seq_len,
-             " exceeds max_position_embeddings = ", mc.max_position_embeddings, " of the model (",
-             model_config_path, "): expected training.seq_len <= ", mc.max_position_embeddings);
+             " exceeds max_position_embeddings = ", mc.max_position_embeddings(), " of the model (",
+             model_config_path, "): expected training.seq_len <= ", mc.max_position_embeddings());
   compute = dtype_from_name(j.training.mixed_precision_param);
   B = j.training.local_batch_size;
   T = j.training.seq_len;
@@ -342,8 +344,8 @@ void Trainer::State::read_config() {
 void Trainer::State::preflight() {
   // This rank's model as parallelize() will build it, on the meta device (nothing allocated),
   // priced by the cost model that `loom bench` checks against the allocator's peak.
-  ParallelModel plan = plan_model(mc, compute, groups, parallelize_options(job));
-  mem = memory_estimate(memory_cost(plan, B, T), mc.num_params());
+  ParallelModel plan = plan_model(mc(), compute, groups, parallelize_options(job));
+  mem = memory_estimate(memory_cost(plan, B, T), mc().num_params());
   size_t budget = opt.mem_available ? opt.mem_available : mem_available_bytes();
   std::string budget_what = opt.mem_available ? "the given budget" : "MemAvailable";
   if (job.memory.limit_gb > 0) {
@@ -373,11 +375,11 @@ void Trainer::State::build_data() {
   // A shard vocabulary smaller than the model's is fine (the model's embedding table is padded,
   // ids stay in range); a larger one would index past the embedding.
   auto check_vocab = [&](const TokenStream& ts, const char* split) {
-    LOOM_CHECK(int64_t(ts.vocab_size()) <= mc.vocab_size, "data.path '", j.data.path, "': the ",
+    LOOM_CHECK(int64_t(ts.vocab_size()) <= mc().vocab_size(), "data.path '", j.data.path, "': the ",
                split, " shards have vocab_size ", ts.vocab_size(), " but the model (",
-               model_config_path, ") has vocab_size ", mc.vocab_size,
+               model_config_path, ") has vocab_size ", mc().vocab_size(),
                ": token ids would index past the embedding (expected shard vocab_size <= ",
-               mc.vocab_size, ")");
+               mc().vocab_size(), ")");
   };
   check_vocab(*train, "train");
   // A sample is seq_len + 1 tokens (inputs and targets shifted by one); a shorter split would
@@ -441,7 +443,7 @@ void Trainer::State::find_checkpoint() {
   if (!resume_dir.empty()) {
     const TrainState st = read_checkpoint_state(resume_dir);
     const std::vector<std::string> diff =
-        math_differences(resume_dir, st, j, mc, tokens_per_step());
+        math_differences(resume_dir, st, j, mc(), tokens_per_step());
     std::string list;
     for (const std::string& d : diff) list += "\n  " + d;
     LOOM_CHECK(diff.empty() || j.checkpoint.allow_config_change, "resuming from ", resume_dir,
@@ -459,7 +461,7 @@ void Trainer::State::find_checkpoint() {
 void Trainer::State::build_model() {
   if (job.memory.limit_gb > 0)
     Allocator::get(Device::cpu).set_limit(size_t(job.memory.limit_gb * double(size_t(1) << 30)));
-  par = parallelize(mc, compute, groups, parallelize_options(job));
+  par = parallelize(mc(), compute, groups, parallelize_options(job));
 }
 
 void Trainer::State::build_optimizer() {
@@ -477,7 +479,7 @@ void Trainer::State::load_or_init() {
     const auto t0 = Clock::now();
     const TrainState st =
         load_checkpoint(resume_dir, *par.model, *adamw,
-                        par.pipeline ? par.pipeline->owned_units() : std::vector<size_t>{});
+                        par.pipeline ? par.pipeline->used_units() : std::vector<size_t>{});
     load_stats = checkpoint_stats("load", mesh ? mesh->world_rank() : 0, seconds_since(t0), held,
                                   checkpoint_shard_bytes(*par.model, *adamw),
                                   alloc.stats().peak_allocated, 0);
@@ -496,7 +498,7 @@ void Trainer::State::load_or_init() {
 
 Trainer::~Trainer() = default;
 
-LlamaModel& Trainer::model() {
+Model& Trainer::model() {
   return *s_->par.model;
 }
 AdamW& Trainer::optimizer() {
@@ -537,18 +539,15 @@ TrainResult Trainer::run() {
              s.opt.rank_log);
   {
     std::ostringstream os;
-    os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters (dim "
-       << s.mc.hidden_size << ", " << s.mc.num_hidden_layers << " layers, "
-       << s.mc.num_attention_heads << "/" << s.mc.num_key_value_heads << " heads, ffn "
-       << s.mc.intermediate_size << ", vocab " << s.mc.vocab_size << "), " << dtype_name(s.compute)
-       << " GEMMs";
+    os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters ("
+       << s.par.model->describe() << "), " << dtype_name(s.compute) << " GEMMs";
     log.message(os.str());
     log.message("  precision " + describe_precision(j));
     os.str("");
     os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
     if (s.val) os << ", " << s.val->size() << " val tokens";
-    if (int64_t(s.train->vocab_size()) < s.mc.vocab_size)
-      os << " (shard vocab " << s.train->vocab_size() << " < model vocab " << s.mc.vocab_size
+    if (int64_t(s.train->vocab_size()) < s.mc().vocab_size())
+      os << " (shard vocab " << s.train->vocab_size() << " < model vocab " << s.mc().vocab_size()
          << ")";
     os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T;
     if (s.mesh)
@@ -584,7 +583,7 @@ TrainResult Trainer::run() {
   // here.
   size_t run_peak = s.peak_before_load;
   auto peak_allocated = [&] { return std::max(run_peak, alloc.stats().peak_allocated); };
-  const double flops_per_token = s.mc.flops_per_token(s.T);
+  const double flops_per_token = s.mc().flops_per_token(s.T);
   int64_t last_saved = -1;
   double ema_step_s = 0;
   const int64_t first_step = s.step + 1;

@@ -19,13 +19,12 @@
 #include <vector>
 
 #include "core/dtype.hpp"
-#include "model/llama.hpp"
-#include "model/llama_config.hpp"
+#include "model/model.hpp"
+#include "model/model_config.hpp"
 #include "train/config.hpp"
 
 namespace loom {
 
-class LlamaModel;
 class AdamW;
 namespace dist {
 class Mesh;
@@ -69,14 +68,14 @@ struct MemoryEstimate {
   size_t grads = 0;        // f32 gradients: 4 B each
   size_t optimizer = 0;    // AdamW moments: 8 B each
   size_t mirror = 0;       // bf16 GEMM copy of unsharded units: 2 B each with bf16
-  size_t activations = 0;  // saved by one micro-batch (LlamaModel::saved_activation_bytes)
+  size_t activations = 0;  // saved by one micro-batch (Model::saved_activation_bytes)
   // FSDP's gathered units and full gradients, the head's loss workspace, tp's communication
   // buffers, ring attention's working set: what is alive besides at the peak.
   size_t workspace = 0;
   size_t total() const { return weights + grads + optimizer + mirror + activations + workspace; }
 };
 // One process.
-MemoryEstimate estimate_training_memory(const LlamaConfig& c, int64_t batch, int64_t seq_len,
+MemoryEstimate estimate_training_memory(const ModelConfig& c, int64_t batch, int64_t seq_len,
                                         DType compute, const ActivationCheckpoint& ac = {});
 size_t mem_available_bytes();  // MemAvailable of /proc/meminfo (0 if it cannot be read)
 
@@ -94,7 +93,7 @@ class Trainer {
   // split). Leaves the gradients zero.
   double validate();
 
-  LlamaModel& model();
+  Model& model();
   AdamW& optimizer();
   int64_t step() const;  // optimizer steps completed
 

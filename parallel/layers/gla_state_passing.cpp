@@ -167,4 +167,101 @@ void gla_cp_backward(const CpOptions& cp, const ops::Gla& s, const std::vector<i
   }
 }
 
+namespace {
+
+// Each local segment's previous segment's last W1 rows, [L, B*W1*C] (zero before a sample's first
+// segment), from every rank's own segments' last rows.
+Tensor conv_halos(const CpOptions& cp, const Segments& sg, const Tensor& x, int64_t B, int64_t T,
+                  int64_t W1) {
+  const Device dev = x.device();
+  const int64_t L = int64_t(sg.global.size()), C = x.size(1);
+  LOOM_CHECK(sg.n >= W1, "GLA short convolution under context parallelism: segments of ", sg.n,
+             " tokens are shorter than conv_size - 1 = ", W1,
+             " (expected training.seq_len / (2 x parallelism.cp) >= conv_size - 1)");
+  Tensor mine = f32({L, B * W1 * C}, dev);
+  for (int64_t i = 0; i < L; ++i) {
+    Tensor dst = mine.narrow(0, i, 1).view({B * W1, C});
+    ops::copy_rows(take(x, B, T, i * sg.n + sg.n - W1, W1), dst);
+  }
+  const Tensor all = gather_by_segment(cp, mine, T * cp.size(), L);
+  Tensor halo = Tensor::zeros({L, B * W1 * C}, DType::f32, dev);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t g = sg.global[size_t(i)];
+    if (g == 0) continue;
+    Tensor dst = halo.narrow(0, i, 1).view({B * W1, C});
+    ops::copy_rows(all.narrow(0, g - 1, 1).view({B * W1, C}), dst);
+  }
+  return halo;
+}
+
+// Per sample: the W1 halo rows, then the segment's n rows: [B*(W1+n), C].
+Tensor extend(const Tensor& halo, const Tensor& seg, int64_t B, int64_t W1, int64_t n) {
+  Tensor ext = f32({B * (W1 + n), seg.size(1)}, seg.device());
+  for (int64_t b = 0; b < B; ++b) {
+    Tensor h = ext.narrow(0, b * (W1 + n), W1), s = ext.narrow(0, b * (W1 + n) + W1, n);
+    ops::copy_rows(halo.narrow(0, b * W1, W1), h);
+    ops::copy_rows(seg.narrow(0, b * n, n), s);
+  }
+  return ext;
+}
+
+int64_t conv_width(const Tensor& w) {
+  return w.size(w.ndim() - 1);
+}
+
+}  // namespace
+
+void gla_cp_short_conv_forward(const CpOptions& cp, const std::vector<int32_t>& positions,
+                               const Tensor& x, const Tensor& w, int64_t B, Tensor& y) {
+  const int64_t T = int64_t(positions.size()), W1 = conv_width(w) - 1, C = x.size(1);
+  const Segments sg = segments(positions);
+  const int64_t n = sg.n;
+  const Tensor halo = conv_halos(cp, sg, x, B, T, W1);
+  for (int64_t i = 0; i < int64_t(sg.global.size()); ++i) {
+    const Tensor ext =
+        extend(halo.narrow(0, i, 1).view({B * W1, C}), take(x, B, T, i * n, n), B, W1, n);
+    Tensor y_ext = f32(ext.shape(), x.device());
+    ops::short_conv_forward(ext, w, B, y_ext);
+    for (int64_t b = 0; b < B; ++b) {
+      Tensor dst = y.narrow(0, b * T + i * n, n);
+      ops::copy_rows(y_ext.narrow(0, b * (W1 + n) + W1, n), dst);
+    }
+  }
+}
+
+void gla_cp_short_conv_backward(const CpOptions& cp, const std::vector<int32_t>& positions,
+                                const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B,
+                                Tensor& dx, Tensor& dw) {
+  const Device dev = x.device();
+  const int64_t T = int64_t(positions.size()), W1 = conv_width(w) - 1, C = x.size(1);
+  const Segments sg = segments(positions);
+  const int64_t n = sg.n, L = int64_t(sg.global.size());
+  const Tensor halo = conv_halos(cp, sg, x, B, T, W1);
+  // The gradient of each local segment's halo rows, sent to the segment that holds them.
+  Tensor halo_grad = f32({L, B * W1 * C}, dev);
+  for (int64_t i = 0; i < L; ++i) {
+    const Tensor ext =
+        extend(halo.narrow(0, i, 1).view({B * W1, C}), take(x, B, T, i * n, n), B, W1, n);
+    // The halo rows' outputs belong to the previous segment: no gradient flows into them here.
+    const Tensor dy_ext =
+        extend(Tensor::zeros({B * W1, C}, DType::f32, dev), take(dy, B, T, i * n, n), B, W1, n);
+    Tensor dx_ext = f32(ext.shape(), dev);
+    ops::short_conv_backward(dy_ext, ext, w, B, dx_ext, dw);
+    for (int64_t b = 0; b < B; ++b) {
+      Tensor own = dx.narrow(0, b * T + i * n, n);
+      ops::copy_rows(dx_ext.narrow(0, b * (W1 + n) + W1, n), own);
+      Tensor h = halo_grad.narrow(0, i, 1).view({B * W1, C}).narrow(0, b * W1, W1);
+      ops::copy_rows(dx_ext.narrow(0, b * (W1 + n), W1), h);
+    }
+  }
+  const Tensor all = gather_by_segment(cp, halo_grad, T * cp.size(), L);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t g = sg.global[size_t(i)];
+    if (g + 1 >= all.size(0)) continue;  // the last segment: no segment reads its rows
+    Tensor tail = take(dx, B, T, i * n + n - W1, W1);
+    ops::add_inplace(tail, all.narrow(0, g + 1, 1).view({B * W1, C}));
+    put(tail, B, T, i * n + n - W1, W1, dx);
+  }
+}
+
 }  // namespace loom

@@ -33,4 +33,17 @@ void gla_cp_backward(const CpOptions& cp, const ops::Gla& s, const std::vector<i
                      const GlaCpSaved& saved, const Tensor& dout, Tensor& dq, Tensor& dk,
                      Tensor& dv, Tensor& dgk);
 
+// The short convolution (use_short_conv) under context parallelism: a segment's convolution
+// reads the previous segment's last W - 1 rows before it (zero before a sample's first segment),
+// which another cp rank may hold: one all-gather of every segment's last W - 1 rows, each local
+// segment convolved over (those rows | its own) as a sample of its own. Backward gathers them
+// again, and the gradient of those rows goes back to their segment's rank (a second all-gather).
+// x, y, dy, dx: this rank's [B*T, C] (views allowed), w fla's [C, 1, W]; y and dx overwritten,
+// dw accumulated. A segment shorter than W - 1 rows is refused.
+void gla_cp_short_conv_forward(const CpOptions& cp, const std::vector<int32_t>& positions,
+                               const Tensor& x, const Tensor& w, int64_t B, Tensor& y);
+void gla_cp_short_conv_backward(const CpOptions& cp, const std::vector<int32_t>& positions,
+                                const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B,
+                                Tensor& dx, Tensor& dw);
+
 }  // namespace loom

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "data/tokenizer.hpp"
+#include "model/gla.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 
@@ -69,6 +70,22 @@ class GenerateCommand : public ::testing::Test {
       for (int i = 0; i < 20; ++i) corpus += text;
       Tokenizer::train(corpus, 300).save((d / "tokenizer.json").string());
     }
+  }
+
+  // An fla-format GLA directory (GlaModel::save_hf) with the tokenizer of `from`.
+  void write_gla_model(const fs::path& d, const fs::path& from, uint64_t seed) {
+    GlaConfig c;
+    c.hidden_size = 64;
+    c.num_hidden_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 4;
+    c.intermediate_size = 128;
+    c.vocab_size = 320;
+    c.use_short_conv = true;
+    GlaModel m(c, DType::f32);
+    m.init_weights(seed);
+    m.save_hf(d.string());
+    fs::copy_file(from / "tokenizer.json", d / "tokenizer.json");
   }
 
   Result generate(const std::string& args) {
@@ -137,6 +154,28 @@ TEST_F(GenerateCommand, ReadsLoomCheckpointsAndHuggingFaceDirectories) {
   ASSERT_EQ(ck.rc, 0) << ck.err;
   EXPECT_EQ(hf.out, ck.out);
   EXPECT_NE(ck.err.find("step-00000000"), std::string::npos) << ck.err;
+}
+
+// GLA generates with its recurrent state from an fla-format directory and from the loom
+// checkpoint converted from it (the trainer's format), the same text; the prompt's length is not
+// bounded by max_position_embeddings (GLA has no positions).
+TEST_F(GenerateCommand, GlaFromFlaDirectoriesAndLoomCheckpoints) {
+  write_model(dir_ / "llama", 1);
+  write_gla_model(dir_ / "gla", dir_ / "llama", 5);
+  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "gla").string() +
+                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
+  ASSERT_EQ(std::system(convert.c_str()), 0);
+  const std::string args = " --prompt 'the fox' --max-tokens 12 --temperature 0";
+  const Result hf = generate("--checkpoint " + (dir_ / "gla").string() + args);
+  const Result ck = generate("--checkpoint " + (dir_ / "ck").string() + args);
+  ASSERT_EQ(hf.rc, 0) << hf.err;
+  ASSERT_EQ(ck.rc, 0) << ck.err;
+  EXPECT_EQ(hf.out.rfind("the fox", 0), 0u) << hf.out;
+  EXPECT_GT(hf.out.size(), std::string("the fox\n").size()) << "nothing was generated";
+  EXPECT_EQ(hf.out, ck.out);
+  const Result longer = generate("--checkpoint " + (dir_ / "gla").string() +
+                                 " --prompt 'the fox' --max-tokens 2100 --temperature 0");
+  ASSERT_EQ(longer.rc, 0) << longer.err;
 }
 
 TEST_F(GenerateCommand, Errors) {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "model/gla.hpp"
+#include "model/llama.hpp"
 #include "parallel/cost_model.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
@@ -89,6 +91,28 @@ TEST(LlamaPlan, MatchesTheModelsSplits) {
               check_plan(m, plan);
             }).find("model.embed_tokens.weight has no entry in the plan"),
             std::string::npos);
+}
+
+// GLA's plan agrees with the model's splits (with the short convolution and without the output
+// gate's norm fusion too), and Llama's plan is refused on it by name.
+TEST(GlaPlan, MatchesTheModelsSplits) {
+  for (bool conv : {false, true}) {
+    GlaConfig c;
+    c.hidden_size = 32;
+    c.num_hidden_layers = 2;
+    c.num_heads = 2;
+    c.num_kv_heads = 2;
+    c.intermediate_size = 48;
+    c.vocab_size = 64;
+    c.use_short_conv = conv;
+    c.fuse_norm = conv;
+    GlaModel m(c, DType::f32, Device::meta);
+    EXPECT_TRUE(error_of([&] { check_plan(m, gla_plan()); }).empty());
+    EXPECT_NE(error_of([&] {
+                check_plan(m, llama_plan());
+              }).find("model.embeddings.weight has no entry in the plan"),
+              std::string::npos);
+  }
 }
 
 TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {

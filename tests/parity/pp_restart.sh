@@ -5,7 +5,8 @@
 # restart_layouts.sh). Every pp rank holds only its stages' weights and moments up to date and
 # writes only those: the pp 2 x tp 2 checkpoint's rank files fall into 2 groups holding disjoint
 # sets of units that together are the whole model, the pp 4 resume's step-11 checkpoint into 4;
-# a resume under pp reads only its stages' units (and the pp 4 resume's loss needs them right).
+# a resume under pp reads only its stages' units (and the pp 4 resume's loss needs them right),
+# plus, with tied embeddings, the last stage's replica of the embedding.
 #   pp_restart.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -54,5 +55,22 @@ for layout in "1 --training.local_batch_size=1 --training.grad_accum_steps=4" \
   "4 --training.local_batch_size=2 --parallelism.dp_shard=2 --parallelism.tp=2"; do
   resume_step11 "$work/ck" "$want" 1e-6 rel "pp2 x tp2" $layout || status=1
   case $layout in *pp=4*) disjoint_units "$work/ck2/step-00000011" 4 || status=1 ;; esac
+done
+
+# Tied embeddings across the pp ranks: the last stage's replica of the embedding is not its own
+# unit (the first stage writes it), yet the resume must read it, or the head would start from a
+# zeroed table (a loss near ln(vocab)).
+common=(--config "$src/configs/debug.toml" --data.path="$work/data"
+  --model.config="$src/tests/parity/pp_tied.json")
+rm -rf "$work/ck"
+"${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=1 \
+  --parallelism.pp=2 --parallelism.pp_microbatches=4 \
+  --checkpoint.dir="$work/ck" --checkpoint.interval=10 --checkpoint.keep=0 \
+  --metrics.jsonl="$work/full.jsonl" >"$work/full.log" 2>&1 || { cat "$work/full.log"; exit 1; }
+rm -rf "$work/ck/step-00000012"
+want=$(step_loss "$work/full.jsonl" 11)
+for layout in "2 --training.local_batch_size=1 --parallelism.pp=2 --parallelism.pp_microbatches=4" \
+  "1 --training.local_batch_size=1 --training.grad_accum_steps=4"; do
+  resume_step11 "$work/ck" "$want" 1e-6 rel "pp2 tied" $layout || status=1
 done
 exit $status

@@ -59,7 +59,7 @@ TEST(GlaTensorParallel, MatchesSingleProcess) {
     TpOptions tp;
     tp.group = group.get();
     tp.sequence_parallel = sp;
-    GlaModel split(c, DType::f32, Device::cpu, tp);
+    GlaModel split(c, DType::f32, Device::cpu, {}, tp);
     split.set_activation_checkpoint({ac, 1});
     if (conv && sp) {
       // Each rank reads its slices of the single-process model's fla-format checkpoint.
@@ -108,7 +108,7 @@ TEST(GlaTensorParallel, RefusesUnevenHeads) {
   TpOptions tp;
   tp.group = group.get();
   c.num_kv_heads = 1;
-  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, tp); },
+  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, tp); },
                      {"num_kv_heads", "1", "parallelism.tp = 2"});
 }
 
@@ -120,8 +120,11 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
   auto group = dist::make_mpi_world_group("cp");
   const int cpn = group->size(), rank = group->rank();
   ASSERT_EQ(cpn, 2);
-  for (auto ac : {ActivationCheckpoint::Mode::none, ActivationCheckpoint::Mode::full}) {
-    SCOPED_TRACE(str_cat("AC ", int(ac)));
+  for (auto [ac, conv] : {std::pair{ActivationCheckpoint::Mode::none, false},
+                          {ActivationCheckpoint::Mode::full, false},
+                          {ActivationCheckpoint::Mode::none, true},
+                          {ActivationCheckpoint::Mode::full, true}}) {
+    SCOPED_TRACE(str_cat("AC ", int(ac), conv ? ", short conv" : ""));
     GlaConfig c;
     c.hidden_size = 64;
     c.num_hidden_layers = 2;
@@ -129,6 +132,9 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
     c.num_kv_heads = 2;
     c.intermediate_size = 96;
     c.vocab_size = 101;
+    // With the convolution each segment reads the previous one's last 3 rows, on the other rank
+    // for every segment boundary but the middle one.
+    c.use_short_conv = conv;
     const int64_t B = 2, T = 84;  // 4 segments of 21 tokens: partial chunks inside each
     const auto tok = test::random_tokens(B * (T + 1), c.vocab_size, 9);
     std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
@@ -152,7 +158,7 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
       }
     CpOptions cp;
     cp.group = group.get();
-    GlaModel split(c, DType::f32, Device::cpu, {}, cp);
+    GlaModel split(c, DType::f32, Device::cpu, {}, {}, cp);
     split.set_activation_checkpoint({ac, 1});
     split.init_weights(5);
     split.zero_grad();
@@ -177,7 +183,7 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
   }
 }
 
-TEST(GlaContextParallel, RefusesShortConv) {
+TEST(GlaContextParallel, ShortConvRefusesSegmentsShorterThanItsWindow) {
   auto group = dist::make_mpi_world_group("cp");
   GlaConfig c;
   c.hidden_size = 64;
@@ -189,6 +195,10 @@ TEST(GlaContextParallel, RefusesShortConv) {
   c.use_short_conv = true;
   CpOptions cp;
   cp.group = group.get();
-  test::expect_error([&] { GlaModel m(c, DType::f32, Device::cpu, {}, cp); },
-                     {"use_short_conv", "context parallelism"});
+  GlaModel m(c, DType::f32, Device::cpu, {}, {}, cp);
+  m.init_weights(1);
+  // 8 tokens over 2 ranks: segments of 2 tokens, shorter than conv_size - 1 = 3.
+  const auto tok = test::random_tokens(9, c.vocab_size, 2);
+  test::expect_error([&] { m.forward_backward(tok.data(), tok.data() + 1, 1, 4, 1.0f); },
+                     {"short convolution", "conv_size - 1 = 3", "parallelism.cp"});
 }

@@ -13,6 +13,7 @@
 
 #include "distributed/group_sum.hpp"
 #include "distributed/mpi_process_group.hpp"
+#include "model/llama.hpp"
 #include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/stage_split.hpp"
 #include "parallel/pipeline_executor.hpp"

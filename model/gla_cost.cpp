@@ -1,0 +1,151 @@
+// The analytic memory model of GlaModel (docs/design.md, GLA section): what the pre-flight and
+// `loom bench` price a GLA micro-batch at. The saved activations are GlaBlockActs' fields one by
+// one (tests/model/gla_cost_test.cpp checks them against what a step saves).
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "model/gla.hpp"
+
+namespace loom {
+
+size_t GlaModel::block_saved_bytes(int64_t B, int64_t T, ActivationCheckpoint::Mode mode) const {
+  const GlaConfig& c = config_;
+  const int n = tp().size();
+  const size_t M = size_t(B * T), Mx = n > 1 && tp().sequence_parallel ? M / size_t(n) : M;
+  const size_t d = size_t(c.hidden_size), cs = dtype_size(compute_);
+  const size_t Kd = size_t(c.key_dim() / n), Kg = Kd / size_t(c.kv_groups());
+  const size_t Vd = size_t(c.value_dim() / n), Vg = Vd / size_t(c.kv_groups());
+  const size_t rank = size_t(c.gate_low_rank_dim), F = size_t(c.intermediate_size / n);
+  const size_t H = size_t(c.num_heads / n);
+  const size_t nproj = Kd + Kg + Vg + (c.use_output_gate ? Vd : 0) + rank;
+  const size_t x = Mx * d * 4;
+  if (mode == ActivationCheckpoint::Mode::full) return x;
+  // The GEMM inputs as the GEMMs read them (every row, gathered under SP): xn1, y, xn2, act.
+  const size_t gemm_inputs = M * d * cs + M * Vd * cs + M * d * cs + M * F * cs;
+  const size_t kept = x + Mx * 4                                         // x, rstd1
+                      + M * nproj * 4                                    // proj
+                      + (c.use_short_conv ? M * (Kd + Kg + Vg) * 4 : 0)  // qkv_c
+                      + M * rank * 4 + 2 * M * Kg * 4                    // r, z, gk
+                      + M * Vd * 4 + M * H * 4                           // o, rstd_o
+                      + Mx * d * 4 + Mx * 4                              // h, rstd2
+                      + M * 2 * F * 4;                                   // gu
+  return mode == ActivationCheckpoint::Mode::op ? kept : kept + gemm_inputs;
+}
+
+size_t GlaModel::saved_activation_bytes(int64_t B, int64_t T) const {
+  const ActivationCheckpoint& ac = activation_checkpoint();
+  const size_t block = block_saved_bytes(B, T, ActivationCheckpoint::Mode::none);
+  // Context parallelism keeps, per block, the starting state of each of the rank's two zigzag
+  // segments [B, H, K, V] and every segment's total decay [2 cp, B, Hkv, K].
+  size_t cp_state = 0;
+  if (cp().size() > 1) {
+    const int n = tp().size();
+    const size_t S = size_t(B) * size_t(config_.num_heads / n) * size_t(config_.head_k_dim()) *
+                     size_t(config_.head_v_dim()) * 4;
+    cp_state = 2 * S + 2 * size_t(cp().size()) * size_t(B) * size_t(config_.num_kv_heads / n) *
+                           size_t(config_.head_k_dim()) * 4;
+  }
+  // As for Llama: a `full` block recomputed in backward holds everything a plain block saves
+  // while the blocks before it hold what they saved.
+  size_t all = 0, peak = 0;
+  for (size_t l = 0; l < num_blocks(); ++l) {
+    const ActivationCheckpoint::Mode mode = ac.block_mode(int64_t(l));
+    if (mode == ActivationCheckpoint::Mode::full) peak = std::max(peak, all + block);
+    all += block_saved_bytes(B, T, mode) + cp_state;
+  }
+  return std::max(all, peak);
+}
+
+// The final norm's input, output (f32 and in the compute dtype), the gradient of every row, rstd
+// and one chunk of logits of the fused loss (ops::LinearCrossEntropy's default: ~16 MiB).
+size_t GlaModel::head_workspace_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  const size_t M = size_t(B * T), Mx = n > 1 && tp().sequence_parallel ? M / size_t(n) : M;
+  const size_t d = size_t(config_.hidden_size), V = size_t(config_.vocab_size);
+  const size_t per_row = V * (4 + (compute_ == DType::bf16 ? 2 : 0));
+  const size_t rows = std::clamp<size_t>((size_t(16) << 20) / (V * 4), 1, M);
+  return Mx * d * (4 + 4 + dtype_size(compute_)) + M * d * 4 + Mx * 4 + rows * per_row;
+}
+
+// The pooled buffers of the tp layers: a row-parallel output and a column-parallel input
+// gradient before their sum ("row_out", "col_dx"), and with SP the gathered GEMM input and
+// output gradient and the reduce-scattered rows. An estimate (GLA's gathers are of several
+// widths, the widest counted), not compared with the pool itself; the peaks of the bench checks
+// under TP 2 are within 1.5% with it.
+size_t GlaModel::tp_comm_buffer_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  if (n <= 1) return 0;
+  const size_t M = size_t(B * T), d = size_t(config_.hidden_size);
+  const bool sp = tp().sequence_parallel;
+  const size_t Mx = sp ? M / size_t(n) : M;
+  size_t bytes = 2 * M * d * 4;
+  if (sp) bytes += 2 * Mx * d * 4 + M * d * dtype_size(compute_) + M * d * 4 + d * 4;
+  return bytes;
+}
+
+// The tp layers' collectives (the ProcessGroup's ring convention, as LlamaModel's). Per block:
+// the two column-parallel GEMMs gather their input with SP, the two row-parallel ones sum their
+// output (reduce-scatter with SP, all-reduce without); backward mirrors them; the replicated
+// gk_proj.0 and head norm weights' partial gradients are all-reduced, and with SP the two norms'.
+// `op` gathers the recomputed norm outputs again (SP), `full` runs the whole forward again. The
+// embedding and the head are replicated: with SP the head gathers its normed rows, the embedding
+// gathers dy, and the final norm's gradient is summed.
+uint64_t GlaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+  const TpRuntime& tp = par().tp;
+  const int n = tp.opt.size();
+  if (n == 1) return 0;
+  auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = num_blocks();
+  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
+  const uint64_t replicated =
+      ar(uint64_t(config_.gate_low_rank_dim) * d * 4) +
+      (config_.elementwise_affine ? ar(uint64_t(config_.head_v_dim()) * 4) : 0);
+  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
+  if (!tp.sp()) return (ar(M * d * 4) * 4 + replicated) * L + recomputed * 2 * ar(M * d * 4);
+  const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
+  const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
+  const uint64_t forward = 2 * ag_x + 2 * f32;
+  const uint64_t backward = 2 * f32 + 2 * f32 + 2 * ar(d * 4) + replicated;
+  const uint64_t op = activation_checkpoint().mode == ActivationCheckpoint::Mode::op ? 2 * ag_x : 0;
+  return (forward + backward + op) * L + recomputed * forward  // blocks
+         + ag_x + ar(d * 4)                                    // head
+         + f32;                                                // embedding backward
+}
+
+// The state passing (parallel/layers/gla_state_passing.cpp), per block: forward all-gathers the
+// two segments' total decays [B, Hkv, K] and zero-start states [B, H, K, V], backward the
+// segments' D [B, H, K, V]; a recomputed (`full`) block gathers its forward's again. Independent
+// of T.
+uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t) const {
+  const int n = cp().size();
+  if (n <= 1) return 0;
+  const int tpn = tp().size();
+  const uint64_t K = uint64_t(config_.head_k_dim()), V = uint64_t(config_.head_v_dim());
+  const uint64_t state = 2 * uint64_t(B) * uint64_t(config_.num_heads / tpn) * K * V * 4;
+  const uint64_t decay = 2 * uint64_t(B) * uint64_t(config_.num_kv_heads / tpn) * K * 4;
+  const uint64_t k = uint64_t(n - 1), L = num_blocks();
+  // The short convolution's halo: every segment's last conv_size - 1 rows of q | k | v, gathered
+  // in forward, again in backward, and their gradient gathered back.
+  const uint64_t halo =
+      config_.use_short_conv && config_.conv_size > 1
+          ? 2 * uint64_t(B) * uint64_t(config_.conv_size - 1) *
+                uint64_t((config_.key_dim() + config_.key_dim() / config_.kv_groups() +
+                          config_.value_dim() / config_.kv_groups()) /
+                         tpn) *
+                4
+          : 0;
+  const uint64_t forward = k * (decay + state + halo), backward = k * (state + 2 * halo);
+  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
+  return L * (forward + backward) + recomputed * forward;
+}
+
+// The state passing's fold: every segment's zero-start final state, [2 cp, B, H, K, V], gathered
+// in a block's forward and backward.
+size_t GlaModel::ring_working_bytes(int64_t B, int64_t) const {
+  if (cp().size() <= 1) return 0;
+  const int n = tp().size();
+  return 2 * size_t(cp().size()) * size_t(B) * size_t(config_.num_heads / n) *
+         size_t(config_.head_k_dim()) * size_t(config_.head_v_dim()) * 4;
+}
+
+}  // namespace loom

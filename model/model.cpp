@@ -1,0 +1,166 @@
+#include "model/model.hpp"
+
+#include <utility>
+
+#include "core/error.hpp"
+#include "model/safetensors.hpp"
+
+namespace loom {
+
+Model::Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp)
+    : compute_(compute), device_(device), shard_(shard) {
+  LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
+             "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
+  if (tp.size() <= 1) tp.group = nullptr;
+  par_ = std::make_unique<ParallelContext>();
+  par_->tp.opt = tp;
+  par_->tp.pool = &pool_;
+  if (cp.size() <= 1) cp.group = nullptr;
+  par_->cp = cp;
+}
+
+Model::~Model() = default;
+
+void Model::set_units(std::unique_ptr<ParamUnit> embed, std::vector<ParamUnit*> blocks,
+                      std::unique_ptr<ParamUnit> head) {
+  embed_ = std::move(embed);
+  blocks_ = std::move(blocks);
+  head_ = std::move(head);
+}
+
+std::vector<ParamUnit*> Model::units() {
+  std::vector<ParamUnit*> u{embed_.get()};
+  u.insert(u.end(), blocks_.begin(), blocks_.end());
+  u.push_back(head_.get());
+  return u;
+}
+
+int64_t Model::num_params() const {
+  int64_t n = embed_->numel() + head_->numel();
+  for (const ParamUnit* b : blocks_) n += b->numel();
+  return n;
+}
+
+void Model::init_weights(uint64_t seed) {
+  for (ParamUnit* u : units()) u->init_weights(seed);
+}
+
+void Model::load_units(const SafetensorsDir& dir) {
+  for (ParamUnit* u : units()) {
+    if (!u->sharded()) {
+      for (auto& p : u->params()) {
+        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+        else
+          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
+                           p.value.data<float>());
+      }
+      u->refresh_bf16();
+      continue;
+    }
+    float* shard = u->master_shard().data<float>();
+    for (const ShardSlice& s : u->shard_slices()) {
+      const ParamSpec& spec = u->params()[s.param].spec;
+      read_param_slice(dir, spec.name, spec, s.begin, s.count, shard + s.shard_offset);
+    }
+  }
+}
+
+void Model::zero_grad() {
+  for (ParamUnit* u : units()) u->zero_grad();
+}
+
+void Model::set_activation_checkpoint(const ActivationCheckpoint& ac) {
+  LOOM_CHECK(ac.every_n >= 1, "activation checkpointing: every_n = ", ac.every_n,
+             ", expected a positive integer");
+  ac_ = ac;
+  for (size_t l = 0; l < blocks_.size(); ++l) set_block_checkpoint(l, ac.block_mode(int64_t(l)));
+}
+
+void Model::hook(void (UnitHooks::*fn)(size_t), size_t unit) {
+  if (hooks_) (hooks_->*fn)(unit);
+}
+
+int64_t Model::residual_rows(const StepContext& ctx) const {
+  const TpRuntime& tp = par_->tp;
+  return tp.sp() ? ctx.tokens() / tp.opt.size() : ctx.tokens();
+}
+
+ActivationStore Model::micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                   int64_t T, float grad_scale) {
+  const TpRuntime& tp = par_->tp;
+  const int tpn = tp.opt.size();
+  const int64_t M = B * T;
+  LOOM_CHECK(
+      !tp.sp() || M % tpn == 0, "sequence parallelism: the micro-batch's B*T = ", B, "*", T, " = ",
+      M, " rows are not divisible by parallelism.tp = ", tpn,
+      " (each tp rank holds B*T / tp rows; or set parallelism.tp_sequence_parallel = false)");
+  LOOM_CHECK(hooks_ || !shard_.sharded(),
+             "forward_backward: a sharded model needs hooks that materialize its units");
+  ActivationStore s;
+  s.inputs = inputs;
+  s.targets = targets;
+  s.grad_scale = grad_scale;
+  s.ctx.B = B;
+  s.ctx.T = T;
+  s.ctx.compute = compute_;
+  const int64_t span =
+      cp_micro_batch_positions(par_->cp, T, tp.sp() ? tpn : 1, s.ctx.positions, s.ctx.cp_pos);
+  prepare(s, span);
+  s.blocks.resize(blocks_.size());
+  return s;
+}
+
+Tensor Model::forward(ActivationStore& s, size_t first, size_t last, Tensor x) {
+  LOOM_CHECK(first <= last && last <= num_units(), "forward: units [", first, ", ", last, ") of ",
+             num_units());
+  for (size_t u = first; u < last; ++u) {
+    hook(&UnitHooks::before_forward, u);
+    if (u == 0) {
+      x = embedding_forward(s);
+    } else if (u == head_index()) {
+      // The head's projection and loss run fused with its backward: keep its input.
+      s.head_input = std::exchange(x, Tensor());
+    } else {
+      x = block_forward(s, u - 1, x);
+    }
+    hook(&UnitHooks::after_forward, u);
+  }
+  return x;
+}
+
+Tensor Model::backward(ActivationStore& s, size_t first, size_t last, Tensor dy) {
+  LOOM_CHECK(first <= last && last <= num_units(), "backward: units [", first, ", ", last, ") of ",
+             num_units());
+  for (size_t u = last; u-- > first;) {
+    hook(&UnitHooks::before_backward, u);
+    if (u == head_index()) {
+      dy = head_forward_backward(s);
+    } else if (u == 0) {
+      embedding_backward(s, dy);
+    } else {
+      block_backward(s, u - 1, dy);
+    }
+    hook(&UnitHooks::after_backward, u);
+    if (u == head_index()) s.head_input = Tensor();
+    if (u == 0) dy = Tensor();
+  }
+  return dy;
+}
+
+Tensor Model::backward_input(ActivationStore& s, size_t first, size_t last, Tensor dy,
+                             DeferredWeightGrads& deferred) {
+  // Under tp the inputs may be gathered into pooled buffers that the next layer reuses (without
+  // the copies pp2 x tp2 zb1p ended 1.7e-2 off one process in its final weights).
+  const ops::DeferWeightGrads defer(deferred, tp().size() > 1);
+  return backward(s, first, last, std::move(dy));
+}
+
+double Model::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                               float grad_scale) {
+  ActivationStore s = micro_batch(inputs, targets, B, T, grad_scale);
+  backward(s, 0, num_units(), forward(s, 0, num_units()));
+  return s.loss;
+}
+
+}  // namespace loom

@@ -1,0 +1,189 @@
+#pragma once
+// The model interface the trainer, the parallel wrappers (FSDP, DDP, the pipeline executor), the
+// cost model and the commands work through (DESIGN.md decision 1): a model is a sequence of
+// parameter units, an embedding unit, one unit per block and a head unit, run per micro-batch
+// over any range of units with the micro-batch's activations in an ActivationStore that lives
+// between the calls. LlamaModel (model/llama.hpp) and GlaModel (model/gla.hpp) implement it.
+//
+// The unit plumbing every model shares is here, once: the parallel context the blocks point at,
+// the hooks called around each unit, the range loops of forward and backward (the head's forward
+// and backward are one fused computation), zeroing, initialization and activation
+// checkpointing. A model supplies its units' computations and its analytic costs.
+#include <any>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "distributed/buffer_pool.hpp"
+#include "model/param_unit.hpp"
+#include "model/transformer_block.hpp"  // ParallelContext, StepContext
+#include "ops/ops.hpp"
+#include "parallel/layers/activation_checkpoint.hpp"
+#include "parallel/layers/context_parallel.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
+
+namespace loom {
+
+class SafetensorsDir;
+
+// Called by the model around the work of each unit, unit i in units() order (embedding, blocks,
+// head). Data parallelism (parallel/) implements it: gathering sharded weights before a unit
+// runs, reducing its gradient after its backward. The head's forward and backward are one fused
+// computation: its after_forward is directly followed by its before_backward. With tied
+// embeddings the head also reads and writes unit 0 (the embedding) between its before_backward
+// and after_backward.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void before_forward(size_t unit) = 0;
+  virtual void after_forward(size_t unit) = 0;
+  virtual void before_backward(size_t unit) = 0;
+  virtual void after_backward(size_t unit) = 0;
+};
+
+// One micro-batch between its forward and its backward: the step context, the tokens, and what
+// every unit's forward saved for its backward. A pipeline stage keeps one per micro-batch in
+// flight. Made by Model::micro_batch; the token arrays must outlive it.
+struct ActivationStore {
+  StepContext ctx;
+  const int32_t* inputs = nullptr;   // [B, T]
+  const int32_t* targets = nullptr;  // [B, T]
+  float grad_scale = 1;
+  // Block l's saved activations (unit l + 1), of the model's own type (Llama: BlockActs, GLA:
+  // GlaBlockActs).
+  std::vector<std::any> blocks;
+  Tensor head_input;  // the last block's output, kept for the head's fused pass
+  double loss = 0;    // the summed loss, once the head's backward ran
+};
+
+class Model {
+ public:
+  virtual ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  // --- What the model is (its config.json) ---
+  virtual const char* model_type() const = 0;   // config.json's model_type: "llama", "gla"
+  virtual std::string config_json() const = 0;  // the Hugging Face config.json it was built from
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t hidden_size() const = 0;
+  virtual bool tie_word_embeddings() const = 0;
+  // One line for the trainer's log: the shape ("dim 64, 2 layers, ...").
+  virtual std::string describe() const = 0;
+  // Training FLOPs per token at sequence length T (the MFU convention of the model's family).
+  virtual double flops_per_token(int64_t T) const = 0;
+
+  DType compute_dtype() const { return compute_; }
+  Device device() const { return device_; }
+  std::vector<ParamUnit*> units();
+  size_t num_units() const { return blocks_.size() + 2; }
+  size_t num_blocks() const { return blocks_.size(); }
+  int64_t num_params() const;  // this rank's (its tp slices, unsharded)
+
+  const ShardLayout& shard_layout() const { return shard_; }
+  const TpOptions& tp() const { return par_->tp.opt; }
+  const CpOptions& cp() const { return par_->cp; }
+  size_t comm_buffer_bytes() const { return pool_.bytes(); }
+  // Not owned; nullptr for none. Must outlive the calls of forward/backward.
+  void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
+  // Activation checkpointing of every block (default: none).
+  void set_activation_checkpoint(const ActivationCheckpoint& ac);
+  const ActivationCheckpoint& activation_checkpoint() const { return ac_; }
+
+  void init_weights(uint64_t seed);
+  // Every parameter, shapes checked; a sharded model reads only its shards' slices
+  // (load_units; a model may check more, e.g. that `dir` holds no tensor it does not have).
+  virtual void load_hf(const SafetensorsDir& dir) { load_units(dir); }
+  void zero_grad();
+
+  // A micro-batch: inputs/targets [B, T]; with context parallelism this cp rank's tokens
+  // (T = seq_len / cp, at positions cp_positions). Gradients of (grad_scale * the summed loss)
+  // accumulate into the units.
+  ActivationStore micro_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                              float grad_scale);
+  // Forward of units [first, last) (units() order). x is the input of unit `first` (ignored for
+  // the embedding, which reads the tokens); returns the output of unit last - 1 (empty when that
+  // is the head: the head's fused projection + loss runs in its backward).
+  Tensor forward(ActivationStore& s, size_t first, size_t last, Tensor x = {});
+  // Backward of units [first, last), last first. dy is the gradient w.r.t. unit last - 1's output
+  // (ignored when that is the head: the loss gives it); returns the gradient w.r.t. unit first's
+  // input (empty for the embedding). The head's backward sets s.loss.
+  Tensor backward(ActivationStore& s, size_t first, size_t last, Tensor dy = {});
+  // Zero-bubble pipelines split a backward into the input gradient (I) and the weight gradient
+  // (W). backward_input is backward() with every linear layer's weight gradient left in
+  // `deferred` (its output gradient copied, its saved input kept; the norms', the embedding's and
+  // the head's weight gradients come with I); weight_grads runs them later in the same order,
+  // with no recomputation, giving each weight the bits of backward().
+  using DeferredWeightGrads = std::vector<ops::DeferredWeightGrad>;
+  Tensor backward_input(ActivationStore& s, size_t first, size_t last, Tensor dy,
+                        DeferredWeightGrads& deferred);
+  static void weight_grads(DeferredWeightGrads& deferred) { ops::run_weight_grads(deferred); }
+  // The whole model on one micro-batch (pp = 1): forward over every unit, then backward. Returns
+  // the sum of the per-token losses.
+  double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          float grad_scale);
+
+  // --- The analytic costs of one micro-batch of B samples of T tokens on this rank (with cp,
+  // this rank's T) under the model's tp, cp and checkpointing (parallel/cost_model.hpp) ---
+  // Bytes of saved activations at their peak.
+  virtual size_t saved_activation_bytes(int64_t B, int64_t T) const = 0;
+  // The head's working buffers at the start of its fused backward.
+  virtual size_t head_workspace_bytes(int64_t B, int64_t T) const = 0;
+  // The pooled communication buffers of tensor parallelism after a step (comm_buffer_bytes()).
+  virtual size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const = 0;
+  // Bytes this rank sends on the tp group, and on the cp group.
+  virtual uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const = 0;
+  virtual uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const = 0;
+  // Context parallelism's working set in a block's backward beyond the saved activations.
+  virtual size_t ring_working_bytes(int64_t B, int64_t T) const = 0;
+
+ protected:
+  // Tensor and context parallelism as given (groups of one rank dropped): par() is ready for the
+  // blocks the derived constructor makes.
+  Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp);
+  // The derived constructor's units, in order. The model keeps them; block_unit(l) is block l's.
+  void set_units(std::unique_ptr<ParamUnit> embed, std::vector<ParamUnit*> blocks,
+                 std::unique_ptr<ParamUnit> head);
+
+  const ParallelContext& par() const { return *par_; }
+  ParamUnit& embed_unit() { return *embed_; }
+  const ParamUnit& embed_unit() const { return *embed_; }
+  ParamUnit& head_unit() { return *head_; }
+  const ParamUnit& head_unit() const { return *head_; }
+  size_t head_index() const { return blocks_.size() + 1; }
+  // Every parameter of every unit from `dir` (global names): whole or this tp rank's slice into
+  // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones.
+  void load_units(const SafetensorsDir& dir);
+  // Rows of the residual stream on this rank (B*T / tp with sequence parallelism).
+  int64_t residual_rows(const StepContext& ctx) const;
+
+  // The units' computations, called between the hooks.
+  virtual void prepare(ActivationStore& s, int64_t span) = 0;  // span: positions the step covers
+  virtual void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) = 0;
+  virtual Tensor embedding_forward(ActivationStore& s) = 0;
+  virtual void embedding_backward(ActivationStore& s, const Tensor& dx) = 0;
+  virtual Tensor block_forward(ActivationStore& s, size_t block, const Tensor& x) = 0;
+  virtual void block_backward(ActivationStore& s, size_t block, Tensor& dy) = 0;
+  // The head's forward fused with its backward: sets s.loss, returns the gradient w.r.t. its
+  // input (s.head_input).
+  virtual Tensor head_forward_backward(ActivationStore& s) = 0;
+
+  DType compute_;
+  Device device_;
+  ShardLayout shard_;
+  dist::BufferPool pool_;
+
+ private:
+  void hook(void (UnitHooks::*fn)(size_t), size_t unit);
+
+  std::unique_ptr<ParallelContext> par_;  // stable address: the blocks point at it
+  UnitHooks* hooks_ = nullptr;
+  ActivationCheckpoint ac_;
+  std::unique_ptr<ParamUnit> embed_;
+  std::vector<ParamUnit*> blocks_;  // owned by the derived model's blocks
+  std::unique_ptr<ParamUnit> head_;
+};
+
+}  // namespace loom

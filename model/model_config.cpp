@@ -1,0 +1,79 @@
+#include "model/model_config.hpp"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "model/gla.hpp"
+#include "model/llama.hpp"
+
+namespace loom {
+
+ModelConfig ModelConfig::from_json(const std::string& text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(source, ": not valid JSON (", e.what(), ")");
+  }
+  if (j.is_object() && j.contains("model_type") && j["model_type"] == "gla")
+    return GlaConfig::from_json(text, source);
+  return LlamaConfig::from_json(text, source);
+}
+
+ModelConfig ModelConfig::from_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  LOOM_CHECK(f.good(), "cannot open model config '", path, "'");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  LOOM_CHECK(!f.bad(), "cannot read model config '", path, "'");
+  return from_json(ss.str(), path);
+}
+
+const LlamaConfig& ModelConfig::llama(const char* what) const {
+  LOOM_CHECK(!is_gla(), what, ": needs a Llama model, the config's model_type is \"gla\"");
+  return std::get<LlamaConfig>(c_);
+}
+
+const GlaConfig& ModelConfig::gla(const char* what) const {
+  LOOM_CHECK(is_gla(), what, ": needs a GLA model (model_type \"gla\"), the config is a Llama");
+  return std::get<GlaConfig>(c_);
+}
+
+void ModelConfig::validate(const std::string& source) const {
+  std::visit([&](const auto& c) { c.validate(source); }, c_);
+}
+std::string ModelConfig::to_json() const {
+  return std::visit([](const auto& c) { return c.to_json(); }, c_);
+}
+int64_t ModelConfig::vocab_size() const {
+  return std::visit([](const auto& c) { return c.vocab_size; }, c_);
+}
+int64_t ModelConfig::hidden_size() const {
+  return std::visit([](const auto& c) { return c.hidden_size; }, c_);
+}
+int64_t ModelConfig::num_hidden_layers() const {
+  return std::visit([](const auto& c) { return c.num_hidden_layers; }, c_);
+}
+int64_t ModelConfig::max_position_embeddings() const {
+  return std::visit([](const auto& c) { return c.max_position_embeddings; }, c_);
+}
+bool ModelConfig::tie_word_embeddings() const {
+  return std::visit([](const auto& c) { return c.tie_word_embeddings; }, c_);
+}
+int64_t ModelConfig::num_params() const {
+  return std::visit([](const auto& c) { return c.num_params(); }, c_);
+}
+double ModelConfig::flops_per_token(int64_t T) const {
+  return std::visit([T](const auto& c) { return c.flops_per_token(T); }, c_);
+}
+
+std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute, Device device,
+                                  ShardLayout shard, TpOptions tp, CpOptions cp) {
+  if (config.is_gla())
+    return std::make_unique<GlaModel>(config.gla("make_model"), compute, device, shard, tp, cp);
+  return std::make_unique<LlamaModel>(config.llama("make_model"), compute, device, shard, tp, cp);
+}
+
+}  // namespace loom

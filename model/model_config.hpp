@@ -1,0 +1,50 @@
+#pragma once
+// The model a Hugging Face config.json describes, chosen by its model_type: "gla" is a GLA model
+// (model/gla_config.hpp), anything else is read as a Llama (model/llama_config.hpp, which names
+// what it does not support). make_model builds the Model of either.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <variant>
+
+#include "model/gla_config.hpp"
+#include "model/llama_config.hpp"
+#include "model/model.hpp"
+
+namespace loom {
+
+class ModelConfig {
+ public:
+  ModelConfig(const LlamaConfig& c) : c_(c) {}  // NOLINT: a Llama config is a model config
+  ModelConfig(const GlaConfig& c) : c_(c) {}    // NOLINT
+  // Throws loom::Error naming `source` (the path) and the field, as the family's reader does.
+  static ModelConfig from_json(const std::string& text, const std::string& source);
+  static ModelConfig from_file(const std::string& path);
+
+  bool is_gla() const { return std::holds_alternative<GlaConfig>(c_); }
+  const char* model_type() const { return is_gla() ? "gla" : "llama"; }
+  // The family's config; loom::Error naming `what` (the caller) for the other family.
+  const LlamaConfig& llama(const char* what) const;
+  const GlaConfig& gla(const char* what) const;
+
+  void validate(const std::string& source) const;
+  std::string to_json() const;
+  int64_t vocab_size() const;
+  int64_t hidden_size() const;
+  int64_t num_hidden_layers() const;
+  int64_t max_position_embeddings() const;
+  bool tie_word_embeddings() const;
+  int64_t num_params() const;
+  double flops_per_token(int64_t T) const;
+
+ private:
+  std::variant<LlamaConfig, GlaConfig> c_;
+};
+
+// The model of `config` (LlamaModel or GlaModel), its units allocated on `device`, sharded by
+// `shard`, split by `tp`, its micro-batches split by `cp`.
+std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute,
+                                  Device device = Device::cpu, ShardLayout shard = {},
+                                  TpOptions tp = {}, CpOptions cp = {});
+
+}  // namespace loom

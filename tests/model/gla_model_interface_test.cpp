@@ -1,0 +1,155 @@
+// GlaModel through the Model interface (model/model.hpp): the hooks around each unit in the
+// order LlamaModel calls them, forward/backward over unit ranges giving the bits of one
+// forward_backward, a sharded model refusing to run without hooks, and the analytic saved
+// activations (the memory pre-flight's) against what a step saves.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/gla.hpp"
+#include "model/llama.hpp"
+#include "model/model_config.hpp"
+#include "tests/test_util.hpp"
+
+using namespace loom;
+
+namespace {
+
+GlaConfig small(bool conv, bool tied) {
+  GlaConfig c;
+  c.hidden_size = 64;
+  c.num_hidden_layers = 3;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 96;
+  c.vocab_size = 101;
+  c.use_short_conv = conv;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+LlamaConfig small_llama(bool tied) {
+  LlamaConfig c;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 101;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+struct Recorder : UnitHooks {
+  std::vector<std::string> calls;
+  void before_forward(size_t u) override { calls.push_back("bf" + std::to_string(u)); }
+  void after_forward(size_t u) override { calls.push_back("af" + std::to_string(u)); }
+  void before_backward(size_t u) override { calls.push_back("bb" + std::to_string(u)); }
+  void after_backward(size_t u) override { calls.push_back("ab" + std::to_string(u)); }
+};
+
+std::vector<std::vector<float>> grads(Model& m) {
+  std::vector<std::vector<float>> out;
+  for (ParamUnit* u : m.units()) {
+    const float* g = u->grad_flat().data<float>();
+    out.emplace_back(g, g + u->numel());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(GlaModelInterface, HooksInLlamasOrder) {
+  const int64_t B = 2, T = 16;
+  const auto tok = test::random_tokens(B * T + 1, 101, 3);
+  auto calls = [&](Model& m) {
+    m.init_weights(1);
+    Recorder r;
+    m.set_hooks(&r);
+    m.forward_backward(tok.data(), tok.data() + 1, B, T, 0.1f);
+    m.set_hooks(nullptr);
+    return r.calls;
+  };
+  for (bool tied : {false, true}) {
+    GlaModel gla(small(false, tied), DType::f32);
+    LlamaModel llama(small_llama(tied), DType::f32);
+    const auto g = calls(gla);
+    EXPECT_EQ(g, calls(llama));
+    // Every unit forward in order, the head's forward straight into its backward, then back.
+    ASSERT_EQ(g.size(), 4 * gla.num_units());
+    EXPECT_EQ(g.front(), "bf0");
+    EXPECT_EQ(g[2 * gla.num_units() - 1], "af4");
+    EXPECT_EQ(g[2 * gla.num_units()], "bb4");
+    EXPECT_EQ(g.back(), "ab0");
+  }
+}
+
+TEST(GlaModelInterface, UnitRangesGiveTheBitsOfOneForwardBackward) {
+  const int64_t B = 2, T = 24;
+  const auto tok = test::random_tokens(B * T + 1, 101, 4);
+  for (bool conv : {false, true}) {
+    const GlaConfig c = small(conv, !conv);
+    GlaModel whole(c, DType::f32), split(c, DType::f32);
+    whole.init_weights(2);
+    split.init_weights(2);
+    const double loss = whole.forward_backward(tok.data(), tok.data() + 1, B, T, 0.5f);
+    // Two "stages": units [0, 2) and [2, 5), as a pipeline would run them.
+    ActivationStore s = split.micro_batch(tok.data(), tok.data() + 1, B, T, 0.5f);
+    Tensor x = split.forward(s, 0, 2);
+    EXPECT_FALSE(split.forward(s, 2, split.num_units(), x).defined());
+    Tensor dx = split.backward(s, 2, split.num_units());
+    ASSERT_TRUE(dx.defined());
+    EXPECT_FALSE(split.backward(s, 0, 2, dx).defined());
+    EXPECT_EQ(s.loss, loss);
+    EXPECT_EQ(grads(split), grads(whole));
+  }
+}
+
+TEST(GlaModelInterface, ShardedWithoutHooksIsRefused) {
+  GlaModel m(small(false, false), DType::f32, Device::cpu, ShardLayout{0, 2});
+  const auto tok = test::random_tokens(33, 101, 5);
+  test::expect_error([&] { m.forward_backward(tok.data(), tok.data() + 1, 2, 16, 1.0f); },
+                     {"needs hooks"});
+}
+
+TEST(GlaModelInterface, ConfigJsonChoosesTheModel) {
+  const GlaConfig g = small(true, false);
+  const std::unique_ptr<Model> a =
+      make_model(ModelConfig::from_json(g.to_json(), "gla.json"), DType::f32, Device::meta);
+  EXPECT_STREQ(a->model_type(), "gla");
+  EXPECT_EQ(a->num_params(), g.num_params());
+  const LlamaConfig l = small_llama(true);
+  const std::unique_ptr<Model> b =
+      make_model(ModelConfig::from_json(l.to_json(), "llama.json"), DType::f32, Device::meta);
+  EXPECT_STREQ(b->model_type(), "llama");
+  EXPECT_EQ(b->num_params(), l.num_params());
+  test::expect_error([&] { ModelConfig(l).gla("the test"); }, {"needs a GLA model"});
+}
+
+// The analytic figure of one block's saved tensors (the pre-flight's) is what a step saves,
+// field by field: every mode, with and without the short convolution, f32 and bf16.
+TEST(GlaModelInterface, AnalyticSavedActivationsMatchAStep) {
+  const int64_t B = 2, T = 20;
+  const auto tok = test::random_tokens(B * T + 1, 101, 6);
+  using Mode = ActivationCheckpoint::Mode;
+  for (bool conv : {false, true})
+    for (DType dt : {DType::f32, DType::bf16})
+      for (Mode mode : {Mode::none, Mode::op, Mode::full}) {
+        SCOPED_TRACE(std::string(conv ? "conv " : "") + std::string(dtype_name(dt)) + " mode " +
+                     std::to_string(int(mode)));
+        GlaModel m(small(conv, false), dt);
+        m.init_weights(1);
+        m.set_activation_checkpoint({mode, 1});
+        m.forward_backward(tok.data(), tok.data() + 1, B, T, 1.0f);
+        EXPECT_EQ(m.last_saved_activation_bytes(), 3 * m.block_saved_bytes(B, T, mode));
+        if (mode == Mode::full) {
+          // The recomputed last block holds everything while the two before it hold their input.
+          EXPECT_EQ(m.saved_activation_bytes(B, T),
+                    2 * m.block_saved_bytes(B, T, mode) + m.block_saved_bytes(B, T, Mode::none));
+        } else {
+          EXPECT_EQ(m.saved_activation_bytes(B, T), 3 * m.block_saved_bytes(B, T, mode));
+        }
+      }
+}
