@@ -55,7 +55,8 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
       (model.tp_bytes_per_micro_batch(B, Tl) + model.cp_bytes_per_micro_batch(B, Tl) +
        (g.cp ? ring_all_gather(8, g.cp->size()) : 0)) *
           uint64_t(G) +
-      (g.tp ? ring_all_gather(8, g.tp->size()) : 0);  // + the gradient norm
+      // + the gradient norm: one 8-byte squared sum per unit (train/optimizer.cpp)
+      (g.tp ? ring_all_gather(8 * model.num_units(), g.tp->size()) : 0);
   if (!m.fsdp && !m.ddp) return tp;
   const uint64_t rsize = dtype_size(reduce);
   std::vector<ParamUnit*> units = model.units();
@@ -72,7 +73,7 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
       if (g.replicate && g.replicate->size() > 1)
         per_step += ring_all_reduce(S * rsize, g.replicate->size());
     }
-    per_step += ring_all_gather(8, n);  // the gradient norm
+    per_step += ring_all_gather(8 * units.size(), n);  // the gradient norm, per unit
   } else {
     for (ParamUnit* u : units)
       per_step += ring_all_reduce(uint64_t(u->numel()) * rsize, int(g.size));
