@@ -24,7 +24,10 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
   const int64_t Tl = T / (m.groups.cp ? m.groups.cp->size() : 1);
   mc.num_params = size_t(model.num_params());
   std::vector<ParamUnit*> units = model.units();
-  for (ParamUnit* u : units) {
+  // A pp rank holds only the units it uses (Model::uses; a plan model on meta knows them too).
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (!model.uses(i)) continue;
+    const ParamUnit* u = units[i];
     const size_t S = size_t(u->shard_numel());
     mc.params += 4 * S;
     mc.grads += 4 * S;
