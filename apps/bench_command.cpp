@@ -49,7 +49,7 @@ std::vector<dist::ProcessGroup*> comm_groups(dist::Mesh* mesh, const ParallelGro
   std::vector<dist::ProcessGroup*> out;
   if (!mesh) return out;
   std::set<dist::ProcessGroup*> seen;
-  for (dist::ProcessGroup* g : {dp.dp, dp.shard, dp.replicate, dp.tp, dp.cp, &mesh->world()})
+  for (dist::ProcessGroup* g : {dp.dp, dp.shard, dp.replicate, dp.tp, dp.cp, dp.pp, &mesh->world()})
     if (g && seen.insert(g).second) out.push_back(g);
   return out;
 }
@@ -80,9 +80,10 @@ std::vector<std::vector<int64_t>> gather_rows(dist::Mesh* mesh, const std::vecto
 
 int bench_command(const Args& args) {
   LOOM_CHECK(!args.empty() && args[0] == "step",
-             "usage: loom bench step --config FILE [--json] [--check] [--section.key=value ...]");
+             "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
+             "[--section.key=value ...]");
   std::string config_path;
-  bool json = false, check = false;
+  bool json = false, check = false, bytes_only = false;
   std::vector<std::string> overrides;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -90,6 +91,10 @@ int bench_command(const Args& args) {
       json = true;
     } else if (a == "--check") {
       check = true;
+    } else if (a == "--check-bytes") {
+      // The bytes only, the peak printed but not checked: a pp rank's in-flight activations and
+      // p2p buffers are not priced yet (docs/design.md, pipeline), its bytes are.
+      check = bytes_only = true;
     } else if (a == "--config" && i + 1 < args.size()) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -187,7 +192,7 @@ int bench_command(const Args& args) {
     double total_tps = 0;
     for (const auto& r : rows) {
       const double ratio = double(r[0]) / double(r[1]);
-      all_ok = all_ok && r[4] == 1 && std::fabs(ratio - 1) <= 0.05;
+      all_ok = all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= 0.05);
       total_tps += double(r[5]);
     }
     if (writer) {
@@ -227,10 +232,13 @@ int bench_command(const Args& args) {
                     w[4] ? "ok" : "MISMATCH", double(w[6]) / 1e3, double(w[7]) / 1e3,
                     (long long)w[5]);
       }
-      std::printf("  job tokens/s %.0f; loss %.4f -> %.4f; %s\n", total_tps, losses.front(),
-                  losses.back(),
-                  all_ok ? "all ranks: bytes equal the analytic figure, peak within 5%"
-                         : "FAILED: bytes differ from the analytic figure or peak off by > 5%");
+      std::printf(
+          "  job tokens/s %.0f; loss %.4f -> %.4f; %s\n", total_tps, losses.front(), losses.back(),
+          all_ok       ? (bytes_only ? "all ranks: bytes equal the analytic figure (peak not "
+                                       "checked: --check-bytes)"
+                                     : "all ranks: bytes equal the analytic figure, peak within 5%")
+          : bytes_only ? "FAILED: bytes differ from the analytic figure"
+                       : "FAILED: bytes differ from the analytic figure or peak off by > 5%");
       std::fflush(stdout);
     }
     return check && !all_ok ? 1 : 0;

@@ -20,8 +20,8 @@ Tensor f32(const Shape& s, Device d) {
 }  // namespace
 
 GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, ShardLayout shard,
-                   TpOptions tp, CpOptions cp)
-    : Model(compute, device, shard, tp, cp), config_(config) {
+                   TpOptions tp, CpOptions cp, std::vector<bool> used)
+    : Model(compute, device, shard, tp, cp, std::move(used)), config_(config) {
   config_.validate("model config");
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size;
@@ -29,16 +29,18 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, ShardL
   auto embed = std::make_unique<ParamUnit>(
       "embed",
       std::vector<ParamSpec>{{"model.embeddings.weight", {V, d}, Init::normal, s, true, true}}, bf,
-      device, shard);
+      unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    blocks_.push_back(std::make_unique<GlaBlock>(config_, l, bf, device, &par(), shard));
+    blocks_.push_back(
+        std::make_unique<GlaBlock>(config_, l, bf, unit_device(size_t(l) + 1), &par(), shard));
     block_units.push_back(&blocks_.back()->unit());
   }
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}, Init::normal, s});
   set_units(std::move(embed), std::move(block_units),
-            std::make_unique<ParamUnit>("head", head, bf, device, shard));
+            std::make_unique<ParamUnit>("head", head, bf,
+                                        unit_device(size_t(config_.num_hidden_layers) + 1), shard));
 }
 
 std::string GlaModel::describe() const {

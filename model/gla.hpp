@@ -26,7 +26,8 @@ class GlaModel final : public Model {
   // the zigzag positions of parallel/layers/context_parallel.hpp); its loss and gradients are this
   // rank's share (the caller sums them over cp, as FSDP does over dp_shard x cp).
   GlaModel(const GlaConfig& config, DType compute, Device device = Device::cpu,
-           ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {});
+           ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {},
+           std::vector<bool> used = {});
 
   const GlaConfig& config() const { return config_; }
   const GlaBlock& block(size_t l) const { return *blocks_[l]; }

@@ -18,8 +18,8 @@ Tensor f32(const Shape& s, Device d) {
 }  // namespace
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard,
-                       TpOptions tp, CpOptions cp)
-    : Model(compute, device, shard, tp, cp), config_(config) {
+                       TpOptions tp, CpOptions cp, std::vector<bool> used)
+    : Model(compute, device, shard, tp, cp, std::move(used)), config_(config) {
   config_.validate("model config");
   const int n = tp.size(), r = tp.rank();
   if (n > 1) {
@@ -49,10 +49,12 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
                       r,
                       n,
                       real_rows};
-  auto embed = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, device, shard);
+  auto embed =
+      std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, device, shard, &par()));
+    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, unit_device(size_t(l) + 1),
+                                                         shard, &par()));
     block_units.push_back(&blocks_.back()->unit());
   }
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
@@ -68,7 +70,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
                     n,
                     real_rows});
   set_units(std::move(embed), std::move(block_units),
-            std::make_unique<ParamUnit>("head", head, bf, device, shard));
+            std::make_unique<ParamUnit>("head", head, bf,
+                                        unit_device(size_t(config_.num_hidden_layers) + 1), shard));
 }
 
 std::string LlamaModel::describe() const {

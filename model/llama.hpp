@@ -25,7 +25,8 @@ class LlamaModel final : public Model {
   // names, local shapes; ParamSpec::split); a config whose heads, kv heads, ffn size or
   // vocabulary tp does not divide is refused.
   LlamaModel(const LlamaConfig& config, DType compute, Device device = Device::cpu,
-             ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {});
+             ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {},
+             std::vector<bool> used = {});
 
   const LlamaConfig& config() const { return config_; }
 

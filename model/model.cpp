@@ -7,8 +7,9 @@
 
 namespace loom {
 
-Model::Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp)
-    : compute_(compute), device_(device), shard_(shard) {
+Model::Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp,
+             std::vector<bool> used)
+    : compute_(compute), device_(device), shard_(shard), used_(std::move(used)) {
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
              "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
   if (tp.size() <= 1) tp.group = nullptr;
@@ -42,11 +43,18 @@ int64_t Model::num_params() const {
 }
 
 void Model::init_weights(uint64_t seed) {
-  for (ParamUnit* u : units()) u->init_weights(seed);
+  // Initial weights are a pure function of (seed, name, index): a rank that skips the units it
+  // does not hold gives the others' units no different bit.
+  auto all = units();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (uses(i)) all[i]->init_weights(seed);
 }
 
 void Model::load_units(const SafetensorsDir& dir) {
-  for (ParamUnit* u : units()) {
+  auto all = units();
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (!uses(i)) continue;
+    ParamUnit* u = all[i];
     if (!u->sharded()) {
       for (auto& p : u->params()) {
         if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
@@ -67,7 +75,9 @@ void Model::load_units(const SafetensorsDir& dir) {
 }
 
 void Model::zero_grad() {
-  for (ParamUnit* u : units()) u->zero_grad();
+  auto all = units();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (uses(i)) all[i]->zero_grad();
 }
 
 void Model::set_activation_checkpoint(const ActivationCheckpoint& ac) {

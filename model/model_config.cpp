@@ -70,10 +70,13 @@ double ModelConfig::flops_per_token(int64_t T) const {
 }
 
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute, Device device,
-                                  ShardLayout shard, TpOptions tp, CpOptions cp) {
+                                  ShardLayout shard, TpOptions tp, CpOptions cp,
+                                  std::vector<bool> used) {
   if (config.is_gla())
-    return std::make_unique<GlaModel>(config.gla("make_model"), compute, device, shard, tp, cp);
-  return std::make_unique<LlamaModel>(config.llama("make_model"), compute, device, shard, tp, cp);
+    return std::make_unique<GlaModel>(config.gla("make_model"), compute, device, shard, tp, cp,
+                                      std::move(used));
+  return std::make_unique<LlamaModel>(config.llama("make_model"), compute, device, shard, tp, cp,
+                                      std::move(used));
 }
 
 }  // namespace loom

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "model/gla_config.hpp"
 #include "model/llama_config.hpp"
@@ -45,6 +46,7 @@ class ModelConfig {
 // `shard`, split by `tp`, its micro-batches split by `cp`.
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute,
                                   Device device = Device::cpu, ShardLayout shard = {},
-                                  TpOptions tp = {}, CpOptions cp = {});
+                                  TpOptions tp = {}, CpOptions cp = {},
+                                  std::vector<bool> used = {});
 
 }  // namespace loom

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "parallel/pipeline/simulate.hpp"
+
 namespace loom {
 
 namespace {
@@ -24,7 +26,10 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
   const int64_t Tl = T / (m.groups.cp ? m.groups.cp->size() : 1);
   mc.num_params = size_t(model.num_params());
   std::vector<ParamUnit*> units = model.units();
-  for (ParamUnit* u : units) {
+  // A pp rank holds only the units it uses (Model::uses; a plan model on meta knows them too).
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (!model.uses(i)) continue;
+    const ParamUnit* u = units[i];
     const size_t S = size_t(u->shard_numel());
     mc.params += 4 * S;
     mc.grads += 4 * S;
@@ -46,6 +51,34 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
   return mc;
 }
 
+namespace {
+
+// The pp group's bytes per step (PipelineExecutor): per run of the schedule, each f32 activation
+// and gradient this rank sends across a stage boundary to another rank (its residual stream's
+// rows: this tp rank's with SP, this cp rank's tokens); per step, the tied embedding's gradient
+// exchanged by the first and last stages, the gradient norm's per-unit squared sums and the
+// loss's sum.
+uint64_t pp_bytes_per_step(ParallelModel& m, int64_t B, int64_t Tl, int64_t G) {
+  const ParallelGroups& g = m.groups;
+  if (!m.pipeline || !g.pp || g.pp->size() == 1) return 0;
+  Model& model = *m.model;
+  const pp::Schedule& s = m.pipeline->schedule();
+  const int rank = m.pipeline->rank(), n = g.pp->size();
+  const bool sp = model.tp().size() > 1 && model.tp().sequence_parallel;
+  const uint64_t rows = uint64_t(sp ? B * Tl / model.tp().size() : B * Tl);
+  uint64_t messages = 0;
+  for (const pp::Action& a : s.orders[size_t(rank)]) messages += pp::outputs_of(s, a).size();
+  const uint64_t rounds = uint64_t(G / s.microbatches);
+  uint64_t bytes = rounds * messages * rows * uint64_t(model.hidden_size()) * 4;
+  if (m.pipeline->tied_across_ranks() &&
+      (rank == s.stage_rank.front() || rank == s.stage_rank.back()))
+    bytes += uint64_t(model.units().front()->shard_numel()) * 4;
+  bytes += ring_all_gather(8 * model.num_units(), n) + ring_all_gather(8, n);
+  return bytes;
+}
+
+}  // namespace
+
 uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, int64_t G) {
   const ParallelGroups& g = m.groups;
   Model& model = *m.model;
@@ -57,7 +90,8 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
           uint64_t(G) +
       // + the gradient norm: one 8-byte squared sum per unit (train/optimizer.cpp)
       (g.tp ? ring_all_gather(8 * model.num_units(), g.tp->size()) : 0);
-  if (!m.fsdp && !m.ddp) return tp;
+  const uint64_t pp = pp_bytes_per_step(m, B, Tl, G);
+  if (!m.fsdp && !m.ddp) return tp + pp;
   const uint64_t rsize = dtype_size(reduce);
   std::vector<ParamUnit*> units = model.units();
   uint64_t per_micro = 0, per_step = g.dp ? ring_all_gather(8, int(g.size)) : 0;  // the loss
@@ -78,7 +112,7 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
     for (ParamUnit* u : units)
       per_step += ring_all_reduce(uint64_t(u->numel()) * rsize, int(g.size));
   }
-  return per_micro * uint64_t(G) + per_step + tp;
+  return per_micro * uint64_t(G) + per_step + tp + pp;
 }
 
 ParallelModel plan_model(const ModelConfig& config, DType compute, const ParallelGroups& groups,

@@ -24,6 +24,8 @@
 //     dqkv, dattn) about cancel (measured within 1.5% on bench-tiny cp 2, p2p and allgather,
 //     with and without full checkpointing).
 // DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations + head.
+// Under pp the states count only the units the rank uses (Model::uses; the others are on meta);
+// its in-flight activations, deferred W operands and p2p buffers are not priced yet.
 //
 // Bytes (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
 // (N - 1) x S x gather size in forward (+ the bf16 side buffer's all-reduce), the same again in

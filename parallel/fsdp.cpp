@@ -106,7 +106,8 @@ void Fsdp::progress() {
 void Fsdp::before_forward(size_t i) {
   progress();
   wait_gather(i);
-  if (i + 1 < units_.size()) issue_gather(i + 1);
+  // Not across a pp stage boundary into a unit this rank does not hold (built on meta).
+  if (i + 1 < units_.size() && model_.uses(i + 1)) issue_gather(i + 1);
 }
 
 void Fsdp::after_forward(size_t i) {
@@ -123,7 +124,7 @@ void Fsdp::before_backward(size_t i) {
     wait_gather(0);
     units_[0]->materialize_grads();
   }
-  if (i > 0) issue_gather(i - 1);
+  if (i > 0 && model_.uses(i - 1)) issue_gather(i - 1);
 }
 
 void Fsdp::after_backward(size_t i) {
@@ -161,12 +162,20 @@ void Fsdp::finish_step() {
   if (!replicate_ || replicate_->size() == 1) return;
   std::vector<std::unique_ptr<dist::Work>> works;
   std::vector<Tensor> bufs;
-  for (ParamUnit* u : units_) {
-    bufs.push_back(config_.reduce_dtype == DType::f32 ? u->grad_shard()
-                                                      : u->grad_shard().to(DType::bf16));
-    works.push_back(replicate_->all_reduce(bufs.back(), dist::ReduceOp::sum));
+  // A pp rank's units of other stages hold no gradient; the replicas of a shard are all on the
+  // same stage, so they skip the same units. (A meta plan of the step still counts every unit it
+  // uses.)
+  works.resize(units_.size());
+  bufs.resize(units_.size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    ParamUnit* u = units_[i];
+    if (!model_.uses(i)) continue;
+    bufs[i] =
+        config_.reduce_dtype == DType::f32 ? u->grad_shard() : u->grad_shard().to(DType::bf16);
+    works[i] = replicate_->all_reduce(bufs[i], dist::ReduceOp::sum);
   }
   for (size_t i = 0; i < units_.size(); ++i) {
+    if (!works[i]) continue;
     works[i]->wait();
     if (bufs[i].dtype() != DType::f32) units_[i]->grad_shard().copy_from(bufs[i].to(DType::f32));
   }

@@ -1,5 +1,7 @@
 #include "parallel/parallelize.hpp"
 
+#include <optional>
+
 #include "distributed/group_sum.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
@@ -37,8 +39,15 @@ void apply_ddp(ParallelModel& m, DType reduce) {
   m.ddp = std::make_unique<parallel::Ddp>(*m.model, *m.groups.dp, reduce);
 }
 
-void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
-  const int p = m.groups.pp->size();
+struct PpPlan {
+  pp::Schedule schedule;
+  std::vector<pp::UnitRange> units;
+};
+
+// The schedule and the stage split, known before the model is built so that the units of other
+// ranks' stages can be built on Device::meta.
+PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const ParallelizeOptions& o) {
+  const int p = g.pp->size();
   pp::Schedule s = o.pp_schedule_csv.empty()
                        ? pp::make_schedule(pp::parse_schedule_kind(o.pp_schedule), p,
                                            o.pp_stages_per_rank, o.pp_microbatches)
@@ -47,7 +56,14 @@ void apply_pp(ParallelModel& m, const ParallelizeOptions& o) {
              s.ranks, " rows (pp ranks); expected parallelism.pp = ", p);
   std::vector<int> layers;
   if (!o.pp_stage_layers.empty()) layers = pp::parse_stage_layers(o.pp_stage_layers);
-  auto units = pp::stage_units(int(m.model->num_blocks()), s.stages, layers);
+  auto units = pp::stage_units(int(config.num_hidden_layers()), s.stages, layers);
+  return {std::move(s), std::move(units)};
+}
+
+void apply_pp(ParallelModel& m, PpPlan plan) {
+  const int p = m.groups.pp->size();
+  pp::Schedule s = std::move(plan.schedule);
+  auto units = std::move(plan.units);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
   // FSDP reduce-scatters a unit's gradient and frees its full buffer in its after_backward hook,
@@ -108,14 +124,23 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
                            groups.shard ? groups.shard->size() : 1};
   const TpOptions tp = apply_tp(groups, options);
   const CpOptions cp = apply_cp(groups, options);
-  m.model = make_model(config, compute, options.device, layout, tp, cp);
+  std::optional<PpPlan> pp_plan;
+  std::vector<bool> used;
+  if (groups.pp) {
+    pp_plan = plan_pp(config, groups, options);
+    used.assign(size_t(config.num_hidden_layers()) + 2, false);
+    for (size_t u : pp_used_units(pp_plan->schedule, pp_plan->units, groups.pp->rank(),
+                                  config.tie_word_embeddings()))
+      used[u] = true;
+  }
+  m.model = make_model(config, compute, options.device, layout, tp, cp, std::move(used));
   check_plan(*m.model, config.is_gla() ? gla_plan() : llama_plan());
   apply_ac(*m.model, options.ac);
   if (groups.shard)
     apply_fsdp(m, options.fsdp);
   else if (groups.dp && groups.dp->size() > 1)
     apply_ddp(m, options.fsdp.reduce_dtype);
-  if (groups.pp) apply_pp(m, options);
+  if (groups.pp) apply_pp(m, std::move(*pp_plan));
   return m;
 }
 

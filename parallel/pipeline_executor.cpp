@@ -39,10 +39,32 @@ PipelineExecutor::PipelineExecutor(Model& model, pp::Schedule schedule,
              schedule_.stages, " stages; the stage split has ", units_.size());
   LOOM_CHECK(units_.front().first == 0 && units_.back().second == model_.num_units(),
              "pipeline: the stages must cover units 0..", model_.num_units());
-  // With tied embeddings the last stage's head reads and writes its replica of the embedding (every
-  // rank builds every unit); sum_tied_gradients() makes the two gradients one, as Megatron does.
+  // With tied embeddings the last stage's head reads and writes its replica of the embedding (a
+  // used unit of the head's rank); sum_tied_gradients() makes the two gradients one, as Megatron
+  // does.
   tied_across_ =
       model_.tie_word_embeddings() && schedule_.stage_rank.front() != schedule_.stage_rank.back();
+  // A unit this rank runs must hold memory: a model built for another rank's stages would run
+  // its kernels on Device::meta and silently compute nothing.
+  auto all = model_.units();
+  for (size_t u : used_units())
+    LOOM_CHECK(all[u]->device() == model_.device(), "pipeline: pp rank ", rank_, " uses unit ",
+               all[u]->name(), " but the model holds it on the ", device_name(all[u]->device()),
+               " device, not the model's ", device_name(model_.device()));
+}
+
+std::vector<size_t> pp_used_units(const pp::Schedule& schedule,
+                                  const std::vector<pp::UnitRange>& stage_units, int rank,
+                                  bool tie_word_embeddings) {
+  std::vector<size_t> out;
+  for (int st : schedule.stages_of(rank))
+    for (size_t u = stage_units[size_t(st)].first; u < stage_units[size_t(st)].second; ++u)
+      out.push_back(u);
+  const bool tied_across =
+      tie_word_embeddings && schedule.stage_rank.front() != schedule.stage_rank.back();
+  const bool head = schedule.stage_rank.back() == rank;
+  if (tied_across && head && (out.empty() || out.front() != 0)) out.insert(out.begin(), 0);
+  return out;
 }
 
 std::vector<size_t> PipelineExecutor::owned_units() const {
@@ -53,9 +75,7 @@ std::vector<size_t> PipelineExecutor::owned_units() const {
 }
 
 std::vector<size_t> PipelineExecutor::used_units() const {
-  std::vector<size_t> out = owned_units();
-  if (tied_across_ && holds_head() && (out.empty() || out.front() != 0)) out.insert(out.begin(), 0);
-  return out;
+  return pp_used_units(schedule_, units_, rank_, model_.tie_word_embeddings());
 }
 
 std::vector<bool> PipelineExecutor::counted_units() const {

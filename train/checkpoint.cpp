@@ -646,9 +646,11 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
     model.load_hf(ckpt);
   } else {
     // Under pp: the rank's own units only (Model::load_hf per unit); the others are zeroed,
-    // so that what the rank never uses is at least not left uninitialized.
+    // so that what the rank never uses is at least not left uninitialized (units it does not
+    // use hold no memory: nothing to zero).
     for (size_t i = 0; i < units.size(); ++i) {
       ParamUnit& u = *units[i];
+      if (!model.uses(i)) continue;
       if (!holds(held, i)) {
         for (Tensor* t : {&u.master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
           std::fill_n(t->data<float>(), t->numel(), 0.0f);
@@ -670,7 +672,8 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
       // Converted from Hugging Face: AdamW starts afresh.
       LOOM_CHECK(st.step == 0, dir, ": has no optimizer moments but is at step ", st.step);
       for (auto* moments : {&optimizer.exp_avg(), &optimizer.exp_avg_sq()})
-        for (Tensor& m : *moments) std::fill_n(m.data<float>(), m.numel(), 0.0f);
+        for (size_t i = 0; i < moments->size(); ++i)
+          if (model.uses(i)) std::fill_n((*moments)[i].data<float>(), (*moments)[i].numel(), 0.0f);
     } else {
       for (size_t i = 0; i < units.size(); ++i)
         for (size_t k = 0; holds(held, i) && k < units[i]->params().size(); ++k) {
@@ -700,7 +703,7 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
   LOOM_CHECK(opt_step == st.step, opt_path, ": optimizer step ", opt_step, " but ", state_path,
              " says step ", st.step);
   for (size_t i = 0; i < units.size(); ++i)
-    for (size_t k = 0; k < units[i]->params().size(); ++k) {
+    for (size_t k = 0; model.uses(i) && k < units[i]->params().size(); ++k) {
       const std::string& n = units[i]->params()[k].spec.name;
       read_shard(opt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
       read_shard(opt, n + ".exp_avg_sq", *units[i], k, optimizer.exp_avg_sq()[i].data<float>());

@@ -59,8 +59,9 @@ size_t checkpoint_shard_bytes(Model& model, AdamW& optimizer) {
   size_t n = 0;
   auto units = model.units();
   for (size_t i = 0; i < units.size(); ++i)
-    n += units[i]->master_shard().nbytes() + optimizer.exp_avg()[i].nbytes() +
-         optimizer.exp_avg_sq()[i].nbytes();
+    if (model.uses(i))  // a pp rank's units of other stages hold nothing
+      n += units[i]->master_shard().nbytes() + optimizer.exp_avg()[i].nbytes() +
+           optimizer.exp_avg_sq()[i].nbytes();
   return n;
 }
 

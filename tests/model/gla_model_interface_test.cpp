@@ -4,10 +4,12 @@
 // activations (the memory pre-flight's) against what a step saves.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "model/gla.hpp"
 #include "model/llama.hpp"
 #include "model/model_config.hpp"
@@ -152,4 +154,46 @@ TEST(GlaModelInterface, AnalyticSavedActivationsMatchAStep) {
           EXPECT_EQ(m.saved_activation_bytes(B, T), 3 * m.block_saved_bytes(B, T, mode));
         }
       }
+}
+
+// A pipeline rank builds the units it does not use on the meta device: no CPU memory for their
+// weights, gradients or mirrors, while the units it uses get the bits of the whole model's
+// initialization (a pure function of seed, name and index), for Llama and GLA, f32 and bf16.
+TEST(GlaModelInterface, UnusedUnitsHoldNoMemory) {
+  for (bool gla : {false, true})
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(gla ? "gla " : "llama ") + std::string(dtype_name(dt)));
+      const ModelConfig mc = gla ? ModelConfig::from_json(small(false, false).to_json(), "g.json")
+                                 : ModelConfig::from_json(small_llama(false).to_json(), "l.json");
+      const std::unique_ptr<Model> whole = make_model(mc, dt);
+      whole->init_weights(7);
+      const size_t n = whole->num_units();
+      std::vector<bool> used(n, false);
+      used[1] = used[n - 1] = true;  // block 0 and the head
+      auto& alloc = Allocator::get(Device::cpu);
+      const size_t before = alloc.stats().allocated;
+      const std::unique_ptr<Model> part =
+          make_model(mc, dt, Device::cpu, {}, {}, {}, std::vector<bool>(used));
+      const size_t held = alloc.stats().allocated - before;
+      part->init_weights(7);
+      part->zero_grad();
+      size_t expected = 0;
+      auto pu = part->units(), wu = whole->units();
+      for (size_t i = 0; i < n; ++i) {
+        EXPECT_EQ(pu[i]->device(), used[i] ? Device::cpu : Device::meta) << pu[i]->name();
+        if (!used[i]) continue;
+        expected += size_t(pu[i]->numel()) * (8 + (dt == DType::bf16 ? 2 : 0));
+        const Tensor a = pu[i]->master_shard(), b = wu[i]->master_shard();
+        ASSERT_EQ(a.numel(), b.numel());
+        EXPECT_TRUE(std::equal(a.data<float>(), a.data<float>() + a.numel(), b.data<float>()))
+            << pu[i]->name();
+      }
+      // The used units' f32 weights and gradients (and bf16 mirrors), plus what the allocator
+      // adds (512-byte rounding, a larger cached block reused; Llama's rope tables): well under
+      // one unused block. The whole model holds more than twice that here.
+      EXPECT_GE(held, expected);
+      EXPECT_LT(held, expected + (64 << 10));
+      const size_t whole_bytes = size_t(whole->num_params()) * (8 + (dt == DType::bf16 ? 2 : 0));
+      EXPECT_LT(2 * held, whole_bytes);
+    }
 }
