@@ -2,7 +2,9 @@
 # The ranks of a job compare their resolved configuration and their binary at start-up: MPMD
 # launches where rank 1 alone gets another optimizer.lr (which would train with two learning
 # rates), another training.steps (which would wait in a collective for the 300 s timeout) or
-# another copy of the loom binary must end within 10 s, non-zero, naming the key (or the binary).
+# another copy of the loom binary must end within 30 s, non-zero, naming the key (or the binary).
+# Without the check the job would wait for the 300 s collective timeout; the bound was 10 s, but a
+# 2-rank launch alone took 10.9 s under load 11 in a fresh Debian root (CI beside a benchmark).
 # Then identical ranks train, and their progress goes to a log file as plain lines: Open MPI gives
 # ranks a pseudo-terminal, so isatty() alone would draw the live line (\r, escapes) into the file.
 #   rank_config.sh LOOM MPIEXEC SOURCE_DIR
@@ -24,11 +26,11 @@ rank1_differs() {
     -np 1 "$loom1" "${common[@]}" "$@" >"$work/$name.log" 2>&1 || rc=$?
   t1=$(date +%s.%N)
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
-  if [ "$rc" != 0 ] && [ "$rc" != 124 ] && awk -v s="$secs" 'BEGIN { exit !(s < 10) }' &&
+  if [ "$rc" != 0 ] && [ "$rc" != 124 ] && awk -v s="$secs" 'BEGIN { exit !(s < 30) }' &&
     grep -q -- "$pat" "$work/$name.log"; then
     echo "ok: $name: exit $rc after $secs s: $(grep -m1 -o -- "$pat.*" "$work/$name.log" | cut -c1-150)"
   else
-    echo "FAILED: $name: exit $rc after $secs s (want non-zero within 10 s, naming '$pat'):"
+    echo "FAILED: $name: exit $rc after $secs s (want non-zero within 30 s, naming '$pat'):"
     tail -8 "$work/$name.log"
     status=1
   fi
