@@ -622,7 +622,7 @@ TrainResult Trainer::run() {
   std::unique_ptr<PendingSave> pending;
   // Its stall is the training thread's time in the save plus in before_modify (the copy of what
   // was not written yet, before the next optimizer update): its stats line waits for both.
-  std::string stall_stats;  // checkpoint_stats' arguments but the seconds, "" once logged
+  std::string stall_stats;  // the save's checkpoint_stats, its seconds to be the stall; "": logged
   int64_t stall_step = 0;
   double stall_s = 0;
   auto log_stall = [&](double copy_s, size_t copied) {
