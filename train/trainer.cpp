@@ -625,7 +625,7 @@ TrainResult Trainer::run() {
   std::string stall_stats;  // the save's checkpoint_stats, its seconds to be the stall; "": logged
   int64_t stall_step = 0;
   double stall_s = 0;
-  auto log_stall = [&](double copy_s, size_t copied) {
+  auto log_stall = [&](bool updated, double copy_s, size_t copied) {
     if (stall_stats.empty()) return;
     const std::string line = str_cat("step ", stall_step, " | ", stall_stats);
     char buf[160];
@@ -633,10 +633,14 @@ TrainResult Trainer::run() {
     // checkpoint_stats' fields, the seconds put in.
     const size_t at = line.find("seconds=") + 8;
     log.message(line.substr(0, at) + buf + line.substr(line.find(' ', at)));
-    std::snprintf(buf, sizeof buf,
-                  "%.2f s stall: %.2f s to start the save, %.2f s to copy %.1f MiB it had not "
-                  "written before the update",
-                  stall_s + copy_s, stall_s, copy_s, double(copied) / double(1 << 20));
+    if (updated)
+      std::snprintf(buf, sizeof buf,
+                    "%.2f s stall: %.2f s to start the save, %.2f s to copy %.1f MiB it had not "
+                    "written before the update",
+                    stall_s + copy_s, stall_s, copy_s, double(copied) / double(1 << 20));
+    else
+      std::snprintf(buf, sizeof buf, "%.2f s stall: %.2f s to start the save, no update after it",
+                    stall_s, stall_s);
     log.message(str_cat("step ", stall_step, " | ", buf));
     stall_stats.clear();
   };
@@ -645,11 +649,11 @@ TrainResult Trainer::run() {
     const auto t0 = Clock::now();
     if (prefault.joinable()) prefault.join();
     const size_t copied = pending->before_modify();
-    log_stall(seconds_since(t0), copied);
+    log_stall(true, seconds_since(t0), copied);
   };
   auto finish_pending = [&] {
     if (!pending) return;
-    log_stall(0, 0);  // nothing changed the shards: the writer had them to itself
+    log_stall(false, 0, 0);  // nothing changed the shards: the writer had them to itself
     const auto t0 = Clock::now();
     try {
       result.last_checkpoint = pending->wait();
