@@ -10,11 +10,13 @@
 #     (load) over what it held before, against the bound: 64 KiB for the ranks' agreements (the
 #     file is written from views of the shards; the load reads into them);
 #   - under FSDP ASYNC_NP, 4 steps saving at steps 2 and 4, synchronously and asynchronously: the
-#     training stall of each async save (the training thread's time in the save: the agreement
-#     and the staging copy; the wait for the previous save's write is printed apart, "waited")
-#     against the synchronous save's wall time, at most 10% for each (the trainer allocates the
-#     staging buffer at start and a thread faults its pages in while the first steps run), and
-#     the peak over held (which includes that buffer) against the staging copy + 64 KiB.
+#     training stall of each async save (the training thread's time in the save, the agreement,
+#     plus its time in before_modify before the next optimizer update, the copy of what the
+#     writer had not written by then; the wait for the previous save's write is printed apart,
+#     "waited") against the synchronous save's wall time, at most 10% for each (the trainer
+#     allocates the staging buffer at start and a thread faults its pages in while the first
+#     steps run), and the peak over held (which includes that buffer) against the staging copy +
+#     64 KiB.
 # Exits non-zero when a rank breaks its bound, or the stall is over 10% of the synchronous save.
 # Each checkpoint is 12 bytes x 316.7M = 3.8 GB on disk, removed once measured; the ranks
 # together need about 16 bytes per parameter (5.1 GB) of memory, 8.9 GB with the async staging.
@@ -108,6 +110,8 @@ for mode in sync async; do
     [ $mode = async ] && stall[$st]=$wall || sync[$st]=$wall
   done
   grep -ao "step [0-9]*/[0-9]* [^[:cntrl:]]*" "$work/$mode$async_np.out" | sed 's/^/  /' || true
+  grep -ao "step [0-9]* | [0-9.]* s stall: [^[:cntrl:]]*" "$work/$mode$async_np.out" |
+    sed 's/^/  /' || true
   grep -ao "saved [^ ]* (waited [0-9.]* s for it)" "$work/$mode$async_np.out" |
     sed 's/^/  background write: /' || true
   rm -rf "$work/ck_$mode"

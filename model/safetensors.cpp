@@ -646,6 +646,29 @@ void write_safetensors_streamed(const std::string& path, const std::vector<Tenso
   });
 }
 
+void write_safetensors_pieces(
+    const std::string& path, const std::vector<TensorHeader>& tensors,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<void(size_t, const std::function<void(const void*, size_t)>&)>& emit) {
+  const std::string h = encode_header(path, tensors, metadata);
+  const uint64_t hlen = h.size();
+  atomic_write(path, [&](int fd, const std::string& tmp) {
+    write_all(fd, &hlen, 8, tmp);
+    write_all(fd, h.data(), h.size(), tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t want = size_t(shape_numel(tensors[i].shape)) * dtype_size(tensors[i].dtype);
+      size_t put = 0;
+      emit(i, [&](const void* p, size_t n) {
+        write_all(fd, p, n, tmp);
+        put += n;
+      });
+      // A short tensor would shift every later one: the header would lie about the file.
+      LOOM_CHECK(put == want, tmp, ": tensor '", tensors[i].name, "': ", put, " bytes written, ",
+                 want, " expected");
+    }
+  });
+}
+
 void write_text_atomic(const std::string& path, const std::string& content) {
   atomic_write(path, [&](int fd, const std::string& tmp) {
     write_all(fd, content.data(), content.size(), tmp);

@@ -114,6 +114,14 @@ struct TensorHeader {
 void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
                                 const std::map<std::string, std::string>& metadata,
                                 const std::function<void(size_t, Tensor&)>& fill);
+// Writes one file atomically with each tensor's bytes handed over in pieces: `emit(i, put)` is
+// called for tensor i, in order, and calls put(bytes, n) with its bytes, in order, n summing to
+// its size; so the caller decides, piece by piece, where the bytes come from (an async save:
+// the live shards or their staged copy).
+void write_safetensors_pieces(
+    const std::string& path, const std::vector<TensorHeader>& tensors,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<void(size_t, const std::function<void(const void*, size_t)>&)>& emit);
 // A small file (an index, a config) written atomically: a temporary name, fsync, rename.
 void write_text_atomic(const std::string& path, const std::string& content);
 // Writes a model directory: one model.safetensors if the total is <= max_shard_bytes, else

@@ -8,11 +8,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -472,9 +474,16 @@ std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimi
   return path;
 }
 
+AsyncSaveTesting& async_save_testing() {
+  static AsyncSaveTesting t;
+  return t;
+}
+
 // The background half of an async save. The writer thread of each writing rank writes its
-// staged copy; on world rank 0 it then waits for every writer's file (or its error) and
-// completes the checkpoint, so that it becomes a checkpoint without waiting for the next save.
+// file from the live shards, piece by piece, until before_modify() has copied what it has not
+// written yet into staging: from then on it writes from there. On world rank 0 it then waits for
+// every writer's file (or its error) and completes the checkpoint, so that it becomes a
+// checkpoint without waiting for the next save.
 // The ranks share checkpoint.dir, and no collective runs off the main thread: a rank says that
 // its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error.
 struct PendingSave::Impl {
@@ -486,7 +495,76 @@ struct PendingSave::Impl {
   std::atomic<bool> peers_ok{false};  // every rank said so through wait()'s collective
   std::atomic<bool> cancel{false};
   std::thread thread;
+
+  // The deferred copy, under `mu`.
+  RankSlices slices;  // views of the live shards
+  Tensor staging;     // the caller's buffer (undefined or too small: before_modify allocates)
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t done_tensor = 0;      // the tensors before it are written,
+  int64_t done_elem = 0;       // and this many elements of it
+  bool copied = false;         // before_modify ran: the rest comes from `staged`
+  bool reading_live = false;   // a piece is being written from the shards, outside the lock
+  std::vector<Tensor> staged;  // per tensor: its elements from staged_from[i] on
+  std::vector<int64_t> staged_from;
+
+  void write_file(int64_t step);
 };
+
+void PendingSave::Impl::write_file(int64_t step) {
+  std::vector<TensorHeader> headers;
+  for (const NamedTensor& t : slices.tensors)
+    headers.push_back({t.name, t.tensor.dtype(), t.tensor.shape()});
+  const AsyncSaveTesting& hooks = async_save_testing();
+  // Pieces bound how long before_modify waits for the one being written from the shards.
+  const int64_t piece = std::max<int64_t>(
+      1, int64_t(hooks.piece_bytes ? hooks.piece_bytes : size_t(4) << 20) / int64_t(sizeof(float)));
+  int64_t pieces = 0;
+  write_safetensors_pieces(
+      (plan.tmp / checkpoint_rank_file(plan.rank)).string(), headers,
+      {{"format", "loom-shard"}, {"step", std::to_string(step)}, {"slices", slices.slices.dump()}},
+      [&](size_t i, const std::function<void(const void*, size_t)>& put) {
+        const Tensor& live = slices.tensors[i].tensor;
+        const int64_t n = live.numel();
+        for (int64_t at = 0; at < n; at += piece) {
+          const int64_t len = std::min(piece, n - at);
+          if (hooks.before_piece) hooks.before_piece(pieces);
+          ++pieces;
+          const float* src = nullptr;
+          {
+            std::lock_guard lock(mu);
+            if (copied && i < staged.size() && staged[i].defined()) {
+              LOOM_CHECK(at >= staged_from[i], "async save: tensor '", slices.tensors[i].name,
+                         "' element ", at, " was written neither before nor after the copy");
+              src = staged[i].data<float>() + (at - staged_from[i]);
+            } else {
+              src = live.data<float>() + at;
+              reading_live = true;
+            }
+          }
+          // Also when put() throws: before_modify must not wait for a piece that is no more.
+          struct Done {
+            Impl* p;
+            size_t i;
+            int64_t end, n;
+            bool ok = false;
+            ~Done() {
+              {
+                std::lock_guard lock(p->mu);
+                p->reading_live = false;
+                if (ok) {
+                  p->done_tensor = end == n ? i + 1 : i;
+                  p->done_elem = end == n ? 0 : end;
+                }
+              }
+              p->cv.notify_all();
+            }
+          } done{this, i, at + len, n};
+          put(src, size_t(len) * sizeof(float));
+          done.ok = true;
+        }
+      });
+}
 
 PendingSave::PendingSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -499,6 +577,40 @@ PendingSave::~PendingSave() {
 
 const std::string& PendingSave::path() const {
   return impl_->path;
+}
+
+size_t PendingSave::before_modify() {
+  Impl& p = *impl_;
+  std::unique_lock lock(p.mu);
+  if (p.copied || p.written || !p.plan.writer()) return 0;
+  const std::vector<NamedTensor>& tensors = p.slices.tensors;
+  int64_t total = 0;
+  for (size_t i = p.done_tensor; i < tensors.size(); ++i)
+    total += tensors[i].tensor.numel() - (i == p.done_tensor ? p.done_elem : 0);
+  size_t bytes = 0;
+  if (!async_save_testing().skip_copy && total > 0) {
+    const bool given = p.staging.defined() && p.staging.dtype() == DType::f32 &&
+                       p.staging.is_contiguous() && p.staging.numel() >= total;
+    const Tensor buffer = given ? p.staging.view({p.staging.numel()}).narrow(0, 0, total)
+                                : Tensor::empty({total}, DType::f32);
+    p.staged.assign(tensors.size(), Tensor());
+    p.staged_from.assign(tensors.size(), 0);
+    int64_t at = 0;
+    for (size_t i = p.done_tensor; i < tensors.size(); ++i) {
+      const int64_t from = i == p.done_tensor ? p.done_elem : 0;
+      const int64_t len = tensors[i].tensor.numel() - from;
+      p.staged[i] = buffer.narrow(0, at, len);
+      p.staged[i].copy_from(tensors[i].tensor.narrow(0, from, len));
+      p.staged_from[i] = from;
+      at += len;
+    }
+    bytes = size_t(total) * sizeof(float);
+  }
+  // Set last, so that the thread never reads a copy not yet made; the piece it may be writing
+  // from the shards now was copied too, but the shards must not change until it is written.
+  p.copied = true;
+  p.cv.wait(lock, [&] { return !p.reading_live; });
+  return bytes;
 }
 
 std::string PendingSave::wait() {
@@ -530,41 +642,27 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Mode
   auto impl = std::make_unique<PendingSave::Impl>();
   impl->plan = begin_save(root, model, optimizer, state, comm);
   impl->path = impl->plan.final_dir.string();
-  // The staging buffer: a copy of this rank's slices (its own shards at most), so training may
-  // change the shards while the thread writes. One buffer, not one per tensor: its size is the
-  // slices' to the allocator's rounding, and the caching allocator hands the same block to the
-  // next save, whose copy then takes no page faults.
-  RankSlices staged;
-  if (impl->plan.writer()) {
-    staged =
+  // Nothing is copied here: the thread writes from views of the shards until before_modify.
+  if (impl->plan.writer())
+    impl->slices =
         rank_slices(model, optimizer, impl->plan.write[0], impl->plan.write[1], impl->plan.units);
-    int64_t total = 0;
-    for (const NamedTensor& t : staged.tensors) total += t.tensor.numel();
-    const bool given = staging.defined() && staging.dtype() == DType::f32 &&
-                       staging.is_contiguous() && staging.numel() >= total;
-    const Tensor buffer = given ? staging.view({staging.numel()}).narrow(0, 0, total)
-                                : Tensor::empty({total}, DType::f32);
-    int64_t at = 0;
-    for (NamedTensor& t : staged.tensors) {
-      Tensor copy = buffer.narrow(0, at, t.tensor.numel());
-      copy.copy_from(t.tensor);
-      at += t.tensor.numel();
-      t.tensor = copy;
-    }
-  }
+  impl->staging = staging;
   const std::string config = model.config_json() + "\n";
   PendingSave::Impl* p = impl.get();
-  impl->thread = std::thread([p, staged = std::move(staged), config, state, tokenizer_json,
-                              after = std::move(after_complete)] {
+  impl->thread = std::thread([p, config, state, tokenizer_json, after = std::move(after_complete)] {
     const SavePlan& plan = p->plan;
     p->write_error = catch_error([&] {
       if (!plan.writer()) return;
-      write_rank_file(plan, staged, state.step);
+      p->write_file(state.step);
       std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".done")).string());
     });
     if (!p->write_error.empty())
       std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->write_error;
-    p->written = true;
+    {
+      // Under the lock: before_modify, which reads `written` under it, then copies nothing.
+      std::lock_guard lock(p->mu);
+      p->written = true;
+    }
     p->written.notify_all();
     if (plan.rank != 0 || !p->write_error.empty()) return;
     p->finish_error = catch_error([&] {

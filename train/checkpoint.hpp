@@ -70,14 +70,18 @@ std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimi
                             const TrainState& state, const std::string& tokenizer_json = "",
                             const CheckpointComm& comm = {});
 
-// `[checkpoint] async = true`: the collective start of the save and a copy of this rank's shards
-// into a staging buffer happen here (the training stall); a background thread writes the copy,
-// and on world rank 0 completes the checkpoint (index, state.json, rename) once every rank's file
-// is there, then runs `after_complete` (the prune). wait() joins and tells every rank every
-// rank's failure (an error on every rank, as save_checkpoint); every rank must call it (the next
-// save and the end of training do) before any other save. Destroying it without wait() (an
-// error unwinding) stops waiting for other ranks and joins. `staging`: an f32 buffer the copy goes
-// into when it is large enough (a caller's, allocated once), else one is allocated.
+// `[checkpoint] async = true`: the collective start of the save happens here, and returns; a
+// background thread writes this rank's file straight from its live shards, and on world rank 0
+// completes the checkpoint (index, state.json, rename) once every rank's file is there, then runs
+// `after_complete` (the prune). Nothing may change the shards (the optimizer step, a load) before
+// before_modify() (or wait()) has returned: it copies what the thread has not written yet into
+// `staging`, from which the thread then writes, so the file holds the shards as they were at the
+// save (the training stall is the agreement here plus that copy, often nothing). wait() joins
+// and tells every rank every rank's failure (an error on every rank, as save_checkpoint); every
+// rank must call it (the next save and the end of training do) before any other save.
+// Destroying it without wait() (an error unwinding) stops waiting for other ranks and joins.
+// `staging`: an f32 buffer the copy goes into when it is large enough (a caller's, allocated
+// once), else before_modify allocates one the size of what it copies.
 class PendingSave {
  public:
   struct Impl;
@@ -86,7 +90,9 @@ class PendingSave {
   PendingSave(const PendingSave&) = delete;
   PendingSave& operator=(const PendingSave&) = delete;
   const std::string& path() const;  // the checkpoint's directory once complete
-  std::string wait();               // returns path()
+  // Returns the bytes it copied (0 when the thread had written everything, or on a second call).
+  size_t before_modify();
+  std::string wait();  // returns path()
 
  private:
   std::unique_ptr<Impl> impl_;
@@ -97,6 +103,16 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Mode
                                                    const CheckpointComm& comm = {},
                                                    std::function<void()> after_complete = {},
                                                    const Tensor& staging = {});
+
+// Test hooks of the async save's writer thread (process-wide; tests only).
+struct AsyncSaveTesting {
+  bool skip_copy = false;  // before_modify copies nothing: the thread reads the changed shards
+  size_t piece_bytes = 0;  // the bytes the thread writes at a time (0: 4 MiB)
+  // Called by the thread before each piece with the number written so far (a test holds the
+  // thread at a chosen point with it).
+  std::function<void(int64_t)> before_piece;
+};
+AsyncSaveTesting& async_save_testing();
 
 // Restores the weights, the optimizer moments and step count, and returns the state. Errors name
 // the file: missing or corrupt files, a tensor whose shape differs from the model's (with both

@@ -15,7 +15,8 @@ TrainStep::TrainStep(ParallelModel& model, AdamW& optimizer, double max_norm,
       tokens_per_step_(tokens_per_step) {}
 
 StepResult TrainStep::run(int64_t micro_batches,
-                          const std::function<const MicroBatch&(int64_t)>& batch, double lr) {
+                          const std::function<const MicroBatch&(int64_t)>& batch, double lr,
+                          const std::function<void()>& before_update) {
   const float grad_scale = float(1.0 / double(tokens_per_step_));
   model_.model->zero_grad();
   double loss_sum = 0;
@@ -45,7 +46,10 @@ StepResult TrainStep::run(int64_t micro_batches,
       model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp, model_.groups.pp,
       model_.pipeline ? model_.pipeline->counted_units() : std::vector<bool>{});
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
-  if (r.updated) optimizer_.step(float(lr));
+  if (r.updated) {
+    if (before_update) before_update();
+    optimizer_.step(float(lr));
+  }
   return r;
 }
 

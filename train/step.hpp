@@ -27,8 +27,10 @@ class TrainStep {
 
   // `batch(m)`: micro-batch m of `micro_batches`, valid until the next call. A step whose loss or
   // gradient norm is not finite leaves the weights as they were (the caller decides to stop).
+  // `before_update`: runs just before AdamW changes the weights and moments (an async
+  // checkpoint save copies what it has not written yet).
   StepResult run(int64_t micro_batches, const std::function<const MicroBatch&(int64_t)>& batch,
-                 double lr);
+                 double lr, const std::function<void()>& before_update = {});
 
  private:
   double run_pipeline(int64_t micro_batches, const std::function<const MicroBatch&(int64_t)>& batch,

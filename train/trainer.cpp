@@ -608,7 +608,8 @@ TrainResult Trainer::run() {
   // checkpoint.async: the staging buffer (the rank's shards: f32 weights + 2 moments), allocated
   // once, its pages touched by a thread while the first steps run: faulting in 0.9 GB of fresh
   // pages made the first save's stall 11 s against 0.5 s for the next one (bench/ckpt_bench.sh).
-  // The first save waits for the thread. Declared before `pending`, whose thread may use it.
+  // Only before_modify writes into it: it waits for the thread first. Declared before `pending`,
+  // whose thread may read it.
   Tensor staging;
   std::jthread prefault;
   if (j.checkpoint.async && !j.checkpoint.dir.empty()) {
@@ -620,8 +621,40 @@ TrainResult Trainer::run() {
   // checkpoint.async: the save being written in the background; the next save and the end of
   // training wait for it.
   std::unique_ptr<PendingSave> pending;
+  // Its stall is the training thread's time in the save plus in before_modify (the copy of what
+  // was not written yet, before the next optimizer update): its stats line waits for both.
+  std::string stall_stats;  // the save's checkpoint_stats, its seconds to be the stall; "": logged
+  int64_t stall_step = 0;
+  double stall_s = 0;
+  auto log_stall = [&](bool updated, double copy_s, size_t copied) {
+    if (stall_stats.empty()) return;
+    const std::string line = str_cat("step ", stall_step, " | ", stall_stats);
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.3f", stall_s + copy_s);
+    // checkpoint_stats' fields, the seconds put in.
+    const size_t at = line.find("seconds=") + 8;
+    log.message(line.substr(0, at) + buf + line.substr(line.find(' ', at)));
+    if (updated)
+      std::snprintf(buf, sizeof buf,
+                    "%.2f s stall: %.2f s to start the save, %.2f s to copy %.1f MiB it had not "
+                    "written before the update",
+                    stall_s + copy_s, stall_s, copy_s, double(copied) / double(1 << 20));
+    else
+      std::snprintf(buf, sizeof buf, "%.2f s stall: %.2f s to start the save, no update after it",
+                    stall_s, stall_s);
+    log.message(str_cat("step ", stall_step, " | ", buf));
+    stall_stats.clear();
+  };
+  auto before_update = [&] {
+    if (!pending || stall_stats.empty()) return;
+    const auto t0 = Clock::now();
+    if (prefault.joinable()) prefault.join();
+    const size_t copied = pending->before_modify();
+    log_stall(true, seconds_since(t0), copied);
+  };
   auto finish_pending = [&] {
     if (!pending) return;
+    log_stall(false, 0, 0);  // nothing changed the shards: the writer had them to itself
     const auto t0 = Clock::now();
     try {
       result.last_checkpoint = pending->wait();
@@ -637,7 +670,6 @@ TrainResult Trainer::run() {
   auto save = [&](int64_t step) {
     if (j.checkpoint.dir.empty() || last_saved == step) return;
     finish_pending();
-    if (prefault.joinable()) prefault.join();
     run_peak = peak_allocated();
     const size_t held = alloc.stats().allocated;
     alloc.reset_peak();
@@ -669,18 +701,21 @@ TrainResult Trainer::run() {
     const size_t shards = checkpoint_shard_bytes(*s.par.model, *s.adamw);
     // The async save's staging copy holds at most the rank's shards (one buffer, rounded by
     // the allocator; held already when it is the trainer's).
-    log.message(
-        str_cat("step ", step, " | ",
-                checkpoint_stats(pending ? "save_async" : "save", s.mesh ? s.mesh->world_rank() : 0,
-                                 seconds, held, shards, alloc.stats().peak_allocated,
-                                 pending ? Allocator::round_size(shards) : 0)));
+    const std::string stats = checkpoint_stats(
+        pending ? "save_async" : "save", s.mesh ? s.mesh->world_rank() : 0, seconds, held, shards,
+        alloc.stats().peak_allocated, pending ? Allocator::round_size(shards) : 0);
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f", seconds);
-    if (pending)
+    if (pending) {
+      stall_stats = stats;
+      stall_step = step;
+      stall_s = seconds;
       log.message(str_cat("step ", step, " | saving ", pending->path(), " in the background (", buf,
-                          " s stall)"));
-    else
+                          " s to start it)"));
+    } else {
+      log.message(str_cat("step ", step, " | ", stats));
       log.message(str_cat("step ", step, " | saved ", result.last_checkpoint, " (", buf, " s)"));
+    }
   };
   auto validation = [&](int64_t step) {
     const double v = validate();
@@ -721,7 +756,7 @@ TrainResult Trainer::run() {
           mb = s.loader->get(data_step, micro);
           return mb;
         },
-        lr);
+        lr, before_update);
     step_span.end();
     const double loss = r.loss, norm = r.grad_norm;
 

@@ -4,10 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <mutex>
 
 #include "core/error.hpp"
 #include "core/philox.hpp"
@@ -335,4 +338,95 @@ TEST(Checkpoint, AnotherModelShapeIsNamed) {
   // Deeper: the model has a layer the checkpoint lacks.
   Trained deep(tiny(3, 32), 1);
   expect_error([&] { load_checkpoint(d, deep.model, deep.opt); }, {"model.layers.2."});
+}
+
+namespace {
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+// An async save writes from the live shards and before_modify copies only what it has not
+// written yet, so the optimizer steps after it do not reach the file: byte for byte the
+// synchronous save's. The writer is held before piece `held` (pieces of 256 bytes: 0 is before
+// anything, 5 the middle of the first tensor) while the model trains three more steps. The
+// anti-test: with the copy skipped the writer reads the changed shards, and the files differ.
+TEST(Checkpoint, AsyncSaveIsTheSyncSaveWhileTrainingGoesOn) {
+  TempDir dir;
+  const TrainState st = state_at(2);
+  std::string ref;
+  {
+    Trained t(tiny(), 7);
+    t.train(2, 1);
+    ref = file_bytes(save_checkpoint(dir / "sync", t.model, t.opt, st) + "/rank-00000.safetensors");
+  }
+  struct Reset {
+    ~Reset() { async_save_testing() = {}; }
+  } reset;
+  AsyncSaveTesting& hooks = async_save_testing();
+  hooks.piece_bytes = 256;
+  for (const int64_t held : {int64_t(0), int64_t(5)})
+    for (const bool skip : {false, true}) {
+      SCOPED_TRACE(str_cat("held before piece ", held, skip ? ", copy skipped" : ""));
+      Trained t(tiny(), 7);
+      t.train(2, 1);
+      int64_t data_bytes = 0;
+      for (ParamUnit* u : t.model.units()) data_bytes += 3 * u->numel() * 4;
+      std::mutex mu;
+      std::condition_variable cv;
+      bool reached = false, go = false;
+      hooks.skip_copy = skip;
+      hooks.before_piece = [&](int64_t n) {
+        std::unique_lock lock(mu);
+        if (n != held) return;
+        reached = true;
+        cv.notify_all();
+        cv.wait(lock, [&] { return go; });
+      };
+      const std::string name = str_cat("async", held, skip ? "_skip" : "");
+      auto pending = save_checkpoint_async(dir / name, t.model, t.opt, st);
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return reached; });
+      }
+      const size_t copied = pending->before_modify();
+      EXPECT_EQ(copied, skip ? 0 : size_t(data_bytes - held * 256));
+      EXPECT_EQ(pending->before_modify(), 0u) << "a second call copies nothing";
+      t.train(3, 2);
+      {
+        std::lock_guard lock(mu);
+        go = true;
+      }
+      cv.notify_all();
+      const std::string path = pending->wait();
+      const std::string got = file_bytes(path + "/rank-00000.safetensors");
+      ASSERT_EQ(got.size(), ref.size());
+      if (skip)
+        EXPECT_NE(got, ref) << "the anti-test: the writer read the changed shards";
+      else
+        EXPECT_TRUE(got == ref) << "the async file differs from the synchronous save's";
+      Trained back(tiny(), 99);
+      if (!skip) {
+        load_checkpoint(path, back.model, back.opt);
+        Trained t2(tiny(), 7);
+        t2.train(2, 1);
+        EXPECT_EQ(state_bits(back), state_bits(t2));
+      }
+    }
+}
+
+// Once the writer has written everything, before_modify has nothing to copy.
+TEST(Checkpoint, AsyncSaveCopiesNothingOnceWritten) {
+  TempDir dir;
+  Trained t(tiny(), 7);
+  t.train(2, 1);
+  auto pending = save_checkpoint_async(dir / "a", t.model, t.opt, state_at(2));
+  const std::string path = pending->wait();
+  EXPECT_EQ(pending->before_modify(), 0u);
+  Trained back(tiny(), 99);
+  load_checkpoint(path, back.model, back.opt);
+  EXPECT_EQ(state_bits(back), state_bits(t));
 }

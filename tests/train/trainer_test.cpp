@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "core/error.hpp"
 #include "data/token_shard.hpp"
@@ -812,4 +814,46 @@ TEST(Trainer, AsyncSavesWriteTheSameCheckpoints) {
   const auto kept = list_checkpoints(job.path("async_keep"));
   ASSERT_EQ(kept.size(), 1u);
   EXPECT_EQ(kept[0].first, 5);
+}
+
+// The same with a writer slower than the steps (a test hook: 4 KiB pieces, 2 ms before each), so
+// that the next AdamW update comes while it is half-way: before_modify copies the rest and the
+// files are still the synchronous saves'. The anti-test: with the copy skipped, the writer reads
+// shards the updates changed and the files differ.
+TEST(Trainer, AsyncSavesWithASlowWriterWriteTheSameCheckpoints) {
+  Job job;
+  auto run = [&](const std::string& dir, bool async) {
+    Trainer t(job.config({"--training.steps=5", "--checkpoint.interval=2",
+                          "--checkpoint.dir=" + job.path(dir),
+                          std::string("--checkpoint.async=") + (async ? "true" : "false")}),
+              job.options());
+    return t.run();
+  };
+  struct Reset {
+    ~Reset() { async_save_testing() = {}; }
+  } reset;
+  run("sync", false);
+  const auto ca = list_checkpoints(job.path("sync"));
+  ASSERT_EQ(ca.size(), 3u);
+  for (const bool skip : {false, true}) {
+    AsyncSaveTesting& hooks = async_save_testing();
+    hooks.piece_bytes = 4096;
+    hooks.skip_copy = skip;
+    hooks.before_piece = [](int64_t) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+    const std::string dir = skip ? "async_skip" : "async";
+    run(dir, true);
+    async_save_testing() = {};
+    const auto cb = list_checkpoints(job.path(dir));
+    ASSERT_EQ(cb.size(), ca.size());
+    int same = 0;
+    for (size_t i = 0; i < ca.size(); ++i) {
+      const std::string f = "/rank-00000.safetensors";
+      same += read_text(ca[i].second + f) == read_text(cb[i].second + f);
+    }
+    // The last save has no update after it: the end of training waits for it.
+    if (skip)
+      EXPECT_EQ(same, 1) << "the anti-test: steps 2 and 4 read changed shards";
+    else
+      EXPECT_EQ(same, 3);
+  }
 }
