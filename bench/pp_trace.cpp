@@ -6,18 +6,22 @@
 //     list's order, times the rounds of the step (grad_accum_steps); exactly STEPS steps. Exit 1
 //     naming the rank, step and action otherwise.
 //   pp_trace replay DIR SCHEDULE P V M MESSAGE_BYTES
-//     Per action (stage, op, micro-batch) the mean CPU time over the steps after the first,
+//     Per action (stage, op, micro-batch) the least CPU time over the steps after the first,
 //     replayed through the simulator (parallel/pipeline/simulate): the bubble with these costs,
-//     next to the closed form at F = 1, B = 2 (I = W = 1); and per rank the point-to-point bytes of
+//     next to the closed form at the mean cost of each op over all stages (what the bubble would
+//     be with the stages balanced; the difference is the stages' imbalance and the spread between
+//     micro-batches); and per rank the point-to-point bytes of
 //     a step (the pp group's counters, recorded in the trace) next to the analytic figure (the
 //     rank's messages x MESSAGE_BYTES x rounds), which must be equal. Exit 1 when they are not.
 //
 // With other mesh dims the world rank R is pp rank R / (world / P) (pp is the outermost dim).
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -39,7 +43,7 @@ struct Span {
 
 struct RankTrace {
   int world_rank = 0;
-  std::vector<Span> steps, actions, sends;
+  std::vector<Span> steps, actions, waits, sends;
 };
 
 std::vector<RankTrace> read_traces(const std::string& dir) {
@@ -62,6 +66,7 @@ std::vector<RankTrace> read_traces(const std::string& dir) {
              e.at("args")};
       if (s.cat == "step") t.steps.push_back(s);
       if (s.cat == "action") t.actions.push_back(s);
+      if (s.cat == "wait") t.waits.push_back(s);
       if (s.cat == "wait" && s.name == "sends") t.sends.push_back(s);
     }
     out.push_back(std::move(t));
@@ -133,10 +138,27 @@ int check(char** argv) {
   return bad ? 1 : 0;
 }
 
-double closed_form_bubble(const pp::Schedule& s) {
+// Mean CPU time of each op (F, B, I, W) over every stage and micro-batch: the balanced pipeline
+// the closed forms describe.
+struct MeanCosts {
+  double op[4] = {0, 0, 0, 0};
+  double f() const { return op[0]; }
+  double i() const { return op[2]; }
+  double w() const { return op[3]; }
+};
+
+// The bubble of the schedule with equal stages at mean costs c, in closed form: (p-1)/(vm+p-1)
+// for gpipe, 1f1b and interleaved at any F:B ratio; for ZB-H1 the Zero Bubble paper's
+// (p-1)(F+I-W) idle per rank against m(F+I+W) of work (F = I = W gives the spec's
+// (p-1)/(3m+p-1)). ZB-V has none for unequal costs: nullopt, and the replay then compares with
+// the simulator at uniform costs.
+std::optional<double> closed_form_bubble(const pp::Schedule& s, const MeanCosts& c) {
   const double p = s.ranks, m = s.microbatches, v = s.stages_per_rank();
-  if (s.name == "zb1p") return (p - 1) / (3 * m + p - 1);
-  if (s.name == "zbv") return (p - 1) / (6 * m + p - 1);
+  if (s.name == "zbv") return std::nullopt;
+  if (s.name == "zb1p") {
+    const double idle = (p - 1) * (c.f() + c.i() - c.w()), work = m * (c.f() + c.i() + c.w());
+    return idle / (work + idle);
+  }
   return (p - 1) / (v * m + p - 1);
 }
 
@@ -145,20 +167,29 @@ int replay(char** argv) {
   const pp::Schedule s = schedule_of(argv);
   const double message_bytes = std::stod(argv[7]);
   const int world = int(traces.size());
-  // (stage, op, mb) -> summed CPU us and count, over the steps after the first (allocations).
-  std::map<std::tuple<int, int, int>, std::pair<double, int>> cost;
+  // (stage, op, mb) -> CPU us of each step after the first (allocations).
+  std::map<std::tuple<int, int, int>, std::vector<double>> samples;
   std::vector<double> bytes(size_t(world), 0), rounds(size_t(world), 0);
+  double wall_run = 0, wall_busy = 0;  // over every rank and step after the first
   int bad = 0;
   for (const RankTrace& t : traces) {
     LOOM_CHECK(t.steps.size() >= 2, "rank ", t.world_rank, ": ", t.steps.size(),
                " steps in the trace; the replay needs 2 or more (the first is left out)");
     for (size_t k = 1; k < t.steps.size(); ++k) {
-      for (const Span* a : within(t.actions, t.steps[k])) {
+      // The schedule's run on this rank: from its first wait or action to the end of its wait for
+      // the sends (the step span also holds the norm and the optimizer).
+      const auto acts = within(t.actions, t.steps[k]), waits = within(t.waits, t.steps[k]);
+      if (!acts.empty() && !waits.empty()) {
+        const double begin = std::min(acts.front()->ts, waits.front()->ts);
+        const Span* end = waits.back();
+        wall_run += end->ts + end->dur - begin;
+        for (const Span* a : acts) wall_busy += a->dur;
+      }
+      for (const Span* a : acts) {
         const std::string kind = a->args.at("kind");
         const int op = int(std::string("FBIW").find(kind));
-        auto& c = cost[{a->args.at("stage").get<int>(), op, a->args.at("mb").get<int>()}];
-        c.first += a->cpu;
-        c.second += 1;
+        samples[{a->args.at("stage").get<int>(), op, a->args.at("mb").get<int>()}].push_back(
+            a->cpu);
       }
     }
     // Bytes and rounds of the last step.
@@ -167,20 +198,62 @@ int replay(char** argv) {
       rounds[size_t(t.world_rank)] += 1;
     }
   }
+  // The least over steps: ranks share cores, and a neighbour's run between two of an action's
+  // instructions costs it cache refills, never saves any; the least is the dedicated-core cost
+  // (the mean or even the median left stages 5 to 10% apart that do the same work).
+  std::map<std::tuple<int, int, int>, double> cost;
+  for (const auto& [key, v] : samples) cost[key] = *std::min_element(v.begin(), v.end());
   const pp::SimResult r = pp::simulate(s, [&](const pp::Action& a) {
     const auto it = cost.find({a.stage, int(a.op), a.mb});
     LOOM_CHECK(it != cost.end(), "no span of action ", pp::to_string(a), " in the traces");
-    return it->second.first / it->second.second;
+    return it->second;
   });
   LOOM_CHECK(!r.deadlock, "the schedule deadlocks: ", r.blocked);
   double busy = 0;
   for (double b : r.busy) busy += b;
+  MeanCosts mean;
+  int count[4] = {0, 0, 0, 0};
+  for (const auto& [key, c] : cost) {
+    mean.op[std::get<1>(key)] += c;
+    ++count[std::get<1>(key)];
+  }
+  for (int k = 0; k < 4; ++k)
+    if (count[k]) mean.op[k] /= count[k];
+  // Each stage's work per micro-batch (all its ops), to show the imbalance.
+  std::map<int, double> stage_work;
+  for (const auto& [key, c] : cost) stage_work[std::get<0>(key)] += c;
+  std::string per_stage;
+  for (const auto& [st, wk] : stage_work)
+    per_stage += str_cat(per_stage.empty() ? "" : " ", int(wk / s.microbatches + 0.5));
+  const pp::SimResult uniform =
+      pp::simulate(s, [&](const pp::Action& a) { return mean.op[int(a.op)]; });
+  // Per (stage, op) the mean over micro-batches: the imbalance between stages without the spread
+  // between micro-batches.
+  std::map<std::pair<int, int>, std::pair<double, int>> by_stage;
+  for (const auto& [key, c] : cost) {
+    auto& b = by_stage[{std::get<0>(key), std::get<1>(key)}];
+    b.first += c;
+    b.second += 1;
+  }
+  const pp::SimResult staged = pp::simulate(s, [&](const pp::Action& a) {
+    const auto& b = by_stage.at({a.stage, int(a.op)});
+    return b.first / b.second;
+  });
+  const std::optional<double> closed = closed_form_bubble(s, mean);
+  const double reference = closed.value_or(uniform.bubble());
   std::printf(
-      "%-16s p %d v %d m %2d: replayed bubble %.4f (closed form %.4f, difference %+.4f); "
-      "makespan %.1f ms of CPU time, mean busy %.1f ms per rank\n",
+      "%-16s p %d v %d m %2d: replayed bubble %.4f, %s %.4f (difference %+.4f; simulated at "
+      "uniform mean costs %.4f, at each stage's mean costs %.4f); makespan %.1f ms of CPU time, "
+      "mean busy %.1f ms per rank; mean "
+      "F %.0f B %.0f I %.0f W %.0f us; per stage, all ops of a micro-batch: %s us\n",
       s.name.c_str(), s.ranks, s.stages_per_rank(), s.microbatches, r.bubble(),
-      closed_form_bubble(s), r.bubble() - closed_form_bubble(s), r.makespan / 1e3,
-      busy / s.ranks / 1e3);
+      closed ? "closed form at mean costs" : "no closed form, uniform simulation", reference,
+      r.bubble() - reference, uniform.bubble(), staged.bubble(), r.makespan / 1e3,
+      busy / s.ranks / 1e3, mean.op[0], mean.op[1], mean.op[2], mean.op[3], per_stage.c_str());
+  // Only meaningful with a core per rank and nothing else running (the bench's pinned pp 2 run).
+  std::printf(
+      "  wall clock: idle fraction %.4f (1 - time in actions / the schedule's run, every rank)\n",
+      wall_run > 0 ? 1 - wall_busy / wall_run : 0.0);
   const pp::SimResult unit = pp::simulate(s, pp::unit_costs(1, 2, 1, 1));
   for (int w = 0; w < world; ++w) {
     const int pr = pp_rank_of(w, world, s.ranks);
