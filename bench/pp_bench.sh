@@ -60,7 +60,8 @@ run_case() {
   "$pp_trace" replay "$dir" "$s" "$p" "$v" "$m" "$bytes" >"$work/replay.txt" || status=1
   cat "$work/replay.txt"
 }
-field() { sed -nE "s/.*$1 (-?[0-9.]+).*/\1/p" "$work/replay.txt" | head -1; }
+field() { sed -nE "s/.*$1 ([-+]?[0-9.]+).*/\1/p" "$work/replay.txt" | head -1; }
+abs() { awk -v a="$1" 'BEGIN { print a < 0 ? -a : a }'; }
 fail_check() { echo "CHECK FAILED: $*"; status=1; }
 gt() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a > b) }'; }
 
