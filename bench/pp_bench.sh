@@ -1,7 +1,7 @@
 #!/bin/bash
 # Pipeline benchmark (issue 14): for (p, m) in (2,4) (2,8) (4,8) (4,16) (8,16) and each schedule
 # (gpipe, 1f1b, interleaved_1f1b with 2 and 4 stages per rank where the model has a block for
-# every stage, zb1p, zbv), a short pp job (bench/pp-16l.json, and bench/pp-32l.json at p = 8: dim
+# every stage, zb1p, zbv), a short pp job (bench/pp-16l.json, and bench/pp-64l.json at p = 8: dim
 # 256, ffn 1024, vocabulary 320; one sample of 64 tokens per micro-batch; the same number of blocks
 # on every stage) writes Chrome traces ([profiling] trace); bench/pp_trace replays each action's
 # least CPU time over the steps after the first through the simulator and prints the bubble next
@@ -67,9 +67,10 @@ gt() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a > b) }'; }
 
 for c in $cases; do
   p=${c%,*} m=${c#*,}
-  # 32 blocks at p = 8: with one or two blocks per stage the head (on the last stage) would weigh
-  # 4 to 8% of a stage, and one stage heavier by x idles the others by about x.
-  layers=16; [ "$p" -ge 8 ] && layers=32
+  # 64 blocks at p = 8: with one or two blocks per stage the head (on the last stage) would weigh
+  # 4 to 8% of a stage, and one stage heavier by x idles the others by about x (with 32 blocks
+  # zbv was 0.022 off: its V puts the head and the embedding on rank 0).
+  layers=16; [ "$p" -ge 8 ] && layers=64
   declare -A bubble=()
   for sv in gpipe:1 1f1b:1 interleaved_1f1b:2 interleaved_1f1b:4 zb1p:1 zbv:2; do
     s=${sv%:*} v=${sv#*:}
