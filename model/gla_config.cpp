@@ -1,49 +1,15 @@
 #include "model/gla_config.hpp"
 
 #include <cmath>
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.hpp"
+#include "model/config_json.hpp"
 
 namespace loom {
 
 namespace {
 
-using json = nlohmann::json;
-
-std::string found(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return str_cat(v.type_name(), " ", s);
-}
-
-bool present(const json& obj, const char* key) {
-  return obj.contains(key) && !obj.at(key).is_null();
-}
-
-// Each reader leaves `out` at its default when the key is absent or null (fla's defaults).
-void read(const json& j, const char* key, const std::string& source, int64_t& out) {
-  if (!present(j, key)) return;
-  const json& v = j.at(key);
-  LOOM_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX),
-             source, ": field '", key, "': expected an integer, found ", found(v));
-  out = v.get<int64_t>();
-}
-void read(const json& j, const char* key, const std::string& source, double& out) {
-  if (!present(j, key)) return;
-  const json& v = j.at(key);
-  LOOM_CHECK(v.is_number(), source, ": field '", key, "': expected a number, found ", found(v));
-  out = v.get<double>();
-}
-void read(const json& j, const char* key, const std::string& source, bool& out) {
-  if (!present(j, key)) return;
-  const json& v = j.at(key);
-  LOOM_CHECK(v.is_boolean(), source, ": field '", key, "': expected true or false, found ",
-             found(v));
-  out = v.get<bool>();
-}
+using namespace config_json;
 
 // fla options whose other values change the model in ways loom does not implement: refused by
 // name rather than loaded as a different model.
@@ -56,14 +22,7 @@ void refuse_unless(bool ok, const std::string& source, const char* key, const js
 }  // namespace
 
 GlaConfig GlaConfig::from_json(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail(source, ": not valid JSON: ", e.what());
-  }
-  LOOM_CHECK(j.is_object(), source, ": expected a JSON object (an fla config.json), found ",
-             j.type_name());
+  const json j = parse_object(text, source, "an fla config.json");
   if (j.contains("model_type")) {
     const json& v = j["model_type"];
     LOOM_CHECK(v.is_string() && v.get<std::string>() == "gla", source,
@@ -129,12 +88,7 @@ GlaConfig GlaConfig::from_json(const std::string& text, const std::string& sourc
 }
 
 GlaConfig GlaConfig::from_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open model config '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read model config '", path, "'");
-  return from_json(ss.str(), path);
+  return from_json(read_file(path), path);
 }
 
 void GlaConfig::validate(const std::string& source) const {

@@ -1,44 +1,13 @@
 #include "model/llama_config.hpp"
 
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
-
 #include "core/error.hpp"
+#include "model/config_json.hpp"
 
 namespace loom {
 
 namespace {
 
-using json = nlohmann::json;
-
-std::string found(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return str_cat(v.type_name(), " ", s);
-}
-
-// Each getter checks the JSON type; `field` is the name used in messages (may be dotted).
-int64_t get_int(const json& obj, const char* key, const std::string& source,
-                const std::string& field) {
-  const json& v = obj.at(key);
-  LOOM_CHECK(v.is_number_integer(), source, ": field '", field, "': expected an integer, found ",
-             found(v));
-  LOOM_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX, source, ": field '", field,
-             "': value ", v.dump(), " is too large");
-  return v.get<int64_t>();
-}
-
-double get_number(const json& obj, const char* key, const std::string& source,
-                  const std::string& field) {
-  const json& v = obj.at(key);
-  LOOM_CHECK(v.is_number(), source, ": field '", field, "': expected a number, found ", found(v));
-  return v.get<double>();
-}
-
-bool present(const json& obj, const char* key) {
-  return obj.contains(key) && !obj.at(key).is_null();
-}
+using namespace config_json;
 
 int64_t required_int(const json& obj, const char* key, const std::string& source) {
   LOOM_CHECK(present(obj, key), source, ": missing required field '", key,
@@ -49,14 +18,7 @@ int64_t required_int(const json& obj, const char* key, const std::string& source
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail(source, ": not valid JSON: ", e.what());
-  }
-  LOOM_CHECK(j.is_object(), source, ": expected a JSON object (a Hugging Face config.json), found ",
-             j.type_name());
+  const json j = parse_object(text, source, "a Hugging Face config.json");
 
   // A GLA config (model/gla_config.hpp) lacks Llama's fields; say what it is instead.
   LOOM_CHECK(!(j.contains("model_type") && j["model_type"] == "gla"), source,
@@ -80,12 +42,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
       present(j, "rms_norm_eps") ? get_number(j, "rms_norm_eps", source, "rms_norm_eps") : 1e-6;
   c.rope_theta =
       present(j, "rope_theta") ? get_number(j, "rope_theta", source, "rope_theta") : 10000.0;
-  if (present(j, "tie_word_embeddings")) {
-    const json& v = j["tie_word_embeddings"];
-    LOOM_CHECK(v.is_boolean(), source,
-               ": field 'tie_word_embeddings': expected true or false, found ", found(v));
-    c.tie_word_embeddings = v.get<bool>();
-  }
+  read(j, "tie_word_embeddings", source, c.tie_word_embeddings);
 
   if (present(j, "rope_scaling")) {
     const json& rs = j["rope_scaling"];
@@ -138,12 +95,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open model config '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read model config '", path, "'");
-  return from_json(ss.str(), path);
+  return from_json(read_file(path), path);
 }
 
 void LlamaConfig::validate(const std::string& source) const {

@@ -1,10 +1,9 @@
 #include "model/model_config.hpp"
 
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.hpp"
+#include "model/config_json.hpp"
 #include "model/gla.hpp"
 #include "model/llama.hpp"
 
@@ -23,12 +22,7 @@ ModelConfig ModelConfig::from_json(const std::string& text, const std::string& s
 }
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open model config '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read model config '", path, "'");
-  return from_json(ss.str(), path);
+  return from_json(config_json::read_file(path), path);
 }
 
 const LlamaConfig& ModelConfig::llama(const char* what) const {

@@ -1,0 +1,36 @@
+#pragma once
+// The JSON readers behind the model configs (a Hugging Face / fla config.json): each names the
+// file and the field and what was expected, so a bad config fails before any work with the key
+// to fix. Shared by LlamaConfig, GlaConfig and ModelConfig's dispatch.
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace loom::config_json {
+
+using json = nlohmann::json;
+
+// The file's text; `path` names it in the error.
+std::string read_file(const std::string& path);
+// Parses `text` and requires an object; `what` says which kind ("a Hugging Face config.json").
+json parse_object(const std::string& text, const std::string& source, const char* what);
+
+// A value for a message: its JSON type and (up to 60 characters of) its text.
+std::string found(const json& v);
+// Present and not null: a null field means the default, as in transformers and fla.
+bool present(const json& obj, const char* key);
+
+// Typed getters; `field` is the name used in messages (may be dotted).
+int64_t get_int(const json& obj, const char* key, const std::string& source,
+                const std::string& field);
+double get_number(const json& obj, const char* key, const std::string& source,
+                  const std::string& field);
+bool get_bool(const json& obj, const char* key, const std::string& source,
+              const std::string& field);
+
+// Each reader leaves `out` at its default when the key is absent or null.
+void read(const json& j, const char* key, const std::string& source, int64_t& out);
+void read(const json& j, const char* key, const std::string& source, double& out);
+void read(const json& j, const char* key, const std::string& source, bool& out);
+
+}  // namespace loom::config_json
