@@ -14,6 +14,7 @@
 #include "data/token_shard.hpp"
 #include "model/gla.hpp"
 #include "tests/test_util.hpp"
+#include "tests/train/train_job.hpp"
 #include "train/optimizer.hpp"
 #include "train/trainer.hpp"
 
@@ -22,89 +23,21 @@ using namespace loom;
 
 namespace {
 
-constexpr int64_t kVocab = 48;
+constexpr int64_t kVocab = test::kJobVocab;
 
-// A tiny GLA config and a random sequence of period 37 (learnable from a 16-token context).
-class GlaJob {
+// A tiny GLA config and the period-37 sequence (tests/train/train_job.hpp).
+class GlaJob : public test::TrainJob {
  public:
-  GlaJob() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("loom_gla_trainer_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "data");
-    std::ofstream(dir_ / "model.json") << R"({"model_type": "gla", "hidden_size": 32,
+  GlaJob()
+      : TrainJob({"loom_gla_trainer",
+                  R"({"model_type": "gla", "hidden_size": 32,
       "expand_k": 0.5, "expand_v": 1, "num_heads": 2, "intermediate_size": 48,
-      "num_hidden_layers": 2, "vocab_size": 48, "tie_word_embeddings": false})";
-    std::mt19937 rng(5);
-    std::vector<int32_t> period(37);
-    for (auto& t : period) t = int32_t(rng() % kVocab);
-    auto stream = [&](size_t n, size_t first) {
-      std::vector<int32_t> v(n);
-      for (size_t i = 0; i < n; ++i) v[i] = period[(first + i) % period.size()];
-      return v;
-    };
-    write_shard(data("train-00000.bin"), stream(2200, 0), kVocab);
-    write_shard(data("val-00000.bin"), stream(400, 11), kVocab);
-    std::ofstream(dir_ / "data" / "tokenizer.json") << "{\"tokenizer\": \"for the test\"}";
-    out_ = std::fopen("/dev/null", "w");
-  }
-  ~GlaJob() {
-    std::fclose(out_);
-    fs::remove_all(dir_);
-  }
-  std::string path(const std::string& s) const { return (dir_ / s).string(); }
-  std::string data(const std::string& s) const { return (dir_ / "data" / s).string(); }
-
-  JobConfig config(const std::vector<std::string>& overrides = {}) const {
-    const std::string toml = str_cat(R"([model]
-config = ")",
-                                     path("model.json"), R"("
-seed = 3
-[data]
-path = ")",
-                                     path("data"), R"("
-[training]
-steps = 6
-local_batch_size = 2
-seq_len = 16
-max_norm = 1.0
-[optimizer]
-lr = 1e-2
-weight_decay = 0.1
-[lr_scheduler]
-warmup_steps = 2
-decay_type = "none"
-[metrics]
-log_every = 1
-)");
-    return parse_job_config(toml, path("job.toml"), overrides);
-  }
-
-  TrainerOptions options() const {
-    TrainerOptions o;
-    o.out = out_;
-    o.gemm_peak_seconds = 0;
-    return o;
-  }
-
- private:
-  fs::path dir_;
-  FILE* out_ = nullptr;
+      "num_hidden_layers": 2, "vocab_size": 48, "tie_word_embeddings": false})",
+                  {2200},
+                  "none"}) {}
 };
 
-std::vector<uint32_t> state_bits(Trainer& t) {
-  std::vector<uint32_t> out;
-  auto add = [&](const Tensor& x) {
-    const size_t at = out.size();
-    out.resize(at + size_t(x.numel()));
-    std::memcpy(out.data() + at, x.raw(), size_t(x.numel()) * 4);
-  };
-  for (ParamUnit* u : t.model().units()) add(u->flat());
-  for (auto& m : t.optimizer().exp_avg()) add(m);
-  for (auto& v : t.optimizer().exp_avg_sq()) add(v);
-  return out;
-}
+using test::state_bits;
 
 }  // namespace
 

@@ -21,6 +21,7 @@
 #include "data/token_shard.hpp"
 #include "model/llama.hpp"
 #include "tests/test_util.hpp"
+#include "tests/train/train_job.hpp"
 #include "train/checkpoint.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
@@ -42,95 +43,22 @@ std::string read_text(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), {});
 }
 
-constexpr int64_t kVocab = 48;
+constexpr int64_t kVocab = test::kJobVocab;
 
-// A temporary directory with a tiny model config and a small dataset: a random sequence of
-// period 37 (learnable from a 16-token context), in two train shards and one val shard.
-class Job {
+// A tiny Llama and the period-37 sequence in two train shards (tests/train/train_job.hpp).
+class Job : public test::TrainJob {
  public:
-  Job() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("loom_trainer_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "data");
-    std::ofstream(dir_ / "model.json") << R"({"hidden_size": 32, "intermediate_size": 48,
+  Job()
+      : TrainJob({"loom_trainer",
+                  R"({"hidden_size": 32, "intermediate_size": 48,
       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
       "vocab_size": 48, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-      "tie_word_embeddings": false})";
-    std::mt19937 rng(5);
-    std::vector<int32_t> period(37);
-    for (auto& t : period) t = int32_t(rng() % kVocab);
-    auto stream = [&](size_t n, size_t first) {
-      std::vector<int32_t> v(n);
-      for (size_t i = 0; i < n; ++i) v[i] = period[(first + i) % period.size()];
-      return v;
-    };
-    write_shard(data("train-00000.bin"), stream(1500, 0), kVocab);
-    write_shard(data("train-00001.bin"), stream(700, 1500), kVocab);
-    write_shard(data("val-00000.bin"), stream(400, 11), kVocab);
-    std::ofstream(dir_ / "data" / "tokenizer.json") << "{\"tokenizer\": \"for the test\"}";
-    out_ = std::fopen("/dev/null", "w");
-  }
-  ~Job() {
-    std::fclose(out_);
-    fs::remove_all(dir_);
-  }
-  std::string path(const std::string& s) const { return (dir_ / s).string(); }
-  std::string data(const std::string& s) const { return (dir_ / "data" / s).string(); }
-
-  JobConfig config(const std::vector<std::string>& overrides = {}) const {
-    const std::string toml = str_cat(R"([model]
-config = ")",
-                                     path("model.json"), R"("
-seed = 3
-[data]
-path = ")",
-                                     path("data"), R"("
-[training]
-steps = 6
-local_batch_size = 2
-seq_len = 16
-grad_accum_steps = 1
-max_norm = 1.0
-[optimizer]
-lr = 1e-2
-weight_decay = 0.1
-[lr_scheduler]
-warmup_steps = 2
-decay_type = "cosine"
-[metrics]
-log_every = 1
-)");
-    return parse_job_config(toml, path("job.toml"), overrides);
-  }
-
-  TrainerOptions options(const std::atomic<bool>* stop = nullptr) const {
-    TrainerOptions o;
-    o.out = out_;
-    o.gemm_peak_seconds = 0;  // MFU needs a 0.2 s measurement; not what these tests check
-    o.stop = stop;
-    return o;
-  }
-
- private:
-  fs::path dir_;
-  FILE* out_ = nullptr;
+      "tie_word_embeddings": false})",
+                  {1500, 700},
+                  "cosine"}) {}
 };
 
-// Weights and both AdamW moments, as raw bits.
-std::vector<uint32_t> state_bits(Trainer& t) {
-  std::vector<uint32_t> out;
-  auto add = [&](const Tensor& x) {
-    const size_t at = out.size();
-    out.resize(at + size_t(x.numel()));
-    std::memcpy(out.data() + at, x.raw(), size_t(x.numel()) * 4);
-  };
-  for (ParamUnit* u : t.model().units()) add(u->flat());
-  for (auto& m : t.optimizer().exp_avg()) add(m);
-  for (auto& v : t.optimizer().exp_avg_sq()) add(v);
-  return out;
-}
+using test::state_bits;
 
 std::vector<float> weights(Trainer& t) {
   std::vector<float> out;
