@@ -219,14 +219,14 @@ int bench_command(const Args& args) {
       std::printf(
           "  expected memory per rank: shards %.2f MiB (params %.2f + grads %.2f + AdamW %.2f%s) + "
           "gathered weights %.2f + full gradient %.2f + activations %.2f%s + head workspace %.2f + "
-          "communication buffers %.2f%s = %.2f MiB\n",
+          "communication buffers %.2f%s + allocator rounding %.2f = %.2f MiB\n",
           double(mm.params + mm.grads + mm.optimizer + mm.mirror) / MiB, mm.params / MiB,
           mm.grads / MiB, mm.optimizer / MiB,
           mm.mirror ? (" + bf16 " + std::to_string(mm.mirror / MiB)).c_str() : "",
           mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB,
           par.pipeline ? " (pp: rank 0's micro-batches in flight at its peak, messages included)"
                        : "",
-          mm.head / MiB, mm.comm / MiB, ring_text, mm.total() / MiB);
+          mm.head / MiB, mm.comm / MiB, ring_text, mm.rounding / MiB, mm.total() / MiB);
       std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
                   "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",
                   "tokens/s");

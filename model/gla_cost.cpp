@@ -67,7 +67,7 @@ Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, i
   if (unit == 0) return u;
   if (unit == head_index()) {
     u.saved = Mx * d * 4;
-    u.backward = head_workspace_bytes(B, T) - u.saved;
+    u.backward = u.backward_input = head_workspace_bytes(B, T) - u.saved;  // nothing deferred
     return u;
   }
   const ActivationCheckpoint::Mode mode = activation_checkpoint().block_mode(int64_t(unit - 1));
@@ -84,6 +84,9 @@ Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, i
   if (mode == ActivationCheckpoint::Mode::op) u.backward += M * F * cs;
   // Output gradient and input of each GEMM: down, gate/up, o, the gate's low-rank, proj.
   u.deferred = M * cs * (d + F + 2 * F + d + d + Vd + Kg + rank + nproj + d);
+  // In I the copies pile up: the MLP's as for Llama.
+  u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
+  u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);
   return u;
 }
 

@@ -111,7 +111,7 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   if (unit == 0) return u;
   if (unit == head_index()) {
     u.saved = Mx * d * 4;
-    u.backward = head_workspace_bytes(B, T) - u.saved;
+    u.backward = u.backward_input = head_workspace_bytes(B, T) - u.saved;  // nothing deferred
     return u;
   }
   const ActivationCheckpoint& ac = activation_checkpoint();
@@ -149,6 +149,11 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   // Each linear layer's output gradient (copied) and input (kept, or copied under tp), as its GEMM
   // reads them: qkv (dqkv, xn1), o (dy, attn), gate/up (dgu, xn2), down (dy, act).
   u.deferred = M * cs * (nqkv + d + 2 * F + d + d + Hq * hd + d + F);
+  // In I nothing the deferred GEMMs read is freed: the gate/up's input gradient is computed
+  // with the down projection's output gradient copied, dgu in the compute dtype and its copy,
+  // and dxn2 live (in bf16 dgu is rounded first), beyond the backward's own start.
+  u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
+  u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);
   return u;
 }
 

@@ -144,9 +144,10 @@ class Model {
   // What unit i (units() order) holds per micro-batch, for a pipeline stage's share of a rank's
   // memory (a stage runs a range of units, and a pp rank holds several micro-batches at once).
   struct UnitActivations {
-    size_t saved = 0;     // from its forward to its backward (a block's input included)
-    size_t backward = 0;  // working buffers of its backward beyond what it saved
-    size_t deferred = 0;  // zero bubble: its linear layers' weight-gradient operands, I to W
+    size_t saved = 0;           // from its forward to its backward (a block's input included)
+    size_t backward = 0;        // working buffers of its backward beyond what it saved
+    size_t deferred = 0;        // zero bubble: its linear layers' weight-gradient operands, I to W
+    size_t backward_input = 0;  // zero bubble: working buffers of its I (copies pile up there)
   };
   virtual UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const = 0;
 

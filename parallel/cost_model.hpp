@@ -53,9 +53,10 @@ struct MemoryCost {
   size_t gathered = 0, full_grad = 0;                       // FSDP: full units at the peak
   size_t activations = 0, head = 0;  // one micro-batch's; pp: the rank's peak (head in it)
   size_t comm = 0, ring = 0;         // tp pool, ring attention
+  size_t rounding = 0;  // the allocator's rounding of the states' buffers (Allocator::round_size)
   size_t states() const { return params + grads + optimizer + mirror; }
   size_t total() const {
-    return states() + gathered + full_grad + activations + head + comm + ring;
+    return states() + gathered + full_grad + activations + head + comm + ring + rounding;
   }
 };
 

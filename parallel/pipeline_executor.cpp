@@ -132,7 +132,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
   std::map<Key, Posted> recvs;
   std::map<Key, Tensor> local;  // handed between two stages of this rank
   std::vector<Posted> sends;    // not yet complete
-  int64_t sent = 0;
+  int64_t sends_posted = 0;
   std::map<std::pair<int, int>, Model::DeferredWeightGrads> deferred;  // (stage, mb)
 
   auto store_of = [&](int mb) -> ActivationStore& {
@@ -204,7 +204,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     p.msg = m;
     p.peer = to_rank;
     sends.push_back(std::move(p));
-    ++sent;
+    ++sends_posted;
   };
 
   const uint64_t bytes0 = group_ ? group_->counters().bytes_sent : 0;
@@ -277,7 +277,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     trace::Span w("wait", "sends");
     // The bytes this run sent on the pp group (its counters), which the benchmark compares with
     // the schedule's analytic figure.
-    w.arg("count", sent)
+    w.arg("count", sends_posted)
         .arg("p2p_bytes", int64_t((group_ ? group_->counters().bytes_sent : 0) - bytes0));
     for (auto& p : sends) {
       trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));

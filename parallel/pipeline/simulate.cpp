@@ -50,7 +50,7 @@ std::vector<double> peak_bytes(const Schedule& s,
         } else if (a.op == Op::W) {
           held -= b.deferred;
         } else {
-          peak = std::max(peak, held + b.backward);
+          peak = std::max(peak, held + (a.op == Op::I ? b.input : b.backward));
           // The head makes the gradient, the embedding drops it; between, it is the input's.
           held +=
               -b.saved + (a.op == Op::I ? b.deferred : 0) + (last ? msg : 0) - (first ? msg : 0);

@@ -55,7 +55,8 @@ ActionCost unit_costs(double f, double b, double i, double w);
 struct StageBytes {
   double saved = 0;     // from its F to its B or I (its input included; not its output)
   double deferred = 0;  // from its I to its W: the weight gradients' operands
-  double backward = 0;  // working buffers during its B or I, beyond what the rank holds
+  double backward = 0;  // working buffers during its B, beyond what the rank holds
+  double input = 0;     // working buffers during its I
 };
 // The memory of a step (PipelineExecutor's lifetimes): per stage its StageBytes, and `message`,
 // one activation or gradient between stages. A receive buffer is allocated when its receive is
