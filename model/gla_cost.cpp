@@ -79,8 +79,10 @@ Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, i
   // The MLP's f32 gradient first (bf16: with the rounded output gradient); `full` recomputes the
   // block's set first, `op` its GEMM inputs.
   u.backward = M * F * 4 + (cs == 2 ? M * d * 2 : 0);
-  if (mode == ActivationCheckpoint::Mode::full)
-    u.backward += block_saved_bytes(B, T, ActivationCheckpoint::Mode::none) - Mx * d * 4;
+  if (mode == ActivationCheckpoint::Mode::full) {
+    u.forward = block_saved_bytes(B, T, ActivationCheckpoint::Mode::none) - Mx * d * 4;
+    u.backward += u.forward;
+  }
   if (mode == ActivationCheckpoint::Mode::op) u.backward += M * F * cs;
   // Output gradient and input of each GEMM: down, gate/up, o, the gate's low-rank, proj.
   u.deferred = M * cs * (d + F + 2 * F + d + d + Vd + Kg + rank + nproj + d);

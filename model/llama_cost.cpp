@@ -143,7 +143,9 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
       break;
     case ActivationCheckpoint::Mode::full:
       u.saved = input;
-      u.backward += block(ActivationCheckpoint::Mode::none) - input;
+      // Its forward saves everything until the block's end, its backward does so again.
+      u.forward = block(ActivationCheckpoint::Mode::none) - input;
+      u.backward += u.forward;
       break;
   }
   // Each linear layer's output gradient (copied) and input (kept, or copied under tp), as its GEMM

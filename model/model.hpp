@@ -148,6 +148,7 @@ class Model {
     size_t backward = 0;        // working buffers of its backward beyond what it saved
     size_t deferred = 0;        // zero bubble: its linear layers' weight-gradient operands, I to W
     size_t backward_input = 0;  // zero bubble: working buffers of its I (copies pile up there)
+    size_t forward = 0;  // working buffers of its forward beyond what it saves (checkpointing's)
   };
   virtual UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const = 0;
 

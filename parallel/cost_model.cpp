@@ -39,9 +39,12 @@ size_t pp_activation_peak(ParallelModel& m, int64_t B, int64_t Tl) {
     // The backward runs the units last first: unit u's working buffers come on top of what the
     // units before it saved, the later ones' freed by then (in I but for their deferred
     // operands), the head's gradient made.
-    double freed = 0, freed_i = 0;
+    double freed = 0, freed_i = 0, later = 0;
     for (size_t u = last; u-- > first;) {
       const Model::UnitActivations a = model.unit_activation_bytes(u, B, Tl);
+      // In F the units after u have saved nothing yet when u's working buffers peak.
+      b.forward = std::max(b.forward, double(a.forward) - later);
+      later += double(a.saved);
       b.saved += double(a.saved);
       b.deferred += double(a.deferred);
       b.backward = std::max(b.backward, double(a.backward) - freed);

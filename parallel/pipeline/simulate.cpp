@@ -47,6 +47,7 @@ std::vector<double> peak_bytes(const Schedule& s,
         if (a.op == Op::F) {
           // The input (a message's buffer) becomes saved; the output is a new message.
           held += b.saved - (first ? 0 : msg) + (last ? 0 : msg);
+          peak = std::max(peak, held + b.forward);
         } else if (a.op == Op::W) {
           held -= b.deferred;
         } else {

@@ -57,6 +57,7 @@ struct StageBytes {
   double deferred = 0;  // from its I to its W: the weight gradients' operands
   double backward = 0;  // working buffers during its B, beyond what the rank holds
   double input = 0;     // working buffers during its I
+  double forward = 0;   // working buffers at the end of its F (checkpointing drops them then)
 };
 // The memory of a step (PipelineExecutor's lifetimes): per stage its StageBytes, and `message`,
 // one activation or gradient between stages. A receive buffer is allocated when its receive is

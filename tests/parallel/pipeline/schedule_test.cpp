@@ -236,7 +236,7 @@ TEST(PipelineSchedule, PeakBytesAtUnitWeightsArePeakHeld) {
     if (!legal(c)) continue;
     const Schedule s = make_schedule(c.kind, c.p, c.v, c.m);
     MemoryModel mem;
-    mem.stages.assign(size_t(s.stages), StageBytes{1, 1, 0, 0});
+    mem.stages.assign(size_t(s.stages), StageBytes{1, 1, 0, 0, 0});
     const SimResult r = simulate(s, unit_costs(1, 2, 1, 1), 0, &mem);
     ASSERT_EQ(r.peak_bytes.size(), size_t(c.p)) << label(c);
     for (int k = 0; k < c.p; ++k)
@@ -254,7 +254,7 @@ TEST(PipelineSchedule, PeakBytesAtUnitWeightsArePeakHeld) {
 TEST(PipelineSchedule, PeakBytesCountMessagesUntilSent) {
   const Schedule s = make_schedule(ScheduleKind::gpipe, 2, 1, 2);
   MemoryModel mem;
-  mem.stages.assign(2, StageBytes{10, 0, 5, 0});
+  mem.stages.assign(2, StageBytes{10, 0, 5, 0, 0});
   mem.message = 1;
   const SimResult r = simulate(s, unit_costs(1, 2, 1, 1), 0, &mem);
   ASSERT_EQ(r.peak_bytes.size(), 2u);
