@@ -239,7 +239,9 @@ int bench_command(const Args& args) {
                     w[4] ? "ok" : "MISMATCH", double(w[6]) / 1e3, double(w[7]) / 1e3,
                     (long long)w[5]);
       }
-      const std::string pct = str_cat(std::lround(tolerance * 100), "%");
+      char pct_text[32];
+      std::snprintf(pct_text, sizeof pct_text, "%g%%", tolerance * 100);
+      const std::string pct = pct_text;
       std::printf(
           "  job tokens/s %.0f; loss %.4f -> %.4f; %s\n", total_tps, losses.front(), losses.back(),
           (all_ok       ? (bytes_only ? std::string("all ranks: bytes equal the analytic figure "
