@@ -82,7 +82,7 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     mc.grads += 4 * S;
     mc.optimizer += 8 * S;
     // One buffer each for the weights, the gradient and the two moments, rounded up to the
-    // allocator's block sizes (up to 64 KiB each: 2% of a pp rank of the 8-layer benchmark).
+    // allocator's block sizes (up to 64 KiB each: 1-2% of a pp rank of the 8-layer benchmark).
     mc.rounding += 4 * (Allocator::round_size(4 * S) - 4 * S);
     if (!u->sharded() && compute == DType::bf16) {
       mc.mirror += 2 * S;
