@@ -7,7 +7,8 @@
 // bytes against the cost model (parallel/cost_model.hpp), bytes sent by collectives per step (the
 // groups' counters, reset after warm-up, divided by the timed steps) against the cost model's
 // figure, and tokens/s. With --check the command fails unless every rank's bytes equal the
-// analytic figure and its peak is within 5% of the expected one. Not in the memory model: ring
+// analytic figure and its peak is within 5% of the expected one (--peak-tolerance=F: within
+// F instead; the pipeline checks ask 2%). Not in the memory model: ring
 // attention's working set in backward beyond Model::ring_working_bytes, so under cp the
 // measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full activation
 // checkpointing, where a block's backward is the peak).
@@ -81,9 +82,10 @@ std::vector<std::vector<int64_t>> gather_rows(dist::Mesh* mesh, const std::vecto
 int bench_command(const Args& args) {
   LOOM_CHECK(!args.empty() && args[0] == "step",
              "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
-             "[--section.key=value ...]");
+             "[--peak-tolerance=F] [--section.key=value ...]");
   std::string config_path;
   bool json = false, check = false, bytes_only = false;
+  double tolerance = 0.05;  // of the measured peak against the expected one
   std::vector<std::string> overrides;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -92,9 +94,12 @@ int bench_command(const Args& args) {
     } else if (a == "--check") {
       check = true;
     } else if (a == "--check-bytes") {
-      // The bytes only, the peak printed but not checked: a pp rank's in-flight activations and
-      // p2p buffers are not priced yet (docs/design.md, pipeline), its bytes are.
+      // The bytes only, the peak printed but not checked.
       check = bytes_only = true;
+    } else if (a.rfind("--peak-tolerance=", 0) == 0) {
+      tolerance = std::stod(a.substr(17));
+      LOOM_CHECK(tolerance > 0 && tolerance < 1, "--peak-tolerance: a fraction in (0, 1), not ",
+                 a.substr(17));
     } else if (a == "--config" && i + 1 < args.size()) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -192,7 +197,7 @@ int bench_command(const Args& args) {
     double total_tps = 0;
     for (const auto& r : rows) {
       const double ratio = double(r[0]) / double(r[1]);
-      all_ok = all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= 0.05);
+      all_ok = all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= tolerance);
       total_tps += double(r[5]);
     }
     if (writer) {
@@ -213,13 +218,15 @@ int bench_command(const Args& args) {
                   load_before.c_str(), load_average().c_str(), steps, warmup);
       std::printf(
           "  expected memory per rank: shards %.2f MiB (params %.2f + grads %.2f + AdamW %.2f%s) + "
-          "gathered weights %.2f + full gradient %.2f + activations %.2f + head workspace %.2f + "
-          "communication buffers %.2f%s = %.2f MiB\n",
+          "gathered weights %.2f + full gradient %.2f + activations %.2f%s + head workspace %.2f + "
+          "communication buffers %.2f%s + allocator rounding %.2f = %.2f MiB\n",
           double(mm.params + mm.grads + mm.optimizer + mm.mirror) / MiB, mm.params / MiB,
           mm.grads / MiB, mm.optimizer / MiB,
           mm.mirror ? (" + bf16 " + std::to_string(mm.mirror / MiB)).c_str() : "",
-          mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB, mm.head / MiB, mm.comm / MiB,
-          ring_text, mm.total() / MiB);
+          mm.gathered / MiB, mm.full_grad / MiB, mm.activations / MiB,
+          par.pipeline ? " (pp: rank 0's micro-batches in flight at its peak, messages included)"
+                       : "",
+          mm.head / MiB, mm.comm / MiB, ring_text, mm.rounding / MiB, mm.total() / MiB);
       std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
                   "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",
                   "tokens/s");
@@ -228,17 +235,21 @@ int bench_command(const Args& args) {
         const double ratio = double(w[0]) / double(w[1]);
         std::printf("  %4zu | %12.2f %12.2f %7.4f%s| %14lld %14lld %8s | %9.1f %9.1f %9lld\n", r,
                     double(w[0]) / MiB, double(w[1]) / MiB, ratio,
-                    std::fabs(ratio - 1) <= 0.05 ? " " : "!", (long long)w[2], (long long)w[3],
+                    std::fabs(ratio - 1) <= tolerance ? " " : "!", (long long)w[2], (long long)w[3],
                     w[4] ? "ok" : "MISMATCH", double(w[6]) / 1e3, double(w[7]) / 1e3,
                     (long long)w[5]);
       }
+      char pct_text[32];
+      std::snprintf(pct_text, sizeof pct_text, "%g%%", tolerance * 100);
+      const std::string pct = pct_text;
       std::printf(
           "  job tokens/s %.0f; loss %.4f -> %.4f; %s\n", total_tps, losses.front(), losses.back(),
-          all_ok       ? (bytes_only ? "all ranks: bytes equal the analytic figure (peak not "
-                                       "checked: --check-bytes)"
-                                     : "all ranks: bytes equal the analytic figure, peak within 5%")
-          : bytes_only ? "FAILED: bytes differ from the analytic figure"
-                       : "FAILED: bytes differ from the analytic figure or peak off by > 5%");
+          (all_ok       ? (bytes_only ? std::string("all ranks: bytes equal the analytic figure "
+                                                          "(peak not checked: --check-bytes)")
+                                      : "all ranks: bytes equal the analytic figure, peak within " + pct)
+           : bytes_only ? std::string("FAILED: bytes differ from the analytic figure")
+                        : "FAILED: bytes differ from the analytic figure or peak off by > " + pct)
+              .c_str());
       std::fflush(stdout);
     }
     return check && !all_ok ? 1 : 0;
@@ -287,7 +298,7 @@ int bench_command(const Args& args) {
       mm.total() / MiB, mm.params / MiB, mm.grads / MiB, mm.optimizer / MiB, mm.mirror / MiB,
       mm.activations / MiB, mm.head / MiB, mem_ratio);
   std::printf("  loss                %.4f -> %.4f\n", losses.front(), losses.back());
-  return check && std::fabs(mem_ratio - 1) > 0.05 ? 1 : 0;
+  return check && std::fabs(mem_ratio - 1) > tolerance ? 1 : 0;
 }
 
 }  // namespace loom

@@ -63,8 +63,13 @@ class GlaModel final : public Model {
   uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
   uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
   size_t ring_working_bytes(int64_t B, int64_t T) const override;
+  // Per unit as for Llama; a block's backward and deferred figures are estimates from its GEMMs'
+  // operands (no pipeline memory check runs GLA).
+  UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const override;
   // What one block saves for its backward under `mode` (one tp rank's, B*T rows of this rank).
   size_t block_saved_bytes(int64_t B, int64_t T, ActivationCheckpoint::Mode mode) const;
+  // Context parallelism's per-block state (0 without cp).
+  size_t cp_state_bytes(int64_t B) const;
 
  private:
   void prepare(ActivationStore& s, int64_t span) override;

@@ -32,19 +32,21 @@ size_t GlaModel::block_saved_bytes(int64_t B, int64_t T, ActivationCheckpoint::M
   return mode == ActivationCheckpoint::Mode::op ? kept : kept + gemm_inputs;
 }
 
+size_t GlaModel::cp_state_bytes(int64_t B) const {
+  // Context parallelism keeps, per block, the starting state of each of the rank's two zigzag
+  // segments [B, H, K, V] and every segment's total decay [2 cp, B, Hkv, K].
+  if (cp().size() <= 1) return 0;
+  const int n = tp().size();
+  const size_t S = size_t(B) * size_t(config_.num_heads / n) * size_t(config_.head_k_dim()) *
+                   size_t(config_.head_v_dim()) * 4;
+  return 2 * S + 2 * size_t(cp().size()) * size_t(B) * size_t(config_.num_kv_heads / n) *
+                     size_t(config_.head_k_dim()) * 4;
+}
+
 size_t GlaModel::saved_activation_bytes(int64_t B, int64_t T) const {
   const ActivationCheckpoint& ac = activation_checkpoint();
   const size_t block = block_saved_bytes(B, T, ActivationCheckpoint::Mode::none);
-  // Context parallelism keeps, per block, the starting state of each of the rank's two zigzag
-  // segments [B, H, K, V] and every segment's total decay [2 cp, B, Hkv, K].
-  size_t cp_state = 0;
-  if (cp().size() > 1) {
-    const int n = tp().size();
-    const size_t S = size_t(B) * size_t(config_.num_heads / n) * size_t(config_.head_k_dim()) *
-                     size_t(config_.head_v_dim()) * 4;
-    cp_state = 2 * S + 2 * size_t(cp().size()) * size_t(B) * size_t(config_.num_kv_heads / n) *
-                           size_t(config_.head_k_dim()) * 4;
-  }
+  const size_t cp_state = cp_state_bytes(B);
   // As for Llama: a `full` block recomputed in backward holds everything a plain block saves
   // while the blocks before it hold what they saved.
   size_t all = 0, peak = 0;
@@ -54,6 +56,40 @@ size_t GlaModel::saved_activation_bytes(int64_t B, int64_t T) const {
     all += block_saved_bytes(B, T, mode) + cp_state;
   }
   return std::max(all, peak);
+}
+
+Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, int64_t T) const {
+  const GlaConfig& c = config_;
+  const int n = tp().size();
+  const size_t M = size_t(B * T), Mx = n > 1 && tp().sequence_parallel ? M / size_t(n) : M;
+  const size_t d = size_t(c.hidden_size), cs = dtype_size(compute_);
+  UnitActivations u;
+  if (unit == 0) return u;
+  if (unit == head_index()) {
+    u.saved = Mx * d * 4;
+    u.backward = u.backward_input = head_workspace_bytes(B, T) - u.saved;  // nothing deferred
+    return u;
+  }
+  const ActivationCheckpoint::Mode mode = activation_checkpoint().block_mode(int64_t(unit - 1));
+  const size_t Kd = size_t(c.key_dim() / n), Kg = Kd / size_t(c.kv_groups());
+  const size_t Vd = size_t(c.value_dim() / n), Vg = Vd / size_t(c.kv_groups());
+  const size_t rank = size_t(c.gate_low_rank_dim), F = size_t(c.intermediate_size / n);
+  const size_t nproj = Kd + Kg + Vg + (c.use_output_gate ? Vd : 0) + rank;
+  u.saved = block_saved_bytes(B, T, mode) + cp_state_bytes(B);
+  // The MLP's f32 gradient first (bf16: with the rounded output gradient); `full` recomputes the
+  // block's set first, `op` its GEMM inputs.
+  u.backward = M * F * 4 + (cs == 2 ? M * d * 2 : 0);
+  if (mode == ActivationCheckpoint::Mode::full) {
+    u.forward = block_saved_bytes(B, T, ActivationCheckpoint::Mode::none) - Mx * d * 4;
+    u.backward += u.forward;
+  }
+  if (mode == ActivationCheckpoint::Mode::op) u.backward += M * F * cs;
+  // Output gradient and input of each GEMM: down, gate/up, o, the gate's low-rank, proj.
+  u.deferred = M * cs * (d + F + 2 * F + d + d + Vd + Kg + rank + nproj + d);
+  // In I the copies pile up: the MLP's as for Llama.
+  u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
+  u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);
+  return u;
 }
 
 // The final norm's input, output (f32 and in the compute dtype), the gradient of every row, rstd

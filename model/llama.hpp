@@ -60,6 +60,9 @@ class LlamaModel final : public Model {
   uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
   // Ring attention's working set in a block's backward, the largest it holds (0 without cp).
   size_t ring_working_bytes(int64_t B, int64_t T) const override;
+  // Per unit: the embedding saves nothing (its output is block 0's input), a block what its
+  // checkpointing mode keeps, the head its input (its workspace is its backward's).
+  UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const override;
   // Rows per chunk of the fused output projection + loss.
   static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 

@@ -103,6 +103,62 @@ size_t LlamaModel::saved_activation_bytes(int64_t B, int64_t T) const {
                                 tp().recompute_allgather, activation_checkpoint());
 }
 
+Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B, int64_t T) const {
+  const int n = tp().size();
+  const bool sp = n > 1 && tp().sequence_parallel;
+  const size_t M = size_t(B * T), Mx = sp ? M / size_t(n) : M, d = size_t(config_.hidden_size);
+  UnitActivations u;
+  if (unit == 0) return u;
+  if (unit == head_index()) {
+    u.saved = Mx * d * 4;
+    u.backward = u.backward_input = head_workspace_bytes(B, T) - u.saved;  // nothing deferred
+    return u;
+  }
+  const ActivationCheckpoint& ac = activation_checkpoint();
+  const auto mode = ac.block_mode(int64_t(unit - 1));
+  // One block of each mode, from the whole-model figure of a one-block config (the same sums).
+  LlamaConfig one = config_;
+  one.num_hidden_layers = 1;
+  auto block = [&](ActivationCheckpoint::Mode m) {
+    ActivationCheckpoint a;
+    a.mode = m;
+    return saved_activation_bytes(one, B, T, compute_, n, sp, tp().recompute_allgather, a);
+  };
+  const size_t cs = dtype_size(compute_), F = size_t(config_.intermediate_size / n);
+  const size_t hd = size_t(config_.head_dim()), Hq = size_t(config_.num_attention_heads / n);
+  const size_t Hkv = size_t(config_.num_key_value_heads / n), nqkv = (Hq + 2 * Hkv) * hd;
+  const size_t input = Mx * d * 4;
+  // The backward starts with the SwiGLU's f32 gradient while everything is held (in bf16 also
+  // the output gradient rounded for the down projection's GEMM); later phases have freed more
+  // than they allocate.
+  u.backward = M * F * 4 + (cs == 2 ? M * d * 2 : 0);
+  switch (mode) {
+    case ActivationCheckpoint::Mode::none:
+      u.saved = block(mode);
+      break;
+    case ActivationCheckpoint::Mode::op:
+      // saved_activation_bytes(op) of one block is its op set plus the recomputed act.
+      u.saved = block(mode) - M * F * cs;
+      u.backward += M * F * cs;
+      break;
+    case ActivationCheckpoint::Mode::full:
+      u.saved = input;
+      // Its forward saves everything until the block's end, its backward does so again.
+      u.forward = block(ActivationCheckpoint::Mode::none) - input;
+      u.backward += u.forward;
+      break;
+  }
+  // Each linear layer's output gradient (copied) and input (kept, or copied under tp), as its GEMM
+  // reads them: qkv (dqkv, xn1), o (dy, attn), gate/up (dgu, xn2), down (dy, act).
+  u.deferred = M * cs * (nqkv + d + 2 * F + d + d + Hq * hd + d + F);
+  // In I nothing the deferred GEMMs read is freed: the gate/up's input gradient is computed
+  // with the down projection's output gradient copied, dgu in the compute dtype and its copy,
+  // and dxn2 live (in bf16 dgu is rounded first), beyond the backward's own start.
+  u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
+  u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);
+  return u;
+}
+
 // The fused output projection + loss at the start of the head's backward.
 size_t LlamaModel::head_workspace_bytes(int64_t B, int64_t T) const {
   const int n = tp().size();

@@ -141,6 +141,16 @@ class Model {
   virtual uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const = 0;
   // Context parallelism's working set in a block's backward beyond the saved activations.
   virtual size_t ring_working_bytes(int64_t B, int64_t T) const = 0;
+  // What unit i (units() order) holds per micro-batch, for a pipeline stage's share of a rank's
+  // memory (a stage runs a range of units, and a pp rank holds several micro-batches at once).
+  struct UnitActivations {
+    size_t saved = 0;           // from its forward to its backward (a block's input included)
+    size_t backward = 0;        // working buffers of its backward beyond what it saved
+    size_t deferred = 0;        // zero bubble: its linear layers' weight-gradient operands, I to W
+    size_t backward_input = 0;  // zero bubble: working buffers of its I (copies pile up there)
+    size_t forward = 0;  // working buffers of its forward beyond what it saves (checkpointing's)
+  };
+  virtual UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const = 0;
 
  protected:
   // Tensor and context parallelism as given (groups of one rank dropped): par() is ready for the

@@ -1,8 +1,11 @@
 #include "parallel/cost_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
+#include "core/allocator.hpp"
+#include "core/error.hpp"
 #include "parallel/pipeline/simulate.hpp"
 
 namespace loom {
@@ -14,6 +17,50 @@ uint64_t ring_all_gather(uint64_t in_bytes, int n) {
 }
 uint64_t ring_all_reduce(uint64_t bytes, int n) {
   return n > 1 ? 2 * uint64_t(n - 1) * bytes / uint64_t(n) : 0;
+}
+
+// A pp rank's activations at their peak over a step (PipelineExecutor's lifetimes): per stage
+// what one micro-batch holds of its units, run through the schedule by the simulator
+// (pp::MemoryModel, unit costs F 1, B 2, I = W = 1), so the peak is the largest sum over the
+// rank's stages in flight at any moment, with the message buffers and the working buffers of the
+// backward running then (the head's workspace on its rank only).
+size_t pp_activation_peak(ParallelModel& m, int64_t B, int64_t Tl) {
+  Model& model = *m.model;
+  const PipelineExecutor& pipe = *m.pipeline;
+  const pp::Schedule& s = pipe.schedule();
+  const bool sp = model.tp().size() > 1 && model.tp().sequence_parallel;
+  const int64_t rows = sp ? B * Tl / model.tp().size() : B * Tl;
+  pp::MemoryModel mem;
+  mem.message = double(rows * model.hidden_size() * 4);
+  const size_t head = model.num_units() - 1;
+  for (int st = 0; st < s.stages; ++st) {
+    const auto [first, last] = pipe.stage_units(st);
+    pp::StageBytes b;
+    // The backward runs the units last first: unit u's working buffers come on top of what the
+    // units before it saved, the later ones' freed by then (in I but for their deferred
+    // operands), the head's gradient made.
+    double freed = 0, freed_i = 0, later = 0;
+    for (size_t u = last; u-- > first;) {
+      const Model::UnitActivations a = model.unit_activation_bytes(u, B, Tl);
+      // In F the units after u have saved nothing yet when u's working buffers peak.
+      b.forward = std::max(b.forward, double(a.forward) - later);
+      later += double(a.saved);
+      b.saved += double(a.saved);
+      b.deferred += double(a.deferred);
+      b.backward = std::max(b.backward, double(a.backward) - freed);
+      b.input = std::max(b.input, double(a.backward_input) - freed_i);
+      freed += double(a.saved);
+      freed_i += double(a.saved) - double(a.deferred);
+      if (u == head) {
+        freed -= mem.message;
+        freed_i -= mem.message;
+      }
+    }
+    mem.stages.push_back(b);
+  }
+  const pp::SimResult r = pp::simulate(s, pp::unit_costs(1, 2, 1, 1), 0, &mem);
+  LOOM_CHECK(!r.deadlock, "pipeline schedule ", s.name, " deadlocks: ", r.blocked);
+  return size_t(std::llround(r.peak_bytes[size_t(pipe.rank())]));
 }
 
 }  // namespace
@@ -34,18 +81,32 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     mc.params += 4 * S;
     mc.grads += 4 * S;
     mc.optimizer += 8 * S;
-    if (!u->sharded() && compute == DType::bf16) mc.mirror += 2 * S;
+    // One buffer each for the weights, the gradient and the two moments, rounded up to the
+    // allocator's block sizes (up to 64 KiB each: 1-2% of a pp rank of the 8-layer benchmark).
+    mc.rounding += 4 * (Allocator::round_size(4 * S) - 4 * S);
+    if (!u->sharded() && compute == DType::bf16) {
+      mc.mirror += 2 * S;
+      mc.rounding += Allocator::round_size(2 * S) - 2 * S;
+    }
   }
   if (m.fsdp) {
+    // Under pp only the units this rank uses are ever gathered.
     const size_t head = units.size() - 1;
     for (size_t i = 0; i < units.size(); ++i)
-      if (i + 1 >= head || !m.fsdp->reshard_after_forward(i))
+      if (model.uses(i) && (i + 1 >= head || !m.fsdp->reshard_after_forward(i)))
         mc.gathered += units[i]->materialized_weight_bytes();
-    mc.full_grad = 4 * size_t(units[head]->padded_numel());
-    if (model.tie_word_embeddings()) mc.full_grad += 4 * size_t(units[0]->padded_numel());
+    if (model.uses(head)) mc.full_grad = 4 * size_t(units[head]->padded_numel());
+    if (model.tie_word_embeddings() && model.uses(0))
+      mc.full_grad += 4 * size_t(units[0]->padded_numel());
   }
-  mc.activations = model.saved_activation_bytes(B, Tl);
-  mc.head = model.head_workspace_bytes(B, Tl);
+  if (m.pipeline) {
+    // Several micro-batches of this rank's stages at once; the head's workspace is in the peak
+    // where the head is.
+    mc.activations = pp_activation_peak(m, B, Tl);
+  } else {
+    mc.activations = model.saved_activation_bytes(B, Tl);
+    mc.head = model.head_workspace_bytes(B, Tl);
+  }
   mc.comm = model.tp_comm_buffer_bytes(B, Tl);
   mc.ring = model.ring_working_bytes(B, Tl);
   return mc;

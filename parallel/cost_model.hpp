@@ -24,8 +24,12 @@
 //     dqkv, dattn) about cancel (measured within 1.5% on bench-tiny cp 2, p2p and allgather,
 //     with and without full checkpointing).
 // DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations + head.
-// Under pp the states count only the units the rank uses (Model::uses; the others are on meta);
-// its in-flight activations, deferred W operands and p2p buffers are not priced yet.
+// Under pp the states count only the units the rank uses (Model::uses; the others are on meta),
+// and FSDP's gathered weights and full gradients too. The activations are the rank's peak over
+// the schedule (pp::MemoryModel through the simulator): per stage what a micro-batch holds of its
+// units (Model::unit_activation_bytes: saved, zero bubble's deferred weight-gradient operands,
+// the backward's working buffers, the head's workspace on the head's rank only), and the message
+// buffers (receives posted one action ahead, sends held until they complete); no separate head.
 //
 // Bytes (ProcessGroup's ring convention), per micro-batch and unit: an all-gather
 // (N - 1) x S x gather size in forward (+ the bf16 side buffer's all-reduce), the same again in
@@ -47,11 +51,12 @@ struct MemoryCost {
   size_t num_params = 0;  // this rank's parameters (its tp slices, unsharded)
   size_t params = 0, grads = 0, optimizer = 0, mirror = 0;  // shards (or whole units)
   size_t gathered = 0, full_grad = 0;                       // FSDP: full units at the peak
-  size_t activations = 0, head = 0;                         // one micro-batch's
-  size_t comm = 0, ring = 0;                                // tp pool, ring attention
+  size_t activations = 0, head = 0;  // one micro-batch's; pp: the rank's peak (head in it)
+  size_t comm = 0, ring = 0;         // tp pool, ring attention
+  size_t rounding = 0;  // the allocator's rounding of the states' buffers (Allocator::round_size)
   size_t states() const { return params + grads + optimizer + mirror; }
   size_t total() const {
-    return states() + gathered + full_grad + activations + head + comm + ring;
+    return states() + gathered + full_grad + activations + head + comm + ring + rounding;
   }
 };
 

@@ -5,7 +5,8 @@
 // their gradients cross ranks as tagged nonblocking sends/receives on the pp group (the tag is the
 // message's direction, stage and micro-batch, so messages between the same two ranks cannot be
 // matched to the wrong receive), receives posted one action ahead so that a transfer overlaps the
-// compute before it, between two stages of one rank handed over without a message. Every wait has
+// compute before it, between two stages of one rank handed over without a message; a send's
+// buffer is freed once a test after an action finds it complete. Every wait has
 // the group's deadline, and a timeout names the schedule, action, stage, micro-batch and peer.
 // The loss is computed where the head is; gradients accumulate in the units in micro-batch order
 // per stage, the order of grad_accum_steps, so pp changes no bit of them.

@@ -202,7 +202,7 @@ MemoryEstimate memory_estimate(const MemoryCost& c, int64_t num_params) {
   m.optimizer = c.optimizer;
   m.mirror = c.mirror;
   m.activations = c.activations;
-  m.workspace = c.gathered + c.full_grad + c.head + c.comm + c.ring;
+  m.workspace = c.gathered + c.full_grad + c.head + c.comm + c.ring + c.rounding;
   return m;
 }
 

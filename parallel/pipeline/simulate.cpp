@@ -19,6 +19,66 @@ std::string describe(const Message& m) {
                  " of micro-batch ", m.mb);
 }
 
+// Each rank's peak bytes under `mem`: its lowered ops walked in order with the times the sweep gave
+// them; a send's buffer is freed at the first test (the end of an action, its own sends posted)
+// later than its transfer's completion.
+std::vector<double> peak_bytes(const Schedule& s,
+                               const std::vector<std::vector<LoweredOp>>& lowered,
+                               const std::vector<std::vector<double>>& at,
+                               const std::map<Key, double>& send_posted,
+                               const std::map<Key, double>& recv_posted, double comm,
+                               const MemoryModel& mem) {
+  LOOM_CHECK(int(mem.stages.size()) == s.stages, "pipeline memory model: ", mem.stages.size(),
+             " stages for a schedule of ", s.stages);
+  const double msg = mem.message;
+  std::vector<double> out;
+  for (size_t r = 0; r < lowered.size(); ++r) {
+    const auto& ops = lowered[r];
+    double held = 0, peak = 0;
+    std::vector<double> in_flight;  // completion times of the sends whose buffers are still held
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const LoweredOp& op = ops[k];
+      if (op.step == Step::post_recv) {
+        held += msg;
+      } else if (op.step == Step::compute) {
+        const Action& a = op.action;
+        const StageBytes& b = mem.stages[size_t(a.stage)];
+        const bool first = a.stage == 0, last = a.stage + 1 == s.stages;
+        if (a.op == Op::F) {
+          // The input (a message's buffer) becomes saved; the output is a new message.
+          held += b.saved - (first ? 0 : msg) + (last ? 0 : msg);
+          peak = std::max(peak, held + b.forward);
+        } else if (a.op == Op::W) {
+          held -= b.deferred;
+        } else {
+          peak = std::max(peak, held + (a.op == Op::I ? b.input : b.backward));
+          // The head makes the gradient, the embedding drops it; between, it is the input's.
+          held +=
+              -b.saved + (a.op == Op::I ? b.deferred : 0) + (last ? msg : 0) - (first ? msg : 0);
+        }
+      } else if (op.step == Step::post_send) {
+        in_flight.push_back(std::max(send_posted.at(key(op.msg)), recv_posted.at(key(op.msg))) +
+                            comm);
+      } else if (op.step == Step::wait_sends) {
+        held -= msg * double(in_flight.size());
+        in_flight.clear();
+      }
+      peak = std::max(peak, held);
+      const bool action_done = (op.step == Step::compute || op.step == Step::post_send) &&
+                               (k + 1 == ops.size() || ops[k + 1].step != Step::post_send);
+      if (action_done) {
+        const double now = at[r][k];
+        const auto kept =
+            std::remove_if(in_flight.begin(), in_flight.end(), [&](double c) { return c < now; });
+        held -= msg * double(in_flight.end() - kept);
+        in_flight.erase(kept, in_flight.end());
+      }
+    }
+    out.push_back(peak);
+  }
+  return out;
+}
+
 }  // namespace
 
 int message_tag(const Message& msg, int stages, int microbatches) {
@@ -98,7 +158,8 @@ double SimResult::bubble() const {
   return total > 0 ? 1 - busy_sum / total : 0;
 }
 
-SimResult simulate(const Schedule& s, const ActionCost& cost, double comm) {
+SimResult simulate(const Schedule& s, const ActionCost& cost, double comm,
+                   const MemoryModel* memory) {
   const auto lowered = lower(s);
   const size_t P = size_t(s.ranks);
   std::map<Key, double> send_posted, recv_posted;
@@ -106,6 +167,7 @@ SimResult simulate(const Schedule& s, const ActionCost& cost, double comm) {
   std::vector<double> t(P, 0);
   std::vector<std::vector<Message>> my_sends(P);
   std::vector<int> held(P, 0);
+  std::vector<std::vector<double>> at(P);  // per rank, the time after each lowered op
   SimResult res;
   res.busy.assign(P, 0);
   res.peak_held.assign(P, 0);
@@ -149,6 +211,7 @@ SimResult simulate(const Schedule& s, const ActionCost& cost, double comm) {
           if (!all) break;
           t[r] = end;
         }
+        at[r].push_back(t[r]);
       }
     }
   }
@@ -164,6 +227,8 @@ SimResult simulate(const Schedule& s, const ActionCost& cost, double comm) {
   }
   res.makespan = *std::max_element(t.begin(), t.end());
   for (size_t r = 0; r < P; ++r) res.idle.push_back(res.makespan - res.busy[r]);
+  if (memory && !res.deadlock)
+    res.peak_bytes = peak_bytes(s, lowered, at, send_posted, recv_posted, comm, *memory);
   return res;
 }
 

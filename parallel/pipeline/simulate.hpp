@@ -6,7 +6,10 @@
 // never be met is a deadlock, reported with what each blocked rank waits for. Given per-action
 // costs it gives the makespan, each rank's busy and idle time, and the peak number of
 // stage-micro-batches each rank holds (forward run, backward or W not yet): the one source of
-// bubble and in-flight figures for the tests, the benchmark and the planner.
+// bubble and in-flight figures for the tests, the benchmark and the planner. Given what a
+// stage-micro-batch holds in bytes (stages differ: the head's, the embedding's, uneven splits),
+// it also gives each rank's peak bytes over the step, messages' buffers included: the peak is a
+// maximum over time of a sum over the rank's stages, which no count times one size gives.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -48,6 +51,26 @@ int receiver_of(const Schedule& s, const Message& m);  // the pp rank that recei
 using ActionCost = std::function<double(const Action&)>;
 ActionCost unit_costs(double f, double b, double i, double w);
 
+// What one stage-micro-batch holds on its rank, in bytes (any unit).
+struct StageBytes {
+  double saved = 0;     // from its F to its B or I (its input included; not its output)
+  double deferred = 0;  // from its I to its W: the weight gradients' operands
+  double backward = 0;  // working buffers during its B, beyond what the rank holds
+  double input = 0;     // working buffers during its I
+  double forward = 0;   // working buffers at the end of its F (checkpointing drops them then)
+};
+// The memory of a step (PipelineExecutor's lifetimes): per stage its StageBytes, and `message`,
+// one activation or gradient between stages. A receive buffer is allocated when its receive is
+// posted (one action ahead) and becomes the action's input; a forward's output is a new buffer
+// (the last stage's is its head's saved input); a gradient flows through a stage's backward in
+// place, made by the last stage's and dropped by the first's. A send's buffer is freed at the
+// first test after its transfer completed: the executor tests after every action, so a buffer
+// lives at least until the end of the sender's next action.
+struct MemoryModel {
+  std::vector<StageBytes> stages;
+  double message = 0;
+};
+
 struct SimResult {
   bool deadlock = false;
   std::string blocked;  // on a deadlock: each blocked rank, its position and what it waits for
@@ -55,9 +78,11 @@ struct SimResult {
   std::vector<double> busy, idle;  // per rank
   std::vector<int> peak_held;      // per rank, stage-micro-batches (divide by v for whole ranks)
   std::vector<int> sends;          // per rank, messages sent in the step
+  std::vector<double> peak_bytes;  // per rank, given a MemoryModel (empty otherwise)
   double bubble() const;           // idle / (ranks x makespan)
 };
-// `comm`: the time of one transfer once both sides are posted.
-SimResult simulate(const Schedule& s, const ActionCost& cost, double comm = 0);
+// `comm`: the time of one transfer once both sides are posted. With `memory`, peak_bytes too.
+SimResult simulate(const Schedule& s, const ActionCost& cost, double comm = 0,
+                   const MemoryModel* memory = nullptr);
 
 }  // namespace loom::pp

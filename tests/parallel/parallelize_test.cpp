@@ -132,6 +132,35 @@ TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
   for (size_t t = 0; t < pos.size(); ++t) EXPECT_EQ(r0.inputs[t], int32_t(pos[t]));
 }
 
+// A pipeline stage's share of the memory is priced per unit: without checkpointing the blocks'
+// saved activations add up to the whole model's, with `op` to it less the one recomputed act
+// that the whole-model figure adds, and the head's saved input plus its backward's buffers are
+// its workspace; the embedding saves nothing (its output is block 0's input).
+TEST(CostModel, UnitActivationsAddUpToTheModel) {
+  const int64_t B = 2, T = 16;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const char* mode : {"none", "op"}) {
+      ParallelizeOptions o;
+      o.ac = ActivationCheckpoint::parse(std::string(mode) == "op" ? "selective" : "none", mode);
+      ParallelModel plan = plan_model(tiny(), dt, {}, o);
+      Model& m = *plan.model;
+      size_t blocks = 0;
+      for (size_t u = 1; u + 1 < m.num_units(); ++u) {
+        const Model::UnitActivations a = m.unit_activation_bytes(u, B, T);
+        blocks += a.saved;
+        EXPECT_GT(a.backward, 0u);
+        EXPECT_GT(a.deferred, 0u);
+      }
+      const size_t act = size_t(B * T * tiny().intermediate_size) * dtype_size(dt);
+      EXPECT_EQ(blocks + (std::string(mode) == "op" ? act : 0), m.saved_activation_bytes(B, T))
+          << mode;
+      const Model::UnitActivations head = m.unit_activation_bytes(m.num_units() - 1, B, T);
+      EXPECT_EQ(head.saved, size_t(B * T * tiny().hidden_size * 4));
+      EXPECT_EQ(head.saved + head.backward, m.head_workspace_bytes(B, T));
+      EXPECT_EQ(m.unit_activation_bytes(0, B, T).saved, 0u);
+    }
+}
+
 TEST(CostModel, MetaModelPricesLikeTheAllocatedOne) {
   for (DType dt : {DType::f32, DType::bf16}) {
     ParallelizeOptions o;

@@ -228,6 +228,41 @@ TEST(PipelineSchedule, RendezvousDelaysTransfers) {
   EXPECT_GE(b.makespan, a.makespan + 2 * 3 * 0.25);
 }
 
+// At one byte per stage-micro-batch from F to its B or W (a zero-bubble I keeps its byte as
+// deferred operands) and free messages, the peak bytes are the peak held count, on every rank of
+// every legal schedule of the grid.
+TEST(PipelineSchedule, PeakBytesAtUnitWeightsArePeakHeld) {
+  for (const Case& c : grid()) {
+    if (!legal(c)) continue;
+    const Schedule s = make_schedule(c.kind, c.p, c.v, c.m);
+    MemoryModel mem;
+    mem.stages.assign(size_t(s.stages), StageBytes{1, 1, 0, 0, 0});
+    const SimResult r = simulate(s, unit_costs(1, 2, 1, 1), 0, &mem);
+    ASSERT_EQ(r.peak_bytes.size(), size_t(c.p)) << label(c);
+    for (int k = 0; k < c.p; ++k)
+      EXPECT_EQ(r.peak_bytes[size_t(k)], double(r.peak_held[size_t(k)]))
+          << label(c) << " rank " << k;
+  }
+}
+
+// gpipe p 2, m 2, F 1, B 2; per stage-micro-batch 10 saved and 5 of backward work, messages 1.
+// Rank 0 before its B0 holds both saved sets, micro-batch 1's activation (sent at t 2, still in
+// flight at its test at t 2) and both gradients' receive buffers (posted one action ahead), but
+// not micro-batch 0's activation (received at t 1, freed at the test at t 2): 10 + 10 + 1 + 2,
+// + 5 in B0. Rank 1 after its F1 holds both saved sets (the inputs became saved), + 5 in B0.
+// Buffers kept to the end of the step would give rank 0 29.
+TEST(PipelineSchedule, PeakBytesCountMessagesUntilSent) {
+  const Schedule s = make_schedule(ScheduleKind::gpipe, 2, 1, 2);
+  MemoryModel mem;
+  mem.stages.assign(2, StageBytes{10, 0, 5, 0, 0});
+  mem.message = 1;
+  const SimResult r = simulate(s, unit_costs(1, 2, 1, 1), 0, &mem);
+  ASSERT_EQ(r.peak_bytes.size(), 2u);
+  EXPECT_EQ(r.peak_bytes[0], 28);
+  EXPECT_EQ(r.peak_bytes[1], 25);
+  EXPECT_TRUE(simulate(s, unit_costs(1, 2, 1, 1)).peak_bytes.empty());
+}
+
 TEST(PipelineSchedule, TagsAreUnique) {
   const Schedule s = make_schedule(ScheduleKind::interleaved_1f1b, 2, 4, 8);
   std::map<int, int> seen;
