@@ -121,12 +121,12 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
   const int64_t M = s.ctx.tokens(), Mx = residual_rows(s.ctx), d = config_.hidden_size;
   const Tensor& x = s.head_input;
   Param& norm = head_unit().params()[0];
-  Tensor rstd = f32({Mx}, device_), xf = f32({Mx, d}, device_);
+  Tensor rstd = f32({Mx}, device_), xf = Tensor::empty({Mx, d}, compute_, device_);
   ops::rmsnorm_forward(x, norm.value, float(config_.rms_norm_eps), xf, rstd);
   Tensor dxf;
   {
     ops::LinearCrossEntropy ce;
-    ce.x = ops::to_compute(xf, compute_);
+    ce.x = xf;
     xf = Tensor();
     if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
     dxf = tp.on() ? tp_pooled(tp, "col_dx", {M, d}, DType::f32, device_) : f32({M, d}, device_);

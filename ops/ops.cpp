@@ -145,8 +145,12 @@ void run_weight_grads(std::vector<DeferredWeightGrad>& list) {
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  on("rmsnorm_forward", x.device(),
-     [&] { cpu::rmsnorm_forward(f(x), f(w), rows(x), w.numel(), eps, f(y), f(rstd)); });
+  on("rmsnorm_forward", x.device(), [&] {
+    if (y.dtype() == DType::bf16)
+      cpu::rmsnorm_forward(f(x), f(w), rows(x), w.numel(), eps, y.data<bf16>(), f(rstd));
+    else
+      cpu::rmsnorm_forward(f(x), f(w), rows(x), w.numel(), eps, f(y), f(rstd));
+  });
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -156,8 +160,12 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
 }
 
 void swiglu_forward(const Tensor& gu, Tensor& act) {
-  on("swiglu_forward", gu.device(),
-     [&] { cpu::swiglu_forward(f(gu), rows(gu), cols(act), f(act)); });
+  on("swiglu_forward", gu.device(), [&] {
+    if (act.dtype() == DType::bf16)
+      cpu::swiglu_forward(f(gu), rows(gu), cols(act), act.data<bf16>());
+    else
+      cpu::swiglu_forward(f(gu), rows(gu), cols(act), f(act));
+  });
 }
 
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu) {

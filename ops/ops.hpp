@@ -60,12 +60,14 @@ class DeferWeightGrads {
 void run_weight_grads(std::vector<DeferredWeightGrad>& list);
 
 // ---- normalization, activation, position -------------------------------------------------------
-// y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward.
+// y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward. y is f32, or bf16 (rounded in
+// the kernel: the bits of the f32 result cast to bf16).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
 // dx [rows, d] overwritten, dw [d] accumulated.
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
-// act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up].
+// act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up]. act is f32, or bf16 (rounded in the
+// kernel: the bits of the f32 result cast to bf16).
 void swiglu_forward(const Tensor& gu, Tensor& act);
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);  // dgu may be gu
 // x [B*T, H*D] (a strided view allowed), rotated in place at positions[t] (length T).

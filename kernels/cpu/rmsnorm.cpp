@@ -28,22 +28,45 @@ constexpr int64_t kMaxChunks = 64;
 
 }  // namespace
 
-void rmsnorm_forward_impl(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
-                          float* y, float* rstd) {
+namespace {
+
+// Out is float, or bf16: each element rounded by float_to_bf16 right where the f32 kernel would
+// store it, so the bits equal those of the f32 output cast afterwards (cast_f32_to_bf16).
+inline void put(float& dst, float v) {
+  dst = v;
+}
+inline void put(bf16& dst, float v) {
+  dst = float_to_bf16(v);
+}
+
+template <class T>
+void rmsnorm_forward_t(const float* x, const float* w, int64_t rows, int64_t dim, float eps, T* y,
+                       float* rstd) {
   const float inv_dim = 1.0f / float(dim);
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* __restrict xr = x + r * dim;
     const float* __restrict wr = w;
-    float* __restrict yr = y + r * dim;
+    T* __restrict yr = y + r * dim;
     float ss = 0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
     const float rs = 1.0f / std::sqrt(ss * inv_dim + eps);
     rstd[r] = rs;
 #pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * rs * wr[i];
+    for (int64_t i = 0; i < dim; ++i) put(yr[i], xr[i] * rs * wr[i]);
   }
+}
+
+}  // namespace
+
+void rmsnorm_forward_impl(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                          float* y, float* rstd) {
+  rmsnorm_forward_t(x, w, rows, dim, eps, y, rstd);
+}
+void rmsnorm_forward_bf16_impl(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                               bf16* y, float* rstd) {
+  rmsnorm_forward_t(x, w, rows, dim, eps, y, rstd);
 }
 
 // With xhat = x * rstd and g = dy * w:
@@ -120,12 +143,20 @@ void check_args(const char* what, int64_t rows, int64_t dim) {
 
 HWY_EXPORT(rmsnorm_forward_impl);
 HWY_EXPORT(rmsnorm_backward_impl);
+HWY_EXPORT(rmsnorm_forward_bf16_impl);
 
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
                      float* rstd) {
   check_args("rmsnorm_forward", rows, dim);
   LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
   LOOM_DISPATCH(rmsnorm_forward_impl)(x, w, rows, dim, eps, y, rstd);
+}
+
+void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, bf16* y,
+                     float* rstd) {
+  check_args("rmsnorm_forward", rows, dim);
+  LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
+  LOOM_DISPATCH(rmsnorm_forward_bf16_impl)(x, w, rows, dim, eps, y, rstd);
 }
 
 void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,

@@ -1,11 +1,17 @@
 #pragma once
 #include <cstdint>
 
+#include "core/dtype.hpp"
+
 namespace loom::cpu {
 
 // y = x / sqrt(mean(x^2) + eps) * w, per row of `dim`. rstd[r] = 1/sqrt(mean(x_r^2) + eps) is
 // saved for backward.
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
+                     float* rstd);
+// y rounded to bf16 (the bits of the f32 kernel followed by cast_f32_to_bf16), for mixed
+// precision, where the norm's output only feeds a bf16 GEMM.
+void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, bf16* y,
                      float* rstd);
 // dx += d/dx, dw += d/dw (both accumulate; dw deterministic for a given thread count).
 void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,

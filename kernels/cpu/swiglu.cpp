@@ -30,21 +30,51 @@ inline vf sigmoid(vf x) {
   return 1.0f / (1.0f + vexp(-x));
 }
 
-}  // namespace
+// The forward's output is f32, or bf16 for mixed precision (only a bf16 GEMM reads it). bf16 is
+// rounded in registers exactly as float_to_bf16 rounds (to nearest even, NaNs kept quiet), so the
+// bits equal the f32 result cast afterwards, and the f32 values never go to memory.
+typedef uint32_t vu __attribute__((vector_size(kW * 4)));
+typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
+inline void put(float* p, vf x) {
+  store(p, x);
+}
+inline void put(bf16* p, vf x) {
+  const vu u = (vu)x;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
+  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(r, vh);
+}
+inline void put(float& dst, float v) {
+  dst = v;
+}
+inline void put(bf16& dst, float v) {
+  dst = float_to_bf16(v);
+}
 
-void swiglu_forward_impl(const float* gu, int64_t rows, int64_t F, float* h) {
+template <class T>
+void swiglu_forward_t(const float* gu, int64_t rows, int64_t F, T* h) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* __restrict g = gu + r * 2 * F;
     const float* __restrict u = g + F;
-    float* __restrict hr = h + r * F;
+    T* __restrict hr = h + r * F;
     int64_t j = 0;
     for (; j + kW <= F; j += kW) {
       const vf gj = load(g + j);
-      store(hr + j, gj * sigmoid(gj) * load(u + j));
+      put(hr + j, gj * sigmoid(gj) * load(u + j));
     }
-    for (; j < F; ++j) hr[j] = g[j] * sigmoid(g[j]) * u[j];
+    for (; j < F; ++j) put(hr[j], g[j] * sigmoid(g[j]) * u[j]);
   }
+}
+
+}  // namespace
+
+void swiglu_forward_impl(const float* gu, int64_t rows, int64_t F, float* h) {
+  swiglu_forward_t(gu, rows, F, h);
+}
+void swiglu_forward_bf16_impl(const float* gu, int64_t rows, int64_t F, bf16* h) {
+  swiglu_forward_t(gu, rows, F, h);
 }
 
 // With s = sigmoid(g): d silu(g)/dg = s + g s (1 - s) = s (1 + g (1 - s)).
@@ -90,6 +120,7 @@ void check_args(const char* what, int64_t rows, int64_t F) {
 
 HWY_EXPORT(swiglu_forward_impl);
 HWY_EXPORT(swiglu_backward_impl);
+HWY_EXPORT(swiglu_forward_bf16_impl);
 
 void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
   check_args("swiglu_forward", rows, F);
@@ -99,6 +130,11 @@ void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
 void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
   check_args("swiglu_backward", rows, F);
   LOOM_DISPATCH(swiglu_backward_impl)(dh, gu, rows, F, dgu);
+}
+
+void swiglu_forward(const float* gu, int64_t rows, int64_t F, bf16* h) {
+  check_args("swiglu_forward", rows, F);
+  LOOM_DISPATCH(swiglu_forward_bf16_impl)(gu, rows, F, h);
 }
 
 }  // namespace loom::cpu

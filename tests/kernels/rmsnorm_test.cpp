@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cast.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -134,6 +135,31 @@ TEST(RMSNorm, BackwardMatchesFiniteDifferences) {
       }
       omp_set_num_threads(saved);
     });
+  }
+}
+
+// The bf16 output (mixed precision) is the f32 kernel's result rounded: bit for bit what
+// cast_f32_to_bf16 makes of it, with the same rstd, on every tier and for any thread count.
+TEST_ALL_ISAS(RMSNorm, Bf16OutputIsTheRoundedF32Result) {
+  for (auto [rows, dim] : std::vector<Shape>{{37, 288}, {130, 512}, {5, 37}, {1, 1}}) {
+    const auto x = make_x(rows, dim, 11);
+    const auto w = make_w(dim, 12);
+    std::vector<float> y(static_cast<size_t>(rows * dim)), rstd(static_cast<size_t>(rows));
+    cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, kEps, y.data(), rstd.data());
+    std::vector<bf16> want(y.size());
+    cpu::cast_f32_to_bf16(y.data(), want.data(), int64_t(y.size()));
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      std::vector<bf16> y16(y.size());
+      std::vector<float> rstd16(rstd.size());
+      cpu::rmsnorm_forward(x.data(), w.data(), rows, dim, kEps, y16.data(), rstd16.data());
+      for (size_t i = 0; i < y16.size(); ++i)
+        ASSERT_EQ(y16[i].bits, want[i].bits)
+            << rows << "x" << dim << " threads " << threads << " " << i;
+      EXPECT_EQ(std::memcmp(rstd16.data(), rstd.data(), rstd.size() * sizeof(float)), 0);
+    }
+    omp_set_num_threads(saved);
   }
 }
 

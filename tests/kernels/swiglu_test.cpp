@@ -2,12 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cast.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -113,6 +116,31 @@ TEST_ALL_ISAS(SwiGLU, BackwardInPlaceEqualsOutOfPlace) {
   cpu::swiglu_backward(r.data(), gu.data(), rows, F, out.data());
   cpu::swiglu_backward(r.data(), gu.data(), rows, F, gu.data());
   for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], gu[i]) << i;
+}
+
+// The bf16 output (mixed precision) is the f32 kernel's result rounded: bit for bit what
+// cast_f32_to_bf16 makes of it, on every tier and for any thread count. F = 769 and 50 end rows in
+// a scalar tail on every tier, 1376 in whole vectors; F = 1 is the tail alone.
+TEST_ALL_ISAS(SwiGLU, Bf16OutputIsTheRoundedF32Result) {
+  for (auto [rows, F] : std::vector<Shape>{{37, 769}, {5, 1376}, {37, 50}, {3, 1}}) {
+    auto gu = make_gu(rows, F, 6);
+    // NaN gates in vector lanes and in the tail: the rounding keeps them NaN, with the same bits.
+    for (int64_t j = 3; j < F; j += 17) gu[j] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> h(static_cast<size_t>(rows * F));
+    cpu::swiglu_forward(gu.data(), rows, F, h.data());
+    std::vector<bf16> want(h.size());
+    cpu::cast_f32_to_bf16(h.data(), want.data(), int64_t(h.size()));
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      std::vector<bf16> h16(h.size());
+      cpu::swiglu_forward(gu.data(), rows, F, h16.data());
+      for (size_t i = 0; i < h16.size(); ++i)
+        ASSERT_EQ(h16[i].bits, want[i].bits)
+            << rows << "x" << F << " threads " << threads << " " << i;
+    }
+    omp_set_num_threads(saved);
+  }
 }
 
 TEST(SwiGLU, RejectsBadShapes) {
