@@ -67,14 +67,6 @@ void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) 
   auto units = std::move(plan.units);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
-  // FSDP reduce-scatters a unit's gradient and frees its full buffer in its after_backward hook,
-  // which I runs: the weight gradients of W would come after the reduction.
-  LOOM_CHECK(!m.pipeline->schedule().split_backward() || !m.fsdp, "parallelism.pp_schedule = \"",
-             m.pipeline->schedule().name, "\" with data parallelism (parallelism.dp_shard x cp = ",
-             m.groups.shard ? m.groups.shard->size() : 1,
-             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
-             "): zero-bubble schedules (I/W) do not run with FSDP yet; expected "
-             "dp_shard = cp = 1 (DDP: dp_replicate), or gpipe, 1f1b or interleaved_1f1b");
   // The last stage's replica of a tied embedding gets its gradient outside FSDP's unit hooks (its
   // unit 0 runs no backward there): gathered for the head, it would be neither reduce-scattered
   // nor kept. Refused until the replica takes part in FSDP's reductions. (DDP: TrainStep
@@ -86,7 +78,8 @@ void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) 
              "expected dp_shard = cp = 1 with tied embeddings (dp_replicate for data "
              "parallelism), or pp = 1");
   // FSDP's gathers, releases and reduce-scatters by the rank's action list
-  // (parallel/pipeline_fsdp.hpp): per action and micro-batch, or once per step.
+  // (parallel/pipeline_fsdp.hpp): per action and micro-batch, or once per step; under zero bubble
+  // a unit's gradient is reduced after the W that completes it, not in the hook that I runs.
   if (m.fsdp)
     apply_pp_fsdp(*m.pipeline, *m.fsdp, m.model->num_units(), m.model->tie_word_embeddings(),
                   pp_fsdp_gather_from_name(pp_fsdp_gather), m.pp_last_round);
