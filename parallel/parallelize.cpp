@@ -62,24 +62,15 @@ PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const Paralle
 }
 
 void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) {
-  const int p = m.groups.pp->size();
   pp::Schedule s = std::move(plan.schedule);
   auto units = std::move(plan.units);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
-  // The last stage's replica of a tied embedding gets its gradient outside FSDP's unit hooks (its
-  // unit 0 runs no backward there): gathered for the head, it would be neither reduce-scattered
-  // nor kept. Refused until the replica takes part in FSDP's reductions. (DDP: TrainStep
-  // all-reduces the replica over dp before the tied sum.)
-  LOOM_CHECK(!m.pipeline->tied_across_ranks() || !m.fsdp,
-             "tie_word_embeddings (the model's config.json) with parallelism.pp = ", p,
-             " and FSDP (parallelism.dp_shard x cp = ", m.groups.shard ? m.groups.shard->size() : 1,
-             "): the tied embedding's replica on the last stage is not reduce-scattered yet; "
-             "expected dp_shard = cp = 1 with tied embeddings (dp_replicate for data "
-             "parallelism), or pp = 1");
   // FSDP's gathers, releases and reduce-scatters by the rank's action list
   // (parallel/pipeline_fsdp.hpp): per action and micro-batch, or once per step; under zero bubble
-  // a unit's gradient is reduced after the W that completes it, not in the hook that I runs.
+  // a unit's gradient is reduced after the W that completes it, not in the hook that I runs; with
+  // tied embeddings across ranks the last stage's replica is reduced with the head's stage (its
+  // unit 0 runs no hooks there), so the tied sum adds two shards of dp sums.
   if (m.fsdp)
     apply_pp_fsdp(*m.pipeline, *m.fsdp, m.model->num_units(), m.model->tie_word_embeddings(),
                   pp_fsdp_gather_from_name(pp_fsdp_gather), m.pp_last_round);
