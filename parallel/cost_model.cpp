@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "parallel/pipeline/simulate.hpp"
+#include "parallel/pipeline_fsdp.hpp"
 
 namespace loom {
 
@@ -158,13 +160,25 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
   uint64_t per_micro = 0, per_step = g.dp ? ring_all_gather(8, int(g.size)) : 0;  // the loss
   if (m.fsdp) {
     const int n = g.shard->size();
+    // Under pp the gathers and reduce-scatters follow the rank's action list
+    // (parallel/pipeline_fsdp.hpp), counted per step.
+    std::optional<PpFsdpCounts> pc;
+    if (m.pipeline)
+      pc = pp_fsdp_counts(*m.pipeline, units.size(), model.tie_word_embeddings(),
+                          m.fsdp->keeps_gathered() ? PpFsdpGather::step : PpFsdpGather::microbatch,
+                          G / m.pipeline->schedule().microbatches);
     for (size_t i = 0; i < units.size(); ++i) {
+      if (!model.uses(i)) continue;  // a pp rank's units of other stages
       const ParamUnit& u = *units[i];
       const uint64_t S = uint64_t(u.shard_numel());
       const uint64_t gather = ring_all_gather(S * dtype_size(u.gather_dtype()), n) +
                               ring_all_reduce(uint64_t(u.side_numel()) * 4, n);
-      per_micro += gather * (m.fsdp->reshard_after_forward(i) ? 2 : 1);
-      per_micro += uint64_t(n - 1) * S * rsize;  // reduce-scatter
+      const uint64_t reduce = uint64_t(n - 1) * S * rsize;  // reduce-scatter
+      if (pc) {
+        per_step += gather * uint64_t(pc->gathers[i]) + reduce * uint64_t(pc->reduces[i]);
+      } else {
+        per_micro += gather * (m.fsdp->reshard_after_forward(i) ? 2 : 1) + reduce;
+      }
       if (g.replicate && g.replicate->size() > 1)
         per_step += ring_all_reduce(S * rsize, g.replicate->size());
     }

@@ -27,7 +27,9 @@ Fsdp::Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicat
       replicate_(replicate),
       config_(config),
       tied_(model.tie_word_embeddings()),
-      state_(units_.size()) {
+      state_(units_.size()),
+      marked_(units_.size(), false),
+      prefetch_last_(units_.size()) {
   LOOM_CHECK(config.reduce_dtype == DType::f32 || config.reduce_dtype == DType::bf16,
              "FSDP: reduce dtype must be float32 or bfloat16, got ",
              dtype_name(config.reduce_dtype));
@@ -107,12 +109,12 @@ void Fsdp::before_forward(size_t i) {
   progress();
   wait_gather(i);
   // Not across a pp stage boundary into a unit this rank does not hold (built on meta).
-  if (i + 1 < units_.size() && model_.uses(i + 1)) issue_gather(i + 1);
+  if (i + 1 < prefetch_last_ && model_.uses(i + 1)) issue_gather(i + 1);
 }
 
 void Fsdp::after_forward(size_t i) {
   progress();
-  if (reshard_after_forward(i)) units_[i]->release_weights();
+  if (!keep_gathered_ && reshard_after_forward(i)) units_[i]->release_weights();
 }
 
 void Fsdp::before_backward(size_t i) {
@@ -124,26 +126,58 @@ void Fsdp::before_backward(size_t i) {
     wait_gather(0);
     units_[0]->materialize_grads();
   }
-  if (i > 0 && model_.uses(i - 1)) issue_gather(i - 1);
+  if (i > prefetch_first_ && model_.uses(i - 1)) issue_gather(i - 1);
 }
 
 void Fsdp::after_backward(size_t i) {
+  if (defer_reduce_ && !marked_[i]) {
+    // Its gradient is not complete yet (a W or a later micro-batch adds to it): kept.
+    if (!keep_gathered_) units_[i]->release_weights();
+    progress();
+    return;
+  }
+  reduce(i);
+}
+
+void Fsdp::reduce(size_t i) {
   ParamUnit& u = *units_[i];
   UnitState& s = state_[i];
-  // A unit reduces once per micro-batch; the previous reduction finished in finish_backward().
+  marked_[i] = false;
+  LOOM_CHECK(u.grads_materialized(), "FSDP: unit ", u.name(),
+             " is to be reduce-scattered but holds no full gradient");
+  // A unit reduces once per micro-batch (per step under pp's step mode); the previous reduction
+  // finished in finish_backward() or complete_pending(), but its buffers must not be overwritten
+  // while MPI may still read them.
+  if (s.reduce) {
+    s.reduce->wait();
+    complete_reduce(i);
+  }
   s.reduce_in = config_.reduce_dtype == DType::f32 ? u.grad_flat() : u.grad_flat().to(DType::bf16);
   s.reduce_out = Tensor::empty({u.shard_numel()}, config_.reduce_dtype, u.device());
   s.reduce = shard_.reduce_scatter(s.reduce_in, s.reduce_out, dist::ReduceOp::sum);
-  u.release_weights();
+  if (!keep_gathered_) u.release_weights();
   u.release_grads();  // the f32 buffer lives on in reduce_in while it is being reduced
   progress();
 }
 
-void Fsdp::finish_backward() {
+void Fsdp::set_pipeline_mode(bool keep_gathered, bool defer_reduce) {
+  keep_gathered_ = keep_gathered;
+  defer_reduce_ = defer_reduce;
+}
+
+void Fsdp::mark_reduce(size_t unit) {
+  marked_[unit] = true;
+}
+
+void Fsdp::reduce_marked() {
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (marked_[i]) reduce(i);
+}
+
+void Fsdp::complete_pending() {
   for (size_t i = 0; i < state_.size(); ++i) {
     UnitState& s = state_[i];
     if (s.gather) {
-      // A prefetch nobody consumed: complete it (every rank issued it) and free the weights.
       s.gather->wait();
       if (s.side) s.side->wait();
       complete_gather(i);
@@ -152,8 +186,20 @@ void Fsdp::finish_backward() {
       s.reduce->wait();
       complete_reduce(i);
     }
+  }
+}
+
+void Fsdp::release_all_weights() {
+  for (ParamUnit* u : units_) u->release_weights();
+}
+
+void Fsdp::finish_backward() {
+  // A prefetch nobody consumed is completed too (every rank issued it), then freed.
+  complete_pending();
+  for (size_t i = 0; i < state_.size(); ++i) {
     units_[i]->release_weights();
     units_[i]->release_grads();
+    marked_[i] = false;
   }
 }
 

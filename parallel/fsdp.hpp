@@ -25,6 +25,11 @@
 //
 // HSDP: with a `replicate` group of size > 1 (the mesh's "dp_replicate"), finish_step()
 // all-reduces (sums) each gradient shard over it, once per step.
+//
+// Under pp (parallel/pipeline_fsdp.hpp) the pipeline decides what the hooks release and when a
+// unit's gradient is complete, since its actions interleave micro-batches and split backwards
+// (I/W): set_pipeline_mode(keep_gathered, defer_reduce), mark_reduce / reduce_marked,
+// complete_pending, release_all_weights and the prefetch range.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -64,6 +69,29 @@ class Fsdp final : public UnitHooks {
   // After the last micro-batch of a step, before clipping: the HSDP all-reduce.
   void finish_step();
 
+  // --- Under pp (parallel/pipeline_fsdp.hpp) ---
+  // keep_gathered: the hooks never release a unit's full weights (pp_fsdp_gather = "step": each
+  // unit is gathered once per step; finish_backward releases them at its end). defer_reduce:
+  // after_backward neither reduce-scatters nor frees a unit's full gradient unless the unit is
+  // marked (a zero-bubble W still adds to it; in step mode later micro-batches do).
+  void set_pipeline_mode(bool keep_gathered, bool defer_reduce);
+  bool keeps_gathered() const { return keep_gathered_; }
+  // The unit's gradient is complete after the current action: its after_backward (or
+  // reduce_marked, for a W action or the tied embedding, whose hooks do not run) reduces it.
+  void mark_reduce(size_t unit);
+  // Issues the reduce-scatter of every marked unit (complete_pending waits for it).
+  void reduce_marked();
+  // Completes every gather and reduce-scatter in flight; releases nothing.
+  void complete_pending();
+  // Releases every unit's full weights (full gradients still awaiting their reduction stay).
+  void release_all_weights();
+  // Prefetch only inside units [first, last) (a pipeline action's stage): a gather of another
+  // stage's unit would be released, unused, after the action.
+  void set_prefetch_range(size_t first, size_t last) {
+    prefetch_first_ = first;
+    prefetch_last_ = last;
+  }
+
   dist::ProcessGroup& shard_group() { return shard_; }
   // Whether after_forward(unit) releases the unit's full weights (so backward gathers it again).
   bool reshard_after_forward(size_t unit) const;
@@ -75,6 +103,7 @@ class Fsdp final : public UnitHooks {
   void wait_gather(size_t unit);
   void complete_gather(size_t unit);
   void complete_reduce(size_t unit);
+  void reduce(size_t unit);
 
   Model& model_;
   std::vector<ParamUnit*> units_;
@@ -83,6 +112,9 @@ class Fsdp final : public UnitHooks {
   FsdpConfig config_;
   bool tied_;
   std::vector<UnitState> state_;
+  bool keep_gathered_ = false, defer_reduce_ = false;
+  std::vector<bool> marked_;
+  size_t prefetch_first_ = 0, prefetch_last_ = 0;  // set to every unit by the constructor
 };
 
 // The full f32 flat buffer [P] of a unit from every rank's [S] shard (an all-gather over the

@@ -6,6 +6,7 @@
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/llama_plan.hpp"
 #include "parallel/pipeline/schedule_csv.hpp"
+#include "parallel/pipeline_fsdp.hpp"
 
 namespace loom {
 
@@ -60,37 +61,19 @@ PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const Paralle
   return {std::move(s), std::move(units)};
 }
 
-void apply_pp(ParallelModel& m, PpPlan plan) {
-  const int p = m.groups.pp->size();
+void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) {
   pp::Schedule s = std::move(plan.schedule);
   auto units = std::move(plan.units);
   m.pipeline =
       std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
-  // FSDP reduce-scatters a unit's gradient and frees its full buffer in its after_backward hook,
-  // which I runs: the weight gradients of W would come after the reduction.
-  LOOM_CHECK(!m.pipeline->schedule().split_backward() || !m.fsdp, "parallelism.pp_schedule = \"",
-             m.pipeline->schedule().name, "\" with data parallelism (parallelism.dp_shard x cp = ",
-             m.groups.shard ? m.groups.shard->size() : 1,
-             ", dp_replicate = ", m.groups.replicate ? m.groups.replicate->size() : 1,
-             "): zero-bubble schedules (I/W) do not run with FSDP yet; expected "
-             "dp_shard = cp = 1 (DDP: dp_replicate), or gpipe, 1f1b or interleaved_1f1b");
-  // The last stage's replica of a tied embedding gets its gradient outside FSDP's unit hooks (its
-  // unit 0 runs no backward there): gathered for the head, it would be neither reduce-scattered
-  // nor kept. Refused until the replica takes part in FSDP's reductions. (DDP: TrainStep
-  // all-reduces the replica over dp before the tied sum.)
-  LOOM_CHECK(!m.pipeline->tied_across_ranks() || !m.fsdp,
-             "tie_word_embeddings (the model's config.json) with parallelism.pp = ", p,
-             " and FSDP (parallelism.dp_shard x cp = ", m.groups.shard ? m.groups.shard->size() : 1,
-             "): the tied embedding's replica on the last stage is not reduce-scattered yet; "
-             "expected dp_shard = cp = 1 with tied embeddings (dp_replicate for data "
-             "parallelism), or pp = 1");
-  // pp_fsdp_gather = "microbatch": FSDP's per-unit gathers and reduce-scatters complete within
-  // each action, so micro-batches in flight never overlap on a unit's gathered buffers. Left in
-  // flight across actions, pp2 x fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs
-  // of 3 (a unit's buffers reused by the next micro-batch while a collective still used them is
-  // the likely cause, not proven); completed per action, 15 runs of 15 matched.
+  // FSDP's gathers, releases and reduce-scatters by the rank's action list
+  // (parallel/pipeline_fsdp.hpp): per action and micro-batch, or once per step; under zero bubble
+  // a unit's gradient is reduced after the W that completes it, not in the hook that I runs; with
+  // tied embeddings across ranks the last stage's replica is reduced with the head's stage (its
+  // unit 0 runs no hooks there), so the tied sum adds two shards of dp sums.
   if (m.fsdp)
-    m.pipeline->set_after_action([f = m.fsdp.get()](const pp::Action&) { f->finish_backward(); });
+    apply_pp_fsdp(*m.pipeline, *m.fsdp, m.model->num_units(), m.model->tie_word_embeddings(),
+                  pp_fsdp_gather_from_name(pp_fsdp_gather), m.pp_last_round);
   // DDP all-reduces each unit once per step, in the backward of the step's last micro-batch
   // (TrainStep::run_pipeline sets *pp_last_round for the step's last run of the schedule).
   if (m.ddp) {
@@ -140,7 +123,7 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
     apply_fsdp(m, options.fsdp);
   else if (groups.dp && groups.dp->size() > 1)
     apply_ddp(m, options.fsdp.reduce_dtype);
-  if (groups.pp) apply_pp(m, std::move(*pp_plan));
+  if (groups.pp) apply_pp(m, std::move(*pp_plan), options.pp_fsdp_gather);
   return m;
 }
 

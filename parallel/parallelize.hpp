@@ -41,6 +41,8 @@ struct ParallelizeOptions {
   std::string pp_stage_layers;
   int pp_microbatches = 1;
   int pp_stages_per_rank = 1;
+  // With FSDP: "microbatch" (gather and reduce-scatter per action) or "step" (once per step).
+  std::string pp_fsdp_gather = "microbatch";
 };
 
 // The model of one rank with its parallel hooks.

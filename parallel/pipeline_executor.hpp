@@ -69,14 +69,15 @@ class PipelineExecutor {
   // order. The caller clears the (zero) gradients.
   double run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n);
 
-  // Called after every action (FSDP: complete every pending gather and reduce-scatter and release
-  // the units, so that micro-batches in flight never share a unit's gathered buffers; DDP under
-  // zero bubble: reduce a stage's units after its last W).
+  // Called after every action (FSDP: the reductions its plan puts there, every pending collective
+  // completed, parallel/pipeline_fsdp.hpp; DDP under zero bubble: reduce a stage's units after
+  // its last W).
   void set_after_action(std::function<void(const pp::Action&)> fn) {
     after_action_ = std::move(fn);
   }
   const pp::UnitRange& stage_units(int stage) const { return units_[size_t(stage)]; }
-  // Called before every action (DDP: reduce only in the step's last micro-batch's backward).
+  // Called before every action (DDP: reduce only in the step's last micro-batch's backward; FSDP:
+  // mark the units the action completes, keep the prefetch inside its stage).
   void set_before_action(std::function<void(const pp::Action&)> fn) {
     before_action_ = std::move(fn);
   }

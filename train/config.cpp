@@ -320,10 +320,6 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
   // The schedule's rules on (pp, stages per rank, micro-batches), named by their keys.
   if (p.pp_schedule_csv.empty()) pipeline_schedule_args(p);
   if (!p.pp_stage_layers.empty()) pp::parse_stage_layers(p.pp_stage_layers);
-  // FSDP under pp gathers and reduces per micro-batch (today's per-unit policy); keeping a stage
-  // gathered for the whole step is to come.
-  check(p.pp == 1 || p.pp_fsdp_gather == "microbatch", "parallelism.pp_fsdp_gather",
-        "\"microbatch\" (\"step\" is not supported yet)", str_cat("\"", p.pp_fsdp_gather, "\""));
   const std::string& so = c.activation_checkpoint.selective_option;
   int64_t every = 0;
   auto r = std::from_chars(so.data(), so.data() + so.size(), every);

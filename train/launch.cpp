@@ -138,7 +138,8 @@ ParallelizeOptions parallelize_options(const JobConfig& job) {
           .pp_stages_per_rank =
               int(p.pp_stages_per_rank
                       ? p.pp_stages_per_rank
-                      : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule)))};
+                      : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule))),
+          .pp_fsdp_gather = p.pp_fsdp_gather};
 }
 
 int64_t pipeline_microbatches(const JobConfig& job) {

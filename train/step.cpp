@@ -118,7 +118,10 @@ double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBat
         return PipelineMicroBatch{c.inputs.data(), c.targets.data(), batches[size_t(j)].B, c.T};
       },
       int(batches.size()));
-  // FSDP's collectives completed after every action; DDP did not sync (no backward action).
+  // FSDP's collectives completed after every action; its units are released here (kept gathered
+  // under pp_fsdp_gather = "step", and the head's zero gradient is never reduced). DDP did not
+  // sync (no backward action).
+  if (model.fsdp) model.fsdp->finish_backward();
   model.model->zero_grad();
   // The loss is on the head's rank only: summed over pp (exact zeros elsewhere) it keeps its bits.
   return group_sum(model.groups.pp, group_sum(cp, loss));

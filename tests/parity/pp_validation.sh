@@ -4,7 +4,8 @@
 # batches. pp alone trains bit for bit like one process with grad_accum_steps = pp_microbatches,
 # so its validation losses must be equal to the last bit (1f1b on 2 ranks, interleaved with two
 # stages per rank); pp2 x tp2 within 1e-6 relative (tp sums in another order); pp2 x fsdp2 against
-# fsdp2 (the same dp layout, so the same validation batches) within 1e-6.
+# fsdp2 (the same dp layout, so the same validation batches) within 1e-6, per micro-batch and
+# with pp_fsdp_gather = "step".
 #   pp_validation.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -53,4 +54,8 @@ compare ref pp2_tp2 1e-6 || status=1
 run fsdp2 2 --parallelism.dp_shard=2 --training.grad_accum_steps=4
 run pp2_fsdp2 4 --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.pp_microbatches=4
 compare fsdp2 pp2_fsdp2 1e-6 || status=1
+# Step mode keeps the units gathered through a step; validation releases them after its forwards.
+run pp2_fsdp2_step 4 --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.pp_microbatches=4 \
+  --parallelism.pp_fsdp_gather=step
+compare fsdp2 pp2_fsdp2_step 1e-6 || status=1
 exit $status

@@ -282,11 +282,9 @@ TEST(JobConfig, ErrorsNameKeyAndSource) {
                {"parallelism.pp_stage_layers", "\"x\""});
   expect_error([] { parse("", {"--parallelism.pp_fsdp_gather=unit"}); },
                {"parallelism.pp_fsdp_gather", "microbatch"});
-  expect_error(
-      [] {
-        parse("", {"--parallelism.pp=2", "--parallelism.pp_fsdp_gather=step"});
-      },
-      {"parallelism.pp_fsdp_gather", "not supported yet"});
+  EXPECT_EQ(parse("", {"--parallelism.pp=2", "--parallelism.pp_fsdp_gather=step"})
+                .parallelism.pp_fsdp_gather,
+            "step");
   EXPECT_NO_THROW(parse("", {"--parallelism.pp=4", "--parallelism.pp_schedule=interleaved_1f1b",
                              "--parallelism.pp_microbatches=8"}));
 

@@ -1,0 +1,133 @@
+#include "parallel/pipeline_fsdp.hpp"
+
+#include <map>
+#include <tuple>
+
+#include "core/error.hpp"
+
+namespace loom {
+
+PpFsdpGather pp_fsdp_gather_from_name(const std::string& name) {
+  if (name == "microbatch") return PpFsdpGather::microbatch;
+  if (name == "step") return PpFsdpGather::step;
+  fail("parallelism.pp_fsdp_gather = \"", name, "\": expected \"microbatch\" or \"step\"");
+}
+
+std::vector<size_t> pp_grad_units(const std::vector<pp::UnitRange>& stage_units, int stage,
+                                  size_t num_units, bool tie_word_embeddings) {
+  const auto [first, last] = stage_units[size_t(stage)];
+  std::vector<size_t> out;
+  // The head's tied projection writes the embedding's gradient (model/model.hpp, UnitHooks).
+  if (tie_word_embeddings && last == num_units && first > 0) out.push_back(0);
+  for (size_t u = first; u < last; ++u) out.push_back(u);
+  return out;
+}
+
+std::vector<std::vector<size_t>> pp_fsdp_reduce_plan(const pp::Schedule& schedule,
+                                                     const std::vector<pp::UnitRange>& stage_units,
+                                                     int rank, size_t num_units,
+                                                     bool tie_word_embeddings, PpFsdpGather mode) {
+  const auto& order = schedule.orders[size_t(rank)];
+  std::vector<std::vector<size_t>> plan(order.size());
+  if (mode == PpFsdpGather::step) {
+    // After the step's last action that writes the unit's gradient (a W writes the linear layers'
+    // weight gradients its I deferred).
+    std::vector<int64_t> last(num_units, -1);
+    for (size_t k = 0; k < order.size(); ++k)
+      if (order[k].op != pp::Op::F)
+        for (size_t u : pp_grad_units(stage_units, order[k].stage, num_units, tie_word_embeddings))
+          last[u] = int64_t(k);
+    for (size_t u = 0; u < num_units; ++u)
+      if (last[u] >= 0) plan[size_t(last[u])].push_back(u);
+    return plan;
+  }
+  // Per micro-batch: after a B, or after a W once no I that wrote the unit awaits its W (a
+  // zero-bubble rank may run I of several micro-batches of a stage before their W's, all adding
+  // into the one full gradient; reduced earlier, a later W would add to a freed buffer).
+  std::vector<int> pending(num_units, 0);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const pp::Action& a = order[k];
+    if (a.op == pp::Op::F) continue;
+    for (size_t u : pp_grad_units(stage_units, a.stage, num_units, tie_word_embeddings)) {
+      if (a.op == pp::Op::I) {
+        ++pending[u];
+        continue;
+      }
+      if (a.op == pp::Op::W) --pending[u];
+      if (pending[u] == 0) plan[k].push_back(u);
+    }
+  }
+  return plan;
+}
+
+namespace {
+
+std::vector<pp::UnitRange> ranges_of(const PipelineExecutor& pipe) {
+  std::vector<pp::UnitRange> out;
+  for (int st = 0; st < pipe.schedule().stages; ++st) out.push_back(pipe.stage_units(st));
+  return out;
+}
+
+}  // namespace
+
+PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
+                            bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds) {
+  const pp::Schedule& s = pipe.schedule();
+  const auto ranges = ranges_of(pipe);
+  PpFsdpCounts c{std::vector<int64_t>(num_units, 0), std::vector<int64_t>(num_units, 0)};
+  const bool step = mode == PpFsdpGather::step;
+  const auto plan =
+      pp_fsdp_reduce_plan(s, ranges, pipe.rank(), num_units, tie_word_embeddings, mode);
+  for (const auto& units : plan)
+    for (size_t u : units) c.reduces[u] += step ? 1 : rounds;
+  if (step) {
+    // Every unit the rank uses, once: its stages' units and the tied embedding's replica.
+    for (size_t u : pp_used_units(s, ranges, pipe.rank(), tie_word_embeddings)) c.gathers[u] = 1;
+    return c;
+  }
+  // Every F, B and I gathers the units it runs (all were released after the previous action; the
+  // prefetch stays inside the stage), a B or I of the tied head the embedding too; W reads no
+  // weights.
+  for (const pp::Action& a : s.orders[size_t(pipe.rank())]) {
+    if (a.op == pp::Op::W) continue;
+    const auto [first, last] = ranges[size_t(a.stage)];
+    for (size_t u = first; u < last; ++u) c.gathers[u] += rounds;
+    if (a.op != pp::Op::F && tie_word_embeddings && last == num_units && first > 0)
+      c.gathers[0] += rounds;
+  }
+  return c;
+}
+
+void apply_pp_fsdp(PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
+                   bool tie_word_embeddings, PpFsdpGather mode, std::shared_ptr<bool> last_round) {
+  const bool step = mode == PpFsdpGather::step;
+  fsdp.set_pipeline_mode(step, true);
+  const pp::Schedule& s = pipe.schedule();
+  const auto plan =
+      pp_fsdp_reduce_plan(s, ranges_of(pipe), pipe.rank(), num_units, tie_word_embeddings, mode);
+  // An action is unique in a rank's list by (stage, op, micro-batch).
+  using Key = std::tuple<int, int, int>;
+  auto due = std::make_shared<std::map<Key, std::vector<size_t>>>();
+  const auto& order = s.orders[size_t(pipe.rank())];
+  for (size_t k = 0; k < order.size(); ++k)
+    if (!plan[k].empty()) (*due)[{order[k].stage, int(order[k].op), order[k].mb}] = plan[k];
+  // Marked before the action, so that a B's own units are reduce-scattered in their
+  // after_backward hooks, overlapping the backward of the units before them.
+  pipe.set_before_action([p = &pipe, f = &fsdp, due, step, last_round](const pp::Action& a) {
+    const auto [first, last] = p->stage_units(a.stage);
+    f->set_prefetch_range(first, last);
+    if (step && !*last_round) return;
+    auto it = due->find({a.stage, int(a.op), a.mb});
+    if (it == due->end()) return;
+    for (size_t u : it->second) f->mark_reduce(u);
+  });
+  // The rest (a W's units, the tied embedding's replica, whose hooks did not run) here; then every
+  // collective completes within the action (see the top of pipeline_fsdp.hpp).
+  pipe.set_after_action([f = &fsdp, step](const pp::Action&) {
+    f->reduce_marked();
+    f->complete_pending();
+    if (!step) f->release_all_weights();
+  });
+}
+
+}  // namespace loom

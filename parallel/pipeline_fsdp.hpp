@@ -1,0 +1,62 @@
+#pragma once
+// FSDP under pipeline parallelism: when a pp rank's units are gathered, released and
+// reduce-scattered. A pp rank's actions interleave micro-batches of its stages, and zero-bubble
+// schedules split a backward into I (input gradient, with the hooks) and W (the linear layers'
+// weight gradients, without them), so FSDP's per-unit hooks alone cannot tell when a unit's
+// gradient is complete. The plan below says it per action of the rank's list, and the same plan
+// prices the bytes (parallel/cost_model.cpp), so the analytic figure follows the executor.
+//
+//   pp_fsdp_gather = "microbatch": every action gathers the units it runs and releases them after
+//   it (every collective is completed after every action: left in flight across actions, pp2 x
+//   fsdp2 with reshard "always" ended 4e-3 off one process in 2 runs of 3). A unit's gradient is
+//   reduce-scattered after the action that completes it: its B, or, under zero bubble, the W
+//   after which no I that wrote it awaits its W (W adds into the same full gradient as the I).
+//   pp_fsdp_gather = "step": a unit is gathered at its first action of the step and kept until
+//   the step's end; its gradient accumulates over every micro-batch of the step in the full
+//   buffer and is reduce-scattered once, after the step's last action that writes it (in the
+//   step's last run of the schedule). Gathers and reduce-scatters fall from one per action and
+//   micro-batch to one per step; the full weights and gradients of the rank's units stay alive
+//   for the whole step.
+//
+// The units whose gradient a stage writes: its own and, on the head's stage of a model with tied
+// embeddings, the embedding (the head's projection reads and writes it: the last stage's replica
+// when the first stage is on another rank, reduce-scattered like any unit before the tied sum).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "parallel/fsdp.hpp"
+#include "parallel/pipeline_executor.hpp"
+
+namespace loom {
+
+enum class PpFsdpGather { microbatch, step };
+// The [parallelism] pp_fsdp_gather value; fails naming the key and the accepted values.
+PpFsdpGather pp_fsdp_gather_from_name(const std::string& name);
+
+// The units whose full gradient stage `stage` writes (ascending).
+std::vector<size_t> pp_grad_units(const std::vector<pp::UnitRange>& stage_units, int stage,
+                                  size_t num_units, bool tie_word_embeddings);
+
+// Per action of `rank`'s list (same index): the units whose gradient is complete after it and is
+// reduce-scattered then (step mode: only in the step's last run of the schedule).
+std::vector<std::vector<size_t>> pp_fsdp_reduce_plan(const pp::Schedule& schedule,
+                                                     const std::vector<pp::UnitRange>& stage_units,
+                                                     int rank, size_t num_units,
+                                                     bool tie_word_embeddings, PpFsdpGather mode);
+
+// Per unit (units() order), FSDP's all-gathers and reduce-scatters on this rank in one step of
+// `rounds` runs of the schedule (what the callbacks of apply_pp_fsdp issue).
+struct PpFsdpCounts {
+  std::vector<int64_t> gathers, reduces;
+};
+PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
+                            bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds);
+
+// Installs the executor's before- and after-action callbacks that drive `fsdp` by the plan.
+// `last_round`: whether the schedule's current run is the step's last (TrainStep sets it).
+void apply_pp_fsdp(PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
+                   bool tie_word_embeddings, PpFsdpGather mode, std::shared_ptr<bool> last_round);
+
+}  // namespace loom
