@@ -133,7 +133,8 @@ loss_of() {  # loss_of METRICS STEP
   grep "^{\"step\": $2," "$1" | sed 's/.*"loss": \([^,]*\),.*/\1/'
 }
 
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+source "$src/tests/parity/setup.sh"
+parity_corpus "$work/corpus.txt"
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
   --save-tokenizer "$work/tok.json" >/dev/null
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=20

@@ -7,7 +7,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 compare=$3 src=$4
 source "$(dirname "$0")/setup.sh"
-parity_setup compare_norm "$src"/docs/design.md
+parity_setup compare_norm
 "$loom" train --config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=3 \
   --checkpoint.dir="$work/ck" --checkpoint.interval=0 --metrics.jsonl="$work/ref.jsonl" \
   >"$work/run.log" 2>&1 || { cat "$work/run.log"; exit 1; }

@@ -5,7 +5,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup cp_errors "$src"/docs/design.md
+parity_setup cp_errors
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=1
   --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=1)
 tp_model="--model.config=$src/tests/parity/tp_debug.json"

@@ -7,7 +7,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup dcp_errors "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup dcp_errors
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=2
   --parallelism.dp_shard=2)
 "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=2 --checkpoint.dir="$work/ck" \

@@ -7,7 +7,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup dcp_kill "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup dcp_kill
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=2
   --parallelism.dp_shard=2 --checkpoint.dir="$work/ck" --checkpoint.interval=1 --checkpoint.keep=2
   --checkpoint.allow_config_change=true)

@@ -12,7 +12,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup dcp_reshard "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup dcp_reshard
 common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/tp_debug.json" --checkpoint.keep=0)
 status=0

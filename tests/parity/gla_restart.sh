@@ -8,7 +8,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup gla_restart "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup gla_restart
 common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/gla_debug.json")
 "${mpi[@]}" -np 4 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=2 \

@@ -10,7 +10,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup pp_validation "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup pp_validation
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/vdata" --tokenizer "$work/tok.json" \
   --val-fraction 0.2 >/dev/null
 common=(--config "$src/configs/debug.toml" --data.path="$work/vdata" --training.steps=6

@@ -11,7 +11,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup rank_config "$src"/docs/design.md
+parity_setup rank_config
 common=(train --config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=3
   --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=2)
 status=0

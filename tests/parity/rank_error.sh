@@ -10,7 +10,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 compare=$3 src=$4
 source "$(dirname "$0")/setup.sh"
-parity_setup rank_error "$src"/docs/design.md
+parity_setup rank_error
 common=(train --config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=5
   --training.local_batch_size=1 --checkpoint.interval=0 --parallelism.dp_shard=2)
 status=0

@@ -12,7 +12,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup restart "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup restart
 common=(--config "$src/configs/debug.toml" --data.path="$work/data")
 "${mpi[@]}" -np 4 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=1 \
   --parallelism.dp_shard=4 --checkpoint.dir="$work/ck" --checkpoint.interval=10 \

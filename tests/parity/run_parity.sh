@@ -37,8 +37,9 @@ done
 dp=$((np / tp / cp / pp))
 accum=$((accum * ppm))
 
-# The corpus: text of the repository itself, tokenized with a small trained vocabulary.
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+# The corpus (tests/parity/setup.sh), tokenized with a small trained vocabulary.
+source "$src/tests/parity/setup.sh"
+parity_corpus "$work/corpus.txt"
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
   --save-tokenizer "$work/tok.json" >/dev/null
 

@@ -8,7 +8,8 @@ loom=$1 mpiexec=$2 src=$3
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_stop.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+source "$src/tests/parity/setup.sh"
+parity_corpus "$work/corpus.txt"
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
   --save-tokenizer "$work/tok.json" >/dev/null
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup tp_errors "$src"/docs/design.md
+parity_setup tp_errors
 base="$src/tests/parity/tp_debug.json"
 model() {  # model NAME KEY VALUE: tp_debug.json with one key changed
   sed "s/\"$2\": [0-9]*/\"$2\": $3/" "$base" >"$work/$1.json"

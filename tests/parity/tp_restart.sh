@@ -7,7 +7,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
 source "$(dirname "$0")/setup.sh"
-parity_setup tp_restart "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup tp_restart
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.local_batch_size=4
   --model.config="$src/tests/parity/tp_debug.json")
 "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --parallelism.tp=2 \

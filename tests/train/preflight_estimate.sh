@@ -6,7 +6,7 @@ set -euo pipefail
 loom=$1 mpiexec=$2 src=$3 np=$4
 shift 4
 source "$src/tests/parity/setup.sh"
-parity_setup preflight "$src"/docs/design.md "$src"/train/*.cpp
+parity_setup preflight
 "${mpi[@]}" -np "$np" "$loom" train \
   --config "$src/configs/bench-tiny.toml" --data.path="$work/data" --training.steps=3 \
   --validation.interval=0 --metrics.log_every=1 --metrics.jsonl="$work/m.jsonl" "$@" \

@@ -8,7 +8,7 @@
 set -euo pipefail
 loom=$1 mpiexec=$2 pp_trace=$3 src=$4
 source "$src/tests/parity/setup.sh"
-parity_setup pp_trace "$src"/docs/design.md
+parity_setup pp_trace
 common=(--config "$src/configs/debug.toml" --data.path="$work/data" --training.steps=3
   --model.config="$src/tests/parity/pp_debug.json" --training.local_batch_size=1
   --checkpoint.interval=0)
