@@ -53,6 +53,22 @@ StepResult TrainStep::run(int64_t micro_batches,
   return r;
 }
 
+namespace {
+
+// The tokens of micro-batch `mb` this rank runs: its zigzag chunks under cp, all of them without.
+CpBatch rank_tokens(const MicroBatch& mb, dist::ProcessGroup* cp, int sp_tp) {
+  if (cp)
+    return cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
+                          sp_tp);
+  CpBatch c;
+  c.T = mb.T;
+  c.inputs = mb.inputs;
+  c.targets = mb.targets;
+  return c;
+}
+
+}  // namespace
+
 double TrainStep::run_pipeline(int64_t micro_batches,
                                const std::function<const MicroBatch&(int64_t)>& batch,
                                float grad_scale) {
@@ -74,15 +90,7 @@ double TrainStep::run_pipeline(int64_t micro_batches,
     for (int j = 0; j < m; ++j) {
       const MicroBatch& mb = batch(first + j);
       B = mb.B;
-      CpBatch& c = round[size_t(j)];
-      if (cp) {
-        c = cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
-                           sp_tp);
-      } else {
-        c.T = mb.T;
-        c.inputs = mb.inputs;
-        c.targets = mb.targets;
-      }
+      round[size_t(j)] = rank_tokens(mb, cp, sp_tp);
     }
     *model_.pp_last_round = first + m == micro_batches;
     loss = pipe.run(
@@ -101,16 +109,7 @@ double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBat
       model.groups.tp && model.model->tp().sequence_parallel ? model.groups.tp->size() : 1;
   std::vector<CpBatch> mine(batches.size());
   for (size_t j = 0; j < batches.size(); ++j) {
-    const MicroBatch& mb = batches[j];
-    CpBatch& c = mine[j];
-    if (cp) {
-      c = cp_local_batch(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, cp->size(), cp->rank(),
-                         sp_tp);
-    } else {
-      c.T = mb.T;
-      c.inputs = mb.inputs;
-      c.targets = mb.targets;
-    }
+    mine[j] = rank_tokens(batches[j], cp, sp_tp);
   }
   const double loss = model.pipeline->run_forward(
       [&](int j) {
