@@ -14,5 +14,8 @@ int generate_command(const Args& args);
 int plot_command(const Args& args);
 int info_command(const Args& args);
 int convert_command(const Args& args);
+int plan_command(const Args& args);
+// `loom plan calibrate`: measures this machine and writes a hardware model (configs/hardware/).
+int plan_calibrate_command(const Args& args);
 
 }  // namespace loom

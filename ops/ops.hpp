@@ -21,6 +21,27 @@ namespace loom::ops {
 // Whether `device` has kernels that compute (cpu) rather than only book memory (meta).
 bool computes(Device device);
 
+// ---- the work of a kernel on the meta device (the planner's time model) -----------------------
+// What one op call would do: its floating-point operations (a multiply-add is 2) and the bytes it
+// reads and writes in memory, from its tensors' shapes and dtypes.
+struct KernelWork {
+  const char* op = "";       // the op's name in this header ("linear", "attention_forward", ...)
+  DType dtype = DType::f32;  // the dtype of its main operands (a GEMM's inputs)
+  double flops = 0;
+  double bytes = 0;
+  // GEMMs: the shape (M x N x K) of each multiplication, for an efficiency by shape.
+  int64_t m = 0, n = 0, k = 0;
+};
+// While one lives on this thread, every op called on the meta device reports its work to `sink`
+// (ops on other devices report nothing). Not nestable.
+class RecordWork {
+ public:
+  explicit RecordWork(std::function<void(const KernelWork&)> sink);
+  ~RecordWork();
+  RecordWork(const RecordWork&) = delete;
+  RecordWork& operator=(const RecordWork&) = delete;
+};
+
 // ---- element-wise and copies ----------------------------------------------------------------
 // A GEMM input in the compute dtype: `x` itself in f32, a rounded bf16 copy otherwise.
 Tensor to_compute(const Tensor& x, DType dt);
