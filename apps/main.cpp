@@ -27,6 +27,11 @@ const char* kUsage =
     "      a loom checkpoint to a Hugging Face directory, or the other way\n"
     "  plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(svg|png) [--title T] [--log-y]\n"
     "      loss curves of one or several runs, train and validation\n"
+    "  plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] [--json]\n"
+    "       [--section.key=value ...]\n"
+    "      one rank's real step on the meta device: per-rank memory, bytes per group, time\n"
+    "  plan calibrate [--output FILE] [--quick]\n"
+    "      measure this machine (GEMMs, kernels, memory, MPI) into a hardware model file\n"
     "  info [--json] [--peak-seconds S] | info --tiers\n"
     "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n";
 
@@ -57,7 +62,8 @@ int main(int argc, char** argv) {
   // end the job. start_distributed() finds MPI initialized and leaves finalizing to this one.
   std::optional<loom::dist::MpiRuntime> mpi;
   try {
-    if ((cmd == "train" || cmd == "bench") && loom::dist::launched_under_mpi()) mpi.emplace();
+    if ((cmd == "train" || cmd == "bench" || cmd == "plan") && loom::dist::launched_under_mpi())
+      mpi.emplace();
     if (cmd == "bench") return loom::bench_command(args);
     if (cmd == "train") return loom::train_command(args);
     if (cmd == "tokenize") return loom::tokenize_command(args);
@@ -65,6 +71,7 @@ int main(int argc, char** argv) {
     if (cmd == "plot") return loom::plot_command(args);
     if (cmd == "convert") return loom::convert_command(args);
     if (cmd == "info") return loom::info_command(args);
+    if (cmd == "plan") return loom::plan_command(args);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const loom::Error& e) {

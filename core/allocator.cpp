@@ -14,6 +14,8 @@ std::string_view device_name(Device d) {
       return "cuda";
     case Device::meta:
       return "meta";
+    case Device::elsewhere:
+      return "elsewhere";
   }
   return "?";
 }
@@ -22,11 +24,14 @@ Allocator& Allocator::get(Device device) {
   // The per-device allocators are the one piece of process-wide state (DESIGN.md, decision 9).
   static Allocator cpu(Device::cpu);
   static Allocator meta(Device::meta);
+  static Allocator elsewhere(Device::elsewhere);
   switch (device) {
     case Device::cpu:
       return cpu;
     case Device::meta:
       return meta;
+    case Device::elsewhere:
+      return elsewhere;
     case Device::cuda:
       break;
   }
@@ -47,7 +52,7 @@ size_t Allocator::round_size(size_t bytes) {
 }
 
 void* Allocator::os_alloc(size_t bytes) {
-  if (device_ == Device::meta) {
+  if (!holds_data(device_)) {
     void* p = reinterpret_cast<void*>(next_meta_);
     next_meta_ += bytes;
     return p;
@@ -58,7 +63,7 @@ void* Allocator::os_alloc(size_t bytes) {
 }
 
 void Allocator::os_free(void* ptr, size_t) {
-  if (device_ != Device::meta) std::free(ptr);
+  if (holds_data(device_)) std::free(ptr);
 }
 
 Allocator::Block Allocator::allocate(size_t bytes) {

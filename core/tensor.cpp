@@ -103,7 +103,7 @@ Tensor Tensor::squeeze0() const {
 
 void Tensor::zero_() {
   LOOM_CHECK(is_contiguous(), "zero_ of a non-contiguous tensor");
-  if (device() == Device::meta || numel() == 0) return;
+  if (!holds_data(device()) || numel() == 0) return;
   std::memset(raw(), 0, nbytes());
 }
 
@@ -111,14 +111,14 @@ void Tensor::copy_from(const Tensor& src) {
   LOOM_CHECK(shape_ == src.shape_ && dtype_ == src.dtype_, "copy_from: ", shape_str(src.shape_),
              " ", dtype_name(src.dtype_), " into ", shape_str(shape_), " ", dtype_name(dtype_));
   LOOM_CHECK(is_contiguous() && src.is_contiguous(), "copy_from needs contiguous tensors");
-  if (device() == Device::meta || numel() == 0) return;
+  if (!holds_data(device()) || numel() == 0) return;
   std::memcpy(raw(), src.raw(), nbytes());
 }
 
 Tensor Tensor::to(DType dtype) const {
   LOOM_CHECK(is_contiguous(), "to() of a non-contiguous tensor");
   Tensor out = empty(shape_, dtype, device());
-  if (device() == Device::meta) return out;
+  if (!holds_data(device())) return out;
   int64_t n = numel();
   if (dtype == dtype_) {
     out.copy_from(*this);

@@ -173,7 +173,7 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<ProcessGroup> world)
           color = color * s + coords_[d];
         }
       }
-      g = world_->split(color, key, nontrivial);
+      g = world_->split_known(color, key, nontrivial, layout_.members(first, last, world_->rank()));
       LOOM_CHECK(g->size() == size && g->rank() == key, "mesh: group '", nontrivial,
                  "' came out of ", "the split with size ", g->size(), " and rank ", g->rank(),
                  ", expected ", size, " and ", key);

@@ -32,9 +32,16 @@ void ProcessGroup::set_timeout_seconds(double seconds) {
   timeout_s_ = seconds;
 }
 
-void ProcessGroup::count(uint64_t bytes_sent) {
+void ProcessGroup::count(std::string_view op, uint64_t bytes_sent) {
+  if (size() == 1) bytes_sent = 0;
   counters_.calls += 1;
-  if (size() > 1) counters_.bytes_sent += bytes_sent;
+  counters_.bytes_sent += bytes_sent;
+  on_issue(op, bytes_sent);
+}
+
+std::unique_ptr<ProcessGroup> ProcessGroup::split_known(int color, int key, std::string name,
+                                                        const std::vector<int>&) {
+  return split(color, key, std::move(name));
 }
 
 namespace {
@@ -45,6 +52,9 @@ std::string tensor_str(const Tensor& t) {
 
 void check_tensor(const ProcessGroup& g, const char* op, const char* what, const Tensor& t) {
   LOOM_CHECK(t.defined(), op, " on ", g.describe(), ": ", what, " is an undefined tensor");
+  LOOM_CHECK(g.accepts(t.device()), op, " on ", g.describe(), ": ", what, " ", tensor_str(t),
+             " is on the ", device_name(t.device()), " device, which the ", g.backend(),
+             " backend cannot communicate");
   LOOM_CHECK(t.is_contiguous(), op, " on ", g.describe(), ": ", what, " ", tensor_str(t),
              " is not contiguous");
   const DType d = t.dtype();
@@ -89,7 +99,7 @@ std::unique_ptr<Work> ProcessGroup::all_gather(const Tensor& in, const Tensor& o
     LOOM_CHECK(in.raw() == block, op, " on ", describe(),
                ": in overlaps out but is not this rank's block of out (block ", rank(), ")");
   }
-  count((size() - 1) * in.nbytes());
+  count(op, (size() - 1) * in.nbytes());
   return do_all_gather(in, out);
 }
 
@@ -104,7 +114,7 @@ std::unique_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& in, const Tenso
              " has ", in.numel(), " elements, expected size * out.numel() = ", size(), " * ",
              out.numel(), " = ", size() * out.numel());
   LOOM_CHECK(!overlaps(in, out), op, " on ", describe(), ": in and out overlap");
-  count((size() - 1) * out.nbytes());
+  count(op, (size() - 1) * out.nbytes());
   return do_reduce_scatter(in, out, rop);
 }
 
@@ -112,7 +122,7 @@ std::unique_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp rop) {
   const char* op = "all_reduce";
   check_tensor(*this, op, "tensor", t);
   check_op(*this, op, t, rop);
-  count(2 * (size() - 1) * t.nbytes() / size());
+  count(op, 2 * (size() - 1) * t.nbytes() / size());
   return do_all_reduce(t, rop);
 }
 
@@ -121,7 +131,7 @@ std::unique_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root) {
   check_tensor(*this, op, "tensor", t);
   LOOM_CHECK(root >= 0 && root < size(), op, " on ", describe(), ": root ", root,
              " is outside [0, ", size(), ")");
-  count(root == rank() ? t.nbytes() : 0);
+  count(op, root == rank() ? t.nbytes() : 0);
   return do_broadcast(t, root);
 }
 
@@ -130,7 +140,7 @@ std::unique_ptr<Work> ProcessGroup::send(const Tensor& t, int peer, int tag) {
   check_tensor(*this, op, "tensor", t);
   check_peer(*this, op, peer);
   LOOM_CHECK(tag >= 0, op, " on ", describe(), ": tag ", tag, " must be non-negative");
-  count(t.nbytes());
+  count(op, t.nbytes());
   return do_send(t, peer, tag);
 }
 
@@ -139,7 +149,7 @@ std::unique_ptr<Work> ProcessGroup::recv(const Tensor& t, int peer, int tag) {
   check_tensor(*this, op, "tensor", t);
   check_peer(*this, op, peer);
   LOOM_CHECK(tag >= 0, op, " on ", describe(), ": tag ", tag, " must be non-negative");
-  count(0);
+  count(op, 0);
   return do_recv(t, peer, tag);
 }
 
@@ -152,12 +162,12 @@ std::unique_ptr<Work> ProcessGroup::all_to_all(const Tensor& in, const Tensor& o
              tensor_str(in), " and out ", tensor_str(out),
              " must have the same number of elements, a multiple of the group size ", size());
   LOOM_CHECK(!overlaps(in, out), op, " on ", describe(), ": in and out overlap");
-  count((size() - 1) * in.nbytes() / size());
+  count(op, (size() - 1) * in.nbytes() / size());
   return do_all_to_all(in, out);
 }
 
 std::unique_ptr<Work> ProcessGroup::barrier() {
-  count(0);
+  count("barrier", 0);
   return do_barrier();
 }
 
@@ -193,6 +203,7 @@ class DoneWork final : public Work {
 
 void copy_bytes(const Tensor& dst, const Tensor& src) {
   if (dst.nbytes() == 0 || dst.raw() == src.raw()) return;
+  if (!holds_data(dst.device()) || !holds_data(src.device())) return;
   std::memcpy(dst.raw(), src.raw(), dst.nbytes());
 }
 
@@ -256,7 +267,7 @@ std::unique_ptr<Work> SingleProcessGroup::do_send(const Tensor& t, int, int tag)
     r.done = true;
     pending.pop_front();
   } else {
-    Tensor copy = Tensor::empty(t.shape(), t.dtype());
+    Tensor copy = Tensor::empty(t.shape(), t.dtype(), t.device());
     copy_bytes(copy, t);
     unmatched_sends_[tag].push_back(std::move(copy));
   }

@@ -104,6 +104,15 @@ class ProcessGroup {
   // Collective over this group: ranks with the same color form a new group, ordered by key (then
   // by rank here). Every rank must call it.
   virtual std::unique_ptr<ProcessGroup> split(int color, int key, std::string name) = 0;
+  // The same split where every rank already knows the new group's members (world ranks in group
+  // order; the mesh computes them): a backend that cannot communicate (the planner's simulated
+  // one) builds the group from them, the others split collectively as above.
+  virtual std::unique_ptr<ProcessGroup> split_known(int color, int key, std::string name,
+                                                    const std::vector<int>& members);
+
+  // Whether this backend takes tensors on `d`: those that move data need memory behind them;
+  // the single-process and simulated groups also take meta tensors (and move nothing).
+  virtual bool accepts(Device d) const { return holds_data(d); }
 
   const CommCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = CommCounters{}; }
@@ -122,9 +131,15 @@ class ProcessGroup {
 
   // Backends' Works report the time they spent in wait() here.
   void add_wait_seconds(double s) { counters_.wait_seconds += s; }
+  // Every issued collective as counted (op: "all_gather", "send"...; bytes by the convention
+  // above, 0 in a group of one): a backend that records the step's traffic hooks in here.
+  virtual void on_issue(std::string_view op, uint64_t bytes_sent) {
+    (void)op;
+    (void)bytes_sent;
+  }
 
  private:
-  void count(uint64_t bytes_sent);
+  void count(std::string_view op, uint64_t bytes_sent);
 
   std::string name_;
   int rank_;
@@ -140,6 +155,7 @@ class SingleProcessGroup final : public ProcessGroup {
   explicit SingleProcessGroup(std::string name = "world", int world_rank = 0);
   std::string_view backend() const override { return "single"; }
   std::unique_ptr<ProcessGroup> split(int color, int key, std::string name) override;
+  bool accepts(Device d) const override { return d != Device::elsewhere; }
 
  protected:
   std::unique_ptr<Work> do_all_gather(const Tensor& in, const Tensor& out) override;

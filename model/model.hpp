@@ -80,7 +80,7 @@ class Model {
   std::vector<ParamUnit*> units();
   size_t num_units() const { return blocks_.size() + 2; }
   // Whether this rank runs unit i (units() order): false for a pp rank's units of other stages,
-  // which hold no memory (built on Device::meta).
+  // which hold no memory (built on Device::elsewhere).
   bool uses(size_t unit) const { return used_.empty() || used_[unit]; }
   size_t num_blocks() const { return blocks_.size(); }
   int64_t num_params() const;  // this rank's (its tp slices, unsharded)
@@ -156,12 +156,13 @@ class Model {
   // Tensor and context parallelism as given (groups of one rank dropped): par() is ready for the
   // blocks the derived constructor makes.
   // `used` (empty: every unit): per unit (units() order), whether this rank runs it; the others
-  // are built on Device::meta (a pipeline rank's units of other stages: names and shapes for
+  // are built on Device::elsewhere (a pipeline rank's units of other stages: names and shapes for
   // bookkeeping, no memory), and init, zeroing, the optimizer and the norm skip them.
   Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp,
         std::vector<bool> used = {});
-  // Where unit i (units() order) lives: device(), or Device::meta where this rank does not use it.
-  Device unit_device(size_t unit) const { return uses(unit) ? device_ : Device::meta; }
+  // Where unit i (units() order) lives: device(), or Device::elsewhere where this rank does not
+  // use it.
+  Device unit_device(size_t unit) const { return uses(unit) ? device_ : Device::elsewhere; }
   // The derived constructor's units, in order. The model keeps them; block_unit(l) is block l's.
   void set_units(std::unique_ptr<ParamUnit> embed, std::vector<ParamUnit*> blocks,
                  std::unique_ptr<ParamUnit> head);

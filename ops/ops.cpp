@@ -59,7 +59,7 @@ float scale(int64_t D) {
 }  // namespace
 
 bool computes(Device device) {
-  return device != Device::meta;
+  return holds_data(device);
 }
 
 Tensor to_compute(const Tensor& x, DType dt) {
@@ -443,6 +443,14 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
 }
 
 double linear_cross_entropy(const LinearCrossEntropy& a) {
+  if (a.x.device() == Device::meta && rows(a.x) > 0) {
+    // The kernel's scratch for one chunk, alive for the call (the real run's allocator counts it).
+    const int64_t chunk = cpu::linear_cross_entropy_chunk(rows(a.x), a.V, a.chunk_rows);
+    Tensor logits = Tensor::empty({chunk, a.V}, DType::f32, Device::meta);
+    Tensor grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined())
+                        ? Tensor::empty({chunk, a.V}, DType::bf16, Device::meta)
+                        : Tensor();
+  }
   double loss = 0;
   on("linear_cross_entropy", a.x.device(), [&] {
     cpu::LinearCrossEntropyArgs ce;
@@ -488,4 +496,10 @@ void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int
   });
 }
 
+}  // namespace loom::ops
+
+namespace loom::ops {
+// TEMPORARY until the meta work recording lands (h5/hw): records nothing.
+RecordWork::RecordWork(std::function<void(const KernelWork&)>) {}
+RecordWork::~RecordWork() = default;
 }  // namespace loom::ops

@@ -1,7 +1,7 @@
 #include "parallel/fsdp.hpp"
 
 #include "core/error.hpp"
-#include "kernels/cpu/cast.hpp"
+#include "ops/ops.hpp"
 
 namespace loom::parallel {
 
@@ -89,10 +89,11 @@ void Fsdp::complete_reduce(size_t i) {
   UnitState& s = state_[i];
   ParamUnit& u = *units_[i];
   s.reduce.reset();
-  if (u.device() != Device::meta) {
+  if (u.device() != Device::elsewhere) {
     Tensor add = s.reduce_out;
     if (add.dtype() != DType::f32) add = add.to(DType::f32);
-    cpu::add_inplace(u.grad_shard().data<float>(), add.data<float>(), u.shard_numel());
+    Tensor g = u.grad_shard();
+    ops::add_inplace(g, add);
   }
   s.reduce_in = s.reduce_out = Tensor();
 }
@@ -108,7 +109,7 @@ void Fsdp::progress() {
 void Fsdp::before_forward(size_t i) {
   progress();
   wait_gather(i);
-  // Not across a pp stage boundary into a unit this rank does not hold (built on meta).
+  // Not across a pp stage boundary into a unit this rank does not hold (built elsewhere).
   if (i + 1 < prefetch_last_ && model_.uses(i + 1)) issue_gather(i + 1);
 }
 

@@ -46,7 +46,7 @@ struct PpPlan {
 };
 
 // The schedule and the stage split, known before the model is built so that the units of other
-// ranks' stages can be built on Device::meta.
+// ranks' stages can be built on Device::elsewhere.
 PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const ParallelizeOptions& o) {
   const int p = g.pp->size();
   pp::Schedule s = o.pp_schedule_csv.empty()

@@ -7,7 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/trace.hpp"
-#include "kernels/cpu/cast.hpp"
+#include "ops/ops.hpp"
 #include "parallel/pipeline/simulate.hpp"
 
 namespace loom {
@@ -45,8 +45,8 @@ PipelineExecutor::PipelineExecutor(Model& model, pp::Schedule schedule,
   // does.
   tied_across_ =
       model_.tie_word_embeddings() && schedule_.stage_rank.front() != schedule_.stage_rank.back();
-  // A unit this rank runs must hold memory: a model built for another rank's stages would run
-  // its kernels on Device::meta and silently compute nothing.
+  // A unit this rank runs must be on the model's device: a model built for another rank's stages
+  // would give its kernels tensors that are elsewhere.
   auto all = model_.units();
   for (size_t u : used_units())
     LOOM_CHECK(all[u]->device() == model_.device(), "pipeline: pp rank ", rank_, " uses unit ",
@@ -106,7 +106,8 @@ void PipelineExecutor::sum_tied_gradients() {
                             ": sending the tied embedding's gradient to pp rank ", peer));
   recv->wait();
   send->wait();
-  cpu::add_inplace(g.data<float>(), other.data<float>(), g.numel());
+  Tensor sum = g;
+  ops::add_inplace(sum, other);
 }
 
 int PipelineExecutor::unit_owner(size_t unit) const {

@@ -30,7 +30,7 @@ struct PipelineMicroBatch {
 // The units whose weights pp rank `rank` reads (ascending): its stages' and, when the model ties
 // its embeddings and the first and last stages are on different ranks, the embedding's replica on
 // the head's rank. A function of the schedule alone, so that the model can be built with the
-// other units on Device::meta before the executor exists.
+// other units on Device::elsewhere before the executor exists.
 std::vector<size_t> pp_used_units(const pp::Schedule& schedule,
                                   const std::vector<pp::UnitRange>& stage_units, int rank,
                                   bool tie_word_embeddings);

@@ -28,7 +28,8 @@ void AdamW::step(float lr) {
   ++step_;
   for (size_t i = 0; i < units_.size(); ++i) {
     ParamUnit& u = *units_[i];
-    if (u.device() == Device::meta) continue;
+    // Units elsewhere are other pp ranks'; on meta (a plan) there is nothing to compute.
+    if (!holds_data(u.device())) continue;
     // One fused call per run of adjacent parameters with the same weight decay (a block: its norm,
     // q..o, its norm, gate..down), cut to this rank's shard: few passes, each over a long
     // contiguous range. Offsets are within the shard (the whole flat buffer when unsharded).
@@ -65,7 +66,7 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
   std::vector<double> per_unit(units.size(), 0.0);
   for (size_t i = 0; i < units.size(); ++i) {
     ParamUnit* u = units[i];
-    if (u->device() == Device::meta || (!counted.empty() && !counted[i])) continue;
+    if (!holds_data(u->device()) || (!counted.empty() && !counted[i])) continue;
     const float* g = u->grad_shard().data<float>();
     if (tp == 1) {
       per_unit[i] = cpu::sum_squares(g, u->shard_numel());
@@ -88,7 +89,7 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
     // PyTorch adds 1e-6 to the norm in the denominator; do the same so clipped runs match.
     const float s = float(max_norm / (norm + 1e-6));
     for (ParamUnit* u : units)
-      if (u->device() != Device::meta)
+      if (holds_data(u->device()))
         cpu::scale_inplace(u->grad_shard().data<float>(), u->shard_numel(), s);
   }
   return norm;

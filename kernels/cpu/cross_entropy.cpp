@@ -108,6 +108,10 @@ constexpr int64_t kChunkBytes = int64_t{16} << 20;
 
 HWY_EXPORT(softmax_rows_impl);
 
+int64_t linear_cross_entropy_chunk(int64_t N, int64_t V, int64_t chunk_rows) {
+  return std::min(N, chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkBytes / (V * 4)));
+}
+
 double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   LOOM_CHECK(a.ab == DType::f32 || a.ab == DType::bf16,
              "linear_cross_entropy: x and w must be float32 or bfloat16, got ", dtype_name(a.ab));
@@ -125,8 +129,7 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
 
   const bool need_grad = a.dx || a.dw;
   const bool bf16_mode = a.ab == DType::bf16;
-  const int64_t chunk = std::min(
-      a.N, a.chunk_rows > 0 ? a.chunk_rows : std::max<int64_t>(1, kChunkBytes / (a.V * 4)));
+  const int64_t chunk = linear_cross_entropy_chunk(a.N, a.V, a.chunk_rows);
   const size_t esz = dtype_size(a.ab);
   // Allocated once per call from the caching allocator, so the scratch is counted in its stats.
   Tensor logits = Tensor::empty({chunk, a.V}, DType::f32);

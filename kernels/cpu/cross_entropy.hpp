@@ -19,6 +19,9 @@ struct LinearCrossEntropyArgs {
   int64_t chunk_rows = 0;  // 0: chosen so a chunk's logits stay ~16 MiB
 };
 
+// The rows of one chunk (its f32 logits, and with bf16 their bf16 gradient, are the call's
+// scratch from the caching allocator): what a meta run books for it.
+int64_t linear_cross_entropy_chunk(int64_t N, int64_t V, int64_t chunk_rows);
 // Returns the sum over non-ignored rows of -log softmax(x w^T)[target]. Throws loom::Error naming
 // the row if a target is >= V.
 double linear_cross_entropy(const LinearCrossEntropyArgs& a);

@@ -77,7 +77,7 @@ struct RingViews {
   Tensor kv_cols(const Tensor& qkv) const { return qkv.narrow(1, q_cols, kvw); }
   Tensor k(const Tensor& kv) const { return kv.narrow(1, 0, g.Hkv * g.hd); }
   Tensor v(const Tensor& kv) const { return kv.narrow(1, g.Hkv * g.hd, g.Hkv * g.hd); }
-  Tensor block() const { return Tensor::empty({M, kvw}, DType::f32); }
+  Tensor block(Device dev) const { return Tensor::empty({M, kvw}, DType::f32, dev); }
   ops::AttentionBlock shape(int r, int src) const {
     return {g.B, g.Hq, g.Hkv, &(*g.by_rank)[size_t(r)], &(*g.by_rank)[size_t(src)]};
   }
@@ -87,30 +87,28 @@ struct RingViews {
 
 void ring_attention_forward(const CpOptions& cp, const RingAttention& g, const Tensor& qkv,
                             Tensor& out, Tensor& lse) {
-  // Nothing moves on the meta device, and the ring's buffers are host memory it does not book.
-  if (!ops::computes(qkv.device())) return;
   dist::ProcessGroup& grp = *cp.group;
   const int n = cp.size(), r = cp.rank();
   const RingViews rv(g);
   const Tensor q = rv.q(qkv);
   ops::fill(out, 0.0f);
   ops::fill(lse, -std::numeric_limits<float>::infinity());
-  Tensor bo = Tensor::empty({rv.M, rv.q_cols}, DType::f32);
-  Tensor bl = Tensor::empty({g.B * g.Hq * g.T}, DType::f32);
+  Tensor bo = Tensor::empty({rv.M, rv.q_cols}, DType::f32, qkv.device());
+  Tensor bl = Tensor::empty({g.B * g.Hq * g.T}, DType::f32, qkv.device());
   auto consume = [&](const Tensor& kv, int src, const std::function<void()>& progress = {}) {
     if (!block_has_work(*g.by_rank, r, src)) return;
     ops::attention_block_forward(rv.shape(r, src), q, rv.k(kv), rv.v(kv), bo, bl, progress);
     ops::attention_merge(g.B, g.Hq, out, lse, bo, bl);
   };
   if (cp.allgather) {
-    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32);
+    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32, qkv.device());
     Tensor mine = all[r];
     ops::copy_rows(rv.kv_cols(qkv), mine);
     grp.all_gather(all[r], all)->wait();
     for (int s = 0; s < n; ++s) consume(all[s], s);
     return;
   }
-  Tensor cur = rv.block(), nxt = rv.block();
+  Tensor cur = rv.block(qkv.device()), nxt = rv.block(qkv.device());
   ops::copy_rows(rv.kv_cols(qkv), cur);
   for (int i = 0; i < n; ++i) {
     // The next block's transfer is in flight while this one is computed.
@@ -131,13 +129,12 @@ void ring_attention_forward(const CpOptions& cp, const RingAttention& g, const T
 void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const Tensor& qkv,
                              const Tensor& out, const Tensor& lse, const Tensor& dout,
                              Tensor& dqkv) {
-  if (!ops::computes(qkv.device())) return;
   dist::ProcessGroup& grp = *cp.group;
   const int n = cp.size(), r = cp.rank();
   const RingViews rv(g);
   const Tensor q = rv.q(qkv);
   Tensor dq = rv.q(dqkv);
-  Tensor delta = Tensor::empty({g.B * g.Hq * g.T}, DType::f32);
+  Tensor delta = Tensor::empty({g.B * g.Hq * g.T}, DType::f32, qkv.device());
   ops::attention_delta(g.B, g.Hq, out, dout, delta);
   ops::fill(dqkv, 0.0f);
   auto consume = [&](const Tensor& kv, Tensor& dkv, int src,
@@ -147,10 +144,10 @@ void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const 
     ops::attention_block_backward(rv.shape(r, src), q, rv.k(kv), rv.v(kv), lse, delta, dout, dq, dk,
                                   dv, progress);
   };
-  Tensor own = rv.block();
+  Tensor own = rv.block(qkv.device());
   if (cp.allgather) {
-    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32);
-    Tensor dall = Tensor::zeros({n, rv.M, rv.kvw}, DType::f32);
+    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32, qkv.device());
+    Tensor dall = Tensor::zeros({n, rv.M, rv.kvw}, DType::f32, qkv.device());
     Tensor mine = all[r];
     ops::copy_rows(rv.kv_cols(qkv), mine);
     grp.all_gather(all[r], all)->wait();
@@ -163,8 +160,9 @@ void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const 
     // dK/dV accumulators travel with their K/V block: the one for block (r - i) arrives from the
     // previous rank while this rank computes block (r - i)'s contribution into `part`, so the hop
     // overlaps compute; the sum is sent on at once. After n hops each rank holds its own keys'.
-    Tensor cur = rv.block(), nxt = rv.block(), part = rv.block(), in = rv.block();
-    Tensor out_acc = rv.block();
+    Tensor cur = rv.block(qkv.device()), nxt = rv.block(qkv.device()),
+           part = rv.block(qkv.device()), in = rv.block(qkv.device());
+    Tensor out_acc = rv.block(qkv.device());
     ops::copy_rows(rv.kv_cols(qkv), cur);
     const int next = (r + 1) % n, prev = (r + n - 1) % n;
     std::unique_ptr<dist::Work> acc_send, acc_recv;

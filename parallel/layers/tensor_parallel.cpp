@@ -16,26 +16,20 @@ int TpOptions::rank() const {
 
 Tensor tp_pooled(const TpRuntime& tp, const std::string& purpose, const Shape& shape, DType dt,
                  Device dev) {
-  // The pool holds real buffers only; a meta run books a fresh tensor per request.
-  if (!ops::computes(dev)) return Tensor::empty(shape, dt, dev);
   return tp.pool->get(purpose, dt, shape_numel(shape), dev).view(shape);
 }
 
 void tp_all_reduce(const TpRuntime& tp, Tensor& t) {
-  if (ops::computes(t.device()))
-    tp.opt.group->all_reduce(t.view({t.numel()}), dist::ReduceOp::sum)->wait();
+  tp.opt.group->all_reduce(t.view({t.numel()}), dist::ReduceOp::sum)->wait();
 }
 
 void tp_gather_rows(const TpRuntime& tp, const Tensor& in, Tensor& out) {
-  if (ops::computes(in.device()))
-    tp.opt.group->all_gather(in.view({in.numel()}), out.view({out.numel()}))->wait();
+  tp.opt.group->all_gather(in.view({in.numel()}), out.view({out.numel()}))->wait();
 }
 
 void tp_reduce_scatter_rows(const TpRuntime& tp, const Tensor& in, Tensor& out) {
-  if (ops::computes(in.device()))
-    tp.opt.group
-        ->reduce_scatter(in.view({in.numel()}), out.view({out.numel()}), dist::ReduceOp::sum)
-        ->wait();
+  tp.opt.group->reduce_scatter(in.view({in.numel()}), out.view({out.numel()}), dist::ReduceOp::sum)
+      ->wait();
 }
 
 Tensor tp_gather_input(const TpRuntime& tp, const Tensor& local) {
@@ -206,7 +200,7 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
     ops::vocab_shard_lse(l, Vr, a.targets + r0, v0, ls, tg);
   }
   // In place: this rank's row of lse_all is its input block.
-  if (ops::computes(dev)) tp.opt.group->all_gather(lse, lse_all.view({int64_t(n) * N}))->wait();
+  tp.opt.group->all_gather(lse, lse_all.view({int64_t(n) * N}))->wait();
   tp_all_reduce(tp, tgt);
   Tensor glse = Tensor::empty({N}, DType::f32, dev);
   const double loss = ops::vocab_shard_combine(lse_all, a.targets, tgt, glse);

@@ -180,7 +180,7 @@ TEST(GlaModelInterface, UnusedUnitsHoldNoMemory) {
       size_t expected = 0;
       auto pu = part->units(), wu = whole->units();
       for (size_t i = 0; i < n; ++i) {
-        EXPECT_EQ(pu[i]->device(), used[i] ? Device::cpu : Device::meta) << pu[i]->name();
+        EXPECT_EQ(pu[i]->device(), used[i] ? Device::cpu : Device::elsewhere) << pu[i]->name();
         if (!used[i]) continue;
         expected += size_t(pu[i]->numel()) * (8 + (dt == DType::bf16 ? 2 : 0));
         const Tensor a = pu[i]->master_shard(), b = wu[i]->master_shard();

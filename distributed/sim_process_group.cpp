@@ -1,0 +1,112 @@
+#include "distributed/sim_process_group.hpp"
+
+#include <cstring>
+
+#include "core/error.hpp"
+
+namespace loom::dist {
+
+namespace {
+
+// Moves nothing, but completes when a real backend's Work would, and like it holds its tensors
+// until then, so the buffers in flight count in the peak as in the real run: a point-to-point
+// transfer at its first test (MPI sends the step's messages eagerly), a collective only when
+// waited on (MPI's non-blocking collectives need every rank's progress, which a test rarely
+// finds done).
+class SimWork final : public Work {
+ public:
+  SimWork(std::vector<Tensor> held, bool done_on_test)
+      : held_(std::move(held)), done_on_test_(done_on_test) {}
+  void wait() override { done_ = true, held_.clear(); }
+  bool test() override {
+    if (done_on_test_) wait();
+    return done_;
+  }
+
+ private:
+  std::vector<Tensor> held_;
+  bool done_on_test_;
+  bool done_ = false;
+};
+
+std::unique_ptr<Work> done(std::vector<Tensor> held = {}, bool p2p = false) {
+  return std::make_unique<SimWork>(std::move(held), p2p);
+}
+
+// out's blocks (out.nbytes() / in.nbytes() of them) each take in's bytes.
+void replicate(const Tensor& in, const Tensor& out) {
+  if (!holds_data(in.device()) || !holds_data(out.device()) || in.nbytes() == 0) return;
+  const auto* src = static_cast<const char*>(in.raw());
+  auto* dst = static_cast<char*>(out.raw());
+  for (size_t off = 0; off + in.nbytes() <= out.nbytes(); off += in.nbytes())
+    if (dst + off != src) std::memmove(dst + off, src, in.nbytes());
+}
+
+}  // namespace
+
+SimProcessGroup::SimProcessGroup(std::string name, int rank, std::vector<int> world_ranks,
+                                 std::shared_ptr<SimLog> log)
+    : ProcessGroup(std::move(name), rank, std::move(world_ranks)), log_(std::move(log)) {
+  LOOM_CHECK(log_ != nullptr, "simulated ", describe(), " needs a log");
+}
+
+std::unique_ptr<ProcessGroup> SimProcessGroup::split(int, int, std::string name) {
+  fail("split of simulated ", describe(), " into '", name,
+       "': a simulated rank cannot ask the others for their colors; use split_known");
+}
+
+std::unique_ptr<ProcessGroup> SimProcessGroup::split_known(int color, int key, std::string name,
+                                                           const std::vector<int>& members) {
+  LOOM_CHECK(color >= 0, "split of ", describe(), ": color ", color, " must be non-negative");
+  LOOM_CHECK(key >= 0 && key < int(members.size()) && members[size_t(key)] == world_rank(),
+             "split of ", describe(), " into '", name, "': key ", key,
+             " does not place world rank ", world_rank(), " among the ", members.size(),
+             " members");
+  return std::make_unique<SimProcessGroup>(std::move(name), key, members, log_);
+}
+
+void SimProcessGroup::on_issue(std::string_view op, uint64_t bytes_sent) {
+  if (log_->recording) log_->calls.push_back({this, op, bytes_sent});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_all_gather(const Tensor& in, const Tensor& out) {
+  replicate(in, out);
+  return done({in, out});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_reduce_scatter(const Tensor& in, const Tensor& out,
+                                                         ReduceOp) {
+  if (holds_data(in.device()) && holds_data(out.device()) && out.nbytes() > 0)
+    std::memcpy(out.raw(), static_cast<const char*>(in.raw()) + rank() * out.nbytes(),
+                out.nbytes());
+  return done({in, out});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_all_reduce(const Tensor& t, ReduceOp) {
+  return done({t});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_broadcast(const Tensor& t, int) {
+  return done({t});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int) {
+  return done({t}, true);
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_recv(const Tensor& t, int, int) {
+  // What the peer would send is unknown here: zeros rather than stale bytes.
+  if (holds_data(t.device()) && t.nbytes() > 0) std::memset(t.raw(), 0, t.nbytes());
+  return done({t}, true);
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_all_to_all(const Tensor& in, const Tensor& out) {
+  replicate(in.view({in.numel()}).narrow(0, 0, in.numel() / size()), out);
+  return done({in, out});
+}
+
+std::unique_ptr<Work> SimProcessGroup::do_barrier() {
+  return done();
+}
+
+}  // namespace loom::dist

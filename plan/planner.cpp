@@ -1,0 +1,183 @@
+#include "plan/planner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <set>
+
+#include "core/allocator.hpp"
+#include "core/error.hpp"
+#include "distributed/sim_process_group.hpp"
+#include "parallel/parallelize.hpp"
+#include "train/launch.hpp"
+#include "train/optimizer.hpp"
+#include "train/step.hpp"
+
+namespace loom::plan {
+
+uint64_t GroupTraffic::calls() const {
+  uint64_t n = 0;
+  for (const Op& o : ops) n += o.calls;
+  return n;
+}
+
+uint64_t GroupTraffic::bytes() const {
+  uint64_t n = 0;
+  for (const Op& o : ops) n += o.bytes;
+  return n;
+}
+
+double RankPlan::flops() const {
+  double f = 0;
+  for (const PlannedKernel& k : kernels) f += k.work.flops;
+  return f;
+}
+
+dist::MeshLayout plan_layout(const PlanJob& j) {
+  LOOM_CHECK(j.world >= 1, "plan: --world must be at least 1, got ", j.world);
+  const ParallelDims dims = parallel_dims(j.job).resolved(j.world);
+  dims.validate(j.job.training.seq_len, j.world == 1);
+  return dist::MeshLayout(dims.mesh_shape(), j.world);
+}
+
+std::vector<int> representative_ranks(const dist::MeshLayout& layout) {
+  std::set<int> ranks;
+  for (int s = 0; s < layout.size("pp"); ++s) ranks.insert(layout.world_rank_of({s, 0, 0, 0, 0}));
+  ranks.insert(layout.world_size() - 1);
+  return {ranks.begin(), ranks.end()};
+}
+
+namespace {
+
+std::string role_of(const dist::MeshLayout& layout, int rank) {
+  const auto c = layout.coords(rank);
+  const int pp = layout.size("pp");
+  std::string role = pp > 1 ? str_cat("pp stage rank ", c[0], " of ", pp) : "";
+  bool first = true;
+  for (int d = 1; d < dist::kMeshDims; ++d) first = first && c[size_t(d)] == 0;
+  if (!first && rank == layout.world_size() - 1)
+    role += str_cat(role.empty() ? "" : ", ", "last shard/tp/cp rank");
+  if (role.empty()) role = "rank 0's role";
+  return role;
+}
+
+// Every group of the mesh the step may use, each once (ranges of dims with the same ranks share
+// one group), largest span first.
+std::vector<dist::ProcessGroup*> mesh_groups(const dist::Mesh& mesh) {
+  std::vector<dist::ProcessGroup*> out;
+  std::set<dist::ProcessGroup*> seen;
+  for (int first = 0; first < dist::kMeshDims; ++first)
+    for (int last = dist::kMeshDims - 1; last >= first; --last) {
+      std::string dims;
+      for (int d = first; d <= last; ++d)
+        dims += str_cat(d > first ? "," : "", dist::kMeshDimNames[size_t(d)]);
+      dist::ProcessGroup* g = &mesh.group(dims);
+      if (g->size() > 1 && seen.insert(g).second) out.push_back(g);
+    }
+  return out;
+}
+
+}  // namespace
+
+RankPlan plan_rank(const PlanJob& j, int rank) {
+  const JobConfig& job = j.job;
+  const dist::MeshLayout layout = plan_layout(j);
+  LOOM_CHECK(rank >= 0 && rank < j.world, "plan: rank ", rank, " is outside the world of ",
+             j.world);
+  RankPlan out;
+  out.rank = rank;
+  out.coords = layout.coords(rank);
+  out.role = role_of(layout, rank);
+
+  auto& alloc = Allocator::get(Device::meta);
+  LOOM_CHECK(alloc.stats().allocated == 0, "plan: the meta device still holds ",
+             alloc.stats().allocated, " bytes of an earlier plan");
+  alloc.empty_cache();
+  alloc.reset_peak();
+
+  auto log = std::make_shared<dist::SimLog>();
+  std::vector<int> everyone(static_cast<size_t>(j.world));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  std::unique_ptr<dist::Mesh> mesh;
+  if (j.world > 1)
+    mesh = std::make_unique<dist::Mesh>(
+        parallel_dims(job).resolved(j.world).mesh_shape(),
+        std::make_shared<dist::SimProcessGroup>("world", rank, everyone, log));
+
+  const DType compute = dtype_from_name(job.training.mixed_precision_param);
+  ParallelizeOptions options = parallelize_options(job);
+  options.device = Device::meta;
+  ParallelModel par = parallelize(j.model, compute, parallel_groups(mesh.get()), options);
+  Model& model = *par.model;
+  const AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1),
+                       float(job.optimizer.beta2), float(job.optimizer.eps),
+                       float(job.optimizer.weight_decay)};
+  AdamW opt(model.units(), oc);
+  out.states = alloc.stats().allocated;
+  out.optimizer = opt.state_bytes();
+  out.num_params = model.num_params();
+
+  // The trainer's step: grad_accum_steps runs of the pipeline's micro-batches (1 without pp),
+  // each B samples of T tokens; token ids do not matter on meta.
+  const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
+  const int64_t G = job.training.grad_accum_steps * pipeline_microbatches(job);
+  out.micro_batches = G;
+  out.tokens = G * B * T;
+  MicroBatch batch{B, T, std::vector<int32_t>(size_t(B * T), 0),
+                   std::vector<int32_t>(size_t(B * T), 0)};
+  TrainStep step(par, opt, job.training.max_norm, G * B * T * par.groups.size);
+  auto next = [&](int64_t) -> const MicroBatch& { return batch; };
+
+  const std::vector<dist::ProcessGroup*> groups =
+      mesh ? mesh_groups(*mesh) : std::vector<dist::ProcessGroup*>{};
+  step.run(G, next, job.optimizer.lr);
+
+  alloc.reset_peak();
+  for (dist::ProcessGroup* g : groups) g->reset_counters();
+  log->calls.clear();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto now_us = [&] {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  };
+  size_t logged = 0;
+  std::map<const dist::ProcessGroup*, size_t> index;
+  for (dist::ProcessGroup* g : groups) {
+    index[g] = out.groups.size();
+    out.groups.push_back({g->name(), g->size(), false, {}});
+  }
+  // Calls are stamped when the next kernel runs (or at the end): a collective issued between
+  // two kernels sits between them in time.
+  auto drain_calls = [&] {
+    const double at = now_us();
+    for (; logged < log->calls.size(); ++logged) {
+      const dist::SimCall& c = log->calls[logged];
+      const auto it = index.find(c.group);
+      if (it == index.end()) continue;  // a group of one: nothing moves
+      out.calls.push_back({it->second, std::string(c.op), c.bytes_sent, at});
+    }
+  };
+  {
+    ops::RecordWork record([&](const ops::KernelWork& w) {
+      drain_calls();
+      out.kernels.push_back({w, now_us()});
+    });
+    step.run(G, next, job.optimizer.lr);
+  }
+  drain_calls();
+  for (const PlannedCall& c : out.calls) {
+    GroupTraffic& g = out.groups[c.group];
+    auto it = std::find_if(g.ops.begin(), g.ops.end(),
+                           [&](const GroupTraffic::Op& o) { return o.op == c.op; });
+    if (it == g.ops.end()) it = g.ops.insert(g.ops.end(), {c.op, 0, 0});
+    it->calls += 1;
+    it->bytes += c.bytes;
+  }
+  const AllocatorStats st = alloc.stats();
+  out.peak_allocated = st.peak_allocated;
+  out.peak_reserved = st.peak_reserved;
+  return out;
+}
+
+}  // namespace loom::plan

@@ -1,0 +1,85 @@
+#pragma once
+// The planner's run of one rank (`loom plan`, DESIGN.md decision 9): the real training step of
+// `loom train` (parallelize, AdamW, TrainStep, the trainer's micro-batches per step) on the meta
+// device, whose allocator books every tensor the real run allocates (same sizes, rounding and
+// cache) with no memory behind it, and over simulated process groups
+// (distributed/sim_process_group.hpp) that record every collective instead of moving data.
+// Nothing of the model is materialized, so 405B on hundreds of ranks plans on a laptop.
+//
+// Two steps run and the second is reported, as `loom bench step` times steps after a warm-up:
+// AdamW's moments exist and the allocator's cache is warm. Value-dependent branches take the
+// healthy run's path: the loss and the gradient norm come out 0 (finite, under any clip bound).
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "distributed/mesh.hpp"
+#include "model/model_config.hpp"
+#include "ops/ops.hpp"
+#include "train/config.hpp"
+
+namespace loom::plan {
+
+// One group's traffic in the planned step, by op (ProcessGroup's byte convention).
+struct GroupTraffic {
+  std::string name;  // "dp_shard", "tp", "dp_shard,cp", "world"...
+  int size = 1;
+  bool spans_nodes = false;  // filled by the time model (ranks per node), false here
+  struct Op {
+    std::string op;  // "all_gather", "send"...
+    uint64_t calls = 0, bytes = 0;
+  };
+  std::vector<Op> ops;
+  uint64_t calls() const;
+  uint64_t bytes() const;
+};
+
+// One issued call in order: the time model prices it.
+struct PlannedCall {
+  size_t group = 0;  // index into RankPlan::groups
+  std::string op;
+  uint64_t bytes = 0;
+  double at_us = 0;  // the plan run's clock when issued (orders it among the kernels)
+};
+
+struct PlannedKernel {
+  ops::KernelWork work;
+  double at_us = 0;
+};
+
+struct RankPlan {
+  int rank = 0;
+  std::array<int, dist::kMeshDims> coords{};  // pp, dp_replicate, dp_shard, cp, tp
+  std::string role;                           // "pp stage 0", "last rank (padded shard)"...
+  size_t peak_allocated = 0, peak_reserved = 0;
+  size_t states = 0;  // parameters' shards, their gradients, the bf16 mirror, AdamW's moments
+  size_t optimizer = 0;
+  int64_t num_params = 0;     // this rank's (its tp slices, unsharded)
+  int64_t micro_batches = 0;  // per step, as `loom train` runs them
+  int64_t tokens = 0;         // this rank's tokens per step (B x T x micro-batches)
+  std::vector<GroupTraffic> groups;
+  std::vector<PlannedCall> calls;
+  std::vector<PlannedKernel> kernels;
+  double flops() const;  // the kernels' total (hardware FLOPs, recomputation included)
+};
+
+// The job as `loom train` would run it on `world` ranks.
+struct PlanJob {
+  JobConfig job;
+  ModelConfig model;
+  int world = 1;
+};
+
+// The mesh layout of the job (loom::Error naming the key when the world does not fit it).
+dist::MeshLayout plan_layout(const PlanJob& j);
+
+// The ranks worth planning: per pp stage the rank at dp = cp = tp = 0, and the world's last rank
+// (the last FSDP shard, where padding lives, and the last tp and cp rank); the others mirror one
+// of these.
+std::vector<int> representative_ranks(const dist::MeshLayout& layout);
+
+// Plans `rank` (loom::Error for bad settings, naming the key, before anything runs).
+RankPlan plan_rank(const PlanJob& j, int rank);
+
+}  // namespace loom::plan
