@@ -1,6 +1,7 @@
 #include "core/allocator.hpp"
 
 #include <cstdlib>
+#include <utility>
 
 #include "core/error.hpp"
 
@@ -18,6 +19,29 @@ std::string_view device_name(Device d) {
       return "elsewhere";
   }
   return "?";
+}
+
+std::string_view memory_use_name(MemoryUse u) {
+  switch (u) {
+    case MemoryUse::work:
+      return "activations and working buffers";
+    case MemoryUse::states:
+      return "parameters, gradients, bf16 copies";
+    case MemoryUse::optimizer:
+      return "optimizer state";
+    case MemoryUse::gathered:
+      return "gathered units and full gradients";
+    case MemoryUse::communication:
+      return "communication buffers";
+    case MemoryUse::loss:
+      return "loss workspace";
+  }
+  return "?";
+}
+
+MemoryUse Allocator::set_use(MemoryUse use) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(use_, use);
 }
 
 Allocator& Allocator::get(Device device) {
@@ -96,14 +120,19 @@ Allocator::Block Allocator::allocate(size_t bytes) {
     if (stats_.reserved > stats_.peak_reserved) stats_.peak_reserved = stats_.reserved;
   }
   stats_.allocated += size;
-  if (stats_.allocated > stats_.peak_allocated) stats_.peak_allocated = stats_.allocated;
-  return Block{p, size};
+  stats_.by_use[size_t(use_)] += size;
+  if (stats_.allocated > stats_.peak_allocated) {
+    stats_.peak_allocated = stats_.allocated;
+    stats_.by_use_at_peak = stats_.by_use;
+  }
+  return Block{p, size, use_};
 }
 
 void Allocator::deallocate(Block block) {
   if (!block.ptr) return;
   std::lock_guard<std::mutex> lock(mu_);
   stats_.allocated -= block.size;
+  stats_.by_use[size_t(block.use)] -= block.size;
   cache_.emplace(block.size, block.ptr);
 }
 
@@ -115,6 +144,7 @@ AllocatorStats Allocator::stats() const {
 void Allocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.peak_allocated = stats_.allocated;
+  stats_.by_use_at_peak = stats_.by_use;
   stats_.peak_reserved = stats_.reserved;
 }
 

@@ -3,14 +3,23 @@
 // of a similar size, so a training step allocates from the OS only on the first step. The
 // statistics are what `loom bench` and `loom plan` report: `allocated` counts the bytes of live
 // tensors, `reserved` also counts the cached blocks.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 #include "core/device.hpp"
 
 namespace loom {
+
+// What a block is for: the planner's breakdown of a peak. An allocation takes the use set on its
+// allocator when it is made (MemoryUseScope); `work` is the default: activations saved for
+// backward and the working buffers of the step.
+enum class MemoryUse : uint8_t { work, states, optimizer, gathered, communication, loss };
+inline constexpr size_t kMemoryUses = 6;
+std::string_view memory_use_name(MemoryUse u);
 
 struct AllocatorStats {
   size_t allocated = 0;
@@ -19,6 +28,8 @@ struct AllocatorStats {
   size_t peak_reserved = 0;
   size_t num_allocs = 0;     // requests served
   size_t num_os_allocs = 0;  // requests that had to reserve new memory
+  std::array<size_t, kMemoryUses> by_use{};          // allocated, by use
+  std::array<size_t, kMemoryUses> by_use_at_peak{};  // the same at the peak of `allocated`
 };
 
 class Allocator {
@@ -34,6 +45,7 @@ class Allocator {
   struct Block {
     void* ptr = nullptr;
     size_t size = 0;  // what was handed out (>= the request); pass it back to deallocate
+    MemoryUse use = MemoryUse::work;
   };
   // A block of at least `bytes`, 64-byte aligned. On the meta device the address is a unique tag
   // that must never be dereferenced.
@@ -47,6 +59,8 @@ class Allocator {
   static size_t round_size(size_t bytes);
 
   Device device() const { return device_; }
+  // The use later allocations are booked under; returns the previous one.
+  MemoryUse set_use(MemoryUse use);
 
  private:
   void* os_alloc(size_t bytes);
@@ -58,6 +72,22 @@ class Allocator {
   AllocatorStats stats_;
   size_t limit_ = 0;
   uintptr_t next_meta_ = 0x1000;
+  MemoryUse use_ = MemoryUse::work;
+};
+
+// Books the allocations made on `device` during its life under `use` (then restores the previous
+// use): the model's states, the optimizer's, FSDP's gathered units, communication buffers...
+class MemoryUseScope {
+ public:
+  MemoryUseScope(Device device, MemoryUse use)
+      : alloc_(Allocator::get(device)), prev_(alloc_.set_use(use)) {}
+  ~MemoryUseScope() { alloc_.set_use(prev_); }
+  MemoryUseScope(const MemoryUseScope&) = delete;
+  MemoryUseScope& operator=(const MemoryUseScope&) = delete;
+
+ private:
+  Allocator& alloc_;
+  MemoryUse prev_;
 };
 
 }  // namespace loom

@@ -9,28 +9,26 @@ namespace loom::dist {
 namespace {
 
 // Moves nothing, but completes when a real backend's Work would, and like it holds its tensors
-// until then, so the buffers in flight count in the peak as in the real run: a point-to-point
-// transfer at its first test (MPI sends the step's messages eagerly), a collective only when
-// waited on (MPI's non-blocking collectives need every rank's progress, which a test rarely
-// finds done).
+// until then, so the buffers in flight count in the peak as in the real run: a collective only
+// when waited on (MPI's non-blocking collectives need every rank's progress, which a test rarely
+// finds done), a point-to-point transfer on its n-th test (SimLog::send_tests).
 class SimWork final : public Work {
  public:
-  SimWork(std::vector<Tensor> held, bool done_on_test)
-      : held_(std::move(held)), done_on_test_(done_on_test) {}
+  SimWork(std::vector<Tensor> held, int tests) : held_(std::move(held)), tests_left_(tests) {}
   void wait() override { done_ = true, held_.clear(); }
   bool test() override {
-    if (done_on_test_) wait();
+    if (!done_ && tests_left_ > 0 && --tests_left_ == 0) wait();
     return done_;
   }
 
  private:
   std::vector<Tensor> held_;
-  bool done_on_test_;
+  int tests_left_;  // 0: only wait() completes it
   bool done_ = false;
 };
 
-std::unique_ptr<Work> done(std::vector<Tensor> held = {}, bool p2p = false) {
-  return std::make_unique<SimWork>(std::move(held), p2p);
+std::unique_ptr<Work> done(std::vector<Tensor> held = {}, int tests = 0) {
+  return std::make_unique<SimWork>(std::move(held), tests);
 }
 
 // out's blocks (out.nbytes() / in.nbytes() of them) each take in's bytes.
@@ -66,7 +64,7 @@ std::unique_ptr<ProcessGroup> SimProcessGroup::split_known(int color, int key, s
 }
 
 void SimProcessGroup::on_issue(std::string_view op, uint64_t bytes_sent) {
-  if (log_->recording) log_->calls.push_back({this, op, bytes_sent});
+  log_->calls.push_back({this, op, bytes_sent});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_gather(const Tensor& in, const Tensor& out) {
@@ -90,14 +88,15 @@ std::unique_ptr<Work> SimProcessGroup::do_broadcast(const Tensor& t, int) {
   return done({t});
 }
 
-std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int) {
-  return done({t}, true);
+std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int tag) {
+  const auto it = log_->send_tests.find({this, tag});
+  return done({t}, it == log_->send_tests.end() ? 1 : it->second);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_recv(const Tensor& t, int, int) {
   // What the peer would send is unknown here: zeros rather than stale bytes.
   if (holds_data(t.device()) && t.nbytes() > 0) std::memset(t.raw(), 0, t.nbytes());
-  return done({t}, true);
+  return done({t}, 1);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_to_all(const Tensor& in, const Tensor& out) {

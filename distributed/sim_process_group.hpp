@@ -7,6 +7,7 @@
 // The step's small host-side reductions (the loss, the gradient norm's squared sums) see their own
 // value in every block, as if every rank held the same: they stay finite, so the step takes the
 // path a healthy run takes (the plan says so). Meta tensors are not touched.
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -25,7 +26,10 @@ struct SimCall {
 
 struct SimLog {
   std::vector<SimCall> calls;
-  bool recording = true;  // off: calls are counted by the groups but not logged
+  // When a send completes, by group and tag: on its n-th test (n > 0) or only when waited on
+  // (n = 0). A pipeline's sends complete when their receiver has posted the receive, which the
+  // schedule simulator knows (pp::SimResult::send_tests); other sends at their first test.
+  std::map<std::pair<const ProcessGroup*, int>, int> send_tests;
 };
 
 class SimProcessGroup final : public ProcessGroup {

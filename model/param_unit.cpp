@@ -128,6 +128,7 @@ DType ParamUnit::gather_dtype() const {
 
 void ParamUnit::materialize_weights() {
   if (!sharded() || full_.defined()) return;
+  const MemoryUseScope use(device_, MemoryUse::gathered);
   full_ = Tensor::empty({padded_}, gather_dtype(), device_);
   if (gather_dtype() == DType::f32) {
     flat_ = full_.narrow(0, 0, numel_);
@@ -155,6 +156,7 @@ void ParamUnit::release_weights() {
 
 void ParamUnit::materialize_grads() {
   if (!sharded() || grad_flat_.defined()) return;
+  const MemoryUseScope use(device_, MemoryUse::gathered);
   grad_flat_ = Tensor::zeros({padded_}, DType::f32, device_);
   bind_views();
 }

@@ -446,6 +446,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch for one chunk, alive for the call (the real run's allocator counts it).
     const int64_t chunk = cpu::linear_cross_entropy_chunk(rows(a.x), a.V, a.chunk_rows);
+    const MemoryUseScope use(Device::meta, MemoryUse::loss);
     Tensor logits = Tensor::empty({chunk, a.V}, DType::f32, Device::meta);
     Tensor grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined())
                         ? Tensor::empty({chunk, a.V}, DType::bf16, Device::meta)

@@ -153,6 +153,7 @@ void Fsdp::reduce(size_t i) {
     s.reduce->wait();
     complete_reduce(i);
   }
+  const MemoryUseScope use(u.device(), MemoryUse::communication);
   s.reduce_in = config_.reduce_dtype == DType::f32 ? u.grad_flat() : u.grad_flat().to(DType::bf16);
   s.reduce_out = Tensor::empty({u.shard_numel()}, config_.reduce_dtype, u.device());
   s.reduce = shard_.reduce_scatter(s.reduce_in, s.reduce_out, dist::ReduceOp::sum);

@@ -161,6 +161,7 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     if (k >= order.size()) return;
     for (const pp::Message& m : pp::inputs_of(s, order[k])) {
       Posted p;
+      const MemoryUseScope use(model_.device(), MemoryUse::communication);
       p.buf = Tensor::empty({rows_of(m.mb), d}, DType::f32, model_.device());
       const int peer = pp::sender_of(s, m);
       p.work = group_->recv(p.buf, peer, pp::message_tag(m, s.stages, s.microbatches));

@@ -5,12 +5,14 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "distributed/sim_process_group.hpp"
 #include "parallel/parallelize.hpp"
+#include "parallel/pipeline/simulate.hpp"
 #include "train/launch.hpp"
 #include "train/optimizer.hpp"
 #include "train/step.hpp"
@@ -109,12 +111,30 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   const DType compute = dtype_from_name(job.training.mixed_precision_param);
   ParallelizeOptions options = parallelize_options(job);
   options.device = Device::meta;
-  ParallelModel par = parallelize(j.model, compute, parallel_groups(mesh.get()), options);
+  ParallelModel par = [&] {
+    const MemoryUseScope use(Device::meta, MemoryUse::states);
+    return parallelize(j.model, compute, parallel_groups(mesh.get()), options);
+  }();
   Model& model = *par.model;
+  if (par.pipeline) {
+    // A send completes when its receiver has posted the receive: when that is, in the
+    // executor's tests, comes from the schedule simulated on every rank (the costs of the
+    // memory model's walk, parallel/cost_model.cpp).
+    const pp::Schedule& s = par.pipeline->schedule();
+    const pp::SimResult sim = pp::simulate(s, pp::unit_costs(1, 2, 1, 1));
+    LOOM_CHECK(!sim.deadlock, "pipeline schedule ", s.name, " deadlocks: ", sim.blocked);
+    for (const auto& [msg, tests] : sim.send_tests[size_t(par.pipeline->rank())])
+      log->send_tests[{par.groups.pp, pp::message_tag(msg, s.stages, s.microbatches)}] = tests;
+  }
   const AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1),
                        float(job.optimizer.beta2), float(job.optimizer.eps),
                        float(job.optimizer.weight_decay)};
-  AdamW opt(model.units(), oc);
+  std::optional<AdamW> made;
+  {
+    const MemoryUseScope use(Device::meta, MemoryUse::optimizer);
+    made.emplace(model.units(), oc);
+  }
+  AdamW& opt = *made;
   out.states = alloc.stats().allocated;
   out.optimizer = opt.state_bytes();
   out.num_params = model.num_params();
@@ -177,6 +197,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   const AllocatorStats st = alloc.stats();
   out.peak_allocated = st.peak_allocated;
   out.peak_reserved = st.peak_reserved;
+  out.at_peak = st.by_use_at_peak;
   return out;
 }
 

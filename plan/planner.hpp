@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "distributed/mesh.hpp"
 #include "model/model_config.hpp"
 #include "ops/ops.hpp"
@@ -53,6 +54,8 @@ struct RankPlan {
   std::array<int, dist::kMeshDims> coords{};  // pp, dp_replicate, dp_shard, cp, tp
   std::string role;                           // "pp stage 0", "last rank (padded shard)"...
   size_t peak_allocated = 0, peak_reserved = 0;
+  // What the peak is made of (Allocator's MemoryUse).
+  std::array<size_t, kMemoryUses> at_peak{};
   size_t states = 0;  // parameters' shards, their gradients, the bf16 mirror, AdamW's moments
   size_t optimizer = 0;
   int64_t num_params = 0;     // this rank's (its tp slices, unsharded)

@@ -132,6 +132,7 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   const int64_t chunk = linear_cross_entropy_chunk(a.N, a.V, a.chunk_rows);
   const size_t esz = dtype_size(a.ab);
   // Allocated once per call from the caching allocator, so the scratch is counted in its stats.
+  const MemoryUseScope use(Device::cpu, MemoryUse::loss);
   Tensor logits = Tensor::empty({chunk, a.V}, DType::f32);
   Tensor grad16 = bf16_mode && need_grad ? Tensor::empty({chunk, a.V}, DType::bf16) : Tensor();
   float* L = logits.data<float>();

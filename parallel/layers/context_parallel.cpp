@@ -77,7 +77,15 @@ struct RingViews {
   Tensor kv_cols(const Tensor& qkv) const { return qkv.narrow(1, q_cols, kvw); }
   Tensor k(const Tensor& kv) const { return kv.narrow(1, 0, g.Hkv * g.hd); }
   Tensor v(const Tensor& kv) const { return kv.narrow(1, g.Hkv * g.hd, g.Hkv * g.hd); }
-  Tensor block(Device dev) const { return Tensor::empty({M, kvw}, DType::f32, dev); }
+  Tensor block(Device dev) const {
+    const MemoryUseScope use(dev, MemoryUse::communication);
+    return Tensor::empty({M, kvw}, DType::f32, dev);
+  }
+  Tensor all(int n, Device dev, bool zeroed = false) const {
+    const MemoryUseScope use(dev, MemoryUse::communication);
+    return zeroed ? Tensor::zeros({n, M, kvw}, DType::f32, dev)
+                  : Tensor::empty({n, M, kvw}, DType::f32, dev);
+  }
   ops::AttentionBlock shape(int r, int src) const {
     return {g.B, g.Hq, g.Hkv, &(*g.by_rank)[size_t(r)], &(*g.by_rank)[size_t(src)]};
   }
@@ -101,7 +109,7 @@ void ring_attention_forward(const CpOptions& cp, const RingAttention& g, const T
     ops::attention_merge(g.B, g.Hq, out, lse, bo, bl);
   };
   if (cp.allgather) {
-    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32, qkv.device());
+    Tensor all = rv.all(n, qkv.device());
     Tensor mine = all[r];
     ops::copy_rows(rv.kv_cols(qkv), mine);
     grp.all_gather(all[r], all)->wait();
@@ -146,8 +154,8 @@ void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const 
   };
   Tensor own = rv.block(qkv.device());
   if (cp.allgather) {
-    Tensor all = Tensor::empty({n, rv.M, rv.kvw}, DType::f32, qkv.device());
-    Tensor dall = Tensor::zeros({n, rv.M, rv.kvw}, DType::f32, qkv.device());
+    Tensor all = rv.all(n, qkv.device());
+    Tensor dall = rv.all(n, qkv.device(), true);
     Tensor mine = all[r];
     ops::copy_rows(rv.kv_cols(qkv), mine);
     grp.all_gather(all[r], all)->wait();

@@ -16,6 +16,7 @@ int TpOptions::rank() const {
 
 Tensor tp_pooled(const TpRuntime& tp, const std::string& purpose, const Shape& shape, DType dt,
                  Device dev) {
+  const MemoryUseScope use(dev, MemoryUse::communication);
   return tp.pool->get(purpose, dt, shape_numel(shape), dev).view(shape);
 }
 
@@ -186,6 +187,7 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
   Tensor tgt = tp_pooled(tp, "ce_target", {N}, DType::f32, dev);
   // The logits chunk is the loss's workspace (sized by the memory budget of the chunk rows), not
   // a communication buffer: allocated here, as the single-rank loss does.
+  const MemoryUseScope use(dev, MemoryUse::loss);
   Tensor logits = Tensor::empty({rows, V}, DType::f32, dev);
   // Columns past the real vocabulary are padding (a vocabulary tp does not divide): never
   // predicted, so left out of the softmax and given no gradient.

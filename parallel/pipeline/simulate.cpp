@@ -79,6 +79,43 @@ std::vector<double> peak_bytes(const Schedule& s,
   return out;
 }
 
+// Each rank's sends and the test that frees each (SimResult::send_tests): the walk of peak_bytes,
+// counting the tests instead of bytes.
+std::vector<std::vector<std::pair<Message, int>>> send_tests(
+    const std::vector<std::vector<LoweredOp>>& lowered, const std::vector<std::vector<double>>& at,
+    const std::map<Key, double>& send_posted, const std::map<Key, double>& recv_posted,
+    double comm) {
+  std::vector<std::vector<std::pair<Message, int>>> out(lowered.size());
+  for (size_t r = 0; r < lowered.size(); ++r) {
+    const auto& ops = lowered[r];
+    struct Pending {
+      size_t index;       // into out[r]
+      double completion;  // when both sides are posted, plus the transfer
+    };
+    std::vector<Pending> pending;
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const LoweredOp& op = ops[k];
+      if (op.step == Step::post_send) {
+        pending.push_back(
+            {out[r].size(),
+             std::max(send_posted.at(key(op.msg)), recv_posted.at(key(op.msg))) + comm});
+        out[r].push_back({op.msg, 0});
+      }
+      const bool action_done = (op.step == Step::compute || op.step == Step::post_send) &&
+                               (k + 1 == ops.size() || ops[k + 1].step != Step::post_send);
+      if (!action_done) continue;
+      const double now = at[r][k];
+      // Every pending send is tested once more; those complete before now are freed.
+      std::erase_if(pending, [&](const Pending& p) {
+        ++out[r][p.index].second;
+        return p.completion < now;
+      });
+    }
+    for (const Pending& p : pending) out[r][p.index].second = 0;
+  }
+  return out;
+}
+
 }  // namespace
 
 int message_tag(const Message& msg, int stages, int microbatches) {
@@ -227,6 +264,7 @@ SimResult simulate(const Schedule& s, const ActionCost& cost, double comm,
   }
   res.makespan = *std::max_element(t.begin(), t.end());
   for (size_t r = 0; r < P; ++r) res.idle.push_back(res.makespan - res.busy[r]);
+  if (!res.deadlock) res.send_tests = send_tests(lowered, at, send_posted, recv_posted, comm);
   if (memory && !res.deadlock)
     res.peak_bytes = peak_bytes(s, lowered, at, send_posted, recv_posted, comm, *memory);
   return res;

@@ -79,6 +79,11 @@ struct SimResult {
   std::vector<int> peak_held;      // per rank, stage-micro-batches (divide by v for whole ranks)
   std::vector<int> sends;          // per rank, messages sent in the step
   std::vector<double> peak_bytes;  // per rank, given a MemoryModel (empty otherwise)
+  // Per rank, each message it sends: how many tests the executor makes of its send (one after
+  // each action, from the action that posts it on) until the test that finds it complete and
+  // frees its buffer; 0: none does, the step's final wait for the sends frees it. The planner's
+  // simulated sends complete on the same test.
+  std::vector<std::vector<std::pair<Message, int>>> send_tests;
   double bubble() const;           // idle / (ranks x makespan)
 };
 // `comm`: the time of one transfer once both sides are posted. With `memory`, peak_bytes too.
