@@ -12,12 +12,19 @@
 // attention's working set in backward beyond Model::ring_working_bytes, so under cp the
 // measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full activation
 // checkpointing, where a block's backward is the peak).
+//
+// With --json under a mesh, rank 0 prints after the table one more line, a JSON object with every
+// rank's peaks and its calls and bytes per group per timed step (mesh_json below): what
+// `loom plan` must reproduce on the meta device.
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
@@ -75,6 +82,87 @@ std::vector<std::vector<int64_t>> gather_rows(dist::Mesh* mesh, const std::vecto
           int64_t((uint64_t(uint32_t(p[0])) << 32) | uint64_t(uint32_t(p[1])));
     }
   return rows;
+}
+
+// FNV-1a of the group names in order: the ranks must list the same groups for the per-group
+// counters to line up in one gather (they do, the groups follow the layout; this says so).
+int64_t names_hash(const std::vector<dist::ProcessGroup*>& groups) {
+  uint64_t h = 1469598103934665603ull;
+  for (const dist::ProcessGroup* g : groups) {
+    for (const char c : g->name() + ";") h = (h ^ uint64_t(uint8_t(c))) * 1099511628211ull;
+  }
+  return int64_t(h);
+}
+
+// The job's figures as one JSON object, gathered on every rank (each rank calls it):
+//   {"world", "layout": {dim: size}, "warmup_steps", "timed_steps",
+//    "ranks": [{"rank", "coords": {dim: i}, "peak_allocated_bytes", "peak_reserved_bytes",
+//               "bytes_per_step", "step_s", "tokens_per_s",
+//               "groups": {name: {"size", "calls", "bytes", "wait_s", "exact"}}}]}
+// A group's calls and bytes are its counters over the timed steps divided by their number;
+// "exact" is false where that division leaves a remainder (the steps differed), and then the
+// figures are the floor. Doubles travel as their bits, so step_s is rank r's own median.
+// `measured`: each group's counters at the end of the timed steps.
+nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::ProcessGroup*>& groups,
+                                 const std::vector<dist::CommCounters>& measured,
+                                 const AllocatorStats& st, uint64_t sent_per_step, double step_s,
+                                 double tokens_per_s, int warmup, uint64_t timed) {
+  const std::vector<std::vector<int64_t>> rows = gather_rows(
+      &mesh, {int64_t(st.peak_allocated), int64_t(st.peak_reserved), int64_t(sent_per_step),
+              std::bit_cast<int64_t>(step_s), std::bit_cast<int64_t>(tokens_per_s),
+              int64_t(groups.size()), names_hash(groups)});
+  for (size_t r = 1; r < rows.size(); ++r)
+    LOOM_CHECK(rows[r][5] == rows[0][5] && rows[r][6] == rows[0][6], "bench step --json: rank ", r,
+               " communicates on other groups than rank 0 (", rows[r][5], " against ", rows[0][5],
+               ")");
+  std::vector<int64_t> mine;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const dist::CommCounters& c = measured[i];
+    mine.insert(mine.end(), {int64_t(groups[i]->size()), int64_t(c.calls), int64_t(c.bytes_sent),
+                             std::bit_cast<int64_t>(c.wait_seconds)});
+  }
+  const std::vector<std::vector<int64_t>> counters = gather_rows(&mesh, mine);
+
+  const dist::MeshLayout& layout = mesh.layout();
+  auto dims_json = [](const std::array<int, dist::kMeshDims>& v) {
+    nlohmann::ordered_json o;
+    for (int d = 0; d < dist::kMeshDims; ++d) o[std::string(dist::kMeshDimNames[d])] = v[d];
+    return o;
+  };
+  nlohmann::ordered_json out;
+  out["world"] = mesh.world_size();
+  out["layout"] = dims_json(layout.sizes());
+  out["warmup_steps"] = warmup;
+  out["timed_steps"] = timed;
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const std::vector<int64_t>& w = rows[r];
+    nlohmann::ordered_json rank;
+    rank["rank"] = r;
+    rank["coords"] = dims_json(layout.coords(int(r)));
+    rank["peak_allocated_bytes"] = w[0];
+    rank["peak_reserved_bytes"] = w[1];
+    rank["bytes_per_step"] = w[2];
+    rank["step_s"] = std::bit_cast<double>(w[3]);
+    rank["tokens_per_s"] = std::bit_cast<double>(w[4]);
+    nlohmann::ordered_json per_group = nlohmann::ordered_json::object();
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const int64_t* c = counters[r].data() + 4 * i;
+      const uint64_t calls = uint64_t(c[1]), bytes = uint64_t(c[2]);
+      // Names from this rank's groups: the hash check above says every rank has the same list.
+      LOOM_CHECK(!per_group.contains(groups[i]->name()), "bench step --json: two groups named '",
+                 groups[i]->name(), "'");
+      per_group[groups[i]->name()] = {{"size", c[0]},
+                                      {"calls", calls / timed},
+                                      {"bytes", bytes / timed},
+                                      {"wait_s", std::bit_cast<double>(c[3]) / double(timed)},
+                                      {"exact", calls % timed == 0 && bytes % timed == 0}};
+    }
+    rank["groups"] = std::move(per_group);
+    ranks.push_back(std::move(rank));
+  }
+  out["ranks"] = std::move(ranks);
+  return out;
 }
 
 }  // namespace
@@ -165,9 +253,12 @@ int bench_command(const Args& args) {
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     losses.push_back(r.loss);
   }
+  // Taken now: the gathers of the figures below count on the world group too.
+  std::vector<dist::CommCounters> measured;
   uint64_t bytes_measured = 0;
   double wait_s = 0;
   for (dist::ProcessGroup* g : groups) {
+    measured.push_back(g->counters());
     bytes_measured += g->counters().bytes_sent;
     wait_s += g->counters().wait_seconds;
   }
@@ -200,6 +291,11 @@ int bench_command(const Args& args) {
       all_ok = all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= tolerance);
       total_tps += double(r[5]);
     }
+    // Collective: every rank gathers, rank 0 prints.
+    const nlohmann::ordered_json figures =
+        json ? mesh_json(*mesh, groups, measured, st, sent_per_step, step_s, tokens_per_s, warmup,
+                         timed)
+             : nlohmann::ordered_json();
     if (writer) {
       std::fputs(format_system_info(sys).c_str(), stdout);
       std::printf("  precision     %s\n", describe_precision(job).c_str());
@@ -250,6 +346,7 @@ int bench_command(const Args& args) {
            : bytes_only ? std::string("FAILED: bytes differ from the analytic figure")
                         : "FAILED: bytes differ from the analytic figure or peak off by > " + pct)
               .c_str());
+      if (json) std::printf("%s\n", figures.dump().c_str());
       std::fflush(stdout);
     }
     return check && !all_ok ? 1 : 0;
