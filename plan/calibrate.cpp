@@ -321,7 +321,8 @@ Link collectives(Bench& b) {
   const int n = g.size(), me = g.rank();
   const std::vector<int64_t> full{8, 1 << 10, 64 << 10, 1 << 20, 16 << 20},
       quick{8, 64 << 10, 1 << 20};
-  std::vector<CommPoint> all;
+  std::vector<CommPoint> all, by_kind[4];
+  const char* kinds[4] = {"all_gather", "reduce_scatter", "all_reduce", "send"};
   for (int64_t bytes : b.quick() ? quick : full) {
     const int64_t e = std::max<int64_t>(bytes / 4, 1);
     Tensor in = b.random({e}, Device::cpu), out = b.random({e * n}, Device::cpu);
@@ -349,9 +350,15 @@ Link collectives(Bench& b) {
                                      {2.0 * (n - 1) * per / n, 2.0 * (n - 1), ar},
                                      {per, 1, rt / 2}};
     all.insert(all.end(), pts.begin(), pts.end());
+    for (size_t i = 0; i < pts.size(); ++i) by_kind[i].push_back(pts[i]);
     b.note("collectives of " + std::to_string(int64_t(per)) + " B per rank: all_gather " +
            num(ag * 1e6) + " us, reduce_scatter " + num(rs * 1e6) + " us, all_reduce " +
            num(ar * 1e6) + " us, send " + num(rt / 2 * 1e6) + " us");
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Link l = fit(by_kind[i]);
+    b.note(std::string(kinds[i]) + " alone: beta " + num(l.bandwidth / 1e9) + " GB/s, alpha " +
+           num(l.latency * 1e6) + " us");
   }
   return fit(all);
 }

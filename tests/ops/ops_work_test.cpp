@@ -141,6 +141,25 @@ TEST(OpsWork, AttentionBlockCountsItsPositions) {
   EXPECT_EQ(r.works[1].flops, 0);
 }
 
+TEST(OpsWork, GlaFollowsItsChunkAlgorithm) {
+  // One chunk of 64 tokens in sub-chunks of 16: 6 whole off-diagonal sub-chunk pairs and 4
+  // diagonal triangles of scores, then the state products of every token.
+  const int64_t B = 1, H = 2, Hkv = 1, K = 16, V = 16, T = 64;
+  Tensor q = meta({B * T, H * K}), k = meta({B * T, Hkv * K}), v = meta({B * T, Hkv * V}),
+         gk = meta({B * T, Hkv * K}), o = meta({B * T, H * V});
+  const ops::Gla s{B, H, Hkv, 64, 16};
+  Recorded r;
+  Tensor ht;
+  ops::gla_forward(s, q, k, v, gk, Tensor(), o, ht);
+  Tensor dq = meta(q.shape()), dk = meta(k.shape()), dv = meta(v.shape()), dgk = meta(gk.shape()),
+         dh0;
+  ops::gla_backward(s, q, k, v, gk, Tensor(), o, Tensor(), dq, dk, dv, dgk, dh0);
+  ASSERT_EQ(r.works.size(), 2u);
+  const double entries = 6 * 16 * 16 + 4 * 16 * 17 / 2;
+  EXPECT_EQ(r.works[0].flops, B * H * (entries * (2 * K + 2 * V) + 4.0 * T * K * V));
+  EXPECT_EQ(r.works[1].flops, B * H * (entries * (6 * K + 4 * V) + 10.0 * T * K * V));
+}
+
 TEST(OpsWork, FusedCrossEntropyIsItsGemmsAndTheSoftmax) {
   const int64_t N = 32, D = 16, V = 100;
   ops::LinearCrossEntropy a;
