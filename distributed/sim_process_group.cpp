@@ -9,27 +9,31 @@ namespace loom::dist {
 namespace {
 
 // Moves nothing, but completes when a real backend's Work would, and like it holds its tensors
-// until then, so the buffers in flight count in the peak as in the real run: a collective only
-// when waited on (MPI's non-blocking collectives need every rank's progress, which a test rarely
-// finds done), a point-to-point transfer on its n-th test (SimLog::send_tests).
+// until then, so the buffers in flight count in the peak as in the real run. A collective
+// completes at a test once a kernel has run since it was issued (the ranks issue it together;
+// it needs the time of some work, and a test right after the issue finds it still running), or
+// when waited on; a point-to-point transfer on its n-th test (SimLog::send_tests; n = 0: waited
+// on only).
 class SimWork final : public Work {
  public:
-  SimWork(std::vector<Tensor> held, int tests) : held_(std::move(held)), tests_left_(tests) {}
+  // tests < 0: a collective (the kernel rule).
+  SimWork(std::vector<Tensor> held, const SimLog& log, int tests)
+      : held_(std::move(held)), log_(log), issued_at_(log.kernels), tests_left_(tests) {}
   void wait() override { done_ = true, held_.clear(); }
   bool test() override {
-    if (!done_ && tests_left_ > 0 && --tests_left_ == 0) wait();
+    if (done_) return true;
+    if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
+      wait();
     return done_;
   }
 
  private:
   std::vector<Tensor> held_;
-  int tests_left_;  // 0: only wait() completes it
+  const SimLog& log_;
+  uint64_t issued_at_;
+  int tests_left_;
   bool done_ = false;
 };
-
-std::unique_ptr<Work> done(std::vector<Tensor> held = {}, int tests = 0) {
-  return std::make_unique<SimWork>(std::move(held), tests);
-}
 
 // out's blocks (out.nbytes() / in.nbytes() of them) each take in's bytes.
 void replicate(const Tensor& in, const Tensor& out) {
@@ -38,6 +42,10 @@ void replicate(const Tensor& in, const Tensor& out) {
   auto* dst = static_cast<char*>(out.raw());
   for (size_t off = 0; off + in.nbytes() <= out.nbytes(); off += in.nbytes())
     if (dst + off != src) std::memmove(dst + off, src, in.nbytes());
+}
+
+std::unique_ptr<Work> done(const SimLog& log, std::vector<Tensor> held = {}, int tests = -1) {
+  return std::make_unique<SimWork>(std::move(held), log, tests);
 }
 
 }  // namespace
@@ -69,7 +77,7 @@ void SimProcessGroup::on_issue(std::string_view op, uint64_t bytes_sent) {
 
 std::unique_ptr<Work> SimProcessGroup::do_all_gather(const Tensor& in, const Tensor& out) {
   replicate(in, out);
-  return done({in, out});
+  return done(*log_, {in, out});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_reduce_scatter(const Tensor& in, const Tensor& out,
@@ -77,35 +85,35 @@ std::unique_ptr<Work> SimProcessGroup::do_reduce_scatter(const Tensor& in, const
   if (holds_data(in.device()) && holds_data(out.device()) && out.nbytes() > 0)
     std::memcpy(out.raw(), static_cast<const char*>(in.raw()) + rank() * out.nbytes(),
                 out.nbytes());
-  return done({in, out});
+  return done(*log_, {in, out});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_reduce(const Tensor& t, ReduceOp) {
-  return done({t});
+  return done(*log_, {t});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_broadcast(const Tensor& t, int) {
-  return done({t});
+  return done(*log_, {t});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int tag) {
   const auto it = log_->send_tests.find({this, tag});
-  return done({t}, it == log_->send_tests.end() ? 1 : it->second);
+  return done(*log_, {t}, it == log_->send_tests.end() ? 1 : it->second);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_recv(const Tensor& t, int, int) {
   // What the peer would send is unknown here: zeros rather than stale bytes.
   if (holds_data(t.device()) && t.nbytes() > 0) std::memset(t.raw(), 0, t.nbytes());
-  return done({t}, 1);
+  return done(*log_, {t}, 1);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_to_all(const Tensor& in, const Tensor& out) {
   replicate(in.view({in.numel()}).narrow(0, 0, in.numel() / size()), out);
-  return done({in, out});
+  return done(*log_, {in, out});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_barrier() {
-  return done();
+  return done(*log_);
 }
 
 }  // namespace loom::dist

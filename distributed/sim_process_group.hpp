@@ -30,6 +30,9 @@ struct SimLog {
   // (n = 0). A pipeline's sends complete when their receiver has posted the receive, which the
   // schedule simulator knows (pp::SimResult::send_tests); other sends at their first test.
   std::map<std::pair<const ProcessGroup*, int>, int> send_tests;
+  // The kernels run so far (the planner counts them): a collective needs time, so a test finds it
+  // complete only once some kernel ran after it was issued.
+  uint64_t kernels = 0;
 };
 
 class SimProcessGroup final : public ProcessGroup {

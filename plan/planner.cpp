@@ -152,7 +152,12 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
 
   const std::vector<dist::ProcessGroup*> groups =
       mesh ? mesh_groups(*mesh) : std::vector<dist::ProcessGroup*>{};
-  step.run(G, next, job.optimizer.lr);
+  {
+    // The first step only warms up (AdamW's moments, the allocator's cache); its kernels count
+    // for the collectives' completion (SimLog::kernels).
+    ops::RecordWork count([&](const ops::KernelWork&) { ++log->kernels; });
+    step.run(G, next, job.optimizer.lr);
+  }
 
   alloc.reset_peak();
   for (dist::ProcessGroup* g : groups) g->reset_counters();
@@ -181,6 +186,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   {
     ops::RecordWork record([&](const ops::KernelWork& w) {
       drain_calls();
+      ++log->kernels;
       out.kernels.push_back({w, now_us()});
     });
     step.run(G, next, job.optimizer.lr);

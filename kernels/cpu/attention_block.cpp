@@ -592,6 +592,26 @@ int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, i
   return n;
 }
 
+int64_t tiled_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk) {
+  struct Tile {
+    int64_t lo, hi, n;
+  };
+  const auto tiles = [](const int64_t* pos, int64_t n) {
+    std::vector<Tile> t;
+    for (int64_t i = 0; i < n; i += kAttentionTile) {
+      const int64_t m = std::min(kAttentionTile, n - i);
+      const auto [lo, hi] = std::minmax_element(pos + i, pos + i + m);
+      t.push_back({*lo, *hi, m});
+    }
+    return t;
+  };
+  int64_t n = 0;
+  for (const Tile& qt : tiles(q_pos, Tq))
+    for (const Tile& kt : tiles(k_pos, Tk))
+      if (kt.lo <= qt.hi) n += qt.n * kt.n;  // skipped only when every key follows every query
+  return n;
+}
+
 void attention_block_forward(const BlockShape& s, const float* q, const float* k, const float* v,
                              const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
                              const std::function<void()>& progress) {

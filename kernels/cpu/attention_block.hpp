@@ -29,6 +29,13 @@ struct BlockShape {
 // sample and head). Zero means the block is skipped.
 int64_t causal_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);
 
+// The query and key tile size of the block kernels below.
+constexpr int64_t kAttentionTile = 64;
+// Number of (query, key) entries the tiled kernels compute per sample and head: every entry of
+// each tile pair that is not skipped (so at least causal_entries). The masked diagonal pairs count
+// whole: the vectors they skip past the diagonal are a fraction of one tile per tile row.
+int64_t tiled_entries(const int64_t* q_pos, int64_t Tq, const int64_t* k_pos, int64_t Tk);
+
 // Both block kernels are tiled flash kernels (64x64 tiles; plain causal attention in
 // attention.hpp is these kernels with positions 0..T-1). Positions are arbitrary (unsorted, a tile
 // may straddle two chunks): a tile pair is skipped when its earliest key follows its latest query,

@@ -16,6 +16,7 @@
 #include <memory>
 #include <utility>
 
+#include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/vec_math-inl.hpp"
 
 // Vectors passed by value: see vec_math-inl.hpp.
@@ -120,7 +121,7 @@ inline void pack_rows(const float* src, int64_t lds, int64_t rows, int64_t D, fl
 }
 
 // Query and key tile sizes.
-constexpr int64_t kBq = 64, kBk = 64;
+constexpr int64_t kBq = kAttentionTile, kBk = kAttentionTile;
 static_assert(kBq % kW == 0 && kBk % kW == 0 && kW <= 16);
 
 // Calls f.template operator()<N>(r) for row blocks [r, r + N) covering [0, rows): blocks of R

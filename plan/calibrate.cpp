@@ -1,0 +1,498 @@
+#include "plan/calibrate.hpp"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "core/error.hpp"
+#include "kernels/cpu/adamw.hpp"
+#include "ops/ops.hpp"
+
+namespace loom::plan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+// A measured call: built on meta to count its work as the planner will, and on cpu to time it.
+using Call = std::function<void()>;
+using Build = std::function<Call(Device)>;
+
+struct Rate {
+  double flops = 0, bytes = 0;  // per second
+  const char* op = "";
+};
+
+class Bench {
+ public:
+  Bench(const CalibrateOptions& opt, dist::ProcessGroup* world, std::ostream* log,
+        std::vector<std::string>& notes)
+      : opt_(opt), world_(world), log_(log), notes_(notes) {}
+
+  bool quick() const { return opt_.quick; }
+  int ranks() const { return world_ ? world_->size() : 1; }
+  bool lead() const { return !world_ || world_->rank() == 0; }
+  dist::ProcessGroup* world() const { return world_; }
+
+  // Random values (never zeros: a kernel may take shortcuts on them).
+  Tensor random(const Shape& s, Device dev) {
+    Tensor t = Tensor::empty(s, DType::f32, dev);
+    ops::philox_normal(t, key_++, 0, 1.0f);
+    return t;
+  }
+  void barrier() {
+    if (world_) world_->barrier()->wait();
+  }
+  // The fastest of repetitions filling a short budget, after a warm-up: other processes on the
+  // machine only ever add time, so the fastest is the closest to the machine's own speed. Every
+  // rank starts together: they share the machine's cores and memory as training does.
+  // Collectives need `reps` given: every rank must make the same calls.
+  double seconds(const Call& fn, int reps = 0) {
+    barrier();
+    Clock::time_point t0 = Clock::now();
+    fn();
+    const double first = std::max(since(t0), 1e-9), budget = quick() ? 0.02 : 0.08;
+    if (reps <= 0) reps = std::clamp(int(budget / first), 2, 25);
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+      t0 = Clock::now();
+      fn();
+      t.push_back(since(t0));
+    }
+    return *std::min_element(t.begin(), t.end());
+  }
+  Rate measure(const Build& build) {
+    ops::KernelWork sum;
+    {
+      const Call call = build(Device::meta);  // built before recording: its setup is no work
+      ops::RecordWork record([&](const ops::KernelWork& w) {
+        sum.flops += w.flops;
+        sum.bytes += w.bytes;
+        sum.op = w.op;
+      });
+      call();
+    }
+    const double s = seconds(build(Device::cpu));
+    return {sum.flops / s, sum.bytes / s, sum.op};
+  }
+  void note(const std::string& line) {
+    if (log_ && lead()) *log_ << "  " << line << "\n" << std::flush;
+    notes_.push_back(line);
+  }
+
+ private:
+  const CalibrateOptions& opt_;
+  dist::ProcessGroup* world_;
+  std::ostream* log_;
+  std::vector<std::string>& notes_;
+  uint64_t key_ = 1;
+};
+
+Call call(std::function<void()> f) {
+  return f;
+}
+
+// ---- GEMMs: y = x w^T on a grid of shapes spanning the models' (M tokens, N and K widths) ----
+
+std::vector<GemmPoint> gemm_table(Bench& b, DType dt) {
+  // Powers of 4 from 64 to 4096 in each dimension; the largest products are left out (their
+  // rate is the plateau of the ones measured, and they would take seconds each).
+  const std::vector<int64_t> full{64, 256, 1024, 4096}, quick{128, 1024};
+  const std::vector<int64_t>& sizes = b.quick() ? quick : full;
+  const double max_product = b.quick() ? 1.5e8 : 4.3e9;
+  std::vector<GemmPoint> points;
+  for (int64_t m : sizes)
+    for (int64_t n : sizes)
+      for (int64_t k : sizes) {
+        if (double(m) * double(n) * double(k) > max_product) continue;
+        const Rate r = b.measure([&b, dt, m, n, k](Device dev) {
+          Tensor x = ops::to_compute(b.random({m, k}, dev), dt);
+          Tensor w = ops::to_compute(b.random({n, k}, dev), dt);
+          Tensor y = Tensor::empty({m, n}, DType::f32, dev);
+          return call([x, w, y]() mutable { ops::linear(x, w, y); });
+        });
+        points.push_back({m, n, k, r.flops});
+      }
+  return points;
+}
+
+double peak_of(const std::vector<GemmPoint>& points) {
+  double best = 0;
+  for (const GemmPoint& p : points) best = std::max(best, p.flops_per_s);
+  return best;
+}
+
+// ---- attention (f32 flash kernels), forward and backward --------------------------------------
+
+Build attention(Bench& b, int64_t T, int64_t D, bool backward) {
+  return [&b, T, D, backward](Device dev) {
+    const int64_t B = 1, Hq = 4, Hkv = 2;
+    Tensor q = b.random({B * T, Hq * D}, dev), k = b.random({B * T, Hkv * D}, dev),
+           v = b.random({B * T, Hkv * D}, dev);
+    Tensor out = Tensor::empty({B * T, Hq * D}, DType::f32, dev),
+           lse = Tensor::empty({B, Hq, T}, DType::f32, dev);
+    if (!backward)
+      return call([=]() mutable { ops::attention_forward(q, k, v, B, Hq, Hkv, out, lse); });
+    ops::attention_forward(q, k, v, B, Hq, Hkv, out, lse);
+    Tensor dout = b.random({B * T, Hq * D}, dev), dq = Tensor::empty(q.shape(), DType::f32, dev),
+           dk = Tensor::empty(k.shape(), DType::f32, dev),
+           dv = Tensor::empty(v.shape(), DType::f32, dev);
+    return call([=]() mutable {
+      ops::attention_backward(q, k, v, out, lse, dout, B, Hq, Hkv, dq, dk, dv);
+    });
+  };
+}
+
+// ---- memory-bound ops -------------------------------------------------------------------------
+
+std::vector<Build> memory_ops(Bench& b) {
+  const int64_t rows = b.quick() ? 1024 : 4096, d = 1024, F = 1024, H = 8, V = 8192;
+  auto tokens = std::make_shared<std::vector<int32_t>>(size_t(rows));
+  for (size_t i = 0; i < tokens->size(); ++i) (*tokens)[i] = int32_t((i * 2654435761u) % V);
+  auto positions = std::make_shared<std::vector<int32_t>>(size_t(rows));
+  for (size_t i = 0; i < positions->size(); ++i) (*positions)[i] = int32_t(i);
+  auto table = std::make_shared<RopeTable>(ops::rope_table(d / H, rows, 10000.0, RopeScaling{}));
+  const auto empty = [](const Shape& s, Device dev, DType dt = DType::f32) {
+    return Tensor::empty(s, dt, dev);
+  };
+  std::vector<Build> builds;
+  builds.push_back([=, &b](Device dev) {
+    Tensor x = b.random({rows, d}, dev), w = b.random({d}, dev), y = empty({rows, d}, dev),
+           rstd = empty({rows}, dev);
+    return call([=]() mutable { ops::rmsnorm_forward(x, w, 1e-5f, y, rstd); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor x = b.random({rows, d}, dev), w = b.random({d}, dev), y = empty({rows, d}, dev),
+           rstd = empty({rows}, dev), dy = b.random({rows, d}, dev), dx = empty({rows, d}, dev),
+           dw = b.random({d}, dev);
+    ops::rmsnorm_forward(x, w, 1e-5f, y, rstd);
+    return call([=]() mutable { ops::rmsnorm_backward(dy, x, w, rstd, dx, dw); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor gu = b.random({rows, 2 * F}, dev), act = empty({rows, F}, dev);
+    return call([=]() mutable { ops::swiglu_forward(gu, act); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor gu = b.random({rows, 2 * F}, dev), dact = b.random({rows, F}, dev),
+           dgu = empty({rows, 2 * F}, dev);
+    return call([=]() mutable { ops::swiglu_backward(dact, gu, dgu); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor x = b.random({rows, d}, dev);
+    return call([=]() mutable { ops::rope_forward(x, 1, H, *positions, *table); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor x = b.random({rows, d}, dev);
+    return call([=]() mutable { ops::rope_backward(x, 1, H, *positions, *table); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor x = b.random({rows, d}, dev), y = empty({rows, d}, dev, DType::bf16);
+    return call([=]() mutable { ops::cast(x, y); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor t = b.random({V, d}, dev), out = empty({rows, d}, dev);
+    return call([=]() mutable { ops::embedding_forward(tokens->data(), t, out); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor dt = b.random({V, d}, dev), dout = b.random({rows, d}, dev);
+    return call([=]() mutable { ops::embedding_backward(tokens->data(), dout, dt); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor logits = b.random({rows, V}, dev), lse = empty({rows}, dev), target = empty({rows}, dev);
+    return call([=]() mutable { ops::vocab_shard_lse(logits, V, tokens->data(), 0, lse, target); });
+  });
+  builds.push_back([=, &b](Device dev) {
+    Tensor logits = b.random({rows, V}, dev), glse = b.random({rows}, dev);
+    return call(
+        [=]() mutable { ops::vocab_shard_dlogits(logits, V, tokens->data(), 0, glse, 1.0f); });
+  });
+  return builds;
+}
+
+// The fused loss's softmax passes cannot be timed apart from its GEMMs: they get the time the
+// whole op takes beyond its GEMMs at the measured GEMM rates (at least a tenth of it).
+double cross_entropy_bandwidth(Bench& b, const Hardware& hw) {
+  const int64_t N = b.quick() ? 512 : 2048, D = 512, V = 8192;
+  auto targets = std::make_shared<std::vector<int32_t>>(size_t(N));
+  for (size_t i = 0; i < targets->size(); ++i) (*targets)[i] = int32_t((i * 2654435761u) % V);
+  const auto args = [&b, targets, N, D, V](Device dev) {
+    ops::LinearCrossEntropy a;
+    a.x = b.random({N, D}, dev);
+    a.w = b.random({V, D}, dev);
+    a.dx = Tensor::empty({N, D}, DType::f32, dev);
+    a.dw = Tensor::empty({V, D}, DType::f32, dev);
+    a.targets = targets->data();
+    a.V = V;
+    a.grad_scale = 1.0f / float(N);
+    return a;
+  };
+  double gemm_seconds = 0, softmax_bytes = 0;
+  {
+    const ops::LinearCrossEntropy a = args(Device::meta);
+    ops::RecordWork record([&](const ops::KernelWork& w) {
+      if (w.m > 0)
+        gemm_seconds += kernel_seconds(w, hw);
+      else
+        softmax_bytes += w.bytes;
+    });
+    ops::linear_cross_entropy(a);
+  }
+  const ops::LinearCrossEntropy a = args(Device::cpu);
+  const double total = b.seconds([&] { ops::linear_cross_entropy(a); });
+  b.note("linear_cross_entropy N " + std::to_string(N) + " D " + std::to_string(D) + " V " +
+         std::to_string(V) + ": " + num(total * 1e3) + " ms, its GEMMs " + num(gemm_seconds * 1e3) +
+         " ms at the measured rates");
+  return softmax_bytes / std::max(total - gemm_seconds, total / 10);
+}
+
+// y += x over arrays well past the caches: the streaming bandwidth.
+Build stream(Bench& b) {
+  const int64_t n = b.quick() ? (int64_t(1) << 21) : (int64_t(1) << 23);
+  return [&b, n](Device dev) {
+    Tensor x = b.random({n}, dev), y = b.random({n}, dev);
+    return call([=]() mutable { ops::add_inplace(y, x); });
+  };
+}
+
+// AdamW over f32 master weights: param, m and v read and written, the gradient read.
+double adamw_bandwidth(Bench& b) {
+  const int64_t n = b.quick() ? (int64_t(1) << 20) : (int64_t(1) << 22);
+  Tensor p = b.random({n}, Device::cpu), g = b.random({n}, Device::cpu),
+         m = b.random({n}, Device::cpu), v = b.random({n}, Device::cpu);
+  float* vp = v.data<float>();
+  for (int64_t i = 0; i < n; ++i) vp[i] *= vp[i];  // a second moment is not negative
+  cpu::AdamWArgs a;
+  a.lr = 1e-4f;
+  a.weight_decay = 0.1f;
+  const double s = b.seconds([&] {
+    cpu::adamw_step(a, p.data<float>(), g.data<float>(), m.data<float>(), vp, n);
+    ++a.step;
+  });
+  return 28.0 * double(n) / s;
+}
+
+// ---- collectives (under mpirun) ---------------------------------------------------------------
+
+struct CommPoint {
+  double bytes_sent, steps, seconds;  // time = bytes_sent / beta + steps * alpha
+};
+
+// alpha and beta minimizing the relative error of time = bytes / beta + steps * alpha.
+Link fit(const std::vector<CommPoint>& pts) {
+  double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
+  for (const CommPoint& p : pts) {
+    const double x = p.bytes_sent / p.seconds, y = p.steps / p.seconds;
+    a11 += x * x, a12 += x * y, a22 += y * y, b1 += x, b2 += y;
+  }
+  const double det = a11 * a22 - a12 * a12;
+  double inv_beta = (b1 * a22 - b2 * a12) / det, alpha = (a11 * b2 - a12 * b1) / det;
+  if (!(inv_beta > 0) || !(alpha > 0)) {
+    // Noise made one negative: alpha from the smallest message, beta from the largest.
+    auto [lo, hi] = std::minmax_element(
+        pts.begin(), pts.end(), [](auto& x, auto& y) { return x.bytes_sent < y.bytes_sent; });
+    alpha = lo->seconds / std::max(lo->steps, 1.0);
+    inv_beta = std::max(hi->seconds - hi->steps * alpha, hi->seconds / 2) / hi->bytes_sent;
+  }
+  return {1.0 / inv_beta, alpha};
+}
+
+Link collectives(Bench& b) {
+  dist::ProcessGroup& g = *b.world();
+  const int n = g.size(), me = g.rank();
+  const std::vector<int64_t> full{8, 1 << 10, 64 << 10, 1 << 20, 16 << 20},
+      quick{8, 64 << 10, 1 << 20};
+  std::vector<CommPoint> all, by_kind[4];
+  const char* kinds[4] = {"all_gather", "reduce_scatter", "all_reduce", "send"};
+  for (int64_t bytes : b.quick() ? quick : full) {
+    const int64_t e = std::max<int64_t>(bytes / 4, 1);
+    Tensor in = b.random({e}, Device::cpu), out = b.random({e * n}, Device::cpu);
+    Tensor big = b.random({e * n}, Device::cpu);
+    const double per = double(e) * 4.0;
+    const int reps = bytes <= (64 << 10) ? 20 : 5;
+    const double ag = b.seconds([&] { g.all_gather(in, out)->wait(); }, reps);
+    const double rs =
+        b.seconds([&] { g.reduce_scatter(big, in, dist::ReduceOp::sum)->wait(); }, reps);
+    const double ar = b.seconds([&] { g.all_reduce(in, dist::ReduceOp::sum)->wait(); }, reps);
+    // Ping-pong between ranks 0 and 1: half a round trip is one message.
+    const double rt = b.seconds(
+        [&] {
+          if (me == 0) {
+            g.send(in, 1, 7)->wait();
+            g.recv(in, 1, 8)->wait();
+          } else if (me == 1) {
+            g.recv(in, 0, 7)->wait();
+            g.send(in, 0, 8)->wait();
+          }
+        },
+        reps);
+    const std::vector<CommPoint> pts{{(n - 1) * per, double(n - 1), ag},
+                                     {(n - 1) * per, double(n - 1), rs},
+                                     {2.0 * (n - 1) * per / n, 2.0 * (n - 1), ar},
+                                     {per, 1, rt / 2}};
+    all.insert(all.end(), pts.begin(), pts.end());
+    for (size_t i = 0; i < pts.size(); ++i) by_kind[i].push_back(pts[i]);
+    b.note("collectives of " + std::to_string(int64_t(per)) + " B per rank: all_gather " +
+           num(ag * 1e6) + " us, reduce_scatter " + num(rs * 1e6) + " us, all_reduce " +
+           num(ar * 1e6) + " us, send " + num(rt / 2 * 1e6) + " us");
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Link l = fit(by_kind[i]);
+    b.note(std::string(kinds[i]) + " alone: beta " + num(l.bandwidth / 1e9) + " GB/s, alpha " +
+           num(l.latency * 1e6) + " us");
+  }
+  return fit(all);
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      std::string name = line.substr(line.find(':') + 2);
+      name.erase(
+          std::remove_if(name.begin(), name.end(), [](char c) { return c == '"' || c == '\\'; }),
+          name.end());
+      return name;
+    }
+  return "unknown";
+}
+
+}  // namespace
+
+Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, std::ostream* log) {
+  const Clock::time_point t0 = Clock::now();
+  Calibration c;
+  Bench b(opt, world, log, c.notes);
+  Hardware& hw = c.hw;
+  hw.name = opt.name;
+  hw.threads = omp_get_max_threads();
+  c.ranks = b.ranks();
+  c.cpu = cpu_model();
+  if (log && b.lead())
+    *log << "calibrating " << c.cpu << ": " << c.ranks << " rank(s) x " << hw.threads
+         << " OpenMP thread(s)" << (opt.quick ? " (quick)" : "") << "\n";
+
+  hw.gemm_f32 = gemm_table(b, DType::f32);
+  hw.gemm_bf16 = gemm_table(b, DType::bf16);
+  hw.peak_f32 = peak_of(hw.gemm_f32);
+  hw.peak_bf16 = peak_of(hw.gemm_bf16);
+  hw.gemm_efficiency = 1;  // the tables are measured rates
+  b.note("GEMM peak: f32 " + num(hw.peak_f32 / 1e9) + " GFLOP/s, bf16 " + num(hw.peak_bf16 / 1e9) +
+         " GFLOP/s (" + std::to_string(hw.gemm_f32.size()) + " shapes each)");
+
+  // Attention efficiencies: fractions of the f32 GEMM peak (the kernels compute in f32).
+  const std::vector<std::pair<int64_t, int64_t>> shapes =
+      opt.quick ? std::vector<std::pair<int64_t, int64_t>>{{256, 64}}
+                : std::vector<std::pair<int64_t, int64_t>>{{512, 64}, {2048, 64}, {1024, 128}};
+  double fwd = 0, bwd = 0;
+  for (auto [T, D] : shapes) {
+    const Rate f = b.measure(attention(b, T, D, false)), g = b.measure(attention(b, T, D, true));
+    fwd += f.flops / double(shapes.size());
+    bwd += g.flops / double(shapes.size());
+    b.note("attention T " + std::to_string(T) + " D " + std::to_string(D) + ": forward " +
+           num(f.flops / 1e9) + " GFLOP/s, backward " + num(g.flops / 1e9) + " GFLOP/s");
+  }
+  hw.attention_efficiency = fwd / hw.peak_f32;
+  hw.attention_backward_efficiency = bwd / hw.peak_f32;
+
+  const Rate s = b.measure(stream(b));
+  hw.memory_bandwidth = s.bytes;
+  hw.op_bandwidth[s.op] = s.bytes;
+  b.note("stream (y += x): " + num(s.bytes / 1e9) + " GB/s");
+  for (const Build& build : memory_ops(b)) {
+    const Rate r = b.measure(build);
+    hw.op_bandwidth[r.op] = r.bytes;
+    b.note(std::string(r.op) + ": " + num(r.bytes / 1e9) + " GB/s");
+  }
+  hw.op_bandwidth["linear_cross_entropy"] = cross_entropy_bandwidth(b, hw);
+  b.note("linear_cross_entropy (its softmax passes): " +
+         num(hw.op_bandwidth["linear_cross_entropy"] / 1e9) + " GB/s");
+  hw.optimizer_bandwidth = adamw_bandwidth(b);
+  b.note("adamw: " + num(hw.optimizer_bandwidth / 1e9) + " GB/s");
+
+  if (c.ranks > 1) {
+    hw.intra_node = collectives(b);
+    b.note("intra_node fit over all collectives: beta " + num(hw.intra_node.bandwidth / 1e9) +
+           " GB/s, alpha " + num(hw.intra_node.latency * 1e6) + " us");
+  } else {
+    // Not measured: a shared-memory transport copies through memory (read and write) after
+    // about a microsecond of handshake. Run under mpirun -np 2 to measure.
+    hw.intra_node = {hw.memory_bandwidth / 2, 1e-6};
+    b.note("links not measured (one rank): intra_node estimated from the memory bandwidth");
+  }
+  hw.inter_node = hw.intra_node;  // one machine: no second level to measure
+
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  hw.ranks_per_node = int(std::max<int64_t>(c.ranks, cores / std::max(hw.threads, 1)));
+  hw.capacity =
+      double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE)) / double(hw.ranks_per_node);
+  c.seconds = since(t0);
+  return c;
+}
+
+std::string hardware_toml(const Calibration& c) {
+  const Hardware& hw = c.hw;
+  std::ostringstream os;
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  os << "# Measured by `loom plan calibrate` with loom's cpu kernels on " << c.cpu << ", "
+     << c.ranks << " rank(s) x " << hw.threads << " OpenMP thread(s) each, all ranks at once.\n"
+     << "# This machine's figures, not a datasheet's: re-run it on the machine a plan is for,\n"
+     << "# with the OMP_NUM_THREADS training will use.\n"
+     << "name = \"" << hw.name << "\"\n"
+     << "# ranks of `threads` threads that fit the cores; capacity = memory / ranks_per_node\n"
+     << "ranks_per_node = " << hw.ranks_per_node << "\n"
+     << "capacity = " << num(hw.capacity) << "\n"
+     << "memory_bandwidth = " << num(hw.memory_bandwidth) << "  # y += x streaming, bytes/s\n\n"
+     << "[peak]  # the fastest GEMM measured, FLOP/s\n"
+     << "f32 = " << num(hw.peak_f32) << "\nbf16 = " << num(hw.peak_bf16) << "\n\n"
+     << "[gemm]\n"
+     << "# Measured rates, [M, N, K, FLOP/s] of y [M, N] = x [M, K] w^T; a GEMM takes the rate of\n"
+     << "# the nearest shape (log scale), so efficiency applies to none of them.\n"
+     << "efficiency = 1.0\n";
+  for (const auto& [key, table] : {std::pair{"f32", &hw.gemm_f32}, {"bf16", &hw.gemm_bf16}}) {
+    os << key << " = [\n";
+    for (const GemmPoint& p : *table)
+      os << "  [" << p.m << ", " << p.n << ", " << p.k << ", " << num(p.flops_per_s) << "],\n";
+    os << "]\n";
+  }
+  os << "\n[attention]  # f32 flash kernels: measured FLOP/s over peak.f32\n"
+     << "efficiency = " << num(hw.attention_efficiency) << "\n"
+     << "backward_efficiency = " << num(hw.attention_backward_efficiency) << "\n\n"
+     << "[memory_ops]  # bytes/s read and written, as ops report them on meta\n";
+  for (const auto& [op, bw] : hw.op_bandwidth) os << op << " = " << num(bw) << "\n";
+  os << "\n[optimizer]  # AdamW, 28 bytes per f32 parameter (param, m, v in and out, grad in)\n"
+     << "bandwidth = " << num(hw.optimizer_bandwidth) << "\n\n"
+     << "[links.intra_node]\nbandwidth = " << num(hw.intra_node.bandwidth)
+     << "\nlatency = " << num(hw.intra_node.latency) << "\n"
+     << "[links.inter_node]  # one machine: the same as intra_node\nbandwidth = "
+     << num(hw.inter_node.bandwidth) << "\nlatency = " << num(hw.inter_node.latency) << "\n\n"
+     << "[calibration]\nthreads = " << hw.threads << "\nranks = " << c.ranks << "\ncpu = \""
+     << c.cpu << "\"\ndate = \"" << date << "\"\nseconds = " << num(std::max(c.seconds, 0.01))
+     << "\n\n# The measurements:\n";
+  for (const std::string& n : c.notes) os << "#   " << n << "\n";
+  return os.str();
+}
+
+}  // namespace loom::plan

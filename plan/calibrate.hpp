@@ -1,0 +1,36 @@
+#pragma once
+// `loom plan calibrate`: measures this machine with loom's own cpu kernels (through ops:: on cpu
+// tensors of random values) and, under mpirun, its collectives, into a hardware model
+// (plan/hardware.hpp) for the planner.
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "distributed/process_group.hpp"
+#include "plan/hardware.hpp"
+
+namespace loom::plan {
+
+struct CalibrateOptions {
+  bool quick = false;  // a few shapes and short timings (tests): ~10 s instead of ~60
+  std::string name = "cpu-local";
+};
+
+struct Calibration {
+  Hardware hw;
+  // The measurements behind the figures, one line each, written as comments in the file.
+  std::vector<std::string> notes;
+  int ranks = 1;
+  double seconds = 0;  // the calibration's own wall time
+  std::string cpu;     // the processor's model name
+};
+
+// Every rank of `world` (null: this process alone) measures at once, as training runs them side
+// by side; the collectives are measured when it has more than one rank. Progress lines go to
+// `log` (null: none).
+Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, std::ostream* log);
+
+// The hardware file of a calibration: loadable by parse_hardware, its notes as comments.
+std::string hardware_toml(const Calibration& c);
+
+}  // namespace loom::plan

@@ -1,0 +1,91 @@
+#pragma once
+// The hardware model of `loom plan` (docs/specs PIPELINE-AND-PLAN B3): what one rank's machine
+// computes per second and what its links move, read from configs/hardware/*.toml, and the time
+// of a kernel (a roofline over ops::KernelWork) or of a collective (ring formulas) on it.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "ops/ops.hpp"
+
+namespace loom::plan {
+
+// The collectives of dist::ProcessGroup, for the time model.
+enum class CollectiveKind {
+  all_gather,
+  reduce_scatter,
+  all_reduce,
+  broadcast,
+  send,
+  recv,
+  all_to_all,
+  barrier
+};
+const char* collective_name(CollectiveKind kind);
+
+// One level of interconnect, as seen by one rank.
+struct Link {
+  double bandwidth = 0;  // bytes/s per rank and direction (beta)
+  double latency = 0;    // seconds per message or ring step (alpha)
+};
+
+// A GEMM throughput measured at one shape (M x N x K), in FLOP/s.
+struct GemmPoint {
+  int64_t m = 0, n = 0, k = 0;
+  double flops_per_s = 0;
+};
+
+struct Hardware {
+  std::string name;
+  std::string source;           // the file it was read from, for messages
+  double peak_f32 = 0;          // dense FLOP/s with f32 GEMM inputs (GPUs: TF32 tensor cores)
+  double peak_bf16 = 0;         // dense FLOP/s with bf16 GEMM inputs
+  double memory_bandwidth = 0;  // bytes/s of the rank's memory
+  double capacity = 0;          // bytes of memory per rank
+  int ranks_per_node = 1;
+  Link intra_node, inter_node;
+  // A GEMM runs at peak * gemm_efficiency, unless a table of measured shapes exists for its
+  // dtype: then at the rate of the nearest measured shape (distance in log M, log N, log K).
+  double gemm_efficiency = 1;
+  std::vector<GemmPoint> gemm_f32, gemm_bf16;
+  // Attention (and the GLA core) runs at its dtype's peak times these; `attention_dtype` set
+  // means the device's attention kernels run in that dtype whatever the ops' tensors are (GPU
+  // flash kernels run bf16 where loom's cpu kernels take f32).
+  double attention_efficiency = 1, attention_backward_efficiency = 1;
+  bool has_attention_dtype = false;
+  DType attention_dtype = DType::bf16;
+  // Memory-bound ops by their name in ops/ops.hpp: bytes/s (absent: memory_bandwidth).
+  std::map<std::string, double> op_bandwidth;
+  double optimizer_bandwidth = 0;  // AdamW bytes/s (0: memory_bandwidth)
+  int threads = 0;  // OpenMP threads per rank the figures were measured with (0: not measured)
+
+  double peak(DType dt) const { return dt == DType::bf16 ? peak_bf16 : peak_f32; }
+};
+
+// Reads a hardware file: a bare NAME means configs/hardware/NAME.toml (searched in ./configs,
+// $LOOM_SOURCE_DIR/configs and beside the executable, as model configs are), anything else a
+// path. Unknown or missing keys, wrong types and non-positive figures are errors naming the key
+// and the file.
+Hardware load_hardware(const std::string& name_or_path);
+Hardware parse_hardware(const std::string& toml_text, const std::string& source);
+
+// The FLOP/s of a GEMM of this shape and dtype.
+double gemm_rate(const Hardware& hw, DType dt, int64_t m, int64_t n, int64_t k);
+// Roofline: max(flops / achievable FLOP/s, bytes / bandwidth).
+double kernel_seconds(const ops::KernelWork& w, const Hardware& hw);
+// The AdamW step over `bytes` of parameters, gradients and moments read and written.
+double optimizer_seconds(double bytes, const Hardware& hw);
+// A collective over `group_size` ranks with ring algorithms; `bytes_sent` is one rank's count in
+// dist::ProcessGroup's convention (process_group.hpp): (n-1)·in for all_gather, (n-1)·out for
+// reduce_scatter, 2(n-1)/n·t for all_reduce; for broadcast, send and recv the message's size. The
+// link is the slowest the group spans: inter_node when it spans nodes.
+//   all_gather, reduce_scatter, all_to_all: bytes/beta + (n-1) alpha
+//   all_reduce (reduce-scatter then all-gather): bytes/beta + 2(n-1) alpha
+//   broadcast (pipelined ring): bytes/beta + (n-1) alpha
+//   send, recv: alpha + bytes/beta;  barrier: ceil(log2 n) alpha
+double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size,
+                          bool spans_nodes, const Hardware& hw);
+
+}  // namespace loom::plan

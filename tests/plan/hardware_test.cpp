@@ -1,0 +1,195 @@
+// plan/hardware: the shipped hardware files load, bad files are errors naming the key and file,
+// the collective and kernel times follow their formulas, and a quick calibration writes a file
+// that loads back with positive figures (the machine's speed itself is not asserted).
+#include "plan/hardware.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "core/error.hpp"
+#include "plan/calibrate.hpp"
+
+using namespace loom;
+using namespace loom::plan;
+
+namespace {
+
+std::string source_dir() {
+  const char* s = std::getenv("LOOM_SOURCE_DIR");
+  return s && *s ? s : ".";
+}
+
+const char* kMinimal = R"(
+name = "toy"
+ranks_per_node = 4
+capacity = 1e9
+memory_bandwidth = 1e11
+[peak]
+f32 = 1e12
+bf16 = 2e12
+[gemm]
+efficiency = 0.5
+[links.intra_node]
+bandwidth = 1e10
+latency = 1e-6
+[links.inter_node]
+bandwidth = 1e9
+latency = 1e-5
+)";
+
+// The error message of parsing `text`, or "" when it parses.
+std::string parse_error(const std::string& text) {
+  try {
+    parse_hardware(text, "toy.toml");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Hardware, ShippedFilesLoad) {
+  for (const char* name : {"h100-sxm-80g", "h100-96g-500w", "h200", "cpu-local"}) {
+    const Hardware hw = load_hardware(source_dir() + "/configs/hardware/" + name + ".toml");
+    EXPECT_EQ(hw.name, name);
+    EXPECT_GT(hw.peak_bf16, 0);
+    EXPECT_GT(hw.peak_f32, 0);
+    EXPECT_GT(hw.memory_bandwidth, 0);
+    EXPECT_GT(hw.capacity, 0);
+    EXPECT_GT(hw.intra_node.bandwidth, 0);
+    EXPECT_GT(hw.inter_node.latency, 0);
+  }
+  const Hardware h100 = load_hardware(source_dir() + "/configs/hardware/h100-sxm-80g.toml");
+  EXPECT_EQ(h100.peak_bf16, 989e12);
+  EXPECT_EQ(h100.ranks_per_node, 8);
+}
+
+TEST(Hardware, BareNameResolvesUnderConfigs) {
+  // From the source tree (the tests run with LOOM_SOURCE_DIR set, the binary from the repo root).
+  EXPECT_EQ(load_hardware("h200").capacity, 141e9);
+  try {
+    load_hardware("no-such-machine");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no-such-machine.toml"), std::string::npos) << e.what();
+  }
+  try {
+    load_hardware("/nonexistent/dir/x.toml");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/dir/x.toml"), std::string::npos);
+  }
+}
+
+TEST(Hardware, BadFilesNameTheKeyAndFile) {
+  EXPECT_EQ(parse_error(kMinimal), "");
+  std::string e = parse_error(std::string(kMinimal) + "[attention]\nefficency = 0.5\n");
+  EXPECT_NE(e.find("toy.toml"), std::string::npos) << e;
+  EXPECT_NE(e.find("attention.efficency"), std::string::npos) << e;
+  e = parse_error("bogus = 1\n" + std::string(kMinimal));
+  EXPECT_NE(e.find("'bogus'"), std::string::npos) << e;
+  e = parse_error(std::string(kMinimal) + "[memory_ops]\nrmsnorm = 1e9\n");
+  EXPECT_NE(e.find("memory_ops.rmsnorm"), std::string::npos) << e;
+  std::string no_bf16 = kMinimal;
+  no_bf16.erase(no_bf16.find("bf16 = 2e12"), 11);
+  e = parse_error(no_bf16);
+  EXPECT_NE(e.find("missing key 'peak.bf16'"), std::string::npos) << e;
+  EXPECT_NE(e.find("toy.toml"), std::string::npos) << e;
+  std::string negative = kMinimal;
+  negative.replace(negative.find("efficiency = 0.5"), 16, "efficiency = -1");
+  e = parse_error(negative);
+  EXPECT_NE(e.find("gemm.efficiency"), std::string::npos) << e;
+  e = parse_error(std::string(kMinimal) + "[gemm.x]\n");
+  EXPECT_NE(e.find("toy.toml"), std::string::npos) << e;
+  e = parse_error("name = \"x\"\n[peak\n");
+  EXPECT_NE(e.find("toy.toml:2"), std::string::npos) << e;
+}
+
+TEST(Hardware, CollectivesFollowTheRingFormulas) {
+  const Hardware hw = parse_hardware(kMinimal, "toy.toml");
+  const double a = 1e-6, b = 1e10, A = 1e-5, B = 1e9;
+  // 8 ranks all-gathering 1 MB each: (n-1) * 1 MB sent per rank.
+  const uint64_t sent = 7 * 1000000;
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, sent, 8, false, hw),
+                   7e6 / b + 7 * a);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::reduce_scatter, sent, 8, true, hw),
+                   7e6 / B + 7 * A);
+  // all_reduce of 1 MB: 2 (n-1)/n MB sent, 2 (n-1) steps.
+  const uint64_t ar = 2 * 7 * 1000000 / 8;
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_reduce, ar, 8, false, hw),
+                   1.75e6 / b + 14 * a);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::send, 4096, 2, false, hw), a + 4096 / b);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::recv, 4096, 2, true, hw), A + 4096 / B);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::barrier, 0, 8, false, hw), 3 * a);
+  EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 0, 1, false, hw), 0);
+  EXPECT_STREQ(collective_name(CollectiveKind::reduce_scatter), "reduce_scatter");
+}
+
+TEST(Hardware, KernelSecondsIsARoofline) {
+  Hardware hw = parse_hardware(kMinimal, "toy.toml");
+  ops::KernelWork g;
+  g.op = "linear";
+  g.dtype = DType::bf16;
+  g.m = g.n = g.k = 1024;
+  g.flops = 2e9;
+  g.bytes = 1e6;
+  // Compute-bound: 2e9 / (2e12 * 0.5).
+  EXPECT_DOUBLE_EQ(kernel_seconds(g, hw), 2e-3);
+  g.bytes = 1e9;  // now memory-bound: 1e9 / 1e11
+  EXPECT_DOUBLE_EQ(kernel_seconds(g, hw), 1e-2);
+  // A measured table replaces peak * efficiency: the nearest shape's rate.
+  hw.gemm_bf16 = {{64, 64, 64, 1e10}, {1024, 1024, 1024, 4e11}, {4096, 4096, 4096, 8e11}};
+  g.bytes = 0;
+  EXPECT_DOUBLE_EQ(kernel_seconds(g, hw), 2e9 / 4e11);
+  EXPECT_DOUBLE_EQ(gemm_rate(hw, DType::bf16, 100, 50, 80), 1e10);
+  EXPECT_DOUBLE_EQ(gemm_rate(hw, DType::bf16, 16384, 8192, 4096), 8e11);
+  EXPECT_DOUBLE_EQ(gemm_rate(hw, DType::f32, 64, 64, 64), 0.5e12);  // no f32 table
+  // A memory-bound op at its own bandwidth when the file gives one.
+  ops::KernelWork r;
+  r.op = "rmsnorm_forward";
+  r.bytes = 1e9;
+  r.flops = 1e6;
+  EXPECT_DOUBLE_EQ(kernel_seconds(r, hw), 1e-2);
+  hw.op_bandwidth["rmsnorm_forward"] = 5e10;
+  EXPECT_DOUBLE_EQ(kernel_seconds(r, hw), 2e-2);
+  // Attention at its efficiency of its dtype's peak, or of attention.dtype's.
+  ops::KernelWork at;
+  at.op = "attention_backward";
+  at.flops = 1e12;
+  hw.attention_efficiency = 0.5;
+  hw.attention_backward_efficiency = 0.25;
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, hw), 1e12 / (1e12 * 0.25));
+  hw.has_attention_dtype = true;
+  hw.attention_dtype = DType::bf16;
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, hw), 1e12 / (2e12 * 0.25));
+  EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw), 1e9 / 1e11);
+}
+
+TEST(Calibrate, QuickWritesALoadableFile) {
+  const Calibration c = calibrate({true, "quick-test"}, nullptr, nullptr);
+  EXPECT_LT(c.seconds, 30);  // generous: the tests share the cores
+  const std::string text = hardware_toml(c);
+  const Hardware hw = parse_hardware(text, "calibrated.toml");
+  EXPECT_EQ(hw.name, "quick-test");
+  EXPECT_GT(hw.peak_f32, 0);
+  EXPECT_GT(hw.peak_bf16, 0);
+  EXPECT_FALSE(hw.gemm_f32.empty());
+  EXPECT_EQ(hw.gemm_f32.size(), hw.gemm_bf16.size());
+  for (const GemmPoint& p : hw.gemm_f32) EXPECT_GT(p.flops_per_s, 0);
+  EXPECT_GT(hw.attention_efficiency, 0);
+  EXPECT_GT(hw.attention_backward_efficiency, 0);
+  EXPECT_GT(hw.memory_bandwidth, 0);
+  EXPECT_GT(hw.optimizer_bandwidth, 0);
+  EXPECT_GT(hw.capacity, 0);
+  EXPECT_GE(hw.threads, 1);
+  for (const char* op : {"rmsnorm_forward", "swiglu_backward", "rope_forward", "cast",
+                         "embedding_forward", "linear_cross_entropy"}) {
+    ASSERT_TRUE(hw.op_bandwidth.count(op)) << op;
+    EXPECT_GT(hw.op_bandwidth.at(op), 0) << op;
+  }
+}
