@@ -33,7 +33,10 @@ struct KernelWork {
   int64_t m = 0, n = 0, k = 0;
 };
 // While one lives on this thread, every op called on the meta device reports its work to `sink`
-// (ops on other devices report nothing). Not nestable.
+// (ops on other devices report nothing). Not nestable. An op may report several pieces:
+// linear_backward its dx GEMM ("linear_backward") and its dw GEMM ("linear_backward_weight", or
+// later from run_weight_grads when deferred); linear_cross_entropy its GEMMs and its softmax
+// passes (m = 0). Attention counts the tiles its kernel computes (cpu::tiled_entries).
 class RecordWork {
  public:
   explicit RecordWork(std::function<void(const KernelWork&)> sink);
