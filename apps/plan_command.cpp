@@ -12,7 +12,9 @@
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
+#include "plan/hardware.hpp"
 #include "plan/planner.hpp"
+#include "plan/time_model.hpp"
 #include "train/config.hpp"
 
 namespace loom {
@@ -44,7 +46,26 @@ std::vector<int> parse_ranks(const std::string& s, int world) {
   return out;
 }
 
+// tokens: the job's per step; per_rank_flops: the model FLOPs of one token over the world's
+// ranks, times the peak (torchtitan's MFU: model FLOPs of the job's tokens over the world's peak).
+nlohmann::json time_json(const plan::StepTime& t, double tokens, double model_flops, double peak) {
+  nlohmann::json by_group = nlohmann::json::object();
+  for (const auto& [g, s] : t.comm_by_group) by_group[g] = s;
+  return {{"step_s", t.step},
+          {"compute_s", t.compute},
+          {"optimizer_s", t.optimizer},
+          {"comm_s", t.comm},
+          {"exposed_comm_s", t.exposed},
+          {"bubble", t.bubble},
+          {"job_tokens_per_s", tokens / t.step},
+          {"mfu", model_flops * tokens / t.step / peak},
+          {"comm_by_group_s", by_group}};
+}
+
 nlohmann::json rank_json(const plan::RankPlan& p) {
+  nlohmann::json at_peak = nlohmann::json::object();
+  for (size_t u = 0; u < kMemoryUses; ++u)
+    at_peak[std::string(memory_use_name(MemoryUse(u)))] = p.at_peak[u];
   nlohmann::json groups = nlohmann::json::object();
   for (const plan::GroupTraffic& g : p.groups) {
     nlohmann::json ops = nlohmann::json::object();
@@ -61,6 +82,7 @@ nlohmann::json rank_json(const plan::RankPlan& p) {
           {"params", p.num_params},
           {"tokens", p.tokens},
           {"flops", p.flops()},
+          {"at_peak", at_peak},
           {"groups", groups}};
 }
 
@@ -71,10 +93,10 @@ int plan_command(const Args& args) {
     return plan_calibrate_command(Args(args.begin() + 1, args.end()));
   const char* usage =
       "usage: loom plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] "
-      "[--json] [--section.key=value ...]";
-  std::string config_path, ranks_arg;
+      "[--oversubscribed] [--json] [--section.key=value ...]";
+  std::string config_path, ranks_arg, hardware = "cpu-local";
   int world = 0;
-  bool json = false;
+  bool json = false, oversubscribed = false;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -86,6 +108,11 @@ int plan_command(const Args& args) {
     };
     if (a == "--json") {
       json = true;
+    } else if (a == "--oversubscribed") {
+      // Every rank on one node of the hardware (mpirun --oversubscribe on this machine).
+      oversubscribed = true;
+    } else if (a == "--hardware" || a.rfind("--hardware=", 0) == 0) {
+      hardware = value("--hardware");
     } else if (a == "--config" || a.rfind("--config=", 0) == 0) {
       config_path = value("--config");
     } else if (a == "--world" || a.rfind("--world=", 0) == 0) {
@@ -112,8 +139,39 @@ int plan_command(const Args& args) {
   const std::vector<int> ranks =
       ranks_arg.empty() ? plan::representative_ranks(layout) : parse_ranks(ranks_arg, world);
 
+  const plan::Hardware hw = plan::load_hardware(hardware);
+  const int ranks_on_node = oversubscribed ? world : std::min(world, hw.ranks_per_node);
   std::vector<plan::RankPlan> plans;
   for (int r : ranks) plans.push_back(plan::plan_rank(j, r));
+  // With pp the schedule is timed across its stages: one plan per pp rank (the planned one of
+  // each stage, else its dp = cp = tp = 0 rank, planned here).
+  std::vector<plan::RankPlan> extra;
+  std::vector<plan::StepTime> times;
+  const int pp = layout.size("pp");
+  if (pp > 1) {
+    std::vector<const plan::RankPlan*> stages(size_t(pp), nullptr);
+    for (const auto& p : plans)
+      if (!stages[size_t(p.coords[0])]) stages[size_t(p.coords[0])] = &p;
+    extra.reserve(size_t(pp));
+    for (int s = 0; s < pp; ++s)
+      if (!stages[size_t(s)]) {
+        extra.push_back(plan::plan_rank(j, layout.world_rank_of({s, 0, 0, 0, 0})));
+        stages[size_t(s)] = &extra.back();
+      }
+    const plan::StepTime t = plan::time_pipeline(j, stages, hw, ranks_on_node);
+    times.assign(plans.size(), t);
+  } else {
+    for (const auto& p : plans) times.push_back(plan::time_rank(p, hw, ranks_on_node));
+  }
+  const double model_flops_per_token = j.model.flops_per_token(j.job.training.seq_len);
+  const DType compute = dtype_from_name(j.job.training.mixed_precision_param);
+  // The job's tokens per step: every data-parallel rank's micro-batches (cp, tp and pp ranks of a
+  // dp rank share its samples).
+  const double job_tokens =
+      double(plans.front().micro_batches) * double(j.job.training.local_batch_size) *
+      double(j.job.training.seq_len) * layout.size("dp_replicate") * layout.size("dp_shard");
+  bool fits = true;
+  for (const auto& p : plans) fits = fits && double(p.peak_allocated) <= hw.capacity;
 
   if (json) {
     nlohmann::json out = {{"config", config_path},
@@ -121,27 +179,52 @@ int plan_command(const Args& args) {
                           {"layout", layout.describe()},
                           {"micro_batches", plans.front().micro_batches},
                           {"ranks", nlohmann::json::array()}};
-    for (const auto& p : plans) out["ranks"].push_back(rank_json(p));
+    out["hardware"] = hw.name;
+    out["fits"] = fits;
+    for (size_t i = 0; i < plans.size(); ++i) {
+      nlohmann::json r = rank_json(plans[i]);
+      r["time"] = time_json(times[i], job_tokens, model_flops_per_token, world * hw.peak(compute));
+      out["ranks"].push_back(r);
+    }
     std::printf("%s\n", out.dump().c_str());
-    return 0;
+    return fits ? 0 : 2;
   }
   const double MiB = 1024.0 * 1024.0;
   std::printf("loom plan: %s on %d ranks (%s), %lld micro-batches of %lld x %lld per step\n",
               config_path.c_str(), world, layout.describe().c_str(),
               (long long)plans.front().micro_batches, (long long)j.job.training.local_batch_size,
               (long long)j.job.training.seq_len);
-  std::printf("  %5s  %-32s %12s %12s %12s %10s\n", "rank", "role", "peak MiB", "reserved",
-              "states", "GFLOP");
-  for (const auto& p : plans) {
-    std::printf("  %5d  %-32s %12.2f %12.2f %12.2f %10.2f\n", p.rank, p.role.c_str(),
-                p.peak_allocated / MiB, p.peak_reserved / MiB, p.states / MiB, p.flops() / 1e9);
+  std::printf("  hardware %s (%s): %.1f GiB per rank, %d ranks per node%s\n", hw.name.c_str(),
+              hw.source.c_str(), hw.capacity / (1024.0 * MiB), hw.ranks_per_node,
+              oversubscribed ? ", every rank on one node (--oversubscribed)" : "");
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const plan::RankPlan& p = plans[i];
+    const plan::StepTime& t = times[i];
+    std::printf("\n  rank %d (%s): peak allocated %.2f MiB, reserved %.2f MiB%s\n", p.rank,
+                p.role.c_str(), p.peak_allocated / MiB, p.peak_reserved / MiB,
+                double(p.peak_allocated) > hw.capacity ? "  DOES NOT FIT" : "");
+    for (size_t u = 0; u < kMemoryUses; ++u)
+      if (p.at_peak[u])
+        std::printf("    %-38s %12.2f MiB\n", std::string(memory_use_name(MemoryUse(u))).c_str(),
+                    p.at_peak[u] / MiB);
     for (const auto& g : p.groups) {
-      std::printf("         group %-14s (size %3d): %8llu calls %16llu bytes/step\n",
-                  g.name.c_str(), g.size, (unsigned long long)g.calls(),
-                  (unsigned long long)g.bytes());
+      std::string ops;
+      for (const auto& o : g.ops)
+        ops += str_cat(ops.empty() ? "" : ", ", o.op, " ", o.calls, "x ", o.bytes, " B");
+      std::printf("    group %-14s (%4d ranks) %14llu bytes/step: %s\n", g.name.c_str(), g.size,
+                  (unsigned long long)g.bytes(), ops.c_str());
     }
+    std::printf(
+        "    time on %s: step %.2f ms = compute %.2f + exposed communication %.2f + AdamW %.2f"
+        "%s (communication %.2f ms in all); job %.0f tokens/s, MFU %.1f%%\n",
+        hw.name.c_str(), t.step * 1e3, t.compute * 1e3, t.exposed * 1e3, t.optimizer * 1e3,
+        pp > 1 ? str_cat(", pipeline bubble ", int(t.bubble * 1000) / 10.0, "%").c_str() : "",
+        t.comm * 1e3, job_tokens / t.step,
+        100 * model_flops_per_token * job_tokens / t.step / (world * hw.peak(compute)));
   }
-  return 0;
+  std::printf("\n  %s\n",
+              fits ? "every planned rank fits" : "some rank does not fit in the hardware's memory");
+  return fits ? 0 : 2;
 }
 
 }  // namespace loom

@@ -26,8 +26,8 @@ struct AllocatorStats {
   size_t peak_allocated = 0;
   size_t reserved = 0;
   size_t peak_reserved = 0;
-  size_t num_allocs = 0;     // requests served
-  size_t num_os_allocs = 0;  // requests that had to reserve new memory
+  size_t num_allocs = 0;                             // requests served
+  size_t num_os_allocs = 0;                          // requests that had to reserve new memory
   std::array<size_t, kMemoryUses> by_use{};          // allocated, by use
   std::array<size_t, kMemoryUses> by_use_at_peak{};  // the same at the peak of `allocated`
 };

@@ -17,19 +17,30 @@ namespace {
 class SimWork final : public Work {
  public:
   // tests < 0: a collective (the kernel rule).
-  SimWork(std::vector<Tensor> held, const SimLog& log, int tests)
-      : held_(std::move(held)), log_(log), issued_at_(log.kernels), tests_left_(tests) {}
-  void wait() override { done_ = true, held_.clear(); }
+  SimWork(std::vector<Tensor> held, SimLog& log, int tests)
+      : held_(std::move(held)),
+        log_(log),
+        call_(log.calls.size() - 1),
+        issued_at_(log.kernels),
+        tests_left_(tests) {}
+  void wait() override {
+    // A wait that blocks: the time model makes the rank wait for the call here.
+    if (!done_ && !log_.calls.empty()) log_.waits.push_back({call_, log_.kernels});
+    complete();
+  }
   bool test() override {
     if (done_) return true;
     if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
-      wait();
+      complete();
     return done_;
   }
 
  private:
+  void complete() { done_ = true, held_.clear(); }
+
   std::vector<Tensor> held_;
-  const SimLog& log_;
+  SimLog& log_;
+  size_t call_;  // its index in log_.calls
   uint64_t issued_at_;
   int tests_left_;
   bool done_ = false;
@@ -44,7 +55,7 @@ void replicate(const Tensor& in, const Tensor& out) {
     if (dst + off != src) std::memmove(dst + off, src, in.nbytes());
 }
 
-std::unique_ptr<Work> done(const SimLog& log, std::vector<Tensor> held = {}, int tests = -1) {
+std::unique_ptr<Work> done(SimLog& log, std::vector<Tensor> held = {}, int tests = -1) {
   return std::make_unique<SimWork>(std::move(held), log, tests);
 }
 
@@ -72,7 +83,7 @@ std::unique_ptr<ProcessGroup> SimProcessGroup::split_known(int color, int key, s
 }
 
 void SimProcessGroup::on_issue(std::string_view op, uint64_t bytes_sent) {
-  log_->calls.push_back({this, op, bytes_sent});
+  log_->calls.push_back({this, op, bytes_sent, log_->kernels});
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_gather(const Tensor& in, const Tensor& out) {

@@ -22,10 +22,18 @@ struct SimCall {
   const ProcessGroup* group = nullptr;  // the issuing group (its name, size, members)
   std::string_view op;                  // "all_gather", "send"...
   uint64_t bytes_sent = 0;
+  uint64_t kernels = 0;  // SimLog::kernels when issued: the kernels that ran before it
+};
+
+// A blocking wait on call `call` (one that no test had found complete), after `kernels` kernels.
+struct SimWait {
+  size_t call = 0;
+  uint64_t kernels = 0;
 };
 
 struct SimLog {
   std::vector<SimCall> calls;
+  std::vector<SimWait> waits;
   // When a send completes, by group and tag: on its n-th test (n > 0) or only when waited on
   // (n = 0). A pipeline's sends complete when their receiver has posted the receive, which the
   // schedule simulator knows (pp::SimResult::send_tests); other sends at their first test.

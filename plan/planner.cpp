@@ -1,7 +1,7 @@
 #include "plan/planner.hpp"
 
 #include <algorithm>
-#include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -10,6 +10,7 @@
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "distributed/sim_process_group.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/pipeline/simulate.hpp"
@@ -121,6 +122,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
     // executor's tests, comes from the schedule simulated on every rank (the costs of the
     // memory model's walk, parallel/cost_model.cpp).
     const pp::Schedule& s = par.pipeline->schedule();
+    out.schedule = s;
     const pp::SimResult sim = pp::simulate(s, pp::unit_costs(1, 2, 1, 1));
     LOOM_CHECK(!sim.deadlock, "pipeline schedule ", s.name, " deadlocks: ", sim.blocked);
     for (const auto& [msg, tests] : sim.send_tests[size_t(par.pipeline->rank())])
@@ -162,36 +164,36 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   alloc.reset_peak();
   for (dist::ProcessGroup* g : groups) g->reset_counters();
   log->calls.clear();
-  const auto t0 = std::chrono::steady_clock::now();
-  auto now_us = [&] {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  };
-  size_t logged = 0;
+  log->waits.clear();
+  log->kernels = 0;
   std::map<const dist::ProcessGroup*, size_t> index;
   for (dist::ProcessGroup* g : groups) {
     index[g] = out.groups.size();
-    out.groups.push_back({g->name(), g->size(), false, {}});
+    out.groups.push_back({g->name(), g->size(), g->world_ranks(), {}});
   }
-  // Calls are stamped when the next kernel runs (or at the end): a collective issued between
-  // two kernels sits between them in time.
-  auto drain_calls = [&] {
-    const double at = now_us();
-    for (; logged < log->calls.size(); ++logged) {
-      const dist::SimCall& c = log->calls[logged];
-      const auto it = index.find(c.group);
-      if (it == index.end()) continue;  // a group of one: nothing moves
-      out.calls.push_back({it->second, std::string(c.op), c.bytes_sent, at});
-    }
-  };
+  // The pipeline executor's action spans (core/trace.hpp), on the clock that stamps the kernels.
+  trace::Recorder actions(rank);
+  trace::set_recorder(&actions);
   {
     ops::RecordWork record([&](const ops::KernelWork& w) {
-      drain_calls();
+      out.kernels.push_back({w, actions.now_us()});
       ++log->kernels;
-      out.kernels.push_back({w, now_us()});
     });
     step.run(G, next, job.optimizer.lr);
   }
-  drain_calls();
+  trace::set_recorder(nullptr);
+  std::vector<size_t> call_of(log->calls.size(), SIZE_MAX);  // log index -> out.calls index
+  for (size_t i = 0; i < log->calls.size(); ++i) {
+    const dist::SimCall& c = log->calls[i];
+    const auto it = index.find(c.group);
+    if (it == index.end()) continue;  // a group of one: nothing moves
+    call_of[i] = out.calls.size();
+    out.calls.push_back({it->second, std::string(c.op), c.bytes_sent, c.kernels});
+  }
+  for (const dist::SimWait& w : log->waits)
+    if (call_of[w.call] != SIZE_MAX) out.waits.push_back({call_of[w.call], w.kernels});
+  for (const trace::Event& e : actions.events())
+    if (e.cat == "action") out.actions.push_back({e.name, e.ts_us, e.ts_us + e.dur_us});
   for (const PlannedCall& c : out.calls) {
     GroupTraffic& g = out.groups[c.group];
     auto it = std::find_if(g.ops.begin(), g.ops.end(),

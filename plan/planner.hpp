@@ -11,6 +11,7 @@
 // healthy run's path: the loss and the gradient norm come out 0 (finite, under any clip bound).
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "distributed/mesh.hpp"
 #include "model/model_config.hpp"
 #include "ops/ops.hpp"
+#include "parallel/pipeline/schedule.hpp"
 #include "train/config.hpp"
 
 namespace loom::plan {
@@ -26,7 +28,7 @@ namespace loom::plan {
 struct GroupTraffic {
   std::string name;  // "dp_shard", "tp", "dp_shard,cp", "world"...
   int size = 1;
-  bool spans_nodes = false;  // filled by the time model (ranks per node), false here
+  std::vector<int> members;  // world ranks, in group order
   struct Op {
     std::string op;  // "all_gather", "send"...
     uint64_t calls = 0, bytes = 0;
@@ -41,12 +43,21 @@ struct PlannedCall {
   size_t group = 0;  // index into RankPlan::groups
   std::string op;
   uint64_t bytes = 0;
-  double at_us = 0;  // the plan run's clock when issued (orders it among the kernels)
+  uint64_t kernels = 0;  // issued after this many kernels of the step
 };
-
+// A wait that blocks the rank until call `call` is done (no test found it complete before).
+struct PlannedWait {
+  size_t call = 0;  // index into RankPlan::calls
+  uint64_t kernels = 0;
+};
 struct PlannedKernel {
   ops::KernelWork work;
-  double at_us = 0;
+  double at_us = 0;  // the plan run's clock (that of `actions`)
+};
+// A pipeline action's span on the plan run's clock: its kernels are those stamped inside.
+struct PlannedAction {
+  std::string name;  // pp::to_string of the action
+  double begin_us = 0, end_us = 0;
 };
 
 struct RankPlan {
@@ -63,7 +74,10 @@ struct RankPlan {
   int64_t tokens = 0;         // this rank's tokens per step (B x T x micro-batches)
   std::vector<GroupTraffic> groups;
   std::vector<PlannedCall> calls;
+  std::vector<PlannedWait> waits;
   std::vector<PlannedKernel> kernels;
+  std::vector<PlannedAction> actions;    // with pp
+  std::optional<pp::Schedule> schedule;  // with pp: the schedule every pp rank runs
   double flops() const;  // the kernels' total (hardware FLOPs, recomputation included)
 };
 

@@ -84,7 +84,7 @@ struct SimResult {
   // frees its buffer; 0: none does, the step's final wait for the sends frees it. The planner's
   // simulated sends complete on the same test.
   std::vector<std::vector<std::pair<Message, int>>> send_tests;
-  double bubble() const;           // idle / (ranks x makespan)
+  double bubble() const;  // idle / (ranks x makespan)
 };
 // `comm`: the time of one transfer once both sides are posted. With `memory`, peak_bytes too.
 SimResult simulate(const Schedule& s, const ActionCost& cost, double comm = 0,

@@ -1,0 +1,158 @@
+#include "plan/time_model.hpp"
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.hpp"
+#include "parallel/pipeline/simulate.hpp"
+
+namespace loom::plan {
+
+namespace {
+
+CollectiveKind kind_of(const std::string& op) {
+  for (CollectiveKind k :
+       {CollectiveKind::all_gather, CollectiveKind::reduce_scatter, CollectiveKind::all_reduce,
+        CollectiveKind::broadcast, CollectiveKind::send, CollectiveKind::recv,
+        CollectiveKind::all_to_all, CollectiveKind::barrier})
+    if (op == collective_name(k)) return k;
+  fail("plan: no time model for the collective '", op, "'");
+}
+
+bool spans_nodes(const GroupTraffic& g, const Hardware& hw) {
+  const int rpn = std::max(1, hw.ranks_per_node);
+  for (int r : g.members)
+    if (r / rpn != g.members.front() / rpn) return true;
+  return false;
+}
+
+// The compute stream's time before and after each kernel, the collectives' end times, and the
+// totals (StepTime without the optimizer).
+struct Timeline {
+  std::vector<double> before, after;
+  double end = 0;  // both streams drained
+  StepTime t;
+};
+
+Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) {
+  const double slow = std::max(1.0, double(ranks_on_node) / std::max(1, hw.ranks_per_node));
+  std::vector<double> call_time(p.calls.size()), call_end(p.calls.size(), 0);
+  std::map<size_t, double> by_group;
+  std::vector<bool> spans(p.groups.size());
+  for (size_t g = 0; g < p.groups.size(); ++g) spans[g] = spans_nodes(p.groups[g], hw);
+  Timeline tl;
+  for (size_t i = 0; i < p.calls.size(); ++i) {
+    const PlannedCall& c = p.calls[i];
+    call_time[i] =
+        collective_seconds(kind_of(c.op), c.bytes, p.groups[c.group].size, spans[c.group], hw);
+    // A receive's time is its sender's send: the transfer is counted once, on the send.
+    if (c.op == "recv") call_time[i] = 0;
+    tl.t.comm += call_time[i];
+    by_group[c.group] += call_time[i];
+  }
+  double c = 0, m = 0;  // compute and communication streams
+  size_t ci = 0, wi = 0;
+  auto events_before = [&](uint64_t k) {
+    for (; ci < p.calls.size() && p.calls[ci].kernels <= k; ++ci) {
+      m = std::max(m, c) + call_time[ci];
+      call_end[ci] = m;
+    }
+    for (; wi < p.waits.size() && p.waits[wi].kernels <= k; ++wi) {
+      const double until = call_end[p.waits[wi].call];
+      if (until > c) tl.t.exposed += until - c, c = until;
+    }
+  };
+  tl.before.resize(p.kernels.size());
+  tl.after.resize(p.kernels.size());
+  for (size_t k = 0; k < p.kernels.size(); ++k) {
+    events_before(k);
+    tl.before[k] = c;
+    const double s = kernel_seconds(p.kernels[k].work, hw) * slow;
+    tl.t.compute += s;
+    c += s;
+    tl.after[k] = c;
+  }
+  events_before(UINT64_MAX);
+  tl.end = std::max(c, m);
+  for (const auto& [g, s] : by_group) tl.t.comm_by_group.push_back({p.groups[g].name, s});
+  return tl;
+}
+
+double optimizer_time(const RankPlan& p, const Hardware& hw, int ranks_on_node) {
+  const double slow = std::max(1.0, double(ranks_on_node) / std::max(1, hw.ranks_per_node));
+  // AdamW reads weights, gradients and both moments and writes weights and moments: 28 bytes
+  // per f32 parameter of the shards (the moments are 8 bytes of them).
+  return optimizer_seconds(28.0 * double(p.optimizer) / 8.0, hw) * slow;
+}
+
+}  // namespace
+
+StepTime time_rank(const RankPlan& p, const Hardware& hw, int ranks_on_node) {
+  Timeline tl = run_timeline(p, hw, ranks_on_node);
+  tl.t.optimizer = optimizer_time(p, hw, ranks_on_node);
+  tl.t.step = tl.end + tl.t.optimizer;
+  return tl.t;
+}
+
+StepTime time_pipeline(const PlanJob& j, const std::vector<const RankPlan*>& stages,
+                       const Hardware& hw, int ranks_on_node) {
+  LOOM_CHECK(!stages.empty() && stages.front()->schedule, "plan: no pipeline schedule to time");
+  const pp::Schedule& s = *stages.front()->schedule;
+  LOOM_CHECK(int(stages.size()) == s.ranks, "plan: ", stages.size(), " stage plans for ", s.ranks,
+             " pp ranks");
+  // Per (stage, op): the mean cost of its actions on its rank; per rank: the time outside them.
+  std::map<std::pair<int, int>, std::pair<double, int>> cost;
+  std::vector<Timeline> tls;
+  std::vector<double> outside;
+  double message = 0;
+  for (int r = 0; r < s.ranks; ++r) {
+    const RankPlan& p = *stages[size_t(r)];
+    tls.push_back(run_timeline(p, hw, ranks_on_node));
+    const Timeline& tl = tls.back();
+    std::map<std::string, pp::Action> by_name;
+    for (const pp::Action& a : s.orders[size_t(r)]) by_name[pp::to_string(a)] = a;
+    double inside = 0;
+    size_t k = 0;
+    for (const PlannedAction& a : p.actions) {
+      const auto it = by_name.find(a.name);
+      if (it == by_name.end()) continue;
+      while (k < p.kernels.size() && p.kernels[k].at_us < a.begin_us) ++k;
+      const size_t first = k;
+      while (k < p.kernels.size() && p.kernels[k].at_us <= a.end_us) ++k;
+      const double t = k > first ? tl.after[k - 1] - tl.before[first] : 0;
+      auto& [sum, n] = cost[{it->second.stage, int(it->second.op)}];
+      sum += t, ++n;
+      inside += t;
+    }
+    outside.push_back(tl.end - inside);
+    for (const PlannedCall& c : p.calls)
+      if (c.op == "send" && p.groups[c.group].name == "pp")
+        message = std::max(message, collective_seconds(CollectiveKind::send, c.bytes, 2,
+                                                       spans_nodes(p.groups[c.group], hw), hw));
+  }
+  const pp::SimResult sim = pp::simulate(
+      s,
+      [&](const pp::Action& a) {
+        const auto it = cost.find({a.stage, int(a.op)});
+        return it == cost.end() ? 0.0 : it->second.first / it->second.second;
+      },
+      message);
+  LOOM_CHECK(!sim.deadlock, "pipeline schedule ", s.name, " deadlocks: ", sim.blocked);
+  const double runs = double(j.job.training.grad_accum_steps);
+  StepTime t;
+  t.bubble = sim.bubble();
+  for (int r = 0; r < s.ranks; ++r) {
+    const RankPlan& p = *stages[size_t(r)];
+    const double opt = optimizer_time(p, hw, ranks_on_node);
+    const double step = runs * sim.makespan + outside[size_t(r)] + opt;
+    if (step > t.step) {
+      t = tls[size_t(r)].t;
+      t.optimizer = opt;
+      t.step = step;
+      t.bubble = sim.bubble();
+    }
+  }
+  return t;
+}
+
+}  // namespace loom::plan
