@@ -316,7 +316,7 @@ Link fit(const std::vector<CommPoint>& pts) {
   return {1.0 / inv_beta, alpha};
 }
 
-Link collectives(Bench& b) {
+Link collectives(Bench& b, Hardware& hw) {
   dist::ProcessGroup& g = *b.world();
   const int n = g.size(), me = g.rank();
   const std::vector<int64_t> full{8, 1 << 10, 64 << 10, 1 << 20, 16 << 20},
@@ -359,6 +359,11 @@ Link collectives(Bench& b) {
     const Link l = fit(by_kind[i]);
     b.note(std::string(kinds[i]) + " alone: beta " + num(l.bandwidth / 1e9) + " GB/s, alpha " +
            num(l.latency * 1e6) + " us");
+    const CollectiveKind kind[4] = {CollectiveKind::all_gather, CollectiveKind::reduce_scatter,
+                                    CollectiveKind::all_reduce, CollectiveKind::send};
+    hw.intra_by_kind[kind[i]] = l;
+    // A receive is the other side of the same transfer.
+    if (kind[i] == CollectiveKind::send) hw.intra_by_kind[CollectiveKind::recv] = l;
   }
   return fit(all);
 }
@@ -431,7 +436,7 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
   b.note("adamw: " + num(hw.optimizer_bandwidth / 1e9) + " GB/s");
 
   if (c.ranks > 1) {
-    hw.intra_node = collectives(b);
+    hw.intra_node = collectives(b, hw);
     b.note("intra_node fit over all collectives: beta " + num(hw.intra_node.bandwidth / 1e9) +
            " GB/s, alpha " + num(hw.intra_node.latency * 1e6) + " us");
   } else {
@@ -487,8 +492,11 @@ std::string hardware_toml(const Calibration& c) {
      << "[links.intra_node]\nbandwidth = " << num(hw.intra_node.bandwidth)
      << "\nlatency = " << num(hw.intra_node.latency) << "\n"
      << "[links.inter_node]  # one machine: the same as intra_node\nbandwidth = "
-     << num(hw.inter_node.bandwidth) << "\nlatency = " << num(hw.inter_node.latency) << "\n\n"
-     << "[calibration]\nthreads = " << hw.threads << "\nranks = " << c.ranks << "\ncpu = \""
+     << num(hw.inter_node.bandwidth) << "\nlatency = " << num(hw.inter_node.latency) << "\n\n";
+  for (const auto& [kind, l] : hw.intra_by_kind)
+    os << "[collectives." << collective_name(kind) << "]  # measured alone within the node\n"
+       << "bandwidth = " << num(l.bandwidth) << "\nlatency = " << num(l.latency) << "\n";
+  os << "\n[calibration]\nthreads = " << hw.threads << "\nranks = " << c.ranks << "\ncpu = \""
      << c.cpu << "\"\ndate = \"" << date << "\"\nseconds = " << num(std::max(c.seconds, 0.01))
      << "\n\n# The measurements:\n";
   for (const std::string& n : c.notes) os << "#   " << n << "\n";

@@ -221,7 +221,7 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   const Reader r{source};
   r.only(top, "",
          {"name", "ranks_per_node", "capacity", "memory_bandwidth", "peak", "gemm", "attention",
-          "memory_ops", "optimizer", "links", "calibration"});
+          "memory_ops", "optimizer", "links", "collectives", "calibration"});
   Hardware hw;
   hw.source = source;
   hw.name = r.text(&top, "", "name", true);
@@ -268,6 +268,19 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   r.only(*links, "links", {"intra_node", "inter_node"});
   hw.intra_node = r.link(*links, "intra_node");
   hw.inter_node = r.link(*links, "inter_node");
+  if (const toml::table* by_kind = r.table(top, "", "collectives", false)) {
+    std::vector<std::string> names;
+    for (CollectiveKind k : kCollectiveKinds) names.push_back(collective_name(k));
+    r.only(*by_kind, "collectives", names);
+    for (CollectiveKind k : kCollectiveKinds) {
+      const toml::table* t = r.table(*by_kind, "collectives", collective_name(k), false);
+      if (!t) continue;
+      const std::string section = std::string("collectives.") + collective_name(k);
+      r.only(*t, section, {"bandwidth", "latency"});
+      hw.intra_by_kind[k] = {r.number(t, section, "bandwidth", true),
+                             r.number(t, section, "latency", true)};
+    }
+  }
   if (const toml::table* cal = r.table(top, "", "calibration", false)) {
     // Provenance of a measured file; only the thread count is used.
     r.only(*cal, "calibration", {"threads", "ranks", "cpu", "date", "seconds"});
@@ -311,7 +324,10 @@ double optimizer_seconds(double bytes, const Hardware& hw) {
 
 double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size,
                           bool spans_nodes, const Hardware& hw) {
-  const Link& l = spans_nodes ? hw.inter_node : hw.intra_node;
+  const auto measured = hw.intra_by_kind.find(kind);
+  const Link& l = spans_nodes                          ? hw.inter_node
+                  : measured != hw.intra_by_kind.end() ? measured->second
+                                                       : hw.intra_node;
   const double n = group_size, alpha = l.latency, transfer = double(bytes_sent) / l.bandwidth;
   switch (kind) {
     case CollectiveKind::send:

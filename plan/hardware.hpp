@@ -23,6 +23,10 @@ enum class CollectiveKind {
   all_to_all,
   barrier
 };
+inline constexpr CollectiveKind kCollectiveKinds[] = {
+    CollectiveKind::all_gather, CollectiveKind::reduce_scatter, CollectiveKind::all_reduce,
+    CollectiveKind::broadcast,  CollectiveKind::send,           CollectiveKind::recv,
+    CollectiveKind::all_to_all, CollectiveKind::barrier};
 const char* collective_name(CollectiveKind kind);
 
 // One level of interconnect, as seen by one rank.
@@ -46,6 +50,9 @@ struct Hardware {
   double capacity = 0;          // bytes of memory per rank
   int ranks_per_node = 1;
   Link intra_node, inter_node;
+  // Measured per collective within a node ([collectives.NAME]; a CPU's MPI reduces in the
+  // cores, so a reduce-scatter moves its bytes slower than an all-gather): overrides intra_node.
+  std::map<CollectiveKind, Link> intra_by_kind;
   // A GEMM runs at peak * gemm_efficiency, unless a table of measured shapes exists for its
   // dtype: then at the rate of the nearest measured shape (distance in log M, log N, log K).
   double gemm_efficiency = 1;

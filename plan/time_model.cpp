@@ -11,10 +11,7 @@ namespace loom::plan {
 namespace {
 
 CollectiveKind kind_of(const std::string& op) {
-  for (CollectiveKind k :
-       {CollectiveKind::all_gather, CollectiveKind::reduce_scatter, CollectiveKind::all_reduce,
-        CollectiveKind::broadcast, CollectiveKind::send, CollectiveKind::recv,
-        CollectiveKind::all_to_all, CollectiveKind::barrier})
+  for (CollectiveKind k : kCollectiveKinds)
     if (op == collective_name(k)) return k;
   fail("plan: no time model for the collective '", op, "'");
 }
@@ -43,8 +40,11 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   Timeline tl;
   for (size_t i = 0; i < p.calls.size(); ++i) {
     const PlannedCall& c = p.calls[i];
+    // Oversubscribed cores slow the transfers too: a CPU's MPI copies through shared memory
+    // with the ranks' own cores.
     call_time[i] =
-        collective_seconds(kind_of(c.op), c.bytes, p.groups[c.group].size, spans[c.group], hw);
+        collective_seconds(kind_of(c.op), c.bytes, p.groups[c.group].size, spans[c.group], hw) *
+        slow;
     // A receive's time is its sender's send: the transfer is counted once, on the send.
     if (c.op == "recv") call_time[i] = 0;
     tl.t.comm += call_time[i];

@@ -30,7 +30,8 @@ struct StepTime {
 };
 
 // `ranks_on_node`: how many ranks share one node of `hw` (the job's, or more when ranks are
-// oversubscribed onto fewer cores): beyond hw.ranks_per_node each computes that much slower.
+// oversubscribed onto fewer cores): beyond hw.ranks_per_node each computes, and moves data
+// (a CPU's MPI copies with its cores), that much slower.
 StepTime time_rank(const RankPlan& plan, const Hardware& hw, int ranks_on_node);
 
 // With pp: `stages[r]` is the plan of pp rank r (any rank of its dp/cp/tp coordinates).
