@@ -13,6 +13,8 @@
 #include "apps/commands.hpp"
 #include "core/error.hpp"
 #include "plan/hardware.hpp"
+#include "plan/layout_plan.hpp"
+#include "plan/search.hpp"
 #include "plan/planner.hpp"
 #include "plan/time_model.hpp"
 #include "train/config.hpp"
@@ -86,6 +88,35 @@ nlohmann::json rank_json(const plan::RankPlan& p) {
           {"groups", groups}};
 }
 
+int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversubscribed,
+                   bool json) {
+  const plan::SearchResult r = plan::search_layouts(j, hw, oversubscribed);
+  const double GiB = 1024.0 * 1024.0 * 1024.0;
+  if (json) {
+    nlohmann::json out = {{"world", j.world}, {"hardware", hw.name}, {"refused", r.refused},
+                          {"layouts", nlohmann::json::array()}};
+    for (const auto& e : r.entries)
+      out["layouts"].push_back({{"layout", e.layout},
+                                {"fits", e.fits},
+                                {"peak_allocated_bytes", e.peak},
+                                {"step_s", e.step},
+                                {"job_tokens_per_s", e.tokens_per_s},
+                                {"mfu", e.mfu}});
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    std::printf("loom plan --search: %d ranks of %s (%.1f GiB each); %zu layouts planned, %d "
+                "refused by loom's checks%s\n",
+                j.world, hw.name.c_str(), hw.capacity / GiB, r.entries.size(), r.refused,
+                r.refused ? str_cat(" (e.g. ", r.first_refusal, ")").c_str() : "");
+    std::printf("  %-50s %10s %10s %12s %6s\n", "layout", "peak GiB", "step s", "tokens/s",
+                "MFU");
+    for (const auto& e : r.entries)
+      std::printf("  %-50s %10.2f %10.3f %12.0f %5.1f%%%s\n", e.layout.c_str(), e.peak / GiB,
+                  e.step, e.tokens_per_s, 100 * e.mfu, e.fits ? "" : "  does not fit");
+  }
+  return !r.entries.empty() && r.entries.front().fits ? 0 : 2;
+}
+
 }  // namespace
 
 int plan_command(const Args& args) {
@@ -93,10 +124,10 @@ int plan_command(const Args& args) {
     return plan_calibrate_command(Args(args.begin() + 1, args.end()));
   const char* usage =
       "usage: loom plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] "
-      "[--oversubscribed] [--json] [--section.key=value ...]";
+      "[--oversubscribed] [--search] [--json] [--section.key=value ...]";
   std::string config_path, ranks_arg, hardware = "cpu-local";
   int world = 0;
-  bool json = false, oversubscribed = false;
+  bool json = false, oversubscribed = false, search = false;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -108,6 +139,8 @@ int plan_command(const Args& args) {
     };
     if (a == "--json") {
       json = true;
+    } else if (a == "--search") {
+      search = true;
     } else if (a == "--oversubscribed") {
       // Every rank on one node of the hardware (mpirun --oversubscribe on this machine).
       oversubscribed = true;
@@ -140,38 +173,15 @@ int plan_command(const Args& args) {
       ranks_arg.empty() ? plan::representative_ranks(layout) : parse_ranks(ranks_arg, world);
 
   const plan::Hardware hw = plan::load_hardware(hardware);
-  const int ranks_on_node = oversubscribed ? world : std::min(world, hw.ranks_per_node);
-  std::vector<plan::RankPlan> plans;
-  for (int r : ranks) plans.push_back(plan::plan_rank(j, r));
-  // With pp the schedule is timed across its stages: one plan per pp rank (the planned one of
-  // each stage, else its dp = cp = tp = 0 rank, planned here).
-  std::vector<plan::RankPlan> extra;
-  std::vector<plan::StepTime> times;
+  if (search) return search_command(j, hw, oversubscribed, json);
+  const plan::LayoutPlan lp = plan::plan_whole(j, ranks, hw, oversubscribed);
+  const std::vector<plan::RankPlan>& plans = lp.ranks;
+  const std::vector<plan::StepTime>& times = lp.times;
   const int pp = layout.size("pp");
-  if (pp > 1) {
-    std::vector<const plan::RankPlan*> stages(size_t(pp), nullptr);
-    for (const auto& p : plans)
-      if (!stages[size_t(p.coords[0])]) stages[size_t(p.coords[0])] = &p;
-    extra.reserve(size_t(pp));
-    for (int s = 0; s < pp; ++s)
-      if (!stages[size_t(s)]) {
-        extra.push_back(plan::plan_rank(j, layout.world_rank_of({s, 0, 0, 0, 0})));
-        stages[size_t(s)] = &extra.back();
-      }
-    const plan::StepTime t = plan::time_pipeline(j, stages, hw, ranks_on_node);
-    times.assign(plans.size(), t);
-  } else {
-    for (const auto& p : plans) times.push_back(plan::time_rank(p, hw, ranks_on_node));
-  }
-  const double model_flops_per_token = j.model.flops_per_token(j.job.training.seq_len);
+  const double model_flops_per_token = lp.model_flops_per_token;
   const DType compute = dtype_from_name(j.job.training.mixed_precision_param);
-  // The job's tokens per step: every data-parallel rank's micro-batches (cp, tp and pp ranks of a
-  // dp rank share its samples).
-  const double job_tokens =
-      double(plans.front().micro_batches) * double(j.job.training.local_batch_size) *
-      double(j.job.training.seq_len) * layout.size("dp_replicate") * layout.size("dp_shard");
-  bool fits = true;
-  for (const auto& p : plans) fits = fits && double(p.peak_allocated) <= hw.capacity;
+  const double job_tokens = lp.job_tokens;
+  const bool fits = lp.fits;
 
   if (json) {
     nlohmann::json out = {{"config", config_path},

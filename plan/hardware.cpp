@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "train/config.hpp"
 
 namespace loom::plan {
 
@@ -154,22 +155,7 @@ std::string read_text(const std::string& path) {
 // A bare name: configs/hardware/NAME.toml where model configs are looked for.
 std::string resolve(const std::string& name) {
   if (is_path(name)) return name;
-  const fs::path file = fs::path("hardware") / (name + ".toml");
-  std::vector<fs::path> tried{fs::path("configs") / file};
-  if (const char* src = ::getenv("LOOM_SOURCE_DIR"); src && *src)
-    tried.push_back(fs::path(src) / "configs" / file);
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    tried.push_back(exe.parent_path() / ".." / "configs" / file);
-    tried.push_back(exe.parent_path() / ".." / "share" / "loom" / "configs" / file);
-  }
-  std::vector<std::string> names;
-  for (const fs::path& p : tried) {
-    if (fs::is_regular_file(p, ec)) return p.lexically_normal().string();
-    names.push_back(p.lexically_normal().string());
-  }
-  fail("hardware '", name, "' not found; looked for: ", join(names));
+  return find_in_configs("hardware/" + name + ".toml", "", "hardware '" + name + "'");
 }
 
 bool attention_like(const std::string& op) {

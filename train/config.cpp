@@ -540,25 +540,35 @@ std::string resolve_model_config(const std::string& value, const std::string& to
       tried.push_back(p);
     }
   } else {
-    const std::string file = value + ".json";
-    if (!toml_dir.empty()) tried.push_back(fs::path(toml_dir) / ".." / "configs" / file);
-    tried.push_back(fs::path("configs") / file);
-    if (const char* src = ::getenv("LOOM_SOURCE_DIR"); src && *src)
-      tried.push_back(fs::path(src) / "configs" / file);
-    std::error_code ec;
-    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    if (!ec) {
-      tried.push_back(exe.parent_path() / ".." / "configs" / file);
-      tried.push_back(exe.parent_path() / ".." / "share" / "loom" / "configs" / file);
-    }
+    return find_in_configs(value + ".json", toml_dir, "model config '" + value + "'");
   }
+  return first_file(tried, "model config '" + value + "'");
+}
+
+std::string first_file(const std::vector<fs::path>& tried, const std::string& what) {
   std::vector<std::string> names;
   for (const fs::path& p : tried) {
     std::error_code ec;
     if (fs::is_regular_file(p, ec)) return fs::absolute(p, ec).lexically_normal().string();
     names.push_back(p.lexically_normal().string());
   }
-  fail("model config '", value, "' not found; looked for: ", join(names, ", "));
+  fail(what, " not found; looked for: ", join(names, ", "));
+}
+
+std::string find_in_configs(const std::string& file, const std::string& toml_dir,
+                            const std::string& what) {
+  std::vector<fs::path> tried;
+  if (!toml_dir.empty()) tried.push_back(fs::path(toml_dir) / ".." / "configs" / file);
+  tried.push_back(fs::path("configs") / file);
+  if (const char* src = ::getenv("LOOM_SOURCE_DIR"); src && *src)
+    tried.push_back(fs::path(src) / "configs" / file);
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    tried.push_back(exe.parent_path() / ".." / "configs" / file);
+    tried.push_back(exe.parent_path() / ".." / "share" / "loom" / "configs" / file);
+  }
+  return first_file(tried, what);
 }
 
 }  // namespace loom

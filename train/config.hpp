@@ -4,6 +4,7 @@
 // out-of-range values are errors naming the key (`training.seq_len`) and where its value came
 // from (the file, or "command line").
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -170,5 +171,11 @@ std::vector<ConfigDifference> config_differences(const JobConfig& a, const JobCo
 // in <toml_dir>/../configs, ./configs, $LOOM_SOURCE_DIR/configs, <exe dir>/../configs and
 // <exe dir>/../share/loom/configs. Returns an absolute path; the error lists every place tried.
 std::string resolve_model_config(const std::string& value, const std::string& toml_dir);
+// configs/FILE (FILE relative, e.g. "hardware/h200.toml") in the places above; `what` names it
+// in the error.
+std::string find_in_configs(const std::string& file, const std::string& toml_dir,
+                            const std::string& what);
+// The first of `tried` that is a file, as an absolute path; the error lists them all.
+std::string first_file(const std::vector<std::filesystem::path>& tried, const std::string& what);
 
 }  // namespace loom

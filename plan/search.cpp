@@ -1,0 +1,71 @@
+#include "plan/search.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+
+namespace loom::plan {
+
+namespace {
+
+std::vector<int64_t> divisors_up_to(int64_t n, int64_t cap) {
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d <= std::min(n, cap); d *= 2)
+    if (n % d == 0) out.push_back(d);
+  return out;
+}
+
+}  // namespace
+
+SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversubscribed) {
+  SearchResult res;
+  const int64_t n = base.world;
+  const DType compute = dtype_from_name(base.job.training.mixed_precision_param);
+  // tp stays inside a node (the mesh puts it innermost); powers of two, as the models' heads are.
+  for (int64_t tp : divisors_up_to(n, std::max(1, hw.ranks_per_node)))
+    for (int64_t cp : divisors_up_to(n / tp, n))
+      for (int64_t pp : divisors_up_to(n / tp / cp, n)) {
+        const std::vector<std::string> schedules =
+            pp > 1 ? std::vector<std::string>{"1f1b", "interleaved_1f1b"}
+                   : std::vector<std::string>{"1f1b"};
+        for (const std::string& schedule : schedules)
+          for (const char* ac : {"none", "selective", "full"}) {
+            PlanJob j = base;
+            auto& p = j.job.parallelism;
+            p.dp_replicate = 1;
+            p.dp_shard = n / tp / cp / pp;
+            p.tp = tp, p.cp = cp, p.pp = pp;
+            p.pp_schedule = schedule;
+            p.pp_microbatches = 0;  // the schedule's own (pp x its stages per rank)
+            p.pp_stages_per_rank = 0;
+            j.job.activation_checkpoint.mode = ac;
+            j.job.activation_checkpoint.selective_option = "op";
+            SearchEntry e;
+            e.layout = str_cat("fsdp ", p.dp_shard, " x tp ", tp, " x cp ", cp, " x pp ", pp,
+                               pp > 1 ? " " + schedule : std::string(), ", ac ",
+                               std::string(ac) == "selective" ? "op" : ac);
+            try {
+              const LayoutPlan lp =
+                  plan_whole(j, representative_ranks(plan_layout(j)), hw, oversubscribed);
+              e.peak = lp.peak();
+              e.step = lp.step();
+              e.mfu = lp.mfu(hw, compute, int(n));
+              e.tokens_per_s = lp.job_tokens / e.step;
+              e.fits = lp.fits;
+            } catch (const Error& err) {
+              if (res.refused++ == 0) res.first_refusal = str_cat(e.layout, ": ", err.what());
+              continue;
+            }
+            e.job = j.job;
+            res.entries.push_back(std::move(e));
+          }
+      }
+  std::stable_sort(res.entries.begin(), res.entries.end(),
+                   [](const SearchEntry& a, const SearchEntry& b) {
+                     if (a.fits != b.fits) return a.fits;
+                     return a.fits ? a.step < b.step : a.peak < b.peak;
+                   });
+  return res;
+}
+
+}  // namespace loom::plan

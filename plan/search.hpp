@@ -1,0 +1,31 @@
+#pragma once
+// `loom plan --search`: the layouts of a world of N ranks (tp, cp and pp dividing N, dp_shard the
+// rest; with pp the 1F1B and interleaved schedules; activation checkpointing none, selective op
+// and full), each planned on the meta device at its representative ranks and timed on the
+// hardware model; those that fit first, fastest first. The layouts loom refuses (tp not dividing
+// the heads, a sequence cp cannot split, more stages than blocks...) are skipped, with the
+// refusal counted: the same checks as `loom train`'s, since the same code plans them.
+#include <string>
+#include <vector>
+
+#include "plan/layout_plan.hpp"
+
+namespace loom::plan {
+
+struct SearchEntry {
+  std::string layout;  // "fsdp 8 x tp 8 x pp 8 interleaved_1f1b, ac full"
+  JobConfig job;
+  size_t peak = 0;  // the largest planned peak allocated
+  double step = 0, mfu = 0, tokens_per_s = 0;
+  bool fits = false;
+};
+
+struct SearchResult {
+  std::vector<SearchEntry> entries;  // fitting first, fastest first; then the rest by peak
+  int refused = 0;                   // layouts loom's checks refused
+  std::string first_refusal;         // one of their messages, for the report
+};
+
+SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversubscribed);
+
+}  // namespace loom::plan
