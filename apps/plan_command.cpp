@@ -14,8 +14,8 @@
 #include "core/error.hpp"
 #include "plan/hardware.hpp"
 #include "plan/layout_plan.hpp"
-#include "plan/search.hpp"
 #include "plan/planner.hpp"
+#include "plan/search.hpp"
 #include "plan/time_model.hpp"
 #include "train/config.hpp"
 
@@ -93,26 +93,37 @@ int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversu
   const plan::SearchResult r = plan::search_layouts(j, hw, oversubscribed);
   const double GiB = 1024.0 * 1024.0 * 1024.0;
   if (json) {
-    nlohmann::json out = {{"world", j.world}, {"hardware", hw.name}, {"refused", r.refused},
+    nlohmann::json out = {{"world", j.world},
+                          {"hardware", hw.name},
+                          {"refused", r.refused},
                           {"layouts", nlohmann::json::array()}};
     for (const auto& e : r.entries)
       out["layouts"].push_back({{"layout", e.layout},
                                 {"fits", e.fits},
                                 {"peak_allocated_bytes", e.peak},
+                                {"states_exceed_capacity", e.states_only},
                                 {"step_s", e.step},
                                 {"job_tokens_per_s", e.tokens_per_s},
                                 {"mfu", e.mfu}});
     std::printf("%s\n", out.dump().c_str());
   } else {
-    std::printf("loom plan --search: %d ranks of %s (%.1f GiB each); %zu layouts planned, %d "
-                "refused by loom's checks%s\n",
-                j.world, hw.name.c_str(), hw.capacity / GiB, r.entries.size(), r.refused,
-                r.refused ? str_cat(" (e.g. ", r.first_refusal, ")").c_str() : "");
-    std::printf("  %-50s %10s %10s %12s %6s\n", "layout", "peak GiB", "step s", "tokens/s",
-                "MFU");
-    for (const auto& e : r.entries)
+    std::printf(
+        "loom plan --search: %d ranks of %s (%.1f GiB each); %zu layouts planned, %d "
+        "refused by loom's checks%s\n",
+        j.world, hw.name.c_str(), hw.capacity / GiB, r.entries.size(), r.refused,
+        r.refused ? str_cat(" (e.g. ", r.first_refusal, ")").c_str() : "");
+    std::printf("  %-50s %10s %10s %12s %6s\n", "layout", "peak GiB", "step s", "tokens/s", "MFU");
+    for (const auto& e : r.entries) {
+      if (e.states_only) {
+        std::printf(
+            "  %-50s %9.2f+ %10s %12s %6s  does not fit: parameters, gradients and "
+            "AdamW alone\n",
+            e.layout.c_str(), e.peak / GiB, "-", "-", "-");
+        continue;
+      }
       std::printf("  %-50s %10.2f %10.3f %12.0f %5.1f%%%s\n", e.layout.c_str(), e.peak / GiB,
                   e.step, e.tokens_per_s, 100 * e.mfu, e.fits ? "" : "  does not fit");
+    }
   }
   return !r.entries.empty() && r.entries.front().fits ? 0 : 2;
 }

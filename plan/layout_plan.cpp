@@ -50,7 +50,8 @@ LayoutPlan plan_whole(const PlanJob& j, const std::vector<int>& ranks, const Har
   out.job_tokens = double(out.ranks.front().micro_batches) *
                    double(j.job.training.local_batch_size) * double(j.job.training.seq_len) *
                    layout.size("dp_replicate") * layout.size("dp_shard");
-  for (const RankPlan& p : out.ranks) out.fits = out.fits && double(p.peak_allocated) <= hw.capacity;
+  for (const RankPlan& p : out.ranks)
+    out.fits = out.fits && double(p.peak_allocated) <= hw.capacity;
   return out;
 }
 

@@ -15,9 +15,9 @@ struct LayoutPlan {
   std::vector<StepTime> times;  // theirs (with pp, the pipeline's step for each)
   double job_tokens = 0;        // per step: every data-parallel rank's micro-batches
   double model_flops_per_token = 0;
-  bool fits = true;  // every planned rank's peak allocated within the hardware's capacity
-  size_t peak() const;           // the largest peak allocated of the planned ranks
-  double step() const;           // the slowest planned rank's step
+  bool fits = true;     // every planned rank's peak allocated within the hardware's capacity
+  size_t peak() const;  // the largest peak allocated of the planned ranks
+  double step() const;  // the slowest planned rank's step
   double mfu(const Hardware& hw, DType compute, int world) const;  // torchtitan's convention
 };
 

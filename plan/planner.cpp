@@ -140,6 +140,12 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   out.states = alloc.stats().allocated;
   out.optimizer = opt.state_bytes();
   out.num_params = model.num_params();
+  if (j.states_only) {
+    out.peak_allocated = alloc.stats().peak_allocated;
+    out.peak_reserved = alloc.stats().peak_reserved;
+    out.at_peak = alloc.stats().by_use_at_peak;
+    return out;
+  }
 
   // The trainer's step: grad_accum_steps runs of the pipeline's micro-batches (1 without pp),
   // each B samples of T tokens; token ids do not matter on meta.

@@ -86,6 +86,9 @@ struct PlanJob {
   JobConfig job;
   ModelConfig model;
   int world = 1;
+  // Build the rank's model and optimizer only, no step: its states (a lower bound of the peak)
+  // in a fraction of the time; the search uses it to drop layouts that cannot fit.
+  bool states_only = false;
 };
 
 // The mesh layout of the job (loom::Error naming the key when the world does not fit it).

@@ -45,8 +45,21 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
                                pp > 1 ? " " + schedule : std::string(), ", ac ",
                                std::string(ac) == "selective" ? "op" : ac);
             try {
-              const LayoutPlan lp =
-                  plan_whole(j, representative_ranks(plan_layout(j)), hw, oversubscribed);
+              const std::vector<int> ranks = representative_ranks(plan_layout(j));
+              // The states alone (parameters, gradients, AdamW) over the capacity: no step can
+              // fit, whatever the activations; their size is reported as the peak's lower bound.
+              PlanJob states = j;
+              states.states_only = true;
+              size_t least = 0;
+              for (int r : ranks) least = std::max(least, plan_rank(states, r).peak_allocated);
+              if (double(least) > hw.capacity) {
+                e.peak = least;
+                e.states_only = true;
+                e.job = j.job;
+                res.entries.push_back(std::move(e));
+                continue;
+              }
+              const LayoutPlan lp = plan_whole(j, ranks, hw, oversubscribed);
               e.peak = lp.peak();
               e.step = lp.step();
               e.mfu = lp.mfu(hw, compute, int(n));
@@ -63,7 +76,7 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
   std::stable_sort(res.entries.begin(), res.entries.end(),
                    [](const SearchEntry& a, const SearchEntry& b) {
                      if (a.fits != b.fits) return a.fits;
-                     return a.fits ? a.step < b.step : a.peak < b.peak;
+                     return a.fits ? a.tokens_per_s > b.tokens_per_s : a.peak < b.peak;
                    });
   return res;
 }

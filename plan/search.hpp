@@ -2,7 +2,8 @@
 // `loom plan --search`: the layouts of a world of N ranks (tp, cp and pp dividing N, dp_shard the
 // rest; with pp the 1F1B and interleaved schedules; activation checkpointing none, selective op
 // and full), each planned on the meta device at its representative ranks and timed on the
-// hardware model; those that fit first, fastest first. The layouts loom refuses (tp not dividing
+// hardware model; those that fit first, highest throughput (the job's tokens/s: the batch
+// grows with the data-parallel ranks) first. The layouts loom refuses (tp not dividing
 // the heads, a sequence cp cannot split, more stages than blocks...) are skipped, with the
 // refusal counted: the same checks as `loom train`'s, since the same code plans them.
 #include <string>
@@ -18,10 +19,11 @@ struct SearchEntry {
   size_t peak = 0;  // the largest planned peak allocated
   double step = 0, mfu = 0, tokens_per_s = 0;
   bool fits = false;
+  bool states_only = false;  // the states alone exceed the capacity: peak is their size, no step
 };
 
 struct SearchResult {
-  std::vector<SearchEntry> entries;  // fitting first, fastest first; then the rest by peak
+  std::vector<SearchEntry> entries;  // fitting first by tokens/s; then the rest by peak
   int refused = 0;                   // layouts loom's checks refused
   std::string first_refusal;         // one of their messages, for the report
 };

@@ -1,0 +1,62 @@
+// `loom plan --search` on the debug model over 4 ranks of this machine's model: every layout
+// that divides 4 is planned or refused by loom's own checks, and the list is ordered as the
+// command promises (fitting first by tokens/s, then the rest by peak).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "plan/search.hpp"
+#include "train/config.hpp"
+
+using namespace loom;
+
+namespace {
+
+std::string source_dir() {
+  const char* s = std::getenv("LOOM_SOURCE_DIR");
+  return s && *s ? s : ".";
+}
+
+plan::PlanJob debug_job(int world, std::vector<std::string> overrides = {}) {
+  const std::string src = source_dir();
+  const JobConfig job = load_job_config(src + "/configs/debug.toml", overrides);
+  return {job, ModelConfig::from_file(resolve_model_config(job.model.config, src + "/configs")),
+          world};
+}
+
+}  // namespace
+
+TEST(PlanSearch, OrdersFittingLayoutsByThroughput) {
+  const plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/h200.toml");
+  const plan::SearchResult r = plan::search_layouts(debug_job(4), hw, false);
+  ASSERT_FALSE(r.entries.empty());
+  // tp x cp x pp over 4 ranks: 1, 2, 4 each with the rest dp_shard, 3 AC modes, 2 pp schedules.
+  EXPECT_GT(int(r.entries.size()) + r.refused, 20);
+  bool seen_unfit = false;
+  for (size_t i = 0; i < r.entries.size(); ++i) {
+    const plan::SearchEntry& e = r.entries[i];
+    if (!e.fits) {
+      seen_unfit = true;
+      continue;
+    }
+    EXPECT_FALSE(seen_unfit) << e.layout << " fits but is listed after one that does not";
+    EXPECT_GT(e.step, 0) << e.layout;
+    EXPECT_GT(e.peak, 0u) << e.layout;
+    if (i > 0 && r.entries[i - 1].fits) {
+      EXPECT_GE(r.entries[i - 1].tokens_per_s, e.tokens_per_s) << e.layout;
+    }
+  }
+}
+
+TEST(PlanSearch, DropsLayoutsWhoseStatesCannotFit) {
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/h200.toml");
+  hw.capacity = 1024;  // less than any layout's parameters
+  const plan::SearchResult r = plan::search_layouts(debug_job(2), hw, false);
+  ASSERT_FALSE(r.entries.empty());
+  for (const plan::SearchEntry& e : r.entries) {
+    EXPECT_FALSE(e.fits) << e.layout;
+    EXPECT_TRUE(e.states_only) << e.layout;
+    EXPECT_GT(double(e.peak), hw.capacity) << e.layout;
+  }
+}
