@@ -179,15 +179,18 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   }
   // The pipeline executor's action spans (core/trace.hpp), on the clock that stamps the kernels.
   trace::Recorder actions(rank);
-  trace::set_recorder(&actions);
   {
+    // Installed for this step only, also when it throws (the recorder dies with this frame).
+    struct Installed {
+      explicit Installed(trace::Recorder* r) { trace::set_recorder(r); }
+      ~Installed() { trace::set_recorder(nullptr); }
+    } installed(&actions);
     ops::RecordWork record([&](const ops::KernelWork& w) {
       out.kernels.push_back({w, actions.now_us()});
       ++log->kernels;
     });
     step.run(G, next, job.optimizer.lr);
   }
-  trace::set_recorder(nullptr);
   std::vector<size_t> call_of(log->calls.size(), SIZE_MAX);  // log index -> out.calls index
   for (size_t i = 0; i < log->calls.size(); ++i) {
     const dist::SimCall& c = log->calls[i];
