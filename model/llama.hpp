@@ -43,10 +43,18 @@ class LlamaModel final : public Model {
   // blocks save and, for the last block recomputed in backward, what the blocks before it save
   // plus that block's recomputed tensors. With tensor parallelism (tp ranks, sequence parallel,
   // recompute_allgather): one tp rank's. (model/llama_cost.cpp)
+  // In bf16 the peak also holds a block's f32 gate/up GEMM output beside its rounded copy (the
+  // last block's forward, a recomputed block's forward).
   static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                        int tp = 1, bool sp = false, bool recompute = false,
                                        const ActivationCheckpoint& ac = {});
+  // What the blocks have saved when the head runs (the peak above is at a block instead when a
+  // block's transients or recomputation exceed the head's workspace).
+  static size_t saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                    int tp = 1, bool sp = false, bool recompute = false,
+                                    const ActivationCheckpoint& ac = {});
   size_t saved_activation_bytes(int64_t B, int64_t T) const override;
+  size_t saved_at_head_bytes(int64_t B, int64_t T) const override;
   size_t head_workspace_bytes(int64_t B, int64_t T) const override;
   // The pooled communication buffers of tensor parallelism after a step: one per (purpose,
   // dtype, size) of the model's pooled() calls.

@@ -11,14 +11,20 @@ int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, 
   // of the step's saved activations, so the peak stays what the memory model predicts; larger
   // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
   const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
-  const auto budget = 0.02 * double(saved_activation_bytes(c, B, T, compute));  // tp: same rows
+  const auto budget = 0.02 * double(saved_at_head_bytes(c, B, T, compute));  // tp: same rows
   const int64_t rows = int64_t(budget / per_row) / 16 * 16;
   return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
 }
 
-size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                          int tp, bool sp, bool recompute,
-                                          const ActivationCheckpoint& ac) {
+namespace {
+
+struct SavedActivations {
+  size_t at_head = 0, peak = 0;
+};
+
+SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                   int tp, bool sp, bool recompute,
+                                   const ActivationCheckpoint& ac) {
   const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
   const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
   const size_t F = c.intermediate_size / n;
@@ -26,31 +32,54 @@ size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64
   const size_t Mn = tp > 1 && sp && !recompute ? M : Mx;  // rows of the saved norm outputs
   const size_t cs = dtype_size(compute);
   const size_t input = Mx * d * 4;  // x (f32)
-  // h (f32), rstd1, rstd2; qkv, attn, lse (f32); gu (f32): what `op` saves besides x.
-  const size_t op_block = input + Mx * d * 4 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * 4 +
-                          M * Hq * hd * 4 + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * 4;
+  // h (f32), rstd1, rstd2, lse (f32); qkv, attn, gu (compute dtype): what `op` saves besides x.
+  const size_t op_block = input + Mx * d * 4 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * cs +
+                          M * Hq * hd * cs + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * cs;
   // + xn1, xn2 (compute dtype) and act.
-  const size_t block = op_block + Mn * d * cs * 2 + M * F * cs;
+  const size_t act = M * F * cs;
+  const size_t block = op_block + Mn * d * cs * 2 + act;
+  // A block's working buffers beyond its saved set: in bf16 its forward holds the f32 gate/up
+  // GEMM output beside its rounded copy before the SwiGLU output exists; its backward starts
+  // with the gradient from above (f32), the SwiGLU's f32 gradient and, in bf16, the former
+  // rounded for the down projection's GEMM.
+  const size_t gu_f32 = cs == 4 ? 0 : M * 2 * F * 4;
+  const size_t forward = gu_f32 > act ? gu_f32 - act : 0;
+  const size_t backward = Mx * d * 4 + M * F * 4 + (cs == 4 ? 0 : Mx * d * 2);
   const size_t L = size_t(c.num_hidden_layers);
   switch (ac.mode) {
     case ActivationCheckpoint::Mode::none:
-      return block * L;
+      return {block * L, block * L + std::max(forward, backward)};
     case ActivationCheckpoint::Mode::op:
-      // The backward of a block holds its recomputed act (the norm output recomputed later is
-      // smaller).
-      return op_block * L + M * F * cs;
+      // The backward of a block also holds its recomputed act (the norm output recomputed later
+      // is smaller); the forward holds no act.
+      return {op_block * L, op_block * L + std::max(gu_f32, act + backward)};
     case ActivationCheckpoint::Mode::full:
       break;
   }
-  // At the head every block's saved tensors; in the backward of a recomputed block l, blocks
-  // 0..l-1's plus block l's whole set. The last recomputed block gives the largest of those.
+  // At the head every block's saved tensors; in the forward of block l, and in the backward of a
+  // recomputed block l, blocks 0..l-1's plus block l's whole set and its working buffers.
+  // A recomputation runs with the gradient from above alive.
   size_t all = 0, peak = 0;
   for (size_t l = 0; l < L; ++l) {
     const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
-    if (full) peak = all + block;
+    peak = std::max(peak, all + block + std::max(forward + (full ? Mx * d * 4 : 0), backward));
     all += full ? input : block;
   }
-  return std::max(all, peak);
+  return {all, std::max(all, peak)};
+}
+
+}  // namespace
+
+size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                          int tp, bool sp, bool recompute,
+                                          const ActivationCheckpoint& ac) {
+  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).peak;
+}
+
+size_t LlamaModel::saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                       int tp, bool sp, bool recompute,
+                                       const ActivationCheckpoint& ac) {
+  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).at_head;
 }
 
 uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
@@ -103,6 +132,12 @@ size_t LlamaModel::saved_activation_bytes(int64_t B, int64_t T) const {
                                 tp().recompute_allgather, activation_checkpoint());
 }
 
+size_t LlamaModel::saved_at_head_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  return saved_at_head_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
+                             tp().recompute_allgather, activation_checkpoint());
+}
+
 Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B, int64_t T) const {
   const int n = tp().size();
   const bool sp = n > 1 && tp().sequence_parallel;
@@ -122,40 +157,68 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   auto block = [&](ActivationCheckpoint::Mode m) {
     ActivationCheckpoint a;
     a.mode = m;
-    return saved_activation_bytes(one, B, T, compute_, n, sp, tp().recompute_allgather, a);
+    return saved_at_head_bytes(one, B, T, compute_, n, sp, tp().recompute_allgather, a);
   };
   const size_t cs = dtype_size(compute_), F = size_t(config_.intermediate_size / n);
   const size_t hd = size_t(config_.head_dim()), Hq = size_t(config_.num_attention_heads / n);
   const size_t Hkv = size_t(config_.num_key_value_heads / n), nqkv = (Hq + 2 * Hkv) * hd;
   const size_t input = Mx * d * 4;
-  // The backward starts with the SwiGLU's f32 gradient while everything is held (in bf16 also
-  // the output gradient rounded for the down projection's GEMM); later phases have freed more
-  // than they allocate.
-  u.backward = M * F * 4 + (cs == 2 ? M * d * 2 : 0);
+  const size_t Mn = sp && !tp().recompute_allgather ? M : Mx;  // rows of the saved norm outputs
+  const bool bf16 = cs == 2;
+  const size_t act = M * F * cs, gu = M * 2 * F * cs, qkv = M * nqkv * cs, attn = M * Hq * hd * cs;
+  // In bf16 the forward holds the f32 gate/up GEMM output beside its rounded copy, before
+  // SwiGLU's output (saved unless `op`) exists.
+  const size_t gu_f32 = bf16 ? M * 2 * F * 4 : 0;
+  // The backward's MLP phase: the SwiGLU's f32 gradient while everything is held (in bf16 also
+  // the output gradient rounded for the down projection's GEMM).
+  const size_t mlp = M * F * 4 + (bf16 ? M * d * 2 : 0);
+  // Its attention phase: dqkv and dattn (f32), and in bf16 the saved qkv and attention output
+  // widened to f32 for the kernels (the bf16 attention output still held as the last one is
+  // made), once the MLP branch's tensors and the widened bf16 qkv are freed.
+  auto attention_phase = [&](bool saved_act_xn2) {
+    const size_t held = M * (nqkv + Hq * hd) * 4 + (bf16 ? M * (nqkv + Hq * hd) * 4 + attn : 0);
+    const size_t freed = gu + (saved_act_xn2 ? act + Mn * d * cs : 0) + Mx * d * 4 + Mx * 4 +
+                         (bf16 ? qkv + attn : 0);
+    return held > freed ? held - freed : 0;
+  };
   switch (mode) {
     case ActivationCheckpoint::Mode::none:
       u.saved = block(mode);
+      u.forward = gu_f32 > act ? gu_f32 - act : 0;
+      u.backward = std::max(mlp, attention_phase(true));
       break;
     case ActivationCheckpoint::Mode::op:
-      // saved_activation_bytes(op) of one block is its op set plus the recomputed act.
-      u.saved = block(mode) - M * F * cs;
-      u.backward += M * F * cs;
+      u.saved = block(mode);
+      u.forward = gu_f32;
+      u.backward = std::max(mlp + act, attention_phase(false));
       break;
-    case ActivationCheckpoint::Mode::full:
+    case ActivationCheckpoint::Mode::full: {
       u.saved = input;
       // Its forward saves everything until the block's end, its backward does so again.
-      u.forward = block(ActivationCheckpoint::Mode::none) - input;
-      u.backward += u.forward;
+      const size_t all = block(ActivationCheckpoint::Mode::none) - input;
+      u.forward = all + (gu_f32 > act ? gu_f32 - act : 0);
+      u.backward = all + std::max({gu_f32 > act ? gu_f32 - act : 0, mlp, attention_phase(true)});
       break;
+    }
   }
   // Each linear layer's output gradient (copied) and input (kept, or copied under tp), as its GEMM
   // reads them: qkv (dqkv, xn1), o (dy, attn), gate/up (dgu, xn2), down (dy, act).
   u.deferred = M * cs * (nqkv + d + 2 * F + d + d + Hq * hd + d + F);
-  // In I nothing the deferred GEMMs read is freed: the gate/up's input gradient is computed
-  // with the down projection's output gradient copied, dgu in the compute dtype and its copy,
-  // and dxn2 live (in bf16 dgu is rounded first), beyond the backward's own start.
-  u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
-  u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);
+  // In I nothing the deferred GEMMs read is freed. Its MLP phase: the gate/up's input gradient is
+  // computed with the down projection's output gradient copied, dgu (in place, in the compute
+  // dtype) and its copy, and dxn2 live, beyond the backward's own start without dact. Its
+  // attention phase: those copies and the o projection's, with the attention's buffers as in B,
+  // gu, h and the widened bf16 qkv freed (act, xn2 and the attention output are kept for W).
+  const size_t recomputed = mode == ActivationCheckpoint::Mode::full
+                                ? block(ActivationCheckpoint::Mode::none) - input
+                            : mode == ActivationCheckpoint::Mode::op ? act
+                                                                     : 0;
+  const size_t copies = M * cs * (d + 2 * F + d);
+  const size_t attention_i = M * (nqkv + Hq * hd) * 4 * (bf16 ? 2 : 1) + copies;
+  const size_t freed_i = gu + Mx * d * 4 + Mx * 4 + (bf16 ? qkv : 0);
+  u.backward_input = std::max({mlp - M * F * 4 + recomputed + M * (d * cs + 2 * F * cs + d * 4),
+                               u.backward + M * d * cs,
+                               recomputed + (attention_i > freed_i ? attention_i - freed_i : 0)});
   return u;
 }
 

@@ -132,6 +132,11 @@ class Model {
   // this rank's T) under the model's tp, cp and checkpointing (parallel/cost_model.hpp) ---
   // Bytes of saved activations at their peak.
   virtual size_t saved_activation_bytes(int64_t B, int64_t T) const = 0;
+  // Bytes saved when the head's backward starts (the head's workspace comes on top of these; a
+  // peak elsewhere does not add it).
+  virtual size_t saved_at_head_bytes(int64_t B, int64_t T) const {
+    return saved_activation_bytes(B, T);
+  }
   // The head's working buffers at the start of its fused backward.
   virtual size_t head_workspace_bytes(int64_t B, int64_t T) const = 0;
   // The pooled communication buffers of tensor parallelism after a step (comm_buffer_bytes()).

@@ -91,32 +91,49 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   return out;
 }
 
-// RoPE on q and k, then causal attention (ring attention across cp ranks).
-void TransformerBlock::attention(const StepContext& ctx, BlockActs& a) const {
+// RoPE on q and k, then causal attention (ring attention across cp ranks). qkv is the f32 GEMM
+// output; a.qkv and a.attn keep it and the attention output in the compute dtype. In bf16 qkv is
+// rounded before the attention reads it, so that its backward (which widens the saved bf16 copy)
+// differentiates the function the forward computed.
+void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const {
   const Dims g = dims(ctx);
-  Tensor q = a.qkv.narrow(1, 0, g.Hq * g.hd), k = a.qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
-  const Tensor v = a.qkv.narrow(1, (g.Hq + g.Hkv) * g.hd, g.Hkv * g.hd);
-  ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
-  ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
-  if (par_->cp.size() > 1)
-    ring_attention_forward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, a.qkv, a.attn,
-                           a.lse);
-  else
-    ops::attention_forward(q, k, v, ctx.B, g.Hq, g.Hkv, a.attn, a.lse);
+  const Device dev = qkv.device();
+  Tensor attn = f32({g.M, g.Hq * g.hd}, dev);
+  {
+    Tensor q = qkv.narrow(1, 0, g.Hq * g.hd), k = qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
+    const Tensor v = qkv.narrow(1, (g.Hq + g.Hkv) * g.hd, g.Hkv * g.hd);
+    ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
+    ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
+    a.qkv = ops::to_compute(qkv, ctx.compute);
+    if (ctx.compute != DType::f32) ops::cast(a.qkv, qkv);
+    a.lse = f32({ctx.B, g.Hq, ctx.T}, dev);
+    if (par_->cp.size() > 1)
+      ring_attention_forward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, qkv, attn,
+                             a.lse);
+    else
+      ops::attention_forward(q, k, v, ctx.B, g.Hq, g.Hkv, attn, a.lse);
+  }
+  qkv = Tensor();  // the f32 copy goes before the rounded output is made
+  a.attn = ops::to_compute(attn, ctx.compute);
 }
 
 void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
                                           Tensor& dqkv) const {
   const Dims g = dims(ctx);
   const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
+  // The attention kernels read f32: the saved bf16 copies widened (exactly), each freed as soon
+  // as it is.
+  const Tensor qkv = ops::to_f32(a.qkv);
+  a.qkv = Tensor();
+  const Tensor attn = ops::to_f32(a.attn);
+  a.attn = Tensor();
   Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
   if (par_->cp.size() > 1)
-    ring_attention_backward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, a.qkv, a.attn,
+    ring_attention_backward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, qkv, attn,
                             a.lse, dattn, dqkv);
   else
-    ops::attention_backward(a.qkv.narrow(1, 0, qc), a.qkv.narrow(1, qc, kc),
-                            a.qkv.narrow(1, qc + kc, kc), a.attn, a.lse, dattn, ctx.B, g.Hq, g.Hkv,
-                            dq, dk, dv);
+    ops::attention_backward(qkv.narrow(1, 0, qc), qkv.narrow(1, qc, kc), qkv.narrow(1, qc + kc, kc),
+                            attn, a.lse, dattn, ctx.B, g.Hq, g.Hkv, dq, dk, dv);
   ops::rope_backward(dq, ctx.B, g.Hq, ctx.positions, *ctx.rope);
   ops::rope_backward(dk, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
 }
@@ -141,22 +158,23 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
     // In bf16 the norm rounds its output itself: the GEMM reads only the bf16 copy.
     Tensor xn1 = Tensor::empty({g.Mx, g.d}, dt, dev);
     ops::rmsnorm_forward(x, P[kNorm1].value, g.eps, xn1, a.rstd1);
-    a.qkv = f32({g.M, g.nqkv}, dev);
-    column_parallel_forward(tp, xn1, weight(kQ), keep_gathered, a.xn1, a.qkv);
+    Tensor qkv = f32({g.M, g.nqkv}, dev);
+    column_parallel_forward(tp, xn1, weight(kQ), keep_gathered, a.xn1, qkv);
     if (op) a.xn1 = Tensor();
+    attention(ctx, qkv, a);
   }
-  a.attn = f32({g.M, g.Hq * g.hd}, dev);
-  a.lse = f32({ctx.B, g.Hq, ctx.T}, dev);
-  attention(ctx, a);
-  a.h = row_parallel_forward(tp, ops::to_compute(a.attn, dt), weight(kO), x);
+  a.h = row_parallel_forward(tp, a.attn, weight(kO), x);
 
   a.rstd2 = f32({g.Mx}, dev);
   {
     Tensor xn2 = Tensor::empty({g.Mx, g.d}, dt, dev);
     ops::rmsnorm_forward(a.h, P[kNorm2].value, g.eps, xn2, a.rstd2);
-    a.gu = f32({g.M, 2 * g.F}, dev);
-    column_parallel_forward(tp, xn2, weight(kGate), keep_gathered, a.xn2, a.gu);
+    // The f32 GEMM output is kept in the compute dtype: SwiGLU reads the rounded gate/up, and
+    // its backward the same values.
+    Tensor gu = f32({g.M, 2 * g.F}, dev);
+    column_parallel_forward(tp, xn2, weight(kGate), keep_gathered, a.xn2, gu);
     if (op) a.xn2 = Tensor();
+    a.gu = ops::to_compute(gu, dt);
   }
   a.act = Tensor::empty({g.M, g.F}, dt, dev);
   ops::swiglu_forward(a.gu, a.act);
@@ -202,13 +220,11 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       }
       row_parallel_backward(tp, dy, a.act, weight(kDown), P[kDown].grad, dact, dt);
       a.act = Tensor();
-      // In place over gu, rounded for the GEMM after dact is freed: a bf16 output beside dact
-      // would raise the block's backward peak (by M x F x 2 bytes, 5% with full checkpointing).
+      // In place over gu, in its dtype: in bf16 the kernel rounds the gradient for the GEMM.
       ops::swiglu_backward(dact, dgu, dgu);
     }
-    Tensor dxn2 =
-        column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, kNorm2),
-                                 weight(kGate), P[kGate].grad);
+    Tensor dxn2 = column_parallel_backward(tp, dgu, norm_output(a.xn2, a.h, kNorm2), weight(kGate),
+                                           P[kGate].grad);
     dgu = Tensor();
     a.xn2 = Tensor();
     tp_summed_norm_grad(tp, P[kNorm2].grad, [&](Tensor& gw) {
@@ -221,9 +237,9 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     Tensor dqkv = f32({g.M, g.nqkv}, dev);
     {
       Tensor dattn = f32({g.M, g.Hq * g.hd}, dev);
-      row_parallel_backward(tp, dy, ops::to_compute(a.attn, dt), weight(kO), P[kO].grad, dattn, dt);
+      row_parallel_backward(tp, dy, a.attn, weight(kO), P[kO].grad, dattn, dt);
       attention_backward(ctx, a, dattn, dqkv);
-      a.attn = a.lse = a.qkv = Tensor();
+      a.lse = Tensor();
     }
     Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dqkv, dt),
                                            norm_output(a.xn1, a.x, kNorm1), weight(kQ), P[kQ].grad);

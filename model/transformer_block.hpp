@@ -44,13 +44,13 @@ struct BlockActs {
   Tensor x;      // block input [M, d]
   Tensor rstd1;  // [M]
   Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
-  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd]
-  Tensor attn;   // attention output [M, Hq hd] (f32)
+  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd], in the compute dtype
+  Tensor attn;   // attention output [M, Hq hd], in the compute dtype
   Tensor lse;    // [B, Hq, T]
   Tensor h;      // after the attention residual [M, d]
   Tensor rstd2;  // [M]
   Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
-  Tensor gu;     // gate and up projections [M, 2F]
+  Tensor gu;     // gate and up projections [M, 2F], in the compute dtype
   Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
   // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, xn2 and act.
   size_t bytes() const;
@@ -81,7 +81,7 @@ class TransformerBlock {
   // returned.
   Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
                      ActivationCheckpoint::Mode mode, bool output) const;
-  void attention(const StepContext& ctx, BlockActs& a) const;
+  void attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const;
   void attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
                           Tensor& dqkv) const;
   const Tensor& weight(size_t i) const { return unit_.gemm_weight(i); }

@@ -120,10 +120,28 @@ Tensor to_compute(const Tensor& x, DType dt) {
   return y;
 }
 
+Tensor to_f32(const Tensor& x) {
+  if (x.dtype() == DType::f32) return x;
+  Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+  cast(x, y);
+  return y;
+}
+
 void cast(const Tensor& src, Tensor& dst) {
   LOOM_CHECK(src.numel() == dst.numel(), "cast: ", src.numel(), " elements into ", dst.numel());
+  const bool widen = src.dtype() == DType::bf16;
+  LOOM_CHECK(
+      dst.dtype() == (widen ? DType::f32 : DType::bf16) && (widen || src.dtype() == DType::f32),
+      "cast: f32 to bf16 or bf16 to f32, not ", dtype_name(src.dtype()), " to ",
+      dtype_name(dst.dtype()));
   on(
-      "cast", src.device(), [&] { cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel()); },
+      "cast", src.device(),
+      [&] {
+        if (widen)
+          cpu::cast_bf16_to_f32(src.data<bf16>(), f(dst), src.numel());
+        else
+          cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel());
+      },
       [&] { return streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 1); });
 }
 
@@ -245,10 +263,14 @@ void swiglu_forward(const Tensor& gu, Tensor& act) {
   on(
       "swiglu_forward", gu.device(),
       [&] {
-        if (act.dtype() == DType::bf16)
+        if (gu.dtype() == DType::bf16) {
+          LOOM_CHECK(act.dtype() == DType::bf16, "swiglu_forward: a bf16 gate/up needs a bf16 act");
+          cpu::swiglu_forward(gu.data<bf16>(), rows(gu), cols(act), act.data<bf16>());
+        } else if (act.dtype() == DType::bf16) {
           cpu::swiglu_forward(f(gu), rows(gu), cols(act), act.data<bf16>());
-        else
+        } else {
           cpu::swiglu_forward(f(gu), rows(gu), cols(act), f(act));
+        }
       },
       [&] { return streaming(DType::f32, bytes(gu) + bytes(act), act.numel(), 8); });
 }
@@ -256,7 +278,15 @@ void swiglu_forward(const Tensor& gu, Tensor& act) {
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu) {
   on(
       "swiglu_backward", gu.device(),
-      [&] { cpu::swiglu_backward(f(dact), f(gu), rows(gu), cols(dact), f(dgu)); },
+      [&] {
+        if (gu.dtype() == DType::bf16) {
+          LOOM_CHECK(dgu.dtype() == DType::bf16,
+                     "swiglu_backward: a bf16 gate/up needs a bf16 dgu");
+          cpu::swiglu_backward(f(dact), gu.data<bf16>(), rows(gu), cols(dact), dgu.data<bf16>());
+        } else {
+          cpu::swiglu_backward(f(dact), f(gu), rows(gu), cols(dact), f(dgu));
+        }
+      },
       [&] {
         return streaming(DType::f32, bytes(dact) + bytes(gu) + bytes(dgu), dact.numel(), 16);
       });

@@ -48,7 +48,10 @@ class RecordWork {
 // ---- element-wise and copies ----------------------------------------------------------------
 // A GEMM input in the compute dtype: `x` itself in f32, a rounded bf16 copy otherwise.
 Tensor to_compute(const Tensor& x, DType dt);
-// dst (bf16) = round(src (f32)), the same number of elements, both contiguous.
+// An f32 kernel's input: `x` itself in f32, a widened (exact) f32 copy of a bf16 `x`.
+Tensor to_f32(const Tensor& x);
+// dst = src in dst's dtype (f32 -> bf16 rounds, bf16 -> f32 widens), the same number of
+// elements, both contiguous.
 void cast(const Tensor& src, Tensor& dst);
 void add_inplace(Tensor& y, const Tensor& x);  // y += x, same numel
 void fill(Tensor& x, float value);
@@ -91,7 +94,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
 // act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up]. act is f32, or bf16 (rounded in the
-// kernel: the bits of the f32 result cast to bf16).
+// kernel: the bits of the f32 result cast to bf16). A bf16 gu (mixed precision's saved gate/up)
+// needs a bf16 act, and its gradient dgu is bf16 too (rounded in the kernel).
 void swiglu_forward(const Tensor& gu, Tensor& act);
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);  // dgu may be gu
 // x [B*T, H*D] (a strided view allowed), rotated in place at positions[t] (length T).

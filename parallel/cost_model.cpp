@@ -106,8 +106,11 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     // where the head is.
     mc.activations = pp_activation_peak(m, B, Tl);
   } else {
+    // The peak is at the head (what the blocks saved plus its workspace) or in a block (its
+    // transients, a recomputation), whichever is larger: the head's term is what it adds.
     mc.activations = model.saved_activation_bytes(B, Tl);
-    mc.head = model.head_workspace_bytes(B, Tl);
+    const size_t at_head = model.saved_at_head_bytes(B, Tl) + model.head_workspace_bytes(B, Tl);
+    mc.head = at_head > mc.activations ? at_head - mc.activations : 0;
   }
   mc.comm = model.tp_comm_buffer_bytes(B, Tl);
   mc.ring = model.ring_working_bytes(B, Tl);

@@ -51,20 +51,35 @@ inline void put(float& dst, float v) {
 inline void put(bf16& dst, float v) {
   dst = float_to_bf16(v);
 }
+// A bf16 input widens exactly (its bits are the high half of the f32's).
+using HWY_NAMESPACE::load;
+inline vf load(const bf16* p) {
+  const vh h = *reinterpret_cast<const vhu*>(p);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+inline float get(float v) {
+  return v;
+}
+inline float get(bf16 v) {
+  return bf16_to_float(v);
+}
 
-template <class T>
-void swiglu_forward_t(const float* gu, int64_t rows, int64_t F, T* h) {
+template <class In, class T>
+void swiglu_forward_t(const In* gu, int64_t rows, int64_t F, T* h) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict g = gu + r * 2 * F;
-    const float* __restrict u = g + F;
+    const In* __restrict g = gu + r * 2 * F;
+    const In* __restrict u = g + F;
     T* __restrict hr = h + r * F;
     int64_t j = 0;
     for (; j + kW <= F; j += kW) {
       const vf gj = load(g + j);
       put(hr + j, gj * sigmoid(gj) * load(u + j));
     }
-    for (; j < F; ++j) put(hr[j], g[j] * sigmoid(g[j]) * u[j]);
+    for (; j < F; ++j) {
+      const float gj = get(g[j]);
+      put(hr[j], gj * sigmoid(gj) * get(u[j]));
+    }
   }
 }
 
@@ -76,32 +91,46 @@ void swiglu_forward_impl(const float* gu, int64_t rows, int64_t F, float* h) {
 void swiglu_forward_bf16_impl(const float* gu, int64_t rows, int64_t F, bf16* h) {
   swiglu_forward_t(gu, rows, F, h);
 }
+void swiglu_forward_bf16_in_impl(const bf16* gu, int64_t rows, int64_t F, bf16* h) {
+  swiglu_forward_t(gu, rows, F, h);
+}
 
-// With s = sigmoid(g): d silu(g)/dg = s + g s (1 - s) = s (1 + g (1 - s)).
-void swiglu_backward_impl(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
+// With s = sigmoid(g): d silu(g)/dg = s + g s (1 - s) = s (1 + g (1 - s)). In bf16 the gate and up
+// come in as the forward saved them and their gradients go out rounded for the GEMM that reads
+// them, in one pass.
+template <class T>
+void swiglu_backward_t(const float* dh, const T* gu, int64_t rows, int64_t F, T* dgu) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     // No __restrict here: dgu may be gu itself (the model overwrites the saved gate/up in place).
     // Each element is read into registers before its gradients are stored.
-    const float* g = gu + r * 2 * F;
-    const float* u = g + F;
+    const T* g = gu + r * 2 * F;
+    const T* u = g + F;
     const float* d = dh + r * F;
-    float* dg = dgu + r * 2 * F;
-    float* du = dg + F;
+    T* dg = dgu + r * 2 * F;
+    T* du = dg + F;
     int64_t j = 0;
     for (; j + kW <= F; j += kW) {
       const vf gj = load(g + j), uj = load(u + j), dj = load(d + j);
       const vf s = sigmoid(gj);
-      store(dg + j, dj * uj * s * (1.0f + gj * (1.0f - s)));
-      store(du + j, dj * gj * s);
+      put(dg + j, dj * uj * s * (1.0f + gj * (1.0f - s)));
+      put(du + j, dj * gj * s);
     }
     for (; j < F; ++j) {
-      const float gj = g[j], uj = u[j], dj = d[j];
+      const float gj = get(g[j]), uj = get(u[j]), dj = d[j];
       const float s = sigmoid(gj);
-      dg[j] = dj * uj * s * (1.0f + gj * (1.0f - s));
-      du[j] = dj * gj * s;
+      put(dg[j], dj * uj * s * (1.0f + gj * (1.0f - s)));
+      put(du[j], dj * gj * s);
     }
   }
+}
+
+void swiglu_backward_impl(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
+  swiglu_backward_t(dh, gu, rows, F, dgu);
+}
+void swiglu_backward_bf16_impl(const float* dh, const bf16* gu, int64_t rows, int64_t F,
+                               bf16* dgu) {
+  swiglu_backward_t(dh, gu, rows, F, dgu);
 }
 
 }  // namespace loom::cpu::HWY_NAMESPACE
@@ -121,6 +150,8 @@ void check_args(const char* what, int64_t rows, int64_t F) {
 HWY_EXPORT(swiglu_forward_impl);
 HWY_EXPORT(swiglu_backward_impl);
 HWY_EXPORT(swiglu_forward_bf16_impl);
+HWY_EXPORT(swiglu_forward_bf16_in_impl);
+HWY_EXPORT(swiglu_backward_bf16_impl);
 
 void swiglu_forward(const float* gu, int64_t rows, int64_t F, float* h) {
   check_args("swiglu_forward", rows, F);
@@ -135,6 +166,16 @@ void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, 
 void swiglu_forward(const float* gu, int64_t rows, int64_t F, bf16* h) {
   check_args("swiglu_forward", rows, F);
   LOOM_DISPATCH(swiglu_forward_bf16_impl)(gu, rows, F, h);
+}
+
+void swiglu_forward(const bf16* gu, int64_t rows, int64_t F, bf16* h) {
+  check_args("swiglu_forward", rows, F);
+  LOOM_DISPATCH(swiglu_forward_bf16_in_impl)(gu, rows, F, h);
+}
+
+void swiglu_backward(const float* dh, const bf16* gu, int64_t rows, int64_t F, bf16* dgu) {
+  check_args("swiglu_backward", rows, F);
+  LOOM_DISPATCH(swiglu_backward_bf16_impl)(dh, gu, rows, F, dgu);
 }
 
 }  // namespace loom::cpu

@@ -16,4 +16,10 @@ void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, 
 // bf16 write.
 void swiglu_forward(const float* gu, int64_t rows, int64_t F, bf16* h);
 
+// Mixed precision's saved gate/up in bf16: the same arithmetic on the widened inputs (exact), the
+// output rounded as above. The backward's gradient is rounded too (only the bf16 GEMMs of the
+// gate/up projection read it); dgu may be gu.
+void swiglu_forward(const bf16* gu, int64_t rows, int64_t F, bf16* h);
+void swiglu_backward(const float* dh, const bf16* gu, int64_t rows, int64_t F, bf16* dgu);
+
 }  // namespace loom::cpu

@@ -143,6 +143,42 @@ TEST_ALL_ISAS(SwiGLU, Bf16OutputIsTheRoundedF32Result) {
   }
 }
 
+// Mixed precision saves gate/up in bf16: the bf16-input kernels are the f32 kernels on the widened
+// values (exact), their outputs rounded, bit for bit, on every tier and thread count; the
+// backward in place over the saved gate/up as out of place. The f32 kernels are checked against
+// fp64 and finite differences above.
+TEST_ALL_ISAS(SwiGLU, Bf16InputsAreTheF32KernelsOnTheWidenedValues) {
+  for (auto [rows, F] : std::vector<Shape>{{37, 769}, {5, 1376}, {37, 50}, {3, 1}}) {
+    auto gu32 = make_gu(rows, F, 7);
+    for (int64_t j = 3; j < F; j += 17) gu32[j] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<bf16> gu(gu32.size());
+    cpu::cast_f32_to_bf16(gu32.data(), gu.data(), int64_t(gu.size()));
+    cpu::cast_bf16_to_f32(gu.data(), gu32.data(), int64_t(gu.size()));  // the exact widening
+    const auto r = test::randn(static_cast<size_t>(rows * F), 8);
+    std::vector<float> h(static_cast<size_t>(rows * F)), dgu(gu32.size());
+    cpu::swiglu_forward(gu32.data(), rows, F, h.data());
+    cpu::swiglu_backward(r.data(), gu32.data(), rows, F, dgu.data());
+    std::vector<bf16> want_h(h.size()), want_dgu(dgu.size());
+    cpu::cast_f32_to_bf16(h.data(), want_h.data(), int64_t(h.size()));
+    cpu::cast_f32_to_bf16(dgu.data(), want_dgu.data(), int64_t(dgu.size()));
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      std::vector<bf16> h16(h.size()), out(gu.size()), inplace = gu;
+      cpu::swiglu_forward(gu.data(), rows, F, h16.data());
+      cpu::swiglu_backward(r.data(), gu.data(), rows, F, out.data());
+      cpu::swiglu_backward(r.data(), inplace.data(), rows, F, inplace.data());
+      for (size_t i = 0; i < h16.size(); ++i)
+        ASSERT_EQ(h16[i].bits, want_h[i].bits) << rows << "x" << F << " threads " << threads;
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_EQ(out[i].bits, want_dgu[i].bits) << rows << "x" << F << " threads " << threads;
+        ASSERT_EQ(inplace[i].bits, want_dgu[i].bits) << rows << "x" << F << " in place";
+      }
+    }
+    omp_set_num_threads(saved);
+  }
+}
+
 TEST(SwiGLU, RejectsBadShapes) {
   float f = 1, g = 1;
   EXPECT_THROW(cpu::swiglu_forward(&f, 1, 0, &g), Error);
