@@ -308,20 +308,24 @@ double optimizer_seconds(double bytes, const Hardware& hw) {
   return bytes / (hw.optimizer_bandwidth > 0 ? hw.optimizer_bandwidth : hw.memory_bandwidth);
 }
 
-double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size,
-                          bool spans_nodes, const Hardware& hw) {
+double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size, int node_ranks,
+                          const Hardware& hw) {
   const auto measured = hw.intra_by_kind.find(kind);
-  const Link& l = spans_nodes                          ? hw.inter_node
+  const bool spans = node_ranks > 0;
+  const Link& l = spans                                ? hw.inter_node
                   : measured != hw.intra_by_kind.end() ? measured->second
                                                        : hw.intra_node;
-  const double n = group_size, alpha = l.latency, transfer = double(bytes_sent) / l.bandwidth;
+  const double alpha = l.latency;
   switch (kind) {
     case CollectiveKind::send:
     case CollectiveKind::recv:
-      return alpha + transfer;
+      return alpha + double(bytes_sent) / l.bandwidth;
     default:
       break;
   }
+  const double beta =
+      spans ? std::min(l.bandwidth * double(node_ranks), hw.intra_node.bandwidth) : l.bandwidth;
+  const double n = group_size, transfer = double(bytes_sent) / beta;
   if (group_size <= 1) return 0;
   switch (kind) {
     case CollectiveKind::all_gather:

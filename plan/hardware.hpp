@@ -87,12 +87,15 @@ double optimizer_seconds(double bytes, const Hardware& hw);
 // A collective over `group_size` ranks with ring algorithms; `bytes_sent` is one rank's count in
 // dist::ProcessGroup's convention (process_group.hpp): (n-1)·in for all_gather, (n-1)·out for
 // reduce_scatter, 2(n-1)/n·t for all_reduce; for broadcast, send and recv the message's size. The
-// link is the slowest the group spans: inter_node when it spans nodes.
+// link is the slowest the group spans: inter_node when it spans nodes (`node_ranks` > 0: that
+// many of the group's ranks on each node). inter_node's bandwidth is one rank's NIC; a
+// collective across nodes runs one ring per NIC (NCCL's channels on a rail-optimized fabric),
+// so it moves node_ranks NICs' worth, at most the intra-node link's; a send uses one NIC.
 //   all_gather, reduce_scatter, all_to_all: bytes/beta + (n-1) alpha
 //   all_reduce (reduce-scatter then all-gather): bytes/beta + 2(n-1) alpha
 //   broadcast (pipelined ring): bytes/beta + (n-1) alpha
 //   send, recv: alpha + bytes/beta;  barrier: ceil(log2 n) alpha
-double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size,
-                          bool spans_nodes, const Hardware& hw);
+double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_size, int node_ranks,
+                          const Hardware& hw);
 
 }  // namespace loom::plan

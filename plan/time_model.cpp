@@ -16,11 +16,18 @@ CollectiveKind kind_of(const std::string& op) {
   fail("plan: no time model for the collective '", op, "'");
 }
 
-bool spans_nodes(const GroupTraffic& g, const Hardware& hw) {
+// 0 when the group lies within one node; else how many of its ranks share the first one's node
+// (the NICs its collectives run over on each node).
+int node_ranks(const GroupTraffic& g, const Hardware& hw) {
   const int rpn = std::max(1, hw.ranks_per_node);
-  for (int r : g.members)
-    if (r / rpn != g.members.front() / rpn) return true;
-  return false;
+  int same = 0;
+  bool spans = false;
+  for (int r : g.members) {
+    const bool here = r / rpn == g.members.front() / rpn;
+    same += here;
+    spans = spans || !here;
+  }
+  return spans ? same : 0;
 }
 
 // The compute stream's time before and after each kernel, the collectives' end times, and the
@@ -35,8 +42,8 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   const double slow = std::max(1.0, double(ranks_on_node) / std::max(1, hw.ranks_per_node));
   std::vector<double> call_time(p.calls.size()), call_end(p.calls.size(), 0);
   std::map<size_t, double> by_group;
-  std::vector<bool> spans(p.groups.size());
-  for (size_t g = 0; g < p.groups.size(); ++g) spans[g] = spans_nodes(p.groups[g], hw);
+  std::vector<int> spans(p.groups.size());
+  for (size_t g = 0; g < p.groups.size(); ++g) spans[g] = node_ranks(p.groups[g], hw);
   Timeline tl;
   for (size_t i = 0; i < p.calls.size(); ++i) {
     const PlannedCall& c = p.calls[i];
@@ -128,7 +135,7 @@ StepTime time_pipeline(const PlanJob& j, const std::vector<const RankPlan*>& sta
     for (const PlannedCall& c : p.calls)
       if (c.op == "send" && p.groups[c.group].name == "pp")
         message = std::max(message, collective_seconds(CollectiveKind::send, c.bytes, 2,
-                                                       spans_nodes(p.groups[c.group], hw), hw));
+                                                       node_ranks(p.groups[c.group], hw), hw));
   }
   const pp::SimResult sim = pp::simulate(
       s,

@@ -126,6 +126,13 @@ TEST(Hardware, CollectivesFollowTheRingFormulas) {
   EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::send, 4096, 2, false, hw), a + 4096 / b);
   EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::recv, 4096, 2, true, hw), A + 4096 / B);
   EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::barrier, 0, 8, false, hw), 3 * a);
+  // Across nodes with 4 of the group's ranks on each: four rings, one per NIC (4 B < b), capped
+  // by the intra-node link (16 B > b); a send still uses one NIC.
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, sent, 8, 4, hw),
+                   7e6 / (4 * B) + 7 * A);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_gather, sent, 32, 16, hw),
+                   7e6 / b + 31 * A);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::send, 4096, 2, 4, hw), A + 4096 / B);
   EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 0, 1, false, hw), 0);
   EXPECT_STREQ(collective_name(CollectiveKind::reduce_scatter), "reduce_scatter");
 }
