@@ -163,6 +163,38 @@ Build attention(Bench& b, int64_t T, int64_t D, bool backward) {
   };
 }
 
+// Ring attention's block pair (cp 2's shapes): this rank's T/2 queries at positions [T/2, T)
+// against T/2 keys either before them (a whole block) or at the same positions (the causal
+// diagonal), as attention_block_forward/backward run them.
+Build attention_block(Bench& b, int64_t T, int64_t D, bool diagonal, bool backward) {
+  return [&b, T, D, diagonal, backward](Device dev) {
+    const int64_t B = 1, Hq = 4, Hkv = 2, n = T / 2;
+    auto q_pos = std::make_shared<std::vector<int64_t>>(size_t(n));
+    auto k_pos = std::make_shared<std::vector<int64_t>>(size_t(n));
+    for (int64_t i = 0; i < n; ++i) {
+      (*q_pos)[size_t(i)] = n + i;
+      (*k_pos)[size_t(i)] = diagonal ? n + i : i;
+    }
+    Tensor q = b.random({B * n, Hq * D}, dev), k = b.random({B * n, Hkv * D}, dev),
+           v = b.random({B * n, Hkv * D}, dev);
+    Tensor out = Tensor::empty({B * n, Hq * D}, DType::f32, dev),
+           lse = Tensor::empty({B, Hq, n}, DType::f32, dev);
+    const auto shape = [=] { return ops::AttentionBlock{B, Hq, Hkv, q_pos.get(), k_pos.get()}; };
+    if (!backward)
+      return call([=]() mutable { ops::attention_block_forward(shape(), q, k, v, out, lse); });
+    ops::attention_block_forward(shape(), q, k, v, out, lse);
+    Tensor dout = b.random({B * n, Hq * D}, dev),
+           delta = Tensor::empty({B, Hq, n}, DType::f32, dev);
+    ops::attention_delta(B, Hq, out, dout, delta);
+    Tensor dq = Tensor::empty(q.shape(), DType::f32, dev),
+           dk = Tensor::empty(k.shape(), DType::f32, dev),
+           dv = Tensor::empty(v.shape(), DType::f32, dev);
+    return call([=]() mutable {
+      ops::attention_block_backward(shape(), q, k, v, lse, delta, dout, dq, dk, dv);
+    });
+  };
+}
+
 // ---- memory-bound ops -------------------------------------------------------------------------
 
 std::vector<Build> memory_ops(Bench& b) {
@@ -419,6 +451,22 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
   }
   hw.attention_efficiency = fwd / hw.peak_f32;
   hw.attention_backward_efficiency = bwd / hw.peak_f32;
+  // Ring attention's block pairs: a whole block and a diagonal one, in the proportion of cp 2
+  // (each rank's two chunks meet one diagonal and one whole block per pair of chunks).
+  double bfwd = 0, bbwd = 0;
+  for (auto [T, D] : shapes) {
+    for (bool diagonal : {false, true}) {
+      const Rate f = b.measure(attention_block(b, T, D, diagonal, false)),
+                 g = b.measure(attention_block(b, T, D, diagonal, true));
+      bfwd += f.flops / double(2 * shapes.size());
+      bbwd += g.flops / double(2 * shapes.size());
+      b.note("attention block T " + std::to_string(T) + " D " + std::to_string(D) +
+             (diagonal ? " diagonal" : " whole") + ": forward " + num(f.flops / 1e9) +
+             " GFLOP/s, backward " + num(g.flops / 1e9) + " GFLOP/s");
+    }
+  }
+  hw.attention_block_efficiency = bfwd / hw.peak_f32;
+  hw.attention_block_backward_efficiency = bbwd / hw.peak_f32;
 
   const Rate s = b.measure(stream(b));
   hw.memory_bandwidth = s.bytes;
@@ -484,7 +532,9 @@ std::string hardware_toml(const Calibration& c) {
   }
   os << "\n[attention]  # f32 flash kernels: measured FLOP/s over peak.f32\n"
      << "efficiency = " << num(hw.attention_efficiency) << "\n"
-     << "backward_efficiency = " << num(hw.attention_backward_efficiency) << "\n\n"
+     << "backward_efficiency = " << num(hw.attention_backward_efficiency) << "\n"
+     << "block_efficiency = " << num(hw.attention_block_efficiency) << "  # ring attention's\n"
+     << "block_backward_efficiency = " << num(hw.attention_block_backward_efficiency) << "\n\n"
      << "[memory_ops]  # bytes/s read and written, as ops report them on meta\n";
   for (const auto& [op, bw] : hw.op_bandwidth) os << op << " = " << num(bw) << "\n";
   os << "\n[optimizer]  # AdamW, 28 bytes per f32 parameter (param, m, v in and out, grad in)\n"

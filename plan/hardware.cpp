@@ -227,10 +227,16 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
     hw.gemm_bf16 = r.gemm_table(*gemm, "bf16");
   }
   if (const toml::table* att = r.table(top, "", "attention", false)) {
-    r.only(*att, "attention", {"efficiency", "backward_efficiency", "dtype"});
+    r.only(*att, "attention",
+           {"efficiency", "backward_efficiency", "block_efficiency", "block_backward_efficiency",
+            "dtype"});
     hw.attention_efficiency = r.number(att, "attention", "efficiency", false, 1.0);
     hw.attention_backward_efficiency =
         r.number(att, "attention", "backward_efficiency", false, hw.attention_efficiency);
+    hw.attention_block_efficiency =
+        r.number(att, "attention", "block_efficiency", false, hw.attention_efficiency);
+    hw.attention_block_backward_efficiency = r.number(att, "attention", "block_backward_efficiency",
+                                                      false, hw.attention_backward_efficiency);
     const std::string dt = r.text(att, "attention", "dtype", false);
     if (!dt.empty()) {
       LOOM_CHECK(dt == "f32" || dt == "bf16", source, ": 'attention.dtype' must be \"f32\" or ",
@@ -296,8 +302,11 @@ double kernel_seconds(const ops::KernelWork& w, const Hardware& hw) {
     rate = gemm_rate(hw, w.dtype, w.m, w.n, w.k);
   } else if (attention_like(op)) {
     const bool backward = op.find("backward") != std::string::npos;
-    rate = hw.peak(hw.has_attention_dtype ? hw.attention_dtype : w.dtype) *
-           (backward ? hw.attention_backward_efficiency : hw.attention_efficiency);
+    const bool block = op.rfind("attention_block_", 0) == 0;
+    const double efficiency =
+        block ? (backward ? hw.attention_block_backward_efficiency : hw.attention_block_efficiency)
+              : (backward ? hw.attention_backward_efficiency : hw.attention_efficiency);
+    rate = hw.peak(hw.has_attention_dtype ? hw.attention_dtype : w.dtype) * efficiency;
   } else if (auto it = hw.op_bandwidth.find(op); it != hw.op_bandwidth.end()) {
     bandwidth = it->second;
   }

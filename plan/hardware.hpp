@@ -61,6 +61,9 @@ struct Hardware {
   // means the device's attention kernels run in that dtype whatever the ops' tensors are (GPU
   // flash kernels run bf16 where loom's cpu kernels take f32).
   double attention_efficiency = 1, attention_backward_efficiency = 1;
+  // Ring attention's block-pair kernels (attention_block_*): their own rates where measured
+  // (on the CPU they run below the whole-sequence kernels), else the two above.
+  double attention_block_efficiency = 1, attention_block_backward_efficiency = 1;
   bool has_attention_dtype = false;
   DType attention_dtype = DType::bf16;
   // Memory-bound ops by their name in ops/ops.hpp: bytes/s (absent: memory_bandwidth).
