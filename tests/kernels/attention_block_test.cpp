@@ -616,3 +616,45 @@ TEST(AttentionBlock, BadShapeIsAnError) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// tiled_entries counts by sorted key tiles and a binary search: against the pairwise count of
+// every (query tile, key tile) on shuffled, sorted, zigzag (context parallel's chunks) and ragged
+// positions, and the causal count as its lower bound.
+TEST(AttentionBlock, TiledEntriesEqualsThePairwiseCount) {
+  const auto pairwise = [](const std::vector<int64_t>& q, const std::vector<int64_t>& k) {
+    int64_t n = 0;
+    for (size_t i = 0; i < q.size(); i += size_t(cpu::kAttentionTile)) {
+      const size_t qe = std::min(q.size(), i + size_t(cpu::kAttentionTile));
+      const int64_t qhi = *std::max_element(q.begin() + long(i), q.begin() + long(qe));
+      for (size_t j = 0; j < k.size(); j += size_t(cpu::kAttentionTile)) {
+        const size_t ke = std::min(k.size(), j + size_t(cpu::kAttentionTile));
+        const int64_t klo = *std::min_element(k.begin() + long(j), k.begin() + long(ke));
+        if (klo <= qhi) n += int64_t((qe - i) * (ke - j));
+      }
+    }
+    return n;
+  };
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t Tq = 1 + int64_t(rng() % 700), Tk = 1 + int64_t(rng() % 700);
+    std::vector<int64_t> q(static_cast<size_t>(Tq)), k(static_cast<size_t>(Tk));
+    for (int64_t i = 0; i < Tq; ++i) q[size_t(i)] = i + (trial % 3 == 0 ? 0 : int64_t(rng() % 500));
+    for (int64_t i = 0; i < Tk; ++i) k[size_t(i)] = i + (trial % 4 == 0 ? 300 : 0);
+    if (trial % 2) std::shuffle(k.begin(), k.end(), rng);
+    if (trial % 5 == 1) std::shuffle(q.begin(), q.end(), rng);
+    const int64_t n = cpu::tiled_entries(q.data(), Tq, k.data(), Tk);
+    EXPECT_EQ(n, pairwise(q, k)) << "trial " << trial;
+    EXPECT_GE(n, cpu::causal_entries(q.data(), Tq, k.data(), Tk)) << "trial " << trial;
+  }
+  // Context parallel 2's zigzag: rank 0 holds chunks 0 and 3 of four.
+  std::vector<int64_t> zig;
+  for (int64_t i = 0; i < 200; ++i) zig.push_back(i);
+  for (int64_t i = 600; i < 800; ++i) zig.push_back(i);
+  EXPECT_EQ(cpu::tiled_entries(zig.data(), 400, zig.data(), 400), pairwise(zig, zig));
+}
+
+}  // namespace
+}  // namespace loom
