@@ -30,8 +30,17 @@ class SimWork final : public Work {
   }
   bool test() override {
     if (done_) return true;
-    if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
-      complete();
+    switch (log_.completion) {
+      case SimCompletion::early:
+        complete();
+        break;
+      case SimCompletion::late:
+        break;
+      case SimCompletion::rule:
+        if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
+          complete();
+        break;
+    }
     return done_;
   }
 

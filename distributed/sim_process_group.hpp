@@ -31,7 +31,13 @@ struct SimWait {
   uint64_t kernels = 0;
 };
 
+// When a simulated transfer completes (frees what it holds): `rule` as SimWork describes; the two
+// bounds of a real backend, `early` at its first test, `late` only when waited on. A real rank's
+// peak lies between the peaks of the two bounds (tests/plan/meta_equals_real.sh).
+enum class SimCompletion { rule, early, late };
+
 struct SimLog {
+  SimCompletion completion = SimCompletion::rule;
   std::vector<SimCall> calls;
   std::vector<SimWait> waits;
   // When a send completes, by group and tag: on its n-th test (n > 0) or only when waited on

@@ -101,6 +101,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   alloc.reset_peak();
 
   auto log = std::make_shared<dist::SimLog>();
+  log->completion = j.completion;
   std::vector<int> everyone(static_cast<size_t>(j.world));
   std::iota(everyone.begin(), everyone.end(), 0);
   std::unique_ptr<dist::Mesh> mesh;

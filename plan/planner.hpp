@@ -17,6 +17,7 @@
 
 #include "core/allocator.hpp"
 #include "distributed/mesh.hpp"
+#include "distributed/sim_process_group.hpp"
 #include "model/model_config.hpp"
 #include "ops/ops.hpp"
 #include "parallel/pipeline/schedule.hpp"
@@ -89,6 +90,8 @@ struct PlanJob {
   // Build the rank's model and optimizer only, no step: its states (a lower bound of the peak)
   // in a fraction of the time; the search uses it to drop layouts that cannot fit.
   bool states_only = false;
+  // When simulated transfers complete (dist::SimCompletion): the planner's rule, or a bound.
+  dist::SimCompletion completion = dist::SimCompletion::rule;
 };
 
 // The mesh layout of the job (loom::Error naming the key when the world does not fit it).

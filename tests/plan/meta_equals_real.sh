@@ -23,15 +23,22 @@ done
 common=(--config "$src/configs/debug.toml" --training.local_batch_size=4 "${args[@]}")
 
 "$loom" plan "${common[@]}" --world "$np" --ranks all --json >"$work/plan.json"
+# The two bounds of when a real backend's transfers complete (at their first test; only when
+# waited on): a rank's real peak lies between the peaks they give.
+for c in early late; do
+  "$loom" plan "${common[@]}" --world "$np" --ranks all --json --completion "$c" >"$work/$c.json"
+done
 # `loom bench step` runs grad_accum_steps micro-batches a step; `loom train` (and the plan) run
 # grad_accum_steps x the pipeline's micro-batches: the bench is given the plan's count.
 mb=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["micro_batches"])' "$work/plan.json")
 bench=("$loom" bench step "${common[@]}" --training.grad_accum_steps="$mb" --json
   --bench.warmup_steps=1 --bench.steps=1)
-# A real rank's peak depends on when MPI completes a non-blocking collective (a test may find one
-# done earlier than the plan's rule, freeing one unit's buffers sooner: a few % of these small
-# models): each rank must attain its planned peak in one of up to five real runs, and every run
-# must send exactly the planned bytes.
+# A real rank's peak depends on when MPI completes a non-blocking collective or send (a test may
+# find one done earlier than the plan's rule, or a descheduled peer later: a few % of these small
+# models): each rank must attain its planned peak within 1% in one of up to five real runs, or,
+# from the third run on, every run must lie within 1% of the band the two completion bounds
+# give (seen: the same peak 4.6% over the rule in every run, on a machine whose MPI progressed
+# differently); every run must send exactly the planned bytes.
 for attempt in 1 2 3 4 5; do
   if [ "$np" -gt 1 ]; then
     "$mpiexec" --oversubscribe --allow-run-as-root -np "$np" "${bench[@]}" </dev/null >"$work/real.out" 2>&1 ||
@@ -41,12 +48,16 @@ for attempt in 1 2 3 4 5; do
   fi
   grep '^{' "$work/real.out" | tail -1 >"$work/real$attempt.json"
   echo "real run $attempt:"
-  if python3 - "$work/plan.json" "${PLAN_MEM_TOL:-0.01}" "$work"/real*.json <<'PY'
+  if python3 - "$work/plan.json" "${PLAN_MEM_TOL:-0.01}" "$work/early.json" "$work/late.json" \
+    "$attempt" "$work"/real*.json <<'PY'
 import json, sys
 plan = json.load(open(sys.argv[1]))
 tol = float(sys.argv[2])
+bounds = [{r["rank"]: r["peak_allocated_bytes"] for r in json.load(open(p))["ranks"]}
+          for p in sys.argv[3:5]]
+attempt = int(sys.argv[5])
 runs = []
-for path in sys.argv[3:]:
+for path in sys.argv[6:]:
     real = json.load(open(path))
     # One process: bench prints one object for its only rank.
     ranks = real["ranks"] if "ranks" in real else [dict(real, rank=0, groups={})]
@@ -60,10 +71,15 @@ for p in plan["ranks"]:
     pa = p["peak_allocated_bytes"]
     ratios = [run[p["rank"]]["peak_allocated_bytes"] / pa for run in runs]
     hit = any(abs(x - 1) <= tol for x in ratios)
-    ok = ok and hit
+    lo = min(pa, *(b[p["rank"]] for b in bounds)) * (1 - tol)
+    hi = max(pa, *(b[p["rank"]] for b in bounds)) * (1 + tol)
+    band = attempt >= 3 and all(lo <= run[p["rank"]]["peak_allocated_bytes"] <= hi for run in runs)
+    ok = ok and (hit or band)
     print(f"rank {p['rank']}: peak allocated plan {pa} real {r['peak_allocated_bytes']} "
-          f"(real/plan over the runs: {', '.join(f'{x:.5f}' for x in ratios)})"
-          + ("" if hit else f"  MISMATCH (tolerance {tol})"))
+          f"(real/plan over the runs: {', '.join(f'{x:.5f}' for x in ratios)}; completion "
+          f"bounds {bounds[0][p['rank']]}, {bounds[1][p['rank']]})"
+          + ("" if hit else "  within the completion bounds" if band
+             else f"  MISMATCH (tolerance {tol})"))
     for n in sorted(set(p["groups"]) | set(r["groups"])):
         pb = p["groups"].get(n, {}).get("bytes", 0)
         rb = r["groups"].get(n, {}).get("bytes", 0)
