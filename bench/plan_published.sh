@@ -16,9 +16,8 @@
 # nothing is tuned to match.
 #   bench/plan_published.sh [LOOM]
 # Environment: CP_DEGREES (default "1 2 4 8"; empty: none) limits the longest-sequence searches;
-# ROWS=0 skips the table and the two searches. On this machine (2 cores, loaded) the table and
-# searches take about 2.5 minutes and the CP searches about 15 (cp 8 alone 10: a plan's time grows
-# with seq_len^2 / cp, the attention kernels' tile count, 3 minutes a plan near 850k tokens).
+# ROWS=0 skips the table and the two searches. On this machine (2 cores) the table and searches
+# take about 2.5 minutes, the CP searches 20 s.
 # Writes nothing; one plan at a time, one OpenMP thread.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
