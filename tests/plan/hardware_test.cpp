@@ -174,6 +174,19 @@ TEST(Hardware, KernelSecondsIsARoofline) {
   hw.has_attention_dtype = true;
   hw.attention_dtype = DType::bf16;
   EXPECT_DOUBLE_EQ(kernel_seconds(at, hw), 1e12 / (2e12 * 0.25));
+  // Ring attention's block kernels at their own efficiencies.
+  hw.attention_block_efficiency = 0.4;
+  hw.attention_block_backward_efficiency = 0.2;
+  at.op = "attention_block_backward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, hw), 1e12 / (2e12 * 0.2));
+  at.op = "attention_block_forward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, hw), 1e12 / (2e12 * 0.4));
+  // A file without them prices the block kernels as the whole-sequence ones.
+  const Hardware plain = parse_hardware(
+      std::string(kMinimal) + "[attention]\nefficiency = 0.5\nbackward_efficiency = 0.3\n",
+      "toy.toml");
+  EXPECT_DOUBLE_EQ(plain.attention_block_efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(plain.attention_block_backward_efficiency, 0.3);
   EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw), 1e9 / 1e11);
 }
 
