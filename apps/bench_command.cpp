@@ -97,7 +97,7 @@ int64_t names_hash(const std::vector<dist::ProcessGroup*>& groups) {
 // The job's figures as one JSON object, gathered on every rank (each rank calls it):
 //   {"world", "layout": {dim: size}, "warmup_steps", "timed_steps",
 //    "ranks": [{"rank", "coords": {dim: i}, "peak_allocated_bytes", "peak_reserved_bytes",
-//               "bytes_per_step", "step_s", "tokens_per_s",
+//               "host_peak_bytes" (CPU offload's pool), "bytes_per_step", "step_s", "tokens_per_s",
 //               "groups": {name: {"size", "calls", "bytes", "wait_s", "exact"}}}]}
 // A group's calls and bytes are its counters over the timed steps divided by their number;
 // "exact" is false where that division leaves a remainder (the steps differed), and then the
@@ -105,12 +105,12 @@ int64_t names_hash(const std::vector<dist::ProcessGroup*>& groups) {
 // `measured`: each group's counters at the end of the timed steps.
 nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::ProcessGroup*>& groups,
                                  const std::vector<dist::CommCounters>& measured,
-                                 const AllocatorStats& st, uint64_t sent_per_step, double step_s,
-                                 double tokens_per_s, int warmup, uint64_t timed) {
+                                 const AllocatorStats& st, size_t host_peak, uint64_t sent_per_step,
+                                 double step_s, double tokens_per_s, int warmup, uint64_t timed) {
   const std::vector<std::vector<int64_t>> rows = gather_rows(
       &mesh, {int64_t(st.peak_allocated), int64_t(st.peak_reserved), int64_t(sent_per_step),
               std::bit_cast<int64_t>(step_s), std::bit_cast<int64_t>(tokens_per_s),
-              int64_t(groups.size()), names_hash(groups)});
+              int64_t(groups.size()), names_hash(groups), int64_t(host_peak)});
   for (size_t r = 1; r < rows.size(); ++r)
     LOOM_CHECK(rows[r][5] == rows[0][5] && rows[r][6] == rows[0][6], "bench step --json: rank ", r,
                " communicates on other groups than rank 0 (", rows[r][5], " against ", rows[0][5],
@@ -142,6 +142,7 @@ nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::Proce
     rank["coords"] = dims_json(layout.coords(int(r)));
     rank["peak_allocated_bytes"] = w[0];
     rank["peak_reserved_bytes"] = w[1];
+    rank["host_peak_bytes"] = w[7];
     rank["bytes_per_step"] = w[2];
     rank["step_s"] = std::bit_cast<double>(w[3]);
     rank["tokens_per_s"] = std::bit_cast<double>(w[4]);
@@ -217,6 +218,7 @@ int bench_command(const Args& args) {
   const double peak_flops = compute == DType::bf16 ? sys.peak_bf16 : sys.peak_f32;
 
   auto& alloc = Allocator::get(Device::cpu);
+  auto& host = Allocator::get(Device::cpu, Pool::host);  // CPU offload's states
   ParallelModel par = parallelize(mc, compute, parallel_groups(mesh), parallelize_options(job));
   Model& model = *par.model;
   model.init_weights(uint64_t(job.model.seed));
@@ -283,18 +285,21 @@ int bench_command(const Args& args) {
         gather_rows(mesh, {int64_t(st.peak_allocated), int64_t(mm.total()), int64_t(sent_per_step),
                            int64_t(bytes_expected), int64_t(bytes_ok),
                            int64_t(std::llround(tokens_per_s)), int64_t(std::llround(step_s * 1e6)),
-                           int64_t(std::llround(wait_s / double(timed) * 1e6))});
+                           int64_t(std::llround(wait_s / double(timed) * 1e6)),
+                           int64_t(host.stats().peak_allocated), int64_t(mm.host)});
     bool all_ok = true;
     double total_tps = 0;
     for (const auto& r : rows) {
       const double ratio = double(r[0]) / double(r[1]);
-      all_ok = all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= tolerance);
+      // Offloaded states are allocated once: the host pool holds exactly them.
+      all_ok =
+          all_ok && r[4] == 1 && (bytes_only || std::fabs(ratio - 1) <= tolerance) && r[8] == r[9];
       total_tps += double(r[5]);
     }
     // Collective: every rank gathers, rank 0 prints.
     const nlohmann::ordered_json figures =
-        json ? mesh_json(*mesh, groups, measured, st, sent_per_step, step_s, tokens_per_s, warmup,
-                         timed)
+        json ? mesh_json(*mesh, groups, measured, st, host.stats().peak_allocated, sent_per_step,
+                         step_s, tokens_per_s, warmup, timed)
              : nlohmann::ordered_json();
     if (writer) {
       std::fputs(format_system_info(sys).c_str(), stdout);
@@ -323,6 +328,11 @@ int bench_command(const Args& args) {
           par.pipeline ? " (pp: rank 0's micro-batches in flight at its peak, messages included)"
                        : "",
           mm.head / MiB, mm.comm / MiB, ring_text, mm.rounding / MiB, mm.total() / MiB);
+      for (size_t r = 0; r < rows.size(); ++r)
+        if (rows[r][8] || rows[r][9])
+          std::printf("  rank %zu: CPU offload, host memory %.2f MiB, expected %.2f MiB %s\n", r,
+                      double(rows[r][8]) / MiB, double(rows[r][9]) / MiB,
+                      rows[r][8] == rows[r][9] ? "(equal)" : "MISMATCH");
       std::printf("  %4s | %12s %12s %7s | %14s %14s %8s | %9s %9s %9s\n", "rank", "peak MiB",
                   "expected", "ratio", "bytes/step", "analytic", "bytes", "step ms", "wait ms",
                   "tokens/s");

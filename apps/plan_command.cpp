@@ -81,6 +81,7 @@ nlohmann::json rank_json(const plan::RankPlan& p) {
           {"peak_reserved_bytes", p.peak_reserved},
           {"state_bytes", p.states},
           {"optimizer_bytes", p.optimizer},
+          {"host_bytes", p.host},
           {"params", p.num_params},
           {"tokens", p.tokens},
           {"flops", p.flops()},
@@ -240,6 +241,9 @@ int plan_command(const Args& args) {
       if (p.at_peak[u])
         std::printf("    %-38s %12.2f MiB\n", std::string(memory_use_name(MemoryUse(u))).c_str(),
                     p.at_peak[u] / MiB);
+    if (p.host)
+      std::printf("    %-38s %12.2f MiB (not on the device)\n", "host memory: offloaded states",
+                  p.host / MiB);
     for (const auto& g : p.groups) {
       std::string ops;
       for (const auto& o : g.ops)

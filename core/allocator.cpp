@@ -39,22 +39,28 @@ std::string_view memory_use_name(MemoryUse u) {
   return "?";
 }
 
+std::string_view pool_name(Pool p) {
+  return p == Pool::host ? "host" : "device";
+}
+
 MemoryUse Allocator::set_use(MemoryUse use) {
   std::lock_guard<std::mutex> lock(mu_);
   return std::exchange(use_, use);
 }
 
-Allocator& Allocator::get(Device device) {
+Allocator& Allocator::get(Device device, Pool pool) {
   // The per-device allocators are the one piece of process-wide state (DESIGN.md, decision 9).
-  static Allocator cpu(Device::cpu);
-  static Allocator meta(Device::meta);
+  static Allocator cpu(Device::cpu), cpu_host(Device::cpu, Pool::host);
+  static Allocator meta(Device::meta), meta_host(Device::meta, Pool::host);
   static Allocator elsewhere(Device::elsewhere);
+  const bool host = pool == Pool::host;
   switch (device) {
     case Device::cpu:
-      return cpu;
+      return host ? cpu_host : cpu;
     case Device::meta:
-      return meta;
+      return host ? meta_host : meta;
     case Device::elsewhere:
+      // Another rank's tensor: no memory here, whichever pool it lives in there.
       return elsewhere;
     case Device::cuda:
       break;
@@ -110,8 +116,9 @@ Allocator::Block Allocator::allocate(size_t bytes) {
       }
       cache_.clear();
       if (stats_.reserved + size > limit_)
-        fail("out of memory on ", device_name(device_), ": allocating ", size, " bytes with ",
-             stats_.allocated, " allocated and ", stats_.reserved,
+        fail("out of memory on ", device_name(device_),
+             pool_ == Pool::host ? " (host pool of offloaded states)" : "", ": allocating ", size,
+             " bytes with ", stats_.allocated, " allocated and ", stats_.reserved,
              " reserved exceeds the limit of ", limit_, " bytes");
     }
     p = os_alloc(size);

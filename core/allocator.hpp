@@ -21,6 +21,13 @@ enum class MemoryUse : uint8_t { work, states, optimizer, gathered, communicatio
 inline constexpr size_t kMemoryUses = 6;
 std::string_view memory_use_name(MemoryUse u);
 
+// Which of a device's two allocators a block comes from: the device's own memory, or the host
+// memory that holds its offloaded states (CPU offload, DESIGN.md decision 4: master weights,
+// gradient shards and AdamW moments). On the cpu device both are the same RAM, booked apart so
+// that a run here measures what a GPU would hold; on meta neither has memory behind it.
+enum class Pool : uint8_t { device, host };
+std::string_view pool_name(Pool p);
+
 struct AllocatorStats {
   size_t allocated = 0;
   size_t peak_allocated = 0;
@@ -34,13 +41,13 @@ struct AllocatorStats {
 
 class Allocator {
  public:
-  explicit Allocator(Device device) : device_(device) {}
+  explicit Allocator(Device device, Pool pool = Pool::device) : device_(device), pool_(pool) {}
   ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 
-  // The allocator of a device; lives for the whole process.
-  static Allocator& get(Device device);
+  // The allocator of a device's pool; lives for the whole process.
+  static Allocator& get(Device device, Pool pool = Pool::device);
 
   struct Block {
     void* ptr = nullptr;
@@ -59,6 +66,7 @@ class Allocator {
   static size_t round_size(size_t bytes);
 
   Device device() const { return device_; }
+  Pool pool() const { return pool_; }
   // The use later allocations are booked under; returns the previous one.
   MemoryUse set_use(MemoryUse use);
 
@@ -67,6 +75,7 @@ class Allocator {
   void os_free(void* ptr, size_t bytes);
 
   Device device_;
+  Pool pool_;
   mutable std::mutex mu_;
   std::multimap<size_t, void*> cache_;  // free blocks by size
   AllocatorStats stats_;

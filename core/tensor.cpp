@@ -19,11 +19,14 @@ std::string shape_str(const Shape& s) {
   return os.str();
 }
 
-Storage::Storage(Device device, size_t bytes)
-    : device_(device), bytes_(bytes), block_(Allocator::get(device).allocate(bytes)) {}
+Storage::Storage(Device device, Pool pool, size_t bytes)
+    : device_(device),
+      pool_(pool),
+      bytes_(bytes),
+      block_(Allocator::get(device, pool).allocate(bytes)) {}
 
 Storage::~Storage() {
-  Allocator::get(device_).deallocate(block_);
+  Allocator::get(device_, pool_).deallocate(block_);
 }
 
 static Shape contiguous_strides(const Shape& shape) {
@@ -36,18 +39,18 @@ static Shape contiguous_strides(const Shape& shape) {
   return st;
 }
 
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Pool pool) {
   for (auto d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
-  t.storage_ = std::make_shared<Storage>(device, shape_numel(shape) * dtype_size(dtype));
+  t.storage_ = std::make_shared<Storage>(device, pool, shape_numel(shape) * dtype_size(dtype));
   return t;
 }
 
-Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
-  Tensor t = empty(shape, dtype, device);
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device, Pool pool) {
+  Tensor t = empty(shape, dtype, device, pool);
   t.zero_();
   return t;
 }

@@ -20,16 +20,18 @@ std::string shape_str(const Shape& s);
 
 class Storage {
  public:
-  Storage(Device device, size_t bytes);
+  Storage(Device device, Pool pool, size_t bytes);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* data() const { return block_.ptr; }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  Pool pool() const { return pool_; }
 
  private:
   Device device_;
+  Pool pool_;
   size_t bytes_;
   Allocator::Block block_;
 };
@@ -37,12 +39,15 @@ class Storage {
 class Tensor {
  public:
   Tensor() = default;
-  static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu);
-  static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu);
+  static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu,
+                      Pool pool = Pool::device);
+  static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu,
+                      Pool pool = Pool::device);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }
   Device device() const { return storage_ ? storage_->device() : Device::cpu; }
+  Pool pool() const { return storage_ ? storage_->pool() : Pool::device; }
   const Shape& shape() const { return shape_; }
   const Shape& strides() const { return strides_; }
   int64_t ndim() const { return static_cast<int64_t>(shape_.size()); }

@@ -31,9 +31,13 @@ ParamUnit::ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_m
     params_.push_back(std::move(p));
   }
   padded_ = (numel_ + shard_.count - 1) / shard_.count * shard_.count;
+  // The GEMMs read an unsharded unit's buffers in place, so it cannot live in host memory.
+  LOOM_CHECK(!shard_.offload || device == Device::elsewhere || sharded(), "unit ", name_,
+             ": CPU offload needs sharded states (FSDP over more than one rank)");
   if (sharded()) {
-    master_ = Tensor::zeros({shard_numel()}, DType::f32, device);
-    grad_shard_ = Tensor::zeros({shard_numel()}, DType::f32, device);
+    const Pool pool = shard_.offload ? Pool::host : Pool::device;
+    master_ = Tensor::zeros({shard_numel()}, DType::f32, device, pool);
+    grad_shard_ = Tensor::zeros({shard_numel()}, DType::f32, device, pool);
     return;
   }
   flat_ = Tensor::empty({numel_}, DType::f32, device);
@@ -170,18 +174,16 @@ void ParamUnit::release_grads() {
 Tensor ParamUnit::gather_input() {
   LOOM_CHECK(sharded() && full_.defined(), "unit ", name_,
              ": gather_input needs a sharded unit with materialized weights");
+  // ops::copy: with the shard offloaded this is the host-to-device transfer the time model prices.
   Tensor block = full_.narrow(0, shard_begin(), shard_numel());
-  if (full_.dtype() == DType::f32) {
-    block.copy_from(master_);
-  } else {
-    ops::cast(master_, block);
-  }
+  ops::copy(master_, block);
   if (needs_side()) {
     side_.zero_();
     for (const ShardSlice& s : shard_slices())
-      if (side_offset_[s.param] >= 0)
-        side_.narrow(0, side_offset_[s.param] + s.begin, s.count)
-            .copy_from(master_.narrow(0, s.shard_offset, s.count));
+      if (side_offset_[s.param] >= 0) {
+        Tensor dst = side_.narrow(0, side_offset_[s.param] + s.begin, s.count);
+        ops::copy(master_.narrow(0, s.shard_offset, s.count), dst);
+      }
   }
   return block;
 }

@@ -123,9 +123,13 @@ void read_param_slice(const Reader& f, const std::string& name, const ParamSpec&
   });
 }
 
-// This rank's place among the ranks that shard a unit.
+// This rank's place among the ranks that shard a unit, and where its shard lives.
 struct ShardLayout {
   int rank = 0, count = 1;
+  // CPU offload (DESIGN.md decision 4, training.enable_cpu_offload): the f32 master and gradient
+  // shards (and the optimizer's moments, which follow the master) are in the host pool; the
+  // device holds a unit only while it is gathered. Sharded units only.
+  bool offload = false;
   bool sharded() const { return count > 1; }
 };
 
@@ -172,7 +176,8 @@ class ParamUnit {
   int64_t padded_numel() const { return padded_; }
   int64_t shard_numel() const { return padded_ / shard_.count; }
   int64_t shard_begin() const { return shard_numel() * shard_.rank; }
-  Tensor& master_shard() { return sharded() ? master_ : flat_; }         // f32 [S]
+  bool offloaded() const { return sharded() && shard_.offload; }  // the shards are in Pool::host
+  Tensor& master_shard() { return sharded() ? master_ : flat_; }  // f32 [S]
   Tensor& grad_shard() { return sharded() ? grad_shard_ : grad_flat_; }  // f32 [S]
   std::vector<ShardSlice> shard_slices() const;
 

@@ -127,29 +127,68 @@ Tensor to_f32(const Tensor& x) {
   return y;
 }
 
-void cast(const Tensor& src, Tensor& dst) {
-  LOOM_CHECK(src.numel() == dst.numel(), "cast: ", src.numel(), " elements into ", dst.numel());
+namespace {
+
+// The offload transfer a copy between pools is (nullptr: within one pool).
+const char* transfer_name(const Tensor& src, const Tensor& dst) {
+  if (src.pool() == dst.pool()) return nullptr;
+  return src.pool() == Pool::host ? "host_to_device" : "device_to_host";
+}
+
+void cast_as(const char* op, const Tensor& src, Tensor& dst) {
+  LOOM_CHECK(src.numel() == dst.numel(), op, ": ", src.numel(), " elements into ", dst.numel());
   const bool widen = src.dtype() == DType::bf16;
   LOOM_CHECK(
-      dst.dtype() == (widen ? DType::f32 : DType::bf16) && (widen || src.dtype() == DType::f32),
-      "cast: f32 to bf16 or bf16 to f32, not ", dtype_name(src.dtype()), " to ",
+      dst.dtype() == (widen ? DType::f32 : DType::bf16) && (widen || src.dtype() == DType::f32), op,
+      ": f32 to bf16 or bf16 to f32, not ", dtype_name(src.dtype()), " to ",
       dtype_name(dst.dtype()));
   on(
-      "cast", src.device(),
+      op, src.device(),
       [&] {
         if (widen)
           cpu::cast_bf16_to_f32(src.data<bf16>(), f(dst), src.numel());
         else
           cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel());
       },
-      [&] { return streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 1); });
+      [&] {
+        KernelWork w = streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 1);
+        if (transfer_name(src, dst)) w.link_bytes = std::min(bytes(src), bytes(dst));
+        return w;
+      });
+}
+
+}  // namespace
+
+void cast(const Tensor& src, Tensor& dst) {
+  cast_as("cast", src, dst);
+}
+
+void copy(const Tensor& src, Tensor& dst) {
+  const char* transfer = transfer_name(src, dst);
+  if (src.dtype() != dst.dtype()) return cast_as(transfer ? transfer : "cast", src, dst);
+  LOOM_CHECK(src.numel() == dst.numel() && src.is_contiguous() && dst.is_contiguous(),
+             "copy: ", shape_str(src.shape()), " into ", shape_str(dst.shape()),
+             " (the same number of elements, both contiguous)");
+  on(
+      transfer ? transfer : "copy", src.device(), [&] { dst.view(src.shape()).copy_from(src); },
+      [&] {
+        KernelWork w = streaming(src.dtype(), 2 * bytes(src), 0, 0);
+        if (transfer) w.link_bytes = bytes(src);
+        return w;
+      });
 }
 
 void add_inplace(Tensor& y, const Tensor& x) {
   LOOM_CHECK(y.numel() == x.numel(), "add_inplace: ", x.numel(), " elements into ", y.numel());
+  const char* transfer = transfer_name(x, y);
   on(
-      "add_inplace", y.device(), [&] { cpu::add_inplace(f(y), f(x), y.numel()); },
-      [&] { return streaming(DType::f32, 2 * bytes(y) + bytes(x), y.numel(), 1); });
+      transfer ? transfer : "add_inplace", y.device(),
+      [&] { cpu::add_inplace(f(y), f(x), y.numel()); },
+      [&] {
+        KernelWork w = streaming(DType::f32, 2 * bytes(y) + bytes(x), y.numel(), 1);
+        if (transfer) w.link_bytes = bytes(x);
+        return w;
+      });
 }
 
 void fill(Tensor& x, float value) {

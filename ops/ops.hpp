@@ -31,6 +31,9 @@ struct KernelWork {
   double bytes = 0;
   // GEMMs: the shape (M x N x K) of each multiplication, for an efficiency by shape.
   int64_t m = 0, n = 0, k = 0;
+  // Bytes that cross between host memory and the device (CPU offload's transfers, ops::copy and
+  // ops::add_inplace across pools): the time model prices them at the host link's bandwidth.
+  double link_bytes = 0;
 };
 // While one lives on this thread, every op called on the meta device reports its work to `sink`
 // (ops on other devices report nothing). Not nestable. An op may report several pieces:
@@ -53,7 +56,14 @@ Tensor to_f32(const Tensor& x);
 // dst = src in dst's dtype (f32 -> bf16 rounds, bf16 -> f32 widens), the same number of
 // elements, both contiguous.
 void cast(const Tensor& src, Tensor& dst);
-void add_inplace(Tensor& y, const Tensor& x);  // y += x, same numel
+// dst = src: a copy, or a cast when the dtypes differ; the same number of elements, both
+// contiguous. Between Pool::host and the device it is the offload transfer "host_to_device" or
+// "device_to_host" (what crosses is the smaller of the two sides: a GPU would cast on the side
+// that makes the transfer smaller).
+void copy(const Tensor& src, Tensor& dst);
+// y += x, same numel. With y in the host pool and x on the device (an offloaded gradient shard
+// and its reduce-scatter's result) it is "device_to_host": x crosses.
+void add_inplace(Tensor& y, const Tensor& x);
 void fill(Tensor& x, float value);
 // dst[m, :] = src[m, :], both [rows, width], either may be a strided view.
 void copy_rows(const Tensor& src, Tensor& dst);

@@ -80,6 +80,10 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     if (!model.uses(i)) continue;
     const ParamUnit* u = units[i];
     const size_t S = size_t(u->shard_numel());
+    if (u->offloaded()) {
+      mc.host += 4 * Allocator::round_size(4 * S);
+      continue;
+    }
     mc.params += 4 * S;
     mc.grads += 4 * S;
     mc.optimizer += 8 * S;

@@ -23,6 +23,8 @@
 //     and gradient, its own MLP activations) and what it adds besides the ring (its gradient,
 //     dqkv, dattn) about cancel (measured within 1.5% on bench-tiny cp 2, p2p and allgather,
 //     with and without full checkpointing).
+// CPU offload (ShardLayout::offload): the 16 S bytes of each sharded unit are in host memory
+// (`host`), not the device's.
 // DDP and one process: 16 bytes per parameter (+ 2 for the bf16 mirror) + activations + head.
 // Under pp the states count only the units the rank uses (Model::uses; the others are on meta),
 // and FSDP's gathered weights and full gradients too. The activations are the rank's peak over
@@ -54,6 +56,9 @@ struct MemoryCost {
   size_t activations = 0, head = 0;  // one micro-batch's; pp: the rank's peak (head in it)
   size_t comm = 0, ring = 0;         // tp pool, ring attention
   size_t rounding = 0;  // the allocator's rounding of the states' buffers (Allocator::round_size)
+  // CPU offload: the offloaded units' master, gradient and moment shards (rounded) are in host
+  // memory, here and not in params / grads / optimizer / rounding, nor in total().
+  size_t host = 0;
   size_t states() const { return params + grads + optimizer + mirror; }
   size_t total() const {
     return states() + gathered + full_grad + activations + head + comm + ring + rounding;

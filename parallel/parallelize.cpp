@@ -103,8 +103,12 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
                           const ParallelizeOptions& options) {
   ParallelModel m;
   m.groups = groups;
+  LOOM_CHECK(!options.cpu_offload || groups.shard,
+             "training.enable_cpu_offload = true needs FSDP's sharded states: parallelism.dp_shard "
+             "x cp must be more than 1 rank (an unsharded model's GEMMs read its weights in place, "
+             "so they cannot live in host memory)");
   const ShardLayout layout{groups.shard ? groups.shard->rank() : 0,
-                           groups.shard ? groups.shard->size() : 1};
+                           groups.shard ? groups.shard->size() : 1, options.cpu_offload};
   const TpOptions tp = apply_tp(groups, options);
   const CpOptions cp = apply_cp(groups, options);
   std::optional<PpPlan> pp_plan;

@@ -34,6 +34,9 @@ struct ParallelizeOptions {
   ActivationCheckpoint ac;
   parallel::FsdpConfig fsdp;  // reshard policy and reduce dtype (DDP reduces in the same dtype)
   Device device = Device::cpu;
+  // training.enable_cpu_offload: FSDP's shards and the optimizer's moments in host memory
+  // (ShardLayout::offload); needs a shard group.
+  bool cpu_offload = false;
   // Pipeline parallelism (used when groups.pp is set): the schedule by name or from a CSV file,
   // its micro-batches and stages per rank (resolved, not 0), the blocks per stage ("" balanced).
   std::string pp_schedule = "1f1b";

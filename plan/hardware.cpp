@@ -207,7 +207,7 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   const Reader r{source};
   r.only(top, "",
          {"name", "ranks_per_node", "capacity", "memory_bandwidth", "peak", "gemm", "attention",
-          "memory_ops", "optimizer", "links", "collectives", "calibration"});
+          "memory_ops", "optimizer", "host", "links", "collectives", "calibration"});
   Hardware hw;
   hw.source = source;
   hw.name = r.text(&top, "", "name", true);
@@ -255,6 +255,11 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   if (const toml::table* opt = r.table(top, "", "optimizer", false)) {
     r.only(*opt, "optimizer", {"bandwidth"});
     hw.optimizer_bandwidth = r.number(opt, "optimizer", "bandwidth", false);
+  }
+  if (const toml::table* host = r.table(top, "", "host", false)) {
+    r.only(*host, "host", {"link_bandwidth", "optimizer_bandwidth"});
+    hw.host_link_bandwidth = r.number(host, "host", "link_bandwidth", false);
+    hw.host_optimizer_bandwidth = r.number(host, "host", "optimizer_bandwidth", false);
   }
   const toml::table* links = r.table(top, "", "links", true);
   r.only(*links, "links", {"intra_node", "inter_node"});
@@ -310,10 +315,12 @@ double kernel_seconds(const ops::KernelWork& w, const Hardware& hw) {
   } else if (auto it = hw.op_bandwidth.find(op); it != hw.op_bandwidth.end()) {
     bandwidth = it->second;
   }
-  return std::max(w.flops / rate, w.bytes / bandwidth);
+  const double link = hw.host_link_bandwidth > 0 ? w.link_bytes / hw.host_link_bandwidth : 0;
+  return std::max({w.flops / rate, w.bytes / bandwidth, link});
 }
 
-double optimizer_seconds(double bytes, const Hardware& hw) {
+double optimizer_seconds(double bytes, const Hardware& hw, bool on_host) {
+  if (on_host && hw.host_optimizer_bandwidth > 0) return bytes / hw.host_optimizer_bandwidth;
   return bytes / (hw.optimizer_bandwidth > 0 ? hw.optimizer_bandwidth : hw.memory_bandwidth);
 }
 

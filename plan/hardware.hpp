@@ -69,6 +69,11 @@ struct Hardware {
   // Memory-bound ops by their name in ops/ops.hpp: bytes/s (absent: memory_bandwidth).
   std::map<std::string, double> op_bandwidth;
   double optimizer_bandwidth = 0;  // AdamW bytes/s (0: memory_bandwidth)
+  // CPU offload ([host]): the link between a rank's device and host memory, one direction, bytes/s
+  // (0: none, the host pool is the rank's own memory, as on a CPU), and the host's AdamW over the
+  // offloaded states, bytes/s per rank (0: optimizer_bandwidth).
+  double host_link_bandwidth = 0;
+  double host_optimizer_bandwidth = 0;
   int threads = 0;  // OpenMP threads per rank the figures were measured with (0: not measured)
 
   double peak(DType dt) const { return dt == DType::bf16 ? peak_bf16 : peak_f32; }
@@ -83,10 +88,11 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
 
 // The FLOP/s of a GEMM of this shape and dtype.
 double gemm_rate(const Hardware& hw, DType dt, int64_t m, int64_t n, int64_t k);
-// Roofline: max(flops / achievable FLOP/s, bytes / bandwidth).
+// Roofline: max(flops / achievable FLOP/s, bytes / bandwidth, link bytes / host link bandwidth).
 double kernel_seconds(const ops::KernelWork& w, const Hardware& hw);
-// The AdamW step over `bytes` of parameters, gradients and moments read and written.
-double optimizer_seconds(double bytes, const Hardware& hw);
+// The AdamW step over `bytes` of parameters, gradients and moments read and written, on the
+// device or (`on_host`: CPU offload) on the host.
+double optimizer_seconds(double bytes, const Hardware& hw, bool on_host = false);
 // A collective over `group_size` ranks with ring algorithms; `bytes_sent` is one rank's count in
 // dist::ProcessGroup's convention (process_group.hpp): (n-1)·in for all_gather, (n-1)·out for
 // reduce_scatter, 2(n-1)/n·t for all_reduce; for broadcast, send and recv the message's size. The

@@ -99,6 +99,11 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
              alloc.stats().allocated, " bytes of an earlier plan");
   alloc.empty_cache();
   alloc.reset_peak();
+  auto& host = Allocator::get(Device::meta, Pool::host);  // CPU offload's states
+  LOOM_CHECK(host.stats().allocated == 0, "plan: the meta host pool still holds ",
+             host.stats().allocated, " bytes of an earlier plan");
+  host.empty_cache();
+  host.reset_peak();
 
   auto log = std::make_shared<dist::SimLog>();
   log->completion = j.completion;
@@ -140,6 +145,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   AdamW& opt = *made;
   out.states = alloc.stats().allocated;
   out.optimizer = opt.state_bytes();
+  out.host = host.stats().peak_allocated;
   out.num_params = model.num_params();
   if (j.states_only) {
     out.peak_allocated = alloc.stats().peak_allocated;
@@ -216,6 +222,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   out.peak_allocated = st.peak_allocated;
   out.peak_reserved = st.peak_reserved;
   out.at_peak = st.by_use_at_peak;
+  out.host = host.stats().peak_allocated;
   return out;
 }
 

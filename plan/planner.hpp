@@ -70,6 +70,9 @@ struct RankPlan {
   std::array<size_t, kMemoryUses> at_peak{};
   size_t states = 0;  // parameters' shards, their gradients, the bf16 mirror, AdamW's moments
   size_t optimizer = 0;
+  // CPU offload: host memory at its peak (the offloaded master, gradient and moment shards);
+  // the device's peak above holds none of it.
+  size_t host = 0;
   int64_t num_params = 0;     // this rank's (its tp slices, unsharded)
   int64_t micro_batches = 0;  // per step, as `loom train` runs them
   int64_t tokens = 0;         // this rank's tokens per step (B x T x micro-batches)

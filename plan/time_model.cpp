@@ -89,7 +89,8 @@ double optimizer_time(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   const double slow = std::max(1.0, double(ranks_on_node) / std::max(1, hw.ranks_per_node));
   // AdamW reads weights, gradients and both moments and writes weights and moments: 28 bytes
   // per f32 parameter of the shards (the moments are 8 bytes of them).
-  return optimizer_seconds(28.0 * double(p.optimizer) / 8.0, hw) * slow;
+  // Under CPU offload the host steps the shards (p.host holds them).
+  return optimizer_seconds(28.0 * double(p.optimizer) / 8.0, hw, p.host > 0) * slow;
 }
 
 }  // namespace

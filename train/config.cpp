@@ -62,6 +62,7 @@ std::vector<Key> keys_of(JobConfig& c) {
        "mixed_precision_reduce",
        &c.training.mixed_precision_reduce,
        {"float32", "bfloat16"}},
+      {"training", "enable_cpu_offload", &c.training.enable_cpu_offload},
       {"optimizer", "name", &c.optimizer.name, {"adamw"}},
       {"optimizer", "lr", &c.optimizer.lr},
       {"optimizer", "beta1", &c.optimizer.beta1},

@@ -131,6 +131,7 @@ ParallelizeOptions parallelize_options(const JobConfig& job) {
           .fsdp = {parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward),
                    dtype_from_name(job.training.mixed_precision_reduce)},
           .device = Device::cpu,
+          .cpu_offload = job.training.enable_cpu_offload,
           .pp_schedule = p.pp_schedule,
           .pp_schedule_csv = p.pp_schedule_csv,
           .pp_stage_layers = p.pp_stage_layers,

@@ -12,9 +12,11 @@ namespace loom {
 
 AdamW::AdamW(std::vector<ParamUnit*> units, const AdamWConfig& config)
     : units_(std::move(units)), config_(config) {
+  // The moments live where the master shard does (host memory under CPU offload).
   for (ParamUnit* u : units_) {
-    m_.push_back(Tensor::zeros({u->shard_numel()}, DType::f32, u->device()));
-    v_.push_back(Tensor::zeros({u->shard_numel()}, DType::f32, u->device()));
+    const Pool pool = u->master_shard().pool();
+    m_.push_back(Tensor::zeros({u->shard_numel()}, DType::f32, u->device(), pool));
+    v_.push_back(Tensor::zeros({u->shard_numel()}, DType::f32, u->device(), pool));
   }
 }
 

@@ -203,6 +203,7 @@ MemoryEstimate memory_estimate(const MemoryCost& c, int64_t num_params) {
   m.mirror = c.mirror;
   m.activations = c.activations;
   m.workspace = c.gathered + c.full_grad + c.head + c.comm + c.ring + c.rounding;
+  m.host = c.host;
   return m;
 }
 
@@ -349,18 +350,26 @@ void Trainer::State::preflight() {
   mem = memory_estimate(memory_cost(plan, B, T), mc().num_params());
   size_t budget = opt.mem_available ? opt.mem_available : mem_available_bytes();
   std::string budget_what = opt.mem_available ? "the given budget" : "MemAvailable";
+  // The device's memory and the offloaded states' host memory are the same RAM here; the device
+  // pool alone is held to memory.limit_gb.
+  size_t needed = mem.total() + mem.host;
   if (job.memory.limit_gb > 0) {
     const size_t limit = size_t(job.memory.limit_gb * double(size_t(1) << 30));
     if (budget == 0 || limit < budget) {
       budget = limit;
       budget_what = "memory.limit_gb";
+      needed = mem.total();
     }
   }
   LOOM_CHECK(
-      budget == 0 || mem.total() <= budget, "not enough memory: training ", model_config_path,
-      " needs about ", gib(mem.total()), " = ", mem.params, " parameters x 16 B (f32 weights ",
-      gib(mem.weights), " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer),
-      ")", mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",
+      budget == 0 || needed <= budget, "not enough memory: training ", model_config_path,
+      " needs about ", gib(needed), " = ",
+      mem.host
+          ? str_cat(mem.params, " parameters' states offloaded to host memory (", gib(mem.host),
+                    needed > mem.total() ? ", counted" : ", not counted", ")")
+          : str_cat(mem.params, " parameters x 16 B (f32 weights ", gib(mem.weights),
+                    " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer), ")"),
+      mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",
       gib(mem.activations), " (batch ", B, " x seq_len ", T, ") + working buffers ",
       gib(mem.workspace), ", but ", budget_what, " is ", gib(budget));
 }
@@ -560,6 +569,10 @@ TrainResult Trainer::run() {
                         gib(s.mem.weights + s.mem.grads + s.mem.optimizer), ", bf16 copy ",
                         gib(s.mem.mirror), ", activations ", gib(s.mem.activations),
                         ", working buffers ", gib(s.mem.workspace), ")"));
+    if (s.mem.host)
+      log.message(str_cat("  CPU offload: master weights, gradient shards and AdamW moments in ",
+                          "host memory, ", gib(s.mem.host),
+                          " (stepped there; the device holds units only while gathered)"));
     if (!s.resumed_from.empty())
       log.message(str_cat("  resumed from ", s.resumed_from, " (step ", s.step, ")"));
     else if (j.checkpoint.resume)

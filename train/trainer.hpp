@@ -72,6 +72,9 @@ struct MemoryEstimate {
   // FSDP's gathered units and full gradients, the head's loss workspace, tp's communication
   // buffers, ring attention's working set: what is alive besides at the peak.
   size_t workspace = 0;
+  // CPU offload: the weights, gradients and moments of the offloaded shards, in host memory (not
+  // in total(), which is the device's; weights, grads and optimizer are then 0).
+  size_t host = 0;
   size_t total() const { return weights + grads + optimizer + mirror + activations + workspace; }
 };
 // One process.

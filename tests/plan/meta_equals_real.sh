@@ -4,7 +4,8 @@
 # `mpirun -np NP`, with the same config and overrides:
 #   meta_equals_real.sh LOOM MPIEXEC SOURCE_DIR NP [--key=value ...]
 # Every rank's bytes of every group equal the real run's counters exactly, and its planned peak
-# allocated memory is within 1% of the real allocator's peak (PLAN_MEM_TOL overrides 0.01).
+# allocated memory is within 1% of the real allocator's peak (PLAN_MEM_TOL overrides 0.01); with
+# CPU offload the host pool's peak (the offloaded states) equals the real one exactly.
 # --ref:* overrides (the parity reference's) are ignored.
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3 np=$4
@@ -80,6 +81,13 @@ for p in plan["ranks"]:
           f"bounds {bounds[0][p['rank']]}, {bounds[1][p['rank']]})"
           + ("" if hit else "  within the completion bounds" if band
              else f"  MISMATCH (tolerance {tol})"))
+    # CPU offload: the host pool holds the states from the start, the same in every run.
+    if p.get("host_bytes", 0) != r.get("host_peak_bytes", 0):
+        print(f"  host memory: plan {p.get('host_bytes', 0)} real {r.get('host_peak_bytes', 0)}"
+              "  MISMATCH")
+        sys.exit(2)
+    if p.get("host_bytes", 0):
+        print(f"  host memory (offloaded states): {p['host_bytes']}")
     for n in sorted(set(p["groups"]) | set(r["groups"])):
         pb = p["groups"].get(n, {}).get("bytes", 0)
         rb = r["groups"].get(n, {}).get("bytes", 0)
