@@ -101,7 +101,10 @@ int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversu
     for (const auto& e : r.entries)
       out["layouts"].push_back({{"layout", e.layout},
                                 {"fits", e.fits},
+                                {"cpu_offload", e.job.training.enable_cpu_offload},
                                 {"peak_allocated_bytes", e.peak},
+                                {"peak_reserved_bytes", e.reserved},
+                                {"tokens_per_step", e.job_tokens},
                                 {"states_exceed_capacity", e.states_only},
                                 {"step_s", e.step},
                                 {"job_tokens_per_s", e.tokens_per_s},
@@ -113,17 +116,19 @@ int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversu
         "refused by loom's checks%s\n",
         j.world, hw.name.c_str(), hw.capacity / GiB, r.entries.size(), r.refused,
         r.refused ? str_cat(" (e.g. ", r.first_refusal, ")").c_str() : "");
-    std::printf("  %-50s %10s %10s %12s %6s\n", "layout", "peak GiB", "step s", "tokens/s", "MFU");
+    std::printf("  %-62s %10s %10s %10s %12s %6s\n", "layout", "peak GiB", "tokens/step", "step s",
+                "tokens/s", "MFU");
     for (const auto& e : r.entries) {
       if (e.states_only) {
         std::printf(
-            "  %-50s %9.2f+ %10s %12s %6s  does not fit: parameters, gradients and "
+            "  %-62s %9.2f+ %10s %10s %12s %6s  does not fit: parameters, gradients and "
             "AdamW alone\n",
-            e.layout.c_str(), e.peak / GiB, "-", "-", "-");
+            e.layout.c_str(), e.peak / GiB, "-", "-", "-", "-");
         continue;
       }
-      std::printf("  %-50s %10.2f %10.3f %12.0f %5.1f%%%s\n", e.layout.c_str(), e.peak / GiB,
-                  e.step, e.tokens_per_s, 100 * e.mfu, e.fits ? "" : "  does not fit");
+      std::printf("  %-62s %10.2f %10.0f %10.3f %12.0f %5.1f%%%s\n", e.layout.c_str(), e.peak / GiB,
+                  e.job_tokens, e.step, e.tokens_per_s, 100 * e.mfu,
+                  e.fits ? "" : "  does not fit");
     }
   }
   return !r.entries.empty() && r.entries.front().fits ? 0 : 2;

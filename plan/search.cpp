@@ -15,6 +15,42 @@ std::vector<int64_t> divisors_up_to(int64_t n, int64_t cap) {
   return out;
 }
 
+// Plans layout `j` into `res` (a refusal is counted instead); whether it fits.
+bool plan_entry(const PlanJob& j, const std::string& name, const Hardware& hw, bool oversubscribed,
+                DType compute, SearchResult& res) {
+  SearchEntry e;
+  e.layout = name;
+  e.job = j.job;
+  try {
+    const std::vector<int> ranks = representative_ranks(plan_layout(j));
+    // The states alone (parameters, gradients, AdamW) over the capacity: no step can fit,
+    // whatever the activations; their size is reported as the peak's lower bound.
+    PlanJob states = j;
+    states.states_only = true;
+    size_t least = 0;
+    for (int r : ranks) least = std::max(least, plan_rank(states, r).peak_allocated);
+    if (double(least) > hw.capacity) {
+      e.peak = least;
+      e.states_only = true;
+      res.entries.push_back(std::move(e));
+      return false;
+    }
+    const LayoutPlan lp = plan_whole(j, ranks, hw, oversubscribed);
+    e.peak = lp.peak();
+    for (const RankPlan& r : lp.ranks) e.reserved = std::max(e.reserved, r.peak_reserved);
+    e.job_tokens = lp.job_tokens;
+    e.step = lp.step();
+    e.mfu = lp.mfu(hw, compute, int(j.world));
+    e.tokens_per_s = lp.job_tokens / e.step;
+    e.fits = lp.fits;
+  } catch (const Error& err) {
+    if (res.refused++ == 0) res.first_refusal = str_cat(e.layout, ": ", err.what());
+    return false;
+  }
+  res.entries.push_back(std::move(e));
+  return res.entries.back().fits;
+}
+
 }  // namespace
 
 SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversubscribed) {
@@ -40,37 +76,18 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
             p.pp_stages_per_rank = 0;
             j.job.activation_checkpoint.mode = ac;
             j.job.activation_checkpoint.selective_option = "op";
-            SearchEntry e;
-            e.layout = str_cat("fsdp ", p.dp_shard, " x tp ", tp, " x cp ", cp, " x pp ", pp,
-                               pp > 1 ? " " + schedule : std::string(), ", ac ",
-                               std::string(ac) == "selective" ? "op" : ac);
-            try {
-              const std::vector<int> ranks = representative_ranks(plan_layout(j));
-              // The states alone (parameters, gradients, AdamW) over the capacity: no step can
-              // fit, whatever the activations; their size is reported as the peak's lower bound.
-              PlanJob states = j;
-              states.states_only = true;
-              size_t least = 0;
-              for (int r : ranks) least = std::max(least, plan_rank(states, r).peak_allocated);
-              if (double(least) > hw.capacity) {
-                e.peak = least;
-                e.states_only = true;
-                e.job = j.job;
-                res.entries.push_back(std::move(e));
-                continue;
-              }
-              const LayoutPlan lp = plan_whole(j, ranks, hw, oversubscribed);
-              e.peak = lp.peak();
-              e.step = lp.step();
-              e.mfu = lp.mfu(hw, compute, int(n));
-              e.tokens_per_s = lp.job_tokens / e.step;
-              e.fits = lp.fits;
-            } catch (const Error& err) {
-              if (res.refused++ == 0) res.first_refusal = str_cat(e.layout, ": ", err.what());
-              continue;
+            const std::string name = str_cat("fsdp ", p.dp_shard, " x tp ", tp, " x cp ", cp,
+                                             " x pp ", pp, pp > 1 ? " " + schedule : std::string(),
+                                             ", ac ", std::string(ac) == "selective" ? "op" : ac);
+            // A layout that does not fit is tried again with its shards offloaded to the host
+            // (where it shards them): slower than itself, so only worth it where it does not fit.
+            const bool fits =
+                plan_entry(j, j.job.training.enable_cpu_offload ? name + ", cpu offload" : name, hw,
+                           oversubscribed, compute, res);
+            if (!fits && !j.job.training.enable_cpu_offload && p.dp_shard * cp > 1) {
+              j.job.training.enable_cpu_offload = true;
+              plan_entry(j, name + ", cpu offload", hw, oversubscribed, compute, res);
             }
-            e.job = j.job;
-            res.entries.push_back(std::move(e));
           }
       }
   std::stable_sort(res.entries.begin(), res.entries.end(),

@@ -1,11 +1,12 @@
 #pragma once
 // `loom plan --search`: the layouts of a world of N ranks (tp, cp and pp dividing N, dp_shard the
 // rest; with pp the 1F1B and interleaved schedules; activation checkpointing none, selective op
-// and full), each planned on the meta device at its representative ranks and timed on the
-// hardware model; those that fit first, highest throughput (the job's tokens/s: the batch
-// grows with the data-parallel ranks) first. The layouts loom refuses (tp not dividing
-// the heads, a sequence cp cannot split, more stages than blocks...) are skipped, with the
-// refusal counted: the same checks as `loom train`'s, since the same code plans them.
+// and full; a layout that does not fit and shards its states is tried again with CPU offload),
+// each planned on the meta device at its representative ranks and timed on the hardware model;
+// those that fit first, highest throughput (the job's tokens/s: the batch grows with the
+// data-parallel ranks) first. The layouts loom refuses (tp not dividing the heads, a sequence cp
+// cannot split, more stages than blocks...) are skipped, with the refusal counted: the same checks
+// as `loom train`'s, since the same code plans them.
 #include <string>
 #include <vector>
 
@@ -14,9 +15,11 @@
 namespace loom::plan {
 
 struct SearchEntry {
-  std::string layout;  // "fsdp 8 x tp 8 x pp 8 interleaved_1f1b, ac full"
+  std::string layout;  // "fsdp 8 x tp 8 x pp 8 interleaved_1f1b, ac full[, cpu offload]"
   JobConfig job;
-  size_t peak = 0;  // the largest planned peak allocated
+  size_t peak = 0;        // the largest planned peak allocated
+  size_t reserved = 0;    // the largest planned peak reserved (the allocator's cache included)
+  double job_tokens = 0;  // per step: the global batch, which grows with the data-parallel ranks
   double step = 0, mfu = 0, tokens_per_s = 0;
   bool fits = false;
   bool states_only = false;  // the states alone exceed the capacity: peak is their size, no step

@@ -72,6 +72,32 @@ TEST(Tensor, MetaDeviceCountsWithoutMemory) {
   t.zero_();
 }
 
+// CPU offload's host pool: the same RAM on cpu, booked apart from the device's allocator (whose
+// peak is what a GPU would hold); on meta a second allocator without memory.
+TEST(Allocator, HostPoolIsBookedApartFromTheDevice) {
+  for (Device d : {Device::cpu, Device::meta}) {
+    auto& dev = Allocator::get(d);
+    auto& host = Allocator::get(d, Pool::host);
+    ASSERT_NE(&dev, &host);
+    EXPECT_EQ(host.pool(), Pool::host);
+    const size_t dev_before = dev.stats().allocated, host_before = host.stats().allocated;
+    {
+      Tensor h = Tensor::zeros({1000}, DType::f32, d, Pool::host);
+      Tensor v = h.narrow(0, 10, 20);
+      EXPECT_EQ(h.pool(), Pool::host);
+      EXPECT_EQ(v.pool(), Pool::host);  // views keep their storage's pool
+      EXPECT_EQ(h.device(), d);
+      EXPECT_EQ(dev.stats().allocated, dev_before);
+      EXPECT_EQ(host.stats().allocated - host_before, Allocator::round_size(4000));
+      Tensor t = Tensor::empty({10}, DType::f32, d);
+      EXPECT_EQ(t.pool(), Pool::device);
+      EXPECT_EQ(dev.stats().allocated - dev_before, Allocator::round_size(40));
+    }
+    EXPECT_EQ(dev.stats().allocated, dev_before);
+    EXPECT_EQ(host.stats().allocated, host_before);
+  }
+}
+
 TEST(BF16, RoundsToNearestEven) {
   EXPECT_EQ(float_to_bf16(1.0f).bits, 0x3f80);
   EXPECT_EQ(bf16_to_float(float_to_bf16(1.00390625f)), 1.0f);       // tie -> even

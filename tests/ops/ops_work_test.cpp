@@ -190,6 +190,30 @@ TEST(OpsWork, MemoryBoundOpsReportTheirBytes) {
   EXPECT_EQ(r.works[0].m, 0);
 }
 
+// CPU offload's transfers: a copy or cast between the host pool and the device names its
+// direction and what crosses (the smaller side: a GPU casts where the transfer is smaller); the
+// offloaded gradient's accumulation of a device buffer is device_to_host.
+TEST(OpsWork, CopiesAcrossPoolsAreTransfers) {
+  const int64_t n = 1000;
+  Tensor master = Tensor::empty({n}, DType::f32, Device::meta, Pool::host);
+  Tensor gathered = meta({n}, DType::bf16), full = meta({n}), same = meta({n});
+  Recorded r;
+  ops::copy(master, gathered);  // f32 host -> bf16 device
+  ops::copy(master, full);      // f32 host -> f32 device
+  ops::copy(full, same);        // within the device
+  ops::add_inplace(master, full);
+  ops::add_inplace(same, full);
+  ASSERT_EQ(r.works.size(), 5u);
+  const char* names[] = {"host_to_device", "host_to_device", "copy", "device_to_host",
+                         "add_inplace"};
+  const double link[] = {2.0 * n, 4.0 * n, 0, 4.0 * n, 0};
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(std::string(r.works[i].op), names[i]) << i;
+    EXPECT_EQ(r.works[i].link_bytes, link[i]) << i;
+  }
+  EXPECT_EQ(r.works[1].bytes, 8.0 * n);
+}
+
 TEST(OpsWork, NothingOnCpuOrWithoutARecorder) {
   const int64_t M = 4, N = 3, K = 2;
   int count = 0;

@@ -115,6 +115,16 @@ TEST(GlaPlan, MatchesTheModelsSplits) {
   }
 }
 
+// CPU offload keeps FSDP's shards on the host: a model nothing shards cannot offload (its GEMMs
+// read its weights in place), and the error names the key.
+TEST(Parallelize, CpuOffloadNeedsShardedStates) {
+  ParallelizeOptions o;
+  o.device = Device::meta;
+  o.cpu_offload = true;
+  const std::string e = error_of([&] { plan_model(ModelConfig(tiny()), DType::f32, {}, o); });
+  EXPECT_NE(e.find("training.enable_cpu_offload"), std::string::npos) << e;
+}
+
 TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
   const int64_t B = 2, T = 8;
   std::vector<int32_t> in(B * T), tg(B * T);

@@ -188,6 +188,22 @@ TEST(Hardware, KernelSecondsIsARoofline) {
   EXPECT_DOUBLE_EQ(plain.attention_block_efficiency, 0.5);
   EXPECT_DOUBLE_EQ(plain.attention_block_backward_efficiency, 0.3);
   EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw), 1e9 / 1e11);
+  // CPU offload: without a [host] link the host pool is the rank's own memory (a CPU); with
+  // one, the bytes that cross are priced on it, and the host steps AdamW at its own rate.
+  ops::KernelWork h2d;
+  h2d.op = "host_to_device";
+  h2d.bytes = 6e6;
+  h2d.link_bytes = 2e6;
+  EXPECT_DOUBLE_EQ(kernel_seconds(h2d, hw), 6e6 / 1e11);
+  EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw, true), 1e9 / 1e11);
+  const Hardware off = parse_hardware(
+      std::string(kMinimal) + "[host]\nlink_bandwidth = 1e8\noptimizer_bandwidth = 1e10\n",
+      "toy.toml");
+  EXPECT_DOUBLE_EQ(kernel_seconds(h2d, off), 2e6 / 1e8);
+  EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, off, true), 1e9 / 1e10);
+  EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, off), 1e9 / 1e11);
+  EXPECT_NE(parse_error(std::string(kMinimal) + "[host]\nlink = 1e8\n").find("host"),
+            std::string::npos);
 }
 
 TEST(Calibrate, QuickWritesALoadableFile) {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "plan/layout_plan.hpp"
 #include "plan/search.hpp"
 #include "train/config.hpp"
 
@@ -56,7 +57,50 @@ TEST(PlanSearch, DropsLayoutsWhoseStatesCannotFit) {
   ASSERT_FALSE(r.entries.empty());
   for (const plan::SearchEntry& e : r.entries) {
     EXPECT_FALSE(e.fits) << e.layout;
-    EXPECT_TRUE(e.states_only) << e.layout;
+    // Offloaded, the device holds no states: such a layout is planned whole, and fails on its
+    // gathered units and activations.
+    EXPECT_EQ(e.states_only, !e.job.training.enable_cpu_offload) << e.layout;
     EXPECT_GT(double(e.peak), hw.capacity) << e.layout;
   }
+}
+
+// A layout that does not fit is tried again with its states offloaded to the host, and listed
+// (as ", cpu offload") among those that fit when that makes it fit; a fitting layout is not.
+TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/h200.toml");
+  const plan::SearchResult roomy = plan::search_layouts(debug_job(2), hw, false);
+  for (const plan::SearchEntry& e : roomy.entries) {
+    EXPECT_TRUE(e.fits) << e.layout;
+    EXPECT_FALSE(e.job.training.enable_cpu_offload) << e.layout;
+  }
+  // Room for FSDP 2 with full checkpointing only once its states are on the host.
+  const plan::PlanJob fsdp =
+      debug_job(2, {"--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"});
+  plan::PlanJob off = fsdp;
+  off.job.training.enable_cpu_offload = true;
+  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  const size_t on_device = plan::plan_whole(fsdp, ranks, hw, false).peak();
+  const size_t offloaded = plan::plan_whole(off, ranks, hw, false).peak();
+  ASSERT_LT(offloaded, on_device);
+  hw.capacity = double(offloaded);
+  const plan::SearchResult r = plan::search_layouts(debug_job(2), hw, false);
+  bool found = false;
+  for (const plan::SearchEntry& e : r.entries) {
+    if (e.layout == "fsdp 2 x tp 1 x cp 1 x pp 1, ac full, cpu offload") {
+      found = true;
+      EXPECT_TRUE(e.fits);
+      EXPECT_TRUE(e.job.training.enable_cpu_offload);
+      EXPECT_EQ(e.peak, offloaded);
+      EXPECT_GE(e.reserved, e.peak);
+      EXPECT_GT(e.job_tokens, 0);
+    }
+    if (e.layout == "fsdp 2 x tp 1 x cp 1 x pp 1, ac full") {
+      EXPECT_FALSE(e.fits);
+    }
+    // Only layouts that shard their states (FSDP over dp_shard x cp) can offload them.
+    if (e.job.training.enable_cpu_offload) {
+      EXPECT_GT(e.job.parallelism.dp_shard * e.job.parallelism.cp, 1) << e.layout;
+    }
+  }
+  EXPECT_TRUE(found);
 }
