@@ -17,16 +17,27 @@ double LayoutPlan::step() const {
 }
 
 double LayoutPlan::mfu(const Hardware& hw, DType compute, int world) const {
+  if (times.empty()) return 0;
   // Model FLOPs of the job's tokens (6N + 12LHQT per token) over the world's peak.
   return model_flops_per_token * job_tokens / step() / (double(world) * hw.peak(compute));
 }
 
 LayoutPlan plan_whole(const PlanJob& j, const std::vector<int>& ranks, const Hardware& hw,
-                      bool oversubscribed) {
+                      bool oversubscribed, bool time_unfit) {
   const dist::MeshLayout layout = plan_layout(j);
   const int ranks_on_node = oversubscribed ? j.world : std::min(j.world, hw.ranks_per_node);
   LayoutPlan out;
-  for (int r : ranks) out.ranks.push_back(plan_rank(j, r));
+  for (int r : ranks) {
+    out.ranks.push_back(plan_rank(j, r));
+    out.fits = out.fits && double(out.ranks.back().peak_allocated) <= hw.capacity;
+    if (!out.fits && !time_unfit) break;
+  }
+  out.model_flops_per_token = j.model.flops_per_token(j.job.training.seq_len);
+  // cp, tp and pp ranks of a dp rank share its samples.
+  out.job_tokens = double(out.ranks.front().micro_batches) *
+                   double(j.job.training.local_batch_size) * double(j.job.training.seq_len) *
+                   layout.size("dp_replicate") * layout.size("dp_shard");
+  if (!out.fits && !time_unfit) return out;
   const int pp = layout.size("pp");
   if (pp > 1) {
     // The schedule is timed across its stages: one plan per pp rank (the planned one of each
@@ -45,13 +56,6 @@ LayoutPlan plan_whole(const PlanJob& j, const std::vector<int>& ranks, const Har
   } else {
     for (const RankPlan& p : out.ranks) out.times.push_back(time_rank(p, hw, ranks_on_node));
   }
-  out.model_flops_per_token = j.model.flops_per_token(j.job.training.seq_len);
-  // cp, tp and pp ranks of a dp rank share its samples.
-  out.job_tokens = double(out.ranks.front().micro_batches) *
-                   double(j.job.training.local_batch_size) * double(j.job.training.seq_len) *
-                   layout.size("dp_replicate") * layout.size("dp_shard");
-  for (const RankPlan& p : out.ranks)
-    out.fits = out.fits && double(p.peak_allocated) <= hw.capacity;
   return out;
 }
 

@@ -35,13 +35,14 @@ bool plan_entry(const PlanJob& j, const std::string& name, const Hardware& hw, b
       res.entries.push_back(std::move(e));
       return false;
     }
-    const LayoutPlan lp = plan_whole(j, ranks, hw, oversubscribed);
+    // Only what fits is ranked by time: the others are not timed.
+    const LayoutPlan lp = plan_whole(j, ranks, hw, oversubscribed, false);
     e.peak = lp.peak();
     for (const RankPlan& r : lp.ranks) e.reserved = std::max(e.reserved, r.peak_reserved);
     e.job_tokens = lp.job_tokens;
     e.step = lp.step();
     e.mfu = lp.mfu(hw, compute, int(j.world));
-    e.tokens_per_s = lp.job_tokens / e.step;
+    e.tokens_per_s = e.step > 0 ? lp.job_tokens / e.step : 0;
     e.fits = lp.fits;
   } catch (const Error& err) {
     if (res.refused++ == 0) res.first_refusal = str_cat(e.layout, ": ", err.what());
@@ -64,8 +65,11 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
         const std::vector<std::string> schedules =
             pp > 1 ? std::vector<std::string>{"1f1b", "interleaved_1f1b"}
                    : std::vector<std::string>{"1f1b"};
-        for (const std::string& schedule : schedules)
-          for (const char* ac : {"none", "selective", "full"}) {
+        for (const std::string& schedule : schedules) {
+          // Offloaded from the most checkpointing to the least: each needs more memory than the
+          // one before, so the first that does not fit ends the retries.
+          bool offload_fits = true;
+          for (const char* ac : {"full", "selective", "none"}) {
             PlanJob j = base;
             auto& p = j.job.parallelism;
             p.dp_replicate = 1;
@@ -84,11 +88,14 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
             const bool fits =
                 plan_entry(j, j.job.training.enable_cpu_offload ? name + ", cpu offload" : name, hw,
                            oversubscribed, compute, res);
-            if (!fits && !j.job.training.enable_cpu_offload && p.dp_shard * cp > 1) {
+            if (!fits && offload_fits && !j.job.training.enable_cpu_offload &&
+                p.dp_shard * cp > 1) {
               j.job.training.enable_cpu_offload = true;
-              plan_entry(j, name + ", cpu offload", hw, oversubscribed, compute, res);
+              offload_fits =
+                  plan_entry(j, name + ", cpu offload", hw, oversubscribed, compute, res);
             }
           }
+        }
       }
   std::stable_sort(res.entries.begin(), res.entries.end(),
                    [](const SearchEntry& a, const SearchEntry& b) {

@@ -1,7 +1,8 @@
 #pragma once
 // `loom plan --search`: the layouts of a world of N ranks (tp, cp and pp dividing N, dp_shard the
 // rest; with pp the 1F1B and interleaved schedules; activation checkpointing none, selective op
-// and full; a layout that does not fit and shards its states is tried again with CPU offload),
+// and full; a layout that does not fit and shards its states is tried again with CPU offload,
+// AC full first and no further than the first offloaded one that does not fit),
 // each planned on the meta device at its representative ranks and timed on the hardware model;
 // those that fit first, highest throughput (the job's tokens/s: the batch grows with the
 // data-parallel ranks) first. The layouts loom refuses (tp not dividing the heads, a sequence cp
@@ -20,7 +21,7 @@ struct SearchEntry {
   size_t peak = 0;        // the largest planned peak allocated
   size_t reserved = 0;    // the largest planned peak reserved (the allocator's cache included)
   double job_tokens = 0;  // per step: the global batch, which grows with the data-parallel ranks
-  double step = 0, mfu = 0, tokens_per_s = 0;
+  double step = 0, mfu = 0, tokens_per_s = 0;  // 0 when it does not fit (not timed)
   bool fits = false;
   bool states_only = false;  // the states alone exceed the capacity: peak is their size, no step
 };
