@@ -60,8 +60,10 @@ class GlaModel final : public Model {
   size_t saved_activation_bytes(int64_t B, int64_t T) const override;
   size_t head_workspace_bytes(int64_t B, int64_t T) const override;
   size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const override;
-  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
-  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
+  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                    const std::vector<bool>& runs = {}) const override;
+  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                    const std::vector<bool>& runs = {}) const override;
   size_t ring_working_bytes(int64_t B, int64_t T) const override;
   // Per unit as for Llama; a block's backward and deferred figures are estimates from its GEMMs'
   // operands (no pipeline memory check runs GLA).

@@ -126,17 +126,19 @@ size_t GlaModel::tp_comm_buffer_bytes(int64_t B, int64_t T) const {
 // `op` gathers the recomputed norm outputs again (SP), `full` runs the whole forward again. The
 // embedding and the head are replicated: with SP the head gathers its normed rows, the embedding
 // gathers dy, and the final norm's gradient is summed.
-uint64_t GlaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+uint64_t GlaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                            const std::vector<bool>& runs) const {
   const TpRuntime& tp = par().tp;
   const int n = tp.opt.size();
   if (n == 1) return 0;
   auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
-  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = num_blocks();
+  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = rb.blocks;
   const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
   const uint64_t replicated =
       ar(uint64_t(config_.gate_low_rank_dim) * d * 4) +
       (config_.elementwise_affine ? ar(uint64_t(config_.head_v_dim()) * 4) : 0);
-  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
+  const uint64_t recomputed = rb.recomputed;
   if (!tp.sp()) return (ar(M * d * 4) * 4 + replicated) * L + recomputed * 2 * ar(M * d * 4);
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
   const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
@@ -144,22 +146,24 @@ uint64_t GlaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
   const uint64_t backward = 2 * f32 + 2 * f32 + 2 * ar(d * 4) + replicated;
   const uint64_t op = activation_checkpoint().mode == ActivationCheckpoint::Mode::op ? 2 * ag_x : 0;
   return (forward + backward + op) * L + recomputed * forward  // blocks
-         + ag_x + ar(d * 4)                                    // head
-         + f32;                                                // embedding backward
+         + (rb.head ? ag_x + ar(d * 4) : 0)                    // head
+         + (rb.embed ? f32 : 0);                               // embedding backward
 }
 
 // The state passing (parallel/layers/gla_state_passing.cpp), per block: forward all-gathers the
 // two segments' total decays [B, Hkv, K] and zero-start states [B, H, K, V], backward the
 // segments' D [B, H, K, V]; a recomputed (`full`) block gathers its forward's again. Independent
 // of T.
-uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t) const {
+uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t,
+                                            const std::vector<bool>& runs) const {
   const int n = cp().size();
   if (n <= 1) return 0;
   const int tpn = tp().size();
   const uint64_t K = uint64_t(config_.head_k_dim()), V = uint64_t(config_.head_v_dim());
   const uint64_t state = 2 * uint64_t(B) * uint64_t(config_.num_heads / tpn) * K * V * 4;
   const uint64_t decay = 2 * uint64_t(B) * uint64_t(config_.num_kv_heads / tpn) * K * 4;
-  const uint64_t k = uint64_t(n - 1), L = num_blocks();
+  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
+  const uint64_t k = uint64_t(n - 1), L = rb.blocks;
   // The short convolution's halo: every segment's last conv_size - 1 rows of q | k | v, gathered
   // in forward, again in backward, and their gradient gathered back.
   const uint64_t halo =
@@ -171,8 +175,7 @@ uint64_t GlaModel::cp_bytes_per_micro_batch(int64_t B, int64_t) const {
                 4
           : 0;
   const uint64_t forward = k * (decay + state + halo), backward = k * (state + 2 * halo);
-  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
-  return L * (forward + backward) + recomputed * forward;
+  return L * (forward + backward) + rb.recomputed * forward;
 }
 
 // The state passing's fold: every segment's zero-start final state, [2 cp, B, H, K, V], gathered

@@ -62,10 +62,12 @@ class LlamaModel final : public Model {
                                      int tp, bool sp);
   size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const override;
   // Bytes this rank sends on the tp group in one micro-batch (the analytic figure).
-  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
+  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                    const std::vector<bool>& runs = {}) const override;
   // Bytes this rank sends on the cp group in one micro-batch of T tokens per sample on this rank
   // (ring attention's K/V, and dK/dV in backward; the analytic figure).
-  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const override;
+  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                    const std::vector<bool>& runs = {}) const override;
   // Ring attention's working set in a block's backward, the largest it holds (0 without cp).
   size_t ring_working_bytes(int64_t B, int64_t T) const override;
   // Per unit: the embedding saves nothing (its output is block 0's input), a block what its

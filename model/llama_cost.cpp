@@ -82,18 +82,22 @@ size_t LlamaModel::saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t 
   return saved_activations(c, B, T, compute, tp, sp, recompute, ac).at_head;
 }
 
-uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
+uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                              const std::vector<bool>& runs) const {
   const TpRuntime& tp = par().tp;
   const int n = tp.opt.size();
   if (n == 1) return 0;
   // The ProcessGroup's ring convention (docs/design.md, "Distributed runtime").
   auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
-  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size), L = num_blocks();
-  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1);
+  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size);
+  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
+  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1), L = rb.blocks;
   const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
-  const uint64_t recomputed = uint64_t(activation_checkpoint().recomputed_blocks(int64_t(L)));
-  // Without SP a recomputed forward all-reduces the attention output once more.
-  if (!tp.sp()) return ar(M * d * 4) * (2 + 4 * L + recomputed) + loss;
+  const uint64_t recomputed = rb.recomputed;
+  // Without SP a recomputed forward all-reduces the attention output once more; the embedding's
+  // forward and the head's backward all-reduce once each.
+  if (!tp.sp())
+    return ar(M * d * 4) * (rb.embed + rb.head + 4 * L + recomputed) + (rb.head ? loss : 0);
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
   const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
   const uint64_t per_block = 2 * ag_x + 2 * f32                   // forward
@@ -105,10 +109,9 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T) const {
           ? 2 * ag_x
           : 0;
   // A recomputed forward: the two gathers and the attention's reduce-scatter (not the MLP's).
-  return f32                                                     // embedding reduce-scatter
-         + (per_block + op) * L + recomputed * (2 * ag_x + f32)  // blocks
-         + ag_x + loss + f32 + ar(d * 4)                         // head
-         + f32;                                                  // embedding backward all-gather
+  return (per_block + op) * L + recomputed * (2 * ag_x + f32)  // blocks
+         + (rb.head ? ag_x + loss + f32 + ar(d * 4) : 0)       // head
+         + (rb.embed ? 2 * f32 : 0);  // embedding: forward reduce-scatter, backward all-gather
 }
 
 size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
@@ -116,9 +119,10 @@ size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
   return loom::ring_kv_bytes(B * T, config_.num_key_value_heads / tp().size(), config_.head_dim());
 }
 
-uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T) const {
-  const int64_t L = int64_t(num_blocks());
-  return ring_bytes(cp(), ring_kv_bytes(B, T), L, activation_checkpoint().recomputed_blocks(L));
+uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                              const std::vector<bool>& runs) const {
+  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
+  return ring_bytes(cp(), ring_kv_bytes(B, T), rb.blocks, rb.recomputed);
 }
 
 size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {

@@ -141,9 +141,13 @@ class Model {
   virtual size_t head_workspace_bytes(int64_t B, int64_t T) const = 0;
   // The pooled communication buffers of tensor parallelism after a step (comm_buffer_bytes()).
   virtual size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const = 0;
-  // Bytes this rank sends on the tp group, and on the cp group.
-  virtual uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T) const = 0;
-  virtual uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T) const = 0;
+  // Bytes this rank sends on the tp group, and on the cp group. `runs`: per unit (units()
+  // order) whether this rank runs its forward and backward (a pp rank: its stages' units, not a
+  // tied embedding's replica); empty: every unit.
+  virtual uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                            const std::vector<bool>& runs = {}) const = 0;
+  virtual uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T,
+                                            const std::vector<bool>& runs = {}) const = 0;
   // Context parallelism's working set in a block's backward beyond the saved activations.
   virtual size_t ring_working_bytes(int64_t B, int64_t T) const = 0;
   // What unit i (units() order) holds per micro-batch, for a pipeline stage's share of a rank's
@@ -178,6 +182,13 @@ class Model {
   ParamUnit& head_unit() { return *head_; }
   const ParamUnit& head_unit() const { return *head_; }
   size_t head_index() const { return blocks_.size() + 1; }
+  // What this rank runs of `runs` (the cost functions' argument; empty: every unit): its blocks,
+  // how many of them `ac` recomputes, and whether it runs the embedding and the head.
+  struct RunBlocks {
+    uint64_t blocks = 0, recomputed = 0;
+    bool embed = true, head = true;
+  };
+  RunBlocks run_blocks(const std::vector<bool>& runs, const ActivationCheckpoint& ac) const;
   // Every parameter of every unit from `dir` (global names): whole or this tp rank's slice into
   // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones.
   void load_units(const SafetensorsDir& dir);

@@ -153,13 +153,22 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
   const ParallelGroups& g = m.groups;
   Model& model = *m.model;
   const int64_t Tl = T / (g.cp ? g.cp->size() : 1);
-  // Per micro-batch: tp's and cp's collectives and the 8-byte sum of the loss over cp.
-  const uint64_t tp =
-      (model.tp_bytes_per_micro_batch(B, Tl) + model.cp_bytes_per_micro_batch(B, Tl) +
-       (g.cp ? ring_all_gather(8, g.cp->size()) : 0)) *
-          uint64_t(G) +
-      // + the gradient norm: one 8-byte squared sum per unit (train/optimizer.cpp)
-      (g.tp ? ring_all_gather(8 * model.num_units(), g.tp->size()) : 0);
+  // Under pp a rank runs its stages' units only (not a tied embedding's replica).
+  std::vector<bool> runs;
+  if (m.pipeline) {
+    runs.assign(model.num_units(), false);
+    for (size_t u : m.pipeline->owned_units()) runs[u] = true;
+  }
+  // The 8-byte sum of the loss over cp: per micro-batch, under pp once a step on every rank
+  // (train/step.cpp).
+  const uint64_t cp_loss = g.cp ? ring_all_gather(8, g.cp->size()) : 0;
+  // Per micro-batch: tp's and cp's collectives.
+  const uint64_t tp = (model.tp_bytes_per_micro_batch(B, Tl, runs) +
+                       model.cp_bytes_per_micro_batch(B, Tl, runs) + (m.pipeline ? 0 : cp_loss)) *
+                          uint64_t(G) +
+                      (m.pipeline ? cp_loss : 0) +
+                      // + the gradient norm: one 8-byte squared sum per unit (train/optimizer.cpp)
+                      (g.tp ? ring_all_gather(8 * model.num_units(), g.tp->size()) : 0);
   const uint64_t pp = pp_bytes_per_step(m, B, Tl, G);
   if (!m.fsdp && !m.ddp) return tp + pp;
   const uint64_t rsize = dtype_size(reduce);

@@ -40,8 +40,8 @@
 // all-gather of 8 bytes over dp_shard (x cp) and over tp, and the loss's all-gather of 8 bytes
 // over dp. DDP: one all-reduce of each unit's gradient per step plus the loss's all-gather. Per
 // micro-batch, tp's collectives (Model::tp_bytes_per_micro_batch) and context parallelism's
-// ring attention K/V and dK/dV transfers (Model::cp_bytes_per_micro_batch) and the 8-byte
-// sum of the loss over cp.
+// ring attention K/V and dK/dV transfers (Model::cp_bytes_per_micro_batch), under pp for the
+// rank's stages' units only, and the 8-byte sum of the loss over cp (under pp once a step).
 #include <cstddef>
 #include <cstdint>
 
