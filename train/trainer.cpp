@@ -366,7 +366,7 @@ void Trainer::State::preflight() {
       " needs about ", gib(needed), " = ",
       mem.host
           ? str_cat(mem.params, " parameters' states offloaded to host memory (", gib(mem.host),
-                    needed > mem.total() ? ", counted" : ", not counted", ")")
+                    needed > mem.total() ? ", counted" : ", not in this sum", ")")
           : str_cat(mem.params, " parameters x 16 B (f32 weights ", gib(mem.weights),
                     " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer), ")"),
       mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",

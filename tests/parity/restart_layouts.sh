@@ -1,6 +1,6 @@
 #!/bin/bash
-# A checkpoint taken under FSDP 4 resumes under FSDP 2, DDP 2 and one process (same global batch
-# of 4 samples) with the next-step loss of the uninterrupted FSDP 4 run within 1e-6 relative.
+# A checkpoint taken under FSDP 4 resumes under FSDP 2 (with and without CPU offload), DDP 2 and
+# one process (same global batch of 4 samples) with the next-step loss of the uninterrupted FSDP 4 run within 1e-6 relative.
 # Why not to the last digit: the step-11 loss is the forward of the same step-10 weights on the
 # same samples, but each layout gives a rank 1, 2 or 4 of them, so its GEMMs have other row counts,
 # for which oneDNN may choose other blockings (f32 sums in another order; which ones depends on
@@ -21,6 +21,7 @@ rm -rf "$work/ck/step-00000012"
 want=$(step_loss "$work/full.jsonl" 11)
 status=0
 for layout in "2 --parallelism.dp_shard=2 --training.local_batch_size=2" \
+  "2 --parallelism.dp_shard=2 --training.local_batch_size=2 --training.enable_cpu_offload=true" \
   "2 --parallelism.dp_replicate=2 --parallelism.dp_shard=1 --training.local_batch_size=2" \
   "1 --training.local_batch_size=4"; do
   resume_step11 "$work/ck" "$want" 1e-6 rel "FSDP 4" $layout || status=1
