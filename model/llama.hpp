@@ -44,7 +44,8 @@ class LlamaModel final : public Model {
   // plus that block's recomputed tensors. With tensor parallelism (tp ranks, sequence parallel,
   // recompute_allgather): one tp rank's. (model/llama_cost.cpp)
   // In bf16 the peak also holds a block's f32 gate/up GEMM output beside its rounded copy (the
-  // last block's forward, a recomputed block's forward).
+  // last block's forward, a recomputed block's forward), and what the allocator hands a saved
+  // tensor beyond its size when it reuses the block's freed f32 qkv output.
   static size_t saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                        int tp = 1, bool sp = false, bool recompute = false,
                                        const ActivationCheckpoint& ac = {});
@@ -53,8 +54,14 @@ class LlamaModel final : public Model {
   static size_t saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                     int tp = 1, bool sp = false, bool recompute = false,
                                     const ActivationCheckpoint& ac = {});
+  // The peak within the blocks' backward: the saved tensors then plus a block's working buffers
+  // (and a recomputed block's whole set).
+  static size_t backward_peak_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                    int tp = 1, bool sp = false, bool recompute = false,
+                                    const ActivationCheckpoint& ac = {});
   size_t saved_activation_bytes(int64_t B, int64_t T) const override;
   size_t saved_at_head_bytes(int64_t B, int64_t T) const override;
+  size_t backward_peak_bytes(int64_t B, int64_t T) const override;
   size_t head_workspace_bytes(int64_t B, int64_t T) const override;
   // The pooled communication buffers of tensor parallelism after a step: one per (purpose,
   // dtype, size) of the model's pooled() calls.

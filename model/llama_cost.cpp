@@ -2,29 +2,53 @@
 // the figures `loom bench --check` compares with what a step measures.
 #include <algorithm>
 
+#include "core/allocator.hpp"
+
 #include "model/llama.hpp"
 
 namespace loom {
-
-int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute) {
-  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) is held to 2%
-  // of the step's saved activations, so the peak stays what the memory model predicts; larger
-  // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
-  const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
-  const auto budget = 0.02 * double(saved_at_head_bytes(c, B, T, compute));  // tp: same rows
-  const int64_t rows = int64_t(budget / per_row) / 16 * 16;
-  return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
-}
 
 namespace {
 
 struct SavedActivations {
   size_t at_head = 0, peak = 0;
+  size_t backward = 0;  // the peak within the blocks' backward (FSDP adds its buffers there)
 };
 
+// In bf16 the attention frees the f32 qkv GEMM output just before the block makes the tensors
+// below, and the allocator hands the first of them that asks for at most that block's size and
+// at least 80% of it the whole block (Allocator::allocate's 25% reuse margin): the difference is
+// held for as long as that tensor is. Returns it, and whether `op` keeps the tensor too (`none`
+// keeps every one of them but the transient f32 gate/up, `full` recomputes into a cache that
+// holds blocks of every size and measures without it).
+struct CacheSlack {
+  size_t bytes = 0;
+  bool op = false;
+};
+CacheSlack qkv_block_slack(size_t M, size_t Mx, size_t d, size_t nqkv, size_t q, size_t F,
+                           bool gathered_xn2) {
+  const size_t freed = Allocator::round_size(M * nqkv * 4);
+  struct Made {
+    size_t bytes;
+    bool saved, op;
+  };
+  // attn, the residual h, xn2 (every row, gathered under SP), the f32 gate/up, gu, act.
+  const Made made[] = {{M * q * 2, true, true},       {Mx * d * 4, true, true},
+                       {Mx * d * 2, true, false},     {gathered_xn2 ? M * d * 2 : 0, true, false},
+                       {M * 2 * F * 4, false, false}, {M * 2 * F * 2, true, true},
+                       {M * F * 2, true, false}};
+  for (const Made& m : made) {
+    if (m.bytes == 0) continue;
+    const size_t r = Allocator::round_size(m.bytes);
+    if (r <= freed && freed <= r + r / 4)
+      return m.saved ? CacheSlack{freed - r, m.op} : CacheSlack{};
+  }
+  return {};
+}
+
 SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                   int tp, bool sp, bool recompute,
-                                   const ActivationCheckpoint& ac) {
+                                   int tp, bool sp, bool recompute, const ActivationCheckpoint& ac,
+                                   bool with_slack = true) {
   const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
   const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
   const size_t F = c.intermediate_size / n;
@@ -46,34 +70,64 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   const size_t forward = gu_f32 > act ? gu_f32 - act : 0;
   const size_t backward = Mx * d * 4 + M * F * 4 + (cs == 4 ? 0 : Mx * d * 2);
   const size_t L = size_t(c.num_hidden_layers);
+  const CacheSlack slack =
+      cs == 4 || !with_slack
+          ? CacheSlack{}
+          : qkv_block_slack(M, Mx, d, (Hq + 2 * Hkv) * hd, Hq * hd, F, tp > 1 && sp && !recompute);
   switch (ac.mode) {
-    case ActivationCheckpoint::Mode::none:
-      return {block * L, block * L + std::max(forward, backward)};
-    case ActivationCheckpoint::Mode::op:
+    case ActivationCheckpoint::Mode::none: {
+      const size_t all = (block + slack.bytes) * L;
+      return {all, all + std::max(forward, backward), all + backward};
+    }
+    case ActivationCheckpoint::Mode::op: {
       // The backward of a block also holds its recomputed act (the norm output recomputed later
       // is smaller); the forward holds no act.
-      return {op_block * L, op_block * L + std::max(gu_f32, act + backward)};
+      const size_t all = (op_block + (slack.op ? slack.bytes : 0)) * L;
+      return {all, all + std::max(gu_f32, act + backward), all + act + backward};
+    }
     case ActivationCheckpoint::Mode::full:
       break;
   }
   // At the head every block's saved tensors; in the forward of block l, and in the backward of a
   // recomputed block l, blocks 0..l-1's plus block l's whole set and its working buffers.
   // A recomputation runs with the gradient from above alive.
-  size_t all = 0, peak = 0;
+  size_t all = 0, peak = 0, in_backward = 0;
   for (size_t l = 0; l < L; ++l) {
     const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
-    peak = std::max(peak, all + block + std::max(forward + (full ? Mx * d * 4 : 0), backward));
-    all += full ? input : block;
+    const size_t saved = full ? block : block + slack.bytes;
+    peak = std::max(peak, all + saved + std::max(forward + (full ? Mx * d * 4 : 0), backward));
+    in_backward = std::max(
+        in_backward, all + saved + (full ? std::max(forward + Mx * d * 4, backward) : backward));
+    all += full ? input : saved;
   }
-  return {all, std::max(all, peak)};
+  return {all, std::max(all, peak), in_backward};
 }
 
 }  // namespace
+
+int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute) {
+  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) is held to 2%
+  // of the step's saved activations, so the peak stays what the memory model predicts; larger
+  // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
+  const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
+  // The saved tensors as the blocks ask for them (without the allocator's slack, which does not
+  // depend on the chunk): tp has the same rows.
+  const auto budget =
+      0.02 * double(saved_activations(c, B, T, compute, 1, false, false, {}, false).at_head);
+  const int64_t rows = int64_t(budget / per_row) / 16 * 16;
+  return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
+}
 
 size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                           int tp, bool sp, bool recompute,
                                           const ActivationCheckpoint& ac) {
   return saved_activations(c, B, T, compute, tp, sp, recompute, ac).peak;
+}
+
+size_t LlamaModel::backward_peak_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                       int tp, bool sp, bool recompute,
+                                       const ActivationCheckpoint& ac) {
+  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).backward;
 }
 
 size_t LlamaModel::saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
@@ -134,6 +188,12 @@ size_t LlamaModel::saved_activation_bytes(int64_t B, int64_t T) const {
   const int n = tp().size();
   return saved_activation_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
                                 tp().recompute_allgather, activation_checkpoint());
+}
+
+size_t LlamaModel::backward_peak_bytes(int64_t B, int64_t T) const {
+  const int n = tp().size();
+  return backward_peak_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
+                             tp().recompute_allgather, activation_checkpoint());
 }
 
 size_t LlamaModel::saved_at_head_bytes(int64_t B, int64_t T) const {

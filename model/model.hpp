@@ -137,6 +137,12 @@ class Model {
   virtual size_t saved_at_head_bytes(int64_t B, int64_t T) const {
     return saved_activation_bytes(B, T);
   }
+  // The peak within the blocks' backward: what is saved then plus a block's working buffers.
+  // FSDP's full gradient and gathers of that moment come on top (parallel/cost_model.cpp); a
+  // model that does not say is priced at its peak.
+  virtual size_t backward_peak_bytes(int64_t B, int64_t T) const {
+    return saved_activation_bytes(B, T);
+  }
   // The head's working buffers at the start of its fused backward.
   virtual size_t head_workspace_bytes(int64_t B, int64_t T) const = 0;
   // The pooled communication buffers of tensor parallelism after a step (comm_buffer_bytes()).

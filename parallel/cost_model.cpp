@@ -115,6 +115,34 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     mc.activations = model.saved_activation_bytes(B, Tl);
     const size_t at_head = model.saved_at_head_bytes(B, Tl) + model.head_workspace_bytes(B, Tl);
     mc.head = at_head > mc.activations ? at_head - mc.activations : 0;
+    const size_t head = units.size() - 1;
+    // With cp the ring's working set is priced on top of the head's figures instead (where
+    // what the block frees and adds about cancel, see the header).
+    if (m.fsdp && head >= 2 && model.ring_working_bytes(B, Tl) == 0) {
+      // FSDP's buffers in the last block's backward: its gathered weights and full gradient, the
+      // gather of the unit below it (prefetched), every unit kept gathered after forward, the
+      // tied embedding's full gradient (made by the head, reduced after the embedding's
+      // backward), and the head's gradient being reduce-scattered (its full f32 gradient as the
+      // input and an output shard, priced as f32: a bf16 reduce holds less). They can outweigh
+      // the head's
+      // (its gathered weights and full gradient) as the block's working buffers outweigh the
+      // head's workspace: the peak is at whichever is larger.
+      const size_t last = head - 1;
+      size_t gathered = 0, full_grad = 0;
+      for (size_t i = 0; i < head; ++i)
+        if (i + 1 >= last || !m.fsdp->reshard_after_forward(i))
+          gathered += units[i]->materialized_weight_bytes();
+      full_grad = 4 * size_t(units[last]->padded_numel()) +
+                  4 * size_t(units[head]->padded_numel() + units[head]->shard_numel());
+      if (model.tie_word_embeddings()) full_grad += 4 * size_t(units[0]->padded_numel());
+      const size_t in_block = model.backward_peak_bytes(B, Tl);
+      if (gathered + full_grad + in_block > mc.gathered + mc.full_grad + mc.activations + mc.head) {
+        mc.gathered = gathered;
+        mc.full_grad = full_grad;
+        mc.activations = in_block;
+        mc.head = 0;
+      }
+    }
   }
   mc.comm = model.tp_comm_buffer_bytes(B, Tl);
   mc.ring = model.ring_working_bytes(B, Tl);

@@ -17,6 +17,11 @@
 //   + the saved activations of the local batch at their peak, by the [activation_checkpoint]
 //     policy (Model::saved_activation_bytes; LlamaModel's and GlaModel's own)
 //   + the head's working buffers at that moment (x, xf, dxf, rstd, the loss's chunk of logits)
+//   or, with FSDP, the last block's backward where that is larger: its gathered weights and full
+//   f32 gradient, the prefetched gather of the unit below, the units kept gathered, the tied
+//   embedding's full gradient, the head's gradient still being reduce-scattered (input and
+//   output shard, priced in f32), with the activations at their peak within the blocks' backward
+//   (Model::backward_peak_bytes); not with cp, whose ring is priced with the head's figures
 //   + with tp, the pooled communication buffers (tp_comm_buffer_bytes)
 //   + with cp, ring attention's working set in a block's backward (Model::ring_working_bytes):
 //     the peak moves into the last block's backward, where what it frees (the head's workspace
@@ -52,9 +57,9 @@ namespace loom {
 struct MemoryCost {
   size_t num_params = 0;  // this rank's parameters (its tp slices, unsharded)
   size_t params = 0, grads = 0, optimizer = 0, mirror = 0;  // shards (or whole units)
-  size_t gathered = 0, full_grad = 0;                       // FSDP: full units at the peak
-  size_t activations = 0, head = 0;  // one micro-batch's; pp: the rank's peak (head in it)
-  size_t comm = 0, ring = 0;         // tp pool, ring attention
+  size_t gathered = 0, full_grad = 0;  // FSDP: full units at the peak (reduce-scatters in flight)
+  size_t activations = 0, head = 0;    // one micro-batch's; pp: the rank's peak (head in it)
+  size_t comm = 0, ring = 0;           // tp pool, ring attention
   size_t rounding = 0;  // the allocator's rounding of the states' buffers (Allocator::round_size)
   // CPU offload: the offloaded units' master, gradient and moment shards (rounded) are in host
   // memory, here and not in params / grads / optimizer / rounding, nor in total().

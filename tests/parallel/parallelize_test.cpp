@@ -169,6 +169,23 @@ TEST(CostModel, UnitActivationsAddUpToTheModel) {
     }
 }
 
+// The peak within the blocks' backward, where FSDP prices its block-time buffers, lies between
+// what the blocks saved and the peak of the whole step.
+TEST(CostModel, BackwardPeakLiesBetweenTheSavedSetAndThePeak) {
+  const int64_t B = 2, T = 16;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const char* mode : {"none", "op", "full"}) {
+      ParallelizeOptions o;
+      o.ac = std::string(mode) == "op"     ? ActivationCheckpoint::parse("selective", "op")
+             : std::string(mode) == "full" ? ActivationCheckpoint::parse("full", "op")
+                                           : ActivationCheckpoint::parse("none", "op");
+      ParallelModel plan = plan_model(tiny(), dt, {}, o);
+      const Model& m = *plan.model;
+      EXPECT_GT(m.backward_peak_bytes(B, T), m.saved_at_head_bytes(B, T)) << mode;
+      EXPECT_LE(m.backward_peak_bytes(B, T), m.saved_activation_bytes(B, T)) << mode;
+    }
+}
+
 TEST(CostModel, MetaModelPricesLikeTheAllocatedOne) {
   for (DType dt : {DType::f32, DType::bf16}) {
     ParallelizeOptions o;
