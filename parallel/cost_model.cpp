@@ -124,9 +124,8 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
       // tied embedding's full gradient (made by the head, reduced after the embedding's
       // backward), and the head's gradient being reduce-scattered (its full f32 gradient as the
       // input and an output shard, priced as f32: a bf16 reduce holds less). They can outweigh
-      // the head's
-      // (its gathered weights and full gradient) as the block's working buffers outweigh the
-      // head's workspace: the peak is at whichever is larger.
+      // the head's (its gathered weights and full gradient) as the block's working buffers
+      // outweigh the head's workspace: the peak is at whichever is larger.
       const size_t last = head - 1;
       size_t gathered = 0, full_grad = 0;
       for (size_t i = 0; i < head; ++i)
