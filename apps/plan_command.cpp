@@ -126,9 +126,15 @@ int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversu
             e.layout.c_str(), e.peak / GiB, "-", "-", "-", "-");
         continue;
       }
-      std::printf("  %-62s %10.2f %10.0f %10.3f %12.0f %5.1f%%%s\n", e.layout.c_str(), e.peak / GiB,
-                  e.job_tokens, e.step, e.tokens_per_s, 100 * e.mfu,
-                  e.fits ? "" : "  does not fit");
+      // A layout that does not fit is not timed, and its planning stopped at the first rank over
+      // the capacity: its peak is a lower bound.
+      if (!e.fits) {
+        std::printf("  %-62s %9.2f+ %10.0f %10s %12s %6s  does not fit\n", e.layout.c_str(),
+                    e.peak / GiB, e.job_tokens, "-", "-", "-");
+        continue;
+      }
+      std::printf("  %-62s %10.2f %10.0f %10.3f %12.0f %5.1f%%\n", e.layout.c_str(), e.peak / GiB,
+                  e.job_tokens, e.step, e.tokens_per_s, 100 * e.mfu);
     }
   }
   return !r.entries.empty() && r.entries.front().fits ? 0 : 2;
