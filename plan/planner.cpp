@@ -62,7 +62,7 @@ std::string role_of(const dist::MeshLayout& layout, int rank) {
   for (int d = 1; d < dist::kMeshDims; ++d) first = first && c[size_t(d)] == 0;
   if (!first && rank == layout.world_size() - 1)
     role += str_cat(role.empty() ? "" : ", ", "last shard/tp/cp rank");
-  if (role.empty()) role = "rank 0's role";
+  if (role.empty()) role = "first shard/tp/cp rank";
   return role;
 }
 
