@@ -247,7 +247,11 @@ int plan_command(const Args& args) {
     const plan::StepTime& t = times[i];
     std::printf("\n  rank %d (%s): peak allocated %.2f MiB, reserved %.2f MiB%s\n", p.rank,
                 p.role.c_str(), p.peak_allocated / MiB, p.peak_reserved / MiB,
-                double(p.peak_allocated) > hw.capacity ? "  DOES NOT FIT" : "");
+                double(p.peak_allocated) > hw.capacity  ? "  DOES NOT FIT"
+                : double(p.peak_reserved) > hw.capacity ? "  (fits allocated; reserved is over the "
+                                                          "capacity: the caching allocator's "
+                                                          "blocks would not)"
+                                                        : "");
     for (size_t u = 0; u < kMemoryUses; ++u)
       if (p.at_peak[u])
         std::printf("    %-38s %12.2f MiB\n", std::string(memory_use_name(MemoryUse(u))).c_str(),
