@@ -63,6 +63,7 @@ def summary(d):
         "mfu": min(x["time"]["mfu"] for x in d["ranks"]),
         "bubble": r["time"]["bubble"], "role": r["role"], "at_peak": r["at_peak"],
         "exposed": r["time"]["exposed_comm_s"], "compute": r["time"]["compute_s"],
+        "flushes": max(x["cache_flushes"] for x in d["ranks"]),
     }
 
 
@@ -91,6 +92,10 @@ def row(name, world, hw, over, pub, pub_mem=None, pub_mem_kind="reserved", pub_t
         (f"{s['tps'] / pub_tps:.2f}" if pub_tps else "-"), notes])
     split = ", ".join(f"{k} {v / GiB:.1f}" for k, v in s["at_peak"].items() if v)
     extra = f", bubble {s['bubble']:.0%}" if s["bubble"] else ""
+    if s["flushes"]:
+        # plan_whole planned it again under the capacity: the allocator gave its cache back.
+        split += (f"; reserved {s['reserved']:.1f} GiB held within the capacity by "
+                  f"{s['flushes']} cache flushes a step")
     details.append(f"- {name}: {s['role']} peak {s['alloc']:.1f} GiB = {split}; "
                    f"compute {s['compute']:.2f} s, exposed comm {s['exposed']:.2f} s{extra}, "
                    f"MFU {s['mfu']:.1%}; planned in {dt:.1f} s")
@@ -164,7 +169,8 @@ if with_rows:
              **{"training.enable_cpu_offload": "true"}),
         "52.9 GB alloc (49.3 GiB), 77.9 GB reserved, 30 s/step = 136.5 tok/s/GPU; fits (CPU offload)",
         52.9 * GB / GiB, "allocated", 4096 * 64 / 30 / 64,
-        "Lambda keeps bf16 masters on the host and bf16 block inputs; loom f32 ones")
+        "Lambda keeps bf16 masters on the host, loom f32 ones (host memory only); "
+        "reserved against Lambda's 72.5 GiB: see the details")
     row("Lambda 405B FSDP 64, seq 4096, no offload", 64, sxm,
         common("llama3-405b", 4096, 1, "full", dp_shard=64),
         "(does not fit without offload)", None, "allocated", None,

@@ -110,6 +110,7 @@ Allocator::Block Allocator::allocate(size_t bytes) {
   } else {
     if (limit_ && stats_.reserved + size > limit_) {
       // Give back the cache before declaring out-of-memory.
+      stats_.num_cache_flushes++;
       for (auto& [s, q] : cache_) {
         os_free(q, s);
         stats_.reserved -= s;
@@ -167,6 +168,11 @@ void Allocator::empty_cache() {
 void Allocator::set_limit(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   limit_ = bytes;
+}
+
+size_t Allocator::limit() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return limit_;
 }
 
 }  // namespace loom

@@ -33,8 +33,11 @@ struct AllocatorStats {
   size_t peak_allocated = 0;
   size_t reserved = 0;
   size_t peak_reserved = 0;
-  size_t num_allocs = 0;                             // requests served
-  size_t num_os_allocs = 0;                          // requests that had to reserve new memory
+  size_t num_allocs = 0;     // requests served
+  size_t num_os_allocs = 0;  // requests that had to reserve new memory
+  // Requests that found the limit reached and gave the cache back first: on a GPU each is a
+  // synchronizing free (torch's num_alloc_retries).
+  size_t num_cache_flushes = 0;
   std::array<size_t, kMemoryUses> by_use{};          // allocated, by use
   std::array<size_t, kMemoryUses> by_use_at_peak{};  // the same at the peak of `allocated`
 };
@@ -61,8 +64,11 @@ class Allocator {
 
   AllocatorStats stats() const;
   void reset_peak();
-  void empty_cache();            // returns cached blocks to the OS
-  void set_limit(size_t bytes);  // allocations beyond it throw, naming the sizes
+  void empty_cache();  // returns cached blocks to the OS
+  // Beyond `bytes` reserved an allocation gives the cache back, then throws if still beyond it,
+  // naming the sizes (0: no limit).
+  void set_limit(size_t bytes);
+  size_t limit() const;
   static size_t round_size(size_t bytes);
 
   Device device() const { return device_; }

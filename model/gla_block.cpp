@@ -133,11 +133,18 @@ size_t GlaBlockActs::bytes() const {
 }
 
 Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& a) const {
+  // In bf16 the input is rounded to bf16 in place and saved so, as in TransformerBlock::forward.
+  const Tensor input = ops::to_compute(x, ctx.compute);
+  if (ctx.compute != DType::f32) {
+    Tensor rounded = x;
+    ops::cast(input, rounded);
+  }
   Tensor out = run_forward(ctx, x, a);
+  a.x = input;
   if (ac_ == ActivationCheckpoint::Mode::full) {
     // Only the input stays; backward recomputes the rest from it.
     a = GlaBlockActs();
-    a.x = x;
+    a.x = input;
   } else if (ac_ == ActivationCheckpoint::Mode::op) {
     // Element-wise outputs that backward recomputes from what stays (the same kernels on the same
     // inputs: the same bits).
@@ -154,7 +161,6 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
   const DType dt = ctx.compute;
   Tensor none;
 
-  a.x = x;
   a.rstd1 = f32({g.Mx}, dev);
   {
     Tensor xn1 = f32({g.Mx, g.d}, dev);
@@ -224,7 +230,7 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
   const DType dt = ctx.compute;
   Tensor none;
 
-  if (!a.h.defined()) run_forward(ctx, Tensor(a.x), a);  // `full`: everything again
+  if (!a.h.defined()) run_forward(ctx, ops::to_f32(a.x), a);  // `full`: everything again
   // `op`: the norm outputs the GEMMs read, from the norm inputs that stayed.
   auto norm_output = [&](const Tensor& saved, const Tensor& in, int w) -> Tensor {
     if (saved.defined()) return saved;
@@ -336,15 +342,18 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       ops::copy_rows(gk0_grad, gk0_before);
       gk0_grad.zero_();
     }
+    // The saved input as the forward read it (widened from bf16, exactly).
+    const Tensor x = ops::to_f32(a.x);
+    a.x = Tensor();
     Tensor dxn1 =
-        column_parallel_backward(tp, ops::to_compute(dproj, dt), norm_output(a.xn1, a.x, ix_.norm1),
+        column_parallel_backward(tp, ops::to_compute(dproj, dt), norm_output(a.xn1, x, ix_.norm1),
                                  weight(ix_.q), P[size_t(ix_.q)].grad);
     if (tp.on()) {
       tp_all_reduce(tp, gk0_grad);
       ops::add_inplace(gk0_grad, gk0_before);
     }
     tp_summed_norm_grad(tp, P[size_t(ix_.norm1)].grad, [&](Tensor& gw) {
-      ops::rmsnorm_backward(dxn1, a.x, P[size_t(ix_.norm1)].value, a.rstd1, dy, gw);
+      ops::rmsnorm_backward(dxn1, x, P[size_t(ix_.norm1)].value, a.rstd1, dy, gw);
     });
   }
   a = GlaBlockActs();

@@ -19,7 +19,7 @@ namespace loom {
 
 // What a GLA block's backward reads.
 struct GlaBlockActs {
-  Tensor x;       // block input [M, d]
+  Tensor x;       // block input [M, d], in the compute dtype
   Tensor rstd1;   // [M]
   Tensor xn1;     // attention norm output, as the GEMM reads it [M, d]
   Tensor proj;    // q | k | v | g | r [M, Kd + Kd/G + Vd/G + Vd + rank]

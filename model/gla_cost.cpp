@@ -18,7 +18,7 @@ size_t GlaModel::block_saved_bytes(int64_t B, int64_t T, ActivationCheckpoint::M
   const size_t rank = size_t(c.gate_low_rank_dim), F = size_t(c.intermediate_size / n);
   const size_t H = size_t(c.num_heads / n);
   const size_t nproj = Kd + Kg + Vg + (c.use_output_gate ? Vd : 0) + rank;
-  const size_t x = Mx * d * 4;
+  const size_t x = Mx * d * cs;  // saved in the compute dtype
   if (mode == ActivationCheckpoint::Mode::full) return x;
   // The GEMM inputs as the GEMMs read them (every row, gathered under SP): xn1, y, xn2, act.
   const size_t gemm_inputs = M * d * cs + M * Vd * cs + M * d * cs + M * F * cs;
@@ -79,8 +79,10 @@ Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, i
   // The MLP's f32 gradient first (bf16: with the rounded output gradient); `full` recomputes the
   // block's set first, `op` its GEMM inputs.
   u.backward = M * F * 4 + (cs == 2 ? M * d * 2 : 0);
+  // In bf16 the f32 input the forward reads (and a recomputation, widened) beside the saved copy.
+  u.forward = cs == 2 ? Mx * d * 4 : 0;
   if (mode == ActivationCheckpoint::Mode::full) {
-    u.forward = block_saved_bytes(B, T, ActivationCheckpoint::Mode::none) - Mx * d * 4;
+    u.forward += block_saved_bytes(B, T, ActivationCheckpoint::Mode::none) - Mx * d * cs;
     u.backward += u.forward;
   }
   if (mode == ActivationCheckpoint::Mode::op) u.backward += M * F * cs;

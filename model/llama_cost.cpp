@@ -55,7 +55,10 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   const size_t Mx = tp > 1 && sp ? M / n : M;             // rows of the residual stream
   const size_t Mn = tp > 1 && sp && !recompute ? M : Mx;  // rows of the saved norm outputs
   const size_t cs = dtype_size(compute);
-  const size_t input = Mx * d * 4;  // x (f32)
+  const size_t input = Mx * d * cs;  // x, saved in the compute dtype
+  // In bf16 the f32 input a block's forward reads, beside its saved copy; a recomputation reads
+  // the copy widened.
+  const size_t live = cs == 4 ? 0 : Mx * d * 4;
   // h (f32), rstd1, rstd2, lse (f32); qkv, attn, gu (compute dtype): what `op` saves besides x.
   const size_t op_block = input + Mx * d * 4 + Mx * 4 * 2 + M * (Hq + 2 * Hkv) * hd * cs +
                           M * Hq * hd * cs + size_t(B) * Hq * size_t(T) * 4 + M * 2 * F * cs;
@@ -77,13 +80,13 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   switch (ac.mode) {
     case ActivationCheckpoint::Mode::none: {
       const size_t all = (block + slack.bytes) * L;
-      return {all, all + std::max(forward, backward), all + backward};
+      return {all, all + std::max(live + forward, backward), all + backward};
     }
     case ActivationCheckpoint::Mode::op: {
       // The backward of a block also holds its recomputed act (the norm output recomputed later
       // is smaller); the forward holds no act.
       const size_t all = (op_block + (slack.op ? slack.bytes : 0)) * L;
-      return {all, all + std::max(gu_f32, act + backward), all + act + backward};
+      return {all, all + std::max(live + gu_f32, act + backward), all + act + backward};
     }
     case ActivationCheckpoint::Mode::full:
       break;
@@ -95,9 +98,11 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   for (size_t l = 0; l < L; ++l) {
     const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
     const size_t saved = full ? block : block + slack.bytes;
-    peak = std::max(peak, all + saved + std::max(forward + (full ? Mx * d * 4 : 0), backward));
-    in_backward = std::max(
-        in_backward, all + saved + (full ? std::max(forward + Mx * d * 4, backward) : backward));
+    peak =
+        std::max(peak, all + saved + std::max(live + forward + (full ? Mx * d * 4 : 0), backward));
+    in_backward =
+        std::max(in_backward,
+                 all + saved + (full ? std::max(live + forward + Mx * d * 4, backward) : backward));
     all += full ? input : saved;
   }
   return {all, std::max(all, peak), in_backward};
@@ -226,9 +231,11 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   const size_t cs = dtype_size(compute_), F = size_t(config_.intermediate_size / n);
   const size_t hd = size_t(config_.head_dim()), Hq = size_t(config_.num_attention_heads / n);
   const size_t Hkv = size_t(config_.num_key_value_heads / n), nqkv = (Hq + 2 * Hkv) * hd;
-  const size_t input = Mx * d * 4;
+  const size_t input = Mx * d * cs;                            // x, saved in the compute dtype
   const size_t Mn = sp && !tp().recompute_allgather ? M : Mx;  // rows of the saved norm outputs
   const bool bf16 = cs == 2;
+  // In bf16 the f32 input the forward reads (and a recomputation, widened) beside the saved copy.
+  const size_t live = bf16 ? Mx * d * 4 : 0;
   const size_t act = M * F * cs, gu = M * 2 * F * cs, qkv = M * nqkv * cs, attn = M * Hq * hd * cs;
   // In bf16 the forward holds the f32 gate/up GEMM output beside its rounded copy, before
   // SwiGLU's output (saved unless `op`) exists.
@@ -248,20 +255,21 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   switch (mode) {
     case ActivationCheckpoint::Mode::none:
       u.saved = block(mode);
-      u.forward = gu_f32 > act ? gu_f32 - act : 0;
+      u.forward = live + (gu_f32 > act ? gu_f32 - act : 0);
       u.backward = std::max(mlp, attention_phase(true));
       break;
     case ActivationCheckpoint::Mode::op:
       u.saved = block(mode);
-      u.forward = gu_f32;
+      u.forward = live + gu_f32;
       u.backward = std::max(mlp + act, attention_phase(false));
       break;
     case ActivationCheckpoint::Mode::full: {
       u.saved = input;
       // Its forward saves everything until the block's end, its backward does so again.
       const size_t all = block(ActivationCheckpoint::Mode::none) - input;
-      u.forward = all + (gu_f32 > act ? gu_f32 - act : 0);
-      u.backward = all + std::max({gu_f32 > act ? gu_f32 - act : 0, mlp, attention_phase(true)});
+      u.forward = all + live + (gu_f32 > act ? gu_f32 - act : 0);
+      u.backward =
+          all + std::max({live + (gu_f32 > act ? gu_f32 - act : 0), mlp, attention_phase(true)});
       break;
     }
   }

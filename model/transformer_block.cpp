@@ -81,6 +81,15 @@ TransformerBlock::Dims TransformerBlock::dims(const StepContext& ctx) const {
 }
 
 Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
+  // In bf16 the residual stream enters each block rounded to bf16, as torch's bf16 mixed
+  // precision keeps it, and the block saves that bf16 copy: the saved inputs (all that `full`
+  // keeps) take half the memory. The input is rounded in place, so that the forward and its
+  // recomputation read the same values; its gradient passes the rounding straight through.
+  a.x = ops::to_compute(x, ctx.compute);
+  if (ctx.compute != DType::f32) {
+    Tensor rounded = x;
+    ops::cast(a.x, rounded);
+  }
   Tensor out = run_forward(ctx, x, a, ac_, true);
   if (ac_ == ActivationCheckpoint::Mode::full) {
     // Only the input stays; backward recomputes the rest from it.
@@ -152,7 +161,6 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
   const bool keep_gathered =
       !tp.opt.recompute_allgather && mode == ActivationCheckpoint::Mode::none;
 
-  a.x = x;
   a.rstd1 = f32({g.Mx}, dev);
   {
     // In bf16 the norm rounds its output itself: the GEMM reads only the bf16 copy.
@@ -192,10 +200,8 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
   const DType dt = ctx.compute;
   // `full` saved the input only: the forward runs again (tp and cp communication included),
   // after the unit's before_backward hook, so FSDP has gathered the weights it reads.
-  if (!a.h.defined()) {
-    const Tensor x = a.x;
-    run_forward(ctx, x, a, ActivationCheckpoint::Mode::none, false);
-  }
+  if (!a.h.defined())
+    run_forward(ctx, ops::to_f32(a.x), a, ActivationCheckpoint::Mode::none, false);
   // The input of a column-parallel GEMM, every row: the norm output `saved`, or, when `op`
   // dropped it, recomputed from the norm's input (the same kernel on the same input: the same
   // bits) and, with SP, gathered again.
@@ -241,12 +247,15 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       attention_backward(ctx, a, dattn, dqkv);
       a.lse = Tensor();
     }
+    // The saved input as the forward read it (widened from bf16, exactly).
+    const Tensor x = ops::to_f32(a.x);
+    a.x = Tensor();
     Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dqkv, dt),
-                                           norm_output(a.xn1, a.x, kNorm1), weight(kQ), P[kQ].grad);
+                                           norm_output(a.xn1, x, kNorm1), weight(kQ), P[kQ].grad);
     dqkv = Tensor();
     a.xn1 = Tensor();
     tp_summed_norm_grad(tp, P[kNorm1].grad, [&](Tensor& gw) {
-      ops::rmsnorm_backward(dxn1, a.x, P[kNorm1].value, a.rstd1, dy, gw);
+      ops::rmsnorm_backward(dxn1, x, P[kNorm1].value, a.rstd1, dy, gw);
     });
   }
   a = BlockActs();

@@ -41,7 +41,7 @@ struct StepContext {
 
 // Saved activations of one transformer block.
 struct BlockActs {
-  Tensor x;      // block input [M, d]
+  Tensor x;      // block input [M, d], in the compute dtype
   Tensor rstd1;  // [M]
   Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
   Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd], in the compute dtype
@@ -66,7 +66,7 @@ class TransformerBlock {
   void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
 
   // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
-  // the output hold this tp rank's M / tp rows.
+  // the output hold this tp rank's M / tp rows. In bf16, x is rounded to bf16 in place.
   Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
   // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
   // the block's input; parameter gradients accumulate. Recomputes what forward did not save

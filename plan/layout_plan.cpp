@@ -1,6 +1,9 @@
 #include "plan/layout_plan.hpp"
 
 #include <algorithm>
+#include <utility>
+
+#include "core/error.hpp"
 
 namespace loom::plan {
 
@@ -28,8 +31,21 @@ LayoutPlan plan_whole(const PlanJob& j, const std::vector<int>& ranks, const Har
   const int ranks_on_node = oversubscribed ? j.world : std::min(j.world, hw.ranks_per_node);
   LayoutPlan out;
   for (int r : ranks) {
-    out.ranks.push_back(plan_rank(j, r));
-    out.fits = out.fits && double(out.ranks.back().peak_allocated) <= hw.capacity;
+    RankPlan p = plan_rank(j, r);
+    bool fits = double(p.peak_allocated) <= hw.capacity;
+    if (fits && double(p.peak_reserved) > hw.capacity) {
+      // The cache outgrew the capacity: plan again under it, as a real run's allocator would
+      // run (giving its cache back at the limit); it fits if that run does not fail.
+      PlanJob capped = j;
+      capped.memory_limit = size_t(hw.capacity);
+      try {
+        p = plan_rank(capped, r);
+      } catch (const Error&) {
+        fits = false;
+      }
+    }
+    out.ranks.push_back(std::move(p));
+    out.fits = out.fits && fits;
     if (!out.fits && !time_unfit) break;
   }
   out.model_flops_per_token = j.model.flops_per_token(j.job.training.seq_len);

@@ -99,6 +99,12 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
              alloc.stats().allocated, " bytes of an earlier plan");
   alloc.empty_cache();
   alloc.reset_peak();
+  // Held for this plan only, also when it throws (out of memory under the limit).
+  struct Limit {
+    Allocator& a;
+    Limit(Allocator& alloc, size_t bytes) : a(alloc) { a.set_limit(bytes); }
+    ~Limit() { a.set_limit(0); }
+  } limit(alloc, j.memory_limit);
   auto& host = Allocator::get(Device::meta, Pool::host);  // CPU offload's states
   LOOM_CHECK(host.stats().allocated == 0, "plan: the meta host pool still holds ",
              host.stats().allocated, " bytes of an earlier plan");
@@ -175,6 +181,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   }
 
   alloc.reset_peak();
+  const size_t flushes = alloc.stats().num_cache_flushes;
   for (dist::ProcessGroup* g : groups) g->reset_counters();
   log->calls.clear();
   log->waits.clear();
@@ -221,6 +228,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   const AllocatorStats st = alloc.stats();
   out.peak_allocated = st.peak_allocated;
   out.peak_reserved = st.peak_reserved;
+  out.cache_flushes = st.num_cache_flushes - flushes;
   out.at_peak = st.by_use_at_peak;
   out.host = host.stats().peak_allocated;
   return out;

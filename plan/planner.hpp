@@ -66,6 +66,8 @@ struct RankPlan {
   std::array<int, dist::kMeshDims> coords{};  // pp, dp_replicate, dp_shard, cp, tp
   std::string role;                           // "pp stage 0", "last rank (padded shard)"...
   size_t peak_allocated = 0, peak_reserved = 0;
+  // Under PlanJob::memory_limit: the step's allocations that gave the cache back first.
+  size_t cache_flushes = 0;
   // What the peak is made of (Allocator's MemoryUse).
   std::array<size_t, kMemoryUses> at_peak{};
   size_t states = 0;  // parameters' shards, their gradients, the bf16 mirror, AdamW's moments
@@ -95,6 +97,10 @@ struct PlanJob {
   bool states_only = false;
   // When simulated transfers complete (dist::SimCompletion): the planner's rule, or a bound.
   dist::SimCompletion completion = dist::SimCompletion::rule;
+  // The device pool's limit in bytes (0: none), as memory.limit_gb sets it for a real run: at
+  // the limit the caching allocator gives its cache back before it fails, so reserved memory
+  // stays within it while the allocated bytes fit.
+  size_t memory_limit = 0;
 };
 
 // The mesh layout of the job (loom::Error naming the key when the world does not fit it).

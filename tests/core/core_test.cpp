@@ -44,6 +44,22 @@ TEST(Allocator, LimitGivesClearError) {
   a.deallocate(b);
 }
 
+// At the limit the cache goes back first (counted as a flush); only then does it fail.
+TEST(Allocator, LimitGivesTheCacheBackBeforeFailing) {
+  Allocator a(Device::meta);
+  a.set_limit(3 << 20);
+  a.deallocate(a.allocate(2 << 20));  // cached: 2 MiB reserved, none allocated
+  auto b = a.allocate(1536 << 10);    // too small a request to reuse the cached block
+  EXPECT_EQ(a.stats().num_cache_flushes, 1u);
+  EXPECT_EQ(a.stats().reserved, size_t(1536) << 10);
+  auto c = a.allocate(1 << 20);  // fits beside b: no flush
+  EXPECT_EQ(a.stats().num_cache_flushes, 1u);
+  EXPECT_THROW(a.allocate(1 << 20), Error);
+  EXPECT_EQ(a.stats().num_cache_flushes, 2u);
+  a.deallocate(b);
+  a.deallocate(c);
+}
+
 TEST(Tensor, ViewsShareStorageAndCountBytes) {
   auto before = Allocator::get(Device::cpu).stats().allocated;
   {

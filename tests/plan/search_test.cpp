@@ -3,6 +3,7 @@
 // command promises (fitting first by tokens/s, then the rest by peak).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -64,6 +65,30 @@ TEST(PlanSearch, DropsLayoutsWhoseStatesCannotFit) {
   }
 }
 
+// A rank whose allocations fit the capacity but whose allocator's cache would not is planned
+// again under the capacity, as a real run's allocator gives its cache back at its limit.
+TEST(PlanWhole, HoldsReservedMemoryWithinTheCapacity) {
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/h200.toml");
+  const plan::PlanJob fsdp =
+      debug_job(2, {"--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"});
+  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  const plan::LayoutPlan free = plan::plan_whole(fsdp, ranks, hw, false);
+  const plan::RankPlan& r0 = free.ranks.front();
+  ASSERT_GT(r0.peak_reserved, r0.peak_allocated * 21 / 20) << "no cache to give back";
+  EXPECT_EQ(r0.cache_flushes, 0u);
+  hw.capacity = double(r0.peak_allocated + r0.peak_reserved) / 2;
+  const plan::LayoutPlan capped = plan::plan_whole(fsdp, ranks, hw, false);
+  EXPECT_TRUE(capped.fits);
+  for (const plan::RankPlan& r : capped.ranks) {
+    EXPECT_LE(double(r.peak_reserved), hw.capacity) << r.role;
+    EXPECT_LE(double(r.peak_allocated), hw.capacity) << r.role;
+    EXPECT_GT(r.cache_flushes, 0u) << r.role;
+  }
+  // Below what is allocated at once it cannot fit.
+  hw.capacity = double(r0.peak_allocated) * 0.9;
+  EXPECT_FALSE(plan::plan_whole(fsdp, ranks, hw, false).fits);
+}
+
 // A layout that does not fit is tried again with its states offloaded to the host, and listed
 // (as ", cpu offload") among those that fit when that makes it fit; a fitting layout is not.
 TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
@@ -80,9 +105,14 @@ TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
   off.job.training.enable_cpu_offload = true;
   const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
   const size_t on_device = plan::plan_whole(fsdp, ranks, hw, false).peak();
-  const size_t offloaded = plan::plan_whole(off, ranks, hw, false).peak();
-  ASSERT_LT(offloaded, on_device);
-  hw.capacity = double(offloaded);
+  const plan::LayoutPlan off_plan = plan::plan_whole(off, ranks, hw, false);
+  const size_t offloaded = off_plan.peak();
+  size_t off_reserved = 0;
+  for (const plan::RankPlan& p : off_plan.ranks)
+    off_reserved = std::max(off_reserved, p.peak_reserved);
+  // Its cache too fits (no replanning under the capacity, which could change the peak).
+  ASSERT_LT(off_reserved, on_device);
+  hw.capacity = double(off_reserved);
   const plan::SearchResult r = plan::search_layouts(debug_job(2), hw, false);
   bool found = false;
   for (const plan::SearchEntry& e : r.entries) {
