@@ -13,6 +13,9 @@
 // measured peak runs a few % above it (bench-tiny cp 2: 1.05, 1.10 with full activation
 // checkpointing, where a block's backward is the peak).
 //
+// --profile[=HARDWARE] times every op of the timed steps and prints rank 0's sums by op beside the
+// planner's price of the same work (apps/op_profile.hpp).
+//
 // With --json under a mesh, rank 0 prints after the table one more line, a JSON object with every
 // rank's peaks and its calls and bytes per group per timed step (mesh_json below): what
 // `loom plan` must reproduce on the meta device.
@@ -25,11 +28,13 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "apps/op_profile.hpp"
 #include "apps/system_info.hpp"
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
@@ -171,8 +176,8 @@ nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::Proce
 int bench_command(const Args& args) {
   LOOM_CHECK(!args.empty() && args[0] == "step",
              "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
-             "[--peak-tolerance=F] [--section.key=value ...]");
-  std::string config_path;
+             "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]");
+  std::string config_path, profile_hw;
   bool json = false, check = false, bytes_only = false;
   double tolerance = 0.05;  // of the measured peak against the expected one
   std::vector<std::string> overrides;
@@ -189,6 +194,8 @@ int bench_command(const Args& args) {
       tolerance = std::stod(a.substr(17));
       LOOM_CHECK(tolerance > 0 && tolerance < 1, "--peak-tolerance: a fraction in (0, 1), not ",
                  a.substr(17));
+    } else if (a == "--profile" || a.rfind("--profile=", 0) == 0) {
+      profile_hw = a == "--profile" ? "cpu-local" : a.substr(10);
     } else if (a == "--config" && i + 1 < args.size()) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -242,11 +249,20 @@ int bench_command(const Args& args) {
   const std::vector<dist::ProcessGroup*> groups = comm_groups(mesh, par.groups);
   MicroBatch batch{B, T, std::move(inputs), std::move(targets)};
   TrainStep train_step(par, opt, job.training.max_norm, G * B * T * dp_size);
+  std::optional<OpProfile> profile;
+  std::optional<ops::ProfileOps> profiling;
+  if (!profile_hw.empty()) {
+    // Priced as `loom plan --oversubscribed` prices this machine's ranks.
+    plan::Hardware hw = plan::load_hardware(profile_hw);
+    const int world = mesh ? mesh->world_size() : 1;
+    profile.emplace(hw, std::max(1.0, double(world) / std::max(1, hw.ranks_per_node)));
+  }
   std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
       alloc.reset_peak();
       for (dist::ProcessGroup* g : groups) g->reset_counters();
+      if (profile) profiling.emplace(profile->sink());
     }
     auto t0 = std::chrono::steady_clock::now();
     const StepResult r = train_step.run(
@@ -255,6 +271,7 @@ int bench_command(const Args& args) {
     if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     losses.push_back(r.loss);
   }
+  profiling.reset();
   // Taken now: the gathers of the figures below count on the world group too.
   std::vector<dist::CommCounters> measured;
   uint64_t bytes_measured = 0;
@@ -356,12 +373,15 @@ int bench_command(const Args& args) {
            : bytes_only ? std::string("FAILED: bytes differ from the analytic figure")
                         : "FAILED: bytes differ from the analytic figure or peak off by > " + pct)
               .c_str());
+      if (profile)
+        std::fputs(profile->report(steps, step_s, wait_s / double(timed)).c_str(), stdout);
       if (json) std::printf("%s\n", figures.dump().c_str());
       std::fflush(stdout);
     }
     return check && !all_ok ? 1 : 0;
   }
   const std::string load_after = load_average();
+  if (profile) std::fputs(profile->report(steps, step_s, wait_s / double(timed)).c_str(), stdout);
 
   if (json) {
     std::printf(

@@ -1,6 +1,7 @@
 #include "ops/ops.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <utility>
@@ -30,6 +31,9 @@ using Works = std::vector<KernelWork>;
 
 // The sink of the RecordWork alive on this thread (empty: none).
 thread_local std::function<void(const KernelWork&)> g_sink;
+// The sink of the ProfileOps alive on this thread, and whether an op is being timed.
+thread_local ProfileOps::Sink g_profile;
+thread_local bool g_timing = false;
 
 void report(const char* op, KernelWork w) {
   if (!*w.op) w.op = op;
@@ -42,12 +46,34 @@ void report(const char* op, const Works& ws) {
 // Runs the cpu kernel `fn` on the cpu device; meta books memory only (nothing to compute) and
 // reports `work()` (a KernelWork or Works) to the recorder, if any: it is evaluated only then, so
 // the cpu path pays nothing for the time model.
+Works as_works(const KernelWork& w) {
+  return {w};
+}
+Works as_works(Works w) {
+  return w;
+}
+
 template <class Fn, class Work>
 void on(const char* op, Device device, Fn&& fn, Work&& work) {
   switch (device) {
-    case Device::cpu:
-      fn();
+    case Device::cpu: {
+      if (!g_profile || g_timing) return fn();
+      double s = 0;
+      {
+        struct Timing {
+          Timing() { g_timing = true; }
+          ~Timing() { g_timing = false; }
+        } timing;
+        const auto t0 = std::chrono::steady_clock::now();
+        fn();
+        s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      Works ws = as_works(work());
+      for (KernelWork& w : ws)
+        if (!*w.op) w.op = op;
+      g_profile(op, ws, s);
       return;
+    }
     case Device::meta:
       if (g_sink) report(op, work());
       return;
@@ -111,6 +137,15 @@ RecordWork::RecordWork(std::function<void(const KernelWork&)> sink) {
 }
 RecordWork::~RecordWork() {
   g_sink = nullptr;
+}
+
+ProfileOps::ProfileOps(Sink sink) {
+  LOOM_CHECK(!g_profile, "ProfileOps: already profiling on this thread");
+  LOOM_CHECK(sink, "ProfileOps: an empty sink");
+  g_profile = std::move(sink);
+}
+ProfileOps::~ProfileOps() {
+  g_profile = nullptr;
 }
 
 Tensor to_compute(const Tensor& x, DType dt) {

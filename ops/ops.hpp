@@ -48,6 +48,19 @@ class RecordWork {
   RecordWork& operator=(const RecordWork&) = delete;
 };
 
+// While one lives on this thread, every op run on the cpu device is timed: `sink` gets the op's
+// name, the work it would report on meta and its wall seconds (`loom bench step --profile` sets
+// them beside the time model's price). An op run inside another is the outer one's time.
+// Not nestable.
+class ProfileOps {
+ public:
+  using Sink = std::function<void(const char* op, const std::vector<KernelWork>&, double seconds)>;
+  explicit ProfileOps(Sink sink);
+  ~ProfileOps();
+  ProfileOps(const ProfileOps&) = delete;
+  ProfileOps& operator=(const ProfileOps&) = delete;
+};
+
 // ---- element-wise and copies ----------------------------------------------------------------
 // A GEMM input in the compute dtype: `x` itself in f32, a rounded bf16 copy otherwise.
 Tensor to_compute(const Tensor& x, DType dt);

@@ -1,0 +1,53 @@
+#include "apps/op_profile.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "core/error.hpp"
+
+namespace loom {
+
+ops::ProfileOps::Sink OpProfile::sink() {
+  return [this](const char* op, const std::vector<ops::KernelWork>& works, double s) {
+    Row& r = rows_[op];
+    r.calls += 1;
+    r.seconds += s;
+    for (const ops::KernelWork& w : works) r.model += plan::kernel_seconds(w, hw_) * slow_;
+  };
+}
+
+std::string OpProfile::report(int steps, double step_s, double wait_s) const {
+  const double n = std::max(steps, 1);
+  std::vector<std::pair<std::string, Row>> rows(rows_.begin(), rows_.end());
+  std::sort(rows.begin(), rows.end(),
+            [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  std::string out =
+      str_cat("  ops per step (the rank's wall time; the model: ", hw_.name,
+              " priced as `loom plan` does, x", slow_, " for oversubscribed cores)\n");
+  char line[160];
+  std::snprintf(line, sizeof line, "    %-28s %8s %10s %10s %8s\n", "op", "calls", "ms", "model ms",
+                "model/ms");
+  out += line;
+  Row all;
+  for (const auto& [op, r] : rows) {
+    std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f\n", op.c_str(),
+                  double(r.calls) / n, r.seconds / n * 1e3, r.model / n * 1e3,
+                  r.seconds > 0 ? r.model / r.seconds : 0.0);
+    out += line;
+    all.calls += r.calls, all.seconds += r.seconds, all.model += r.model;
+  }
+  std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f\n", "all ops",
+                double(all.calls) / n, all.seconds / n * 1e3, all.model / n * 1e3,
+                all.seconds > 0 ? all.model / all.seconds : 0.0);
+  out += line;
+  const double outside = step_s - all.seconds / n;
+  std::snprintf(line, sizeof line,
+                "    step %.2f ms = ops %.2f + outside ops %.2f (of which waits %.2f, the rest "
+                "framework and MPI calls)\n",
+                step_s * 1e3, all.seconds / n * 1e3, outside * 1e3, wait_s * 1e3);
+  out += line;
+  return out;
+}
+
+}  // namespace loom

@@ -1,0 +1,35 @@
+#pragma once
+// `loom bench step --profile[=HARDWARE]`: every op of the timed steps timed on the rank
+// (ops::ProfileOps) beside the price the planner's time model puts on the same work
+// (plan::kernel_seconds on a hardware file, default cpu-local), summed by op. What the ops do not
+// account for in the step (the framework, MPI's progress, waits) is the rest of the step time.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ops/ops.hpp"
+#include "plan/hardware.hpp"
+
+namespace loom {
+
+class OpProfile {
+ public:
+  // `slow`: the time model's oversubscription factor (ranks sharing the node's rank slots).
+  OpProfile(plan::Hardware hw, double slow) : hw_(std::move(hw)), slow_(slow) {}
+  ops::ProfileOps::Sink sink();
+  // The table, per step over `steps` timed steps, against `step_s` (the median step) and
+  // `wait_s` (time in waits per step).
+  std::string report(int steps, double step_s, double wait_s) const;
+
+ private:
+  struct Row {
+    int64_t calls = 0;
+    double seconds = 0, model = 0;
+  };
+  plan::Hardware hw_;
+  double slow_ = 1;
+  std::map<std::string, Row> rows_;
+};
+
+}  // namespace loom
