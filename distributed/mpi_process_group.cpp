@@ -5,9 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace loom::dist {
 
@@ -94,10 +99,46 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// acc[i] = x[i] + acc[i], as MPI_SUM and the bf16 op add (the order of the two does not change
+// the result: IEEE addition is commutative). i32 wraps around, as MPI's does.
+void add_into(DType d, const void* x, void* acc, int64_t n) {
+  switch (d) {
+    case DType::f32:
+      for (int64_t i = 0; i < n; ++i) {
+        static_cast<float*>(acc)[i] += static_cast<const float*>(x)[i];
+      }
+      break;
+    case DType::bf16:
+      detail::bf16_sum_into(static_cast<const bf16*>(x), static_cast<bf16*>(acc), n);
+      break;
+    case DType::i32:
+      for (int64_t i = 0; i < n; ++i) {
+        static_cast<uint32_t*>(acc)[i] += static_cast<const uint32_t*>(x)[i];
+      }
+      break;
+  }
+}
+
+// Sums part[0..p) into one of them in the binomial-tree order of Open MPI's
+// MPI_Ireduce_scatter_block (4.1's libnbc: (0+1)+(2+3), ...), so that results are bit for bit
+// those of the MPI call it replaces (checked on 2 to 8 ranks). part[readonly] is the caller's
+// input: a sum is never written there. Returns where the total is.
+char* tree_sum(DType d, std::vector<char*>& part, int readonly, int64_t n) {
+  const int p = static_cast<int>(part.size());
+  const char* const input = part[readonly];
+  for (int s = 1; s < p; s *= 2) {
+    for (int i = 0; i + s < p; i += 2 * s) {
+      if (part[i] == input) std::swap(part[i], part[i + s]);
+      add_into(d, part[i + s], part[i], n);
+    }
+  }
+  return part[0];
+}
+
 class MpiProcessGroup;
 
-// One outstanding nonblocking MPI operation. Holds its tensors so that their storage outlives
-// the operation even if the caller drops them.
+// One outstanding nonblocking operation: one or more MPI requests. Holds its tensors so that their
+// storage outlives the operation even if the caller drops them.
 class MpiWork final : public Work {
  public:
   MpiWork(MpiProcessGroup& g, const char* op, int peer, size_t bytes, Tensor a, Tensor b)
@@ -107,7 +148,12 @@ class MpiWork final : public Work {
     if (!done_) wait();
   }
 
-  MPI_Request* request() { return &req_; }
+  // A slot for one more request; the Work completes when all of them have.
+  MPI_Request* new_request() { return &reqs_.emplace_back(MPI_REQUEST_NULL); }
+  // Runs once every request has completed, before the avg division.
+  void on_arrival(std::function<void()> f) { on_arrival_ = std::move(f); }
+  // Scratch memory that lives until the Work completes.
+  char* staging(size_t bytes);
   // For avg: divide this tensor by the group size once the sum has arrived.
   void divide_on_completion(Tensor t) { avg_ = std::move(t); }
 
@@ -115,6 +161,7 @@ class MpiWork final : public Work {
   bool test() override;
 
  private:
+  bool arrived();
   void finish();
   [[noreturn]] void abort_on_timeout(double waited) const;
 
@@ -123,7 +170,9 @@ class MpiWork final : public Work {
   int peer_;  // group rank of the peer for send/recv, -1 for collectives
   size_t bytes_;
   Tensor a_, b_, avg_;
-  MPI_Request req_ = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> reqs_;
+  std::function<void()> on_arrival_;
+  std::vector<std::byte> staging_;
   bool done_ = false;
 };
 
@@ -133,12 +182,15 @@ class MpiProcessGroup final : public ProcessGroup {
   MpiProcessGroup(MPI_Comm comm, std::string name)
       : ProcessGroup(std::move(name), comm_rank(comm), world_ranks_of(comm)), comm_(comm) {
     MPI_Op_create(&bf16_sum_op, /*commute=*/1, &bf16_sum_);
+    // reduce_scatter's messages: their own communicator, so that no tag of send/recv matches them.
+    MPI_Comm_dup(comm_, &rs_comm_);
   }
   ~MpiProcessGroup() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;  // too late to free anything; the process is ending
     MPI_Op_free(&bf16_sum_);
+    MPI_Comm_free(&rs_comm_);
     MPI_Comm_free(&comm_);
   }
 
@@ -153,6 +205,25 @@ class MpiProcessGroup final : public ProcessGroup {
 
   void record_wait(double s) { add_wait_seconds(s); }
 
+  // Staging buffers are reused: fresh pages cost ~4 ms per MB to fault in on some VMs. Takes the
+  // smallest spare that holds `bytes`, else the largest, grown.
+  std::vector<std::byte> take_staging(size_t bytes) {
+    auto better = [bytes](const auto& a, const auto& b) {
+      const bool fa = a.size() >= bytes, fb = b.size() >= bytes;
+      return fa != fb ? fa : fa ? a.size() < b.size() : a.size() > b.size();
+    };
+    std::vector<std::byte> b;
+    if (auto it = std::min_element(spare_.begin(), spare_.end(), better); it != spare_.end()) {
+      b = std::move(*it);
+      spare_.erase(it);
+    }
+    if (b.size() < bytes) b.resize(bytes);
+    return b;
+  }
+  void give_back_staging(std::vector<std::byte> b) {
+    if (!b.empty()) spare_.push_back(std::move(b));
+  }
+
  protected:
   std::unique_ptr<Work> do_all_gather(const Tensor& in, const Tensor& out) override {
     const int n = count_of("all_gather", in, out);
@@ -160,16 +231,40 @@ class MpiProcessGroup final : public ProcessGroup {
     const void* src =
         in.nbytes() && in.raw() == block_of(out, in.nbytes()) ? MPI_IN_PLACE : in.raw();
     MPI_Iallgather(src, n, mpi_type(in.dtype()), out.raw(), n, mpi_type(out.dtype()), comm_,
-                   w->request());
+                   w->new_request());
     return w;
   }
 
+  // Not MPI_Ireduce_scatter_block: Open MPI's (libnbc) mallocs 2 * in.nbytes of scratch per call,
+  // which glibc maps fresh from 32 MB up; faulting it in made 8 MB per rank on 2 ranks take
+  // ~140 ms instead of ~6 (docs/design.md). Here each rank sends every peer its block and sums
+  // what it receives (into `out` and reused staging), in the same order as that call.
   std::unique_ptr<Work> do_reduce_scatter(const Tensor& in, const Tensor& out,
                                           ReduceOp op) override {
     const int n = count_of("reduce_scatter", out, in);
     auto w = make_work("reduce_scatter", -1, in.nbytes(), in, out);
-    MPI_Ireduce_scatter_block(in.raw(), out.raw(), n, mpi_type(in.dtype()), sum_op(in.dtype()),
-                              comm_, w->request());
+    const int p = size(), r = rank();
+    const size_t block = out.nbytes();
+    char* const src = static_cast<char*>(in.raw());
+    // Each rank's contribution to this rank's block: its own is read in place; the tree's total
+    // lands in the buffer of part 0 (part 1 when this is rank 0), which is `out`.
+    std::vector<char*> part(p);
+    char* stage = w->staging(size_t(std::max(p - 2, 0)) * block);
+    for (int q = 0; q < p; ++q) {
+      part[q] = q == r                  ? src + r * block
+                : q == (r == 0 ? 1 : 0) ? static_cast<char*>(out.raw())
+                                        : std::exchange(stage, stage + block);
+    }
+    const MPI_Datatype type = mpi_type(in.dtype());
+    for (int q = 0; q < p; ++q) {
+      if (q == r) continue;
+      MPI_Irecv(part[q], n, type, q, 0, rs_comm_, w->new_request());
+      MPI_Isend(src + q * block, n, type, q, 0, rs_comm_, w->new_request());
+    }
+    w->on_arrival([d = in.dtype(), part = std::move(part), r, n, out, block]() mutable {
+      char* total = tree_sum(d, part, r, n);
+      if (total != out.raw()) std::memcpy(out.raw(), total, block);  // a group of one
+    });
     if (op == ReduceOp::avg) w->divide_on_completion(out);
     return w;
   }
@@ -178,7 +273,7 @@ class MpiProcessGroup final : public ProcessGroup {
     const int n = count_of("all_reduce", t, t);
     auto w = make_work("all_reduce", -1, t.nbytes(), t, Tensor());
     MPI_Iallreduce(MPI_IN_PLACE, t.raw(), n, mpi_type(t.dtype()), sum_op(t.dtype()), comm_,
-                   w->request());
+                   w->new_request());
     if (op == ReduceOp::avg) w->divide_on_completion(t);
     return w;
   }
@@ -186,21 +281,21 @@ class MpiProcessGroup final : public ProcessGroup {
   std::unique_ptr<Work> do_broadcast(const Tensor& t, int root) override {
     const int n = count_of("broadcast", t, t);
     auto w = make_work("broadcast", -1, t.nbytes(), t, Tensor());
-    MPI_Ibcast(t.raw(), n, mpi_type(t.dtype()), root, comm_, w->request());
+    MPI_Ibcast(t.raw(), n, mpi_type(t.dtype()), root, comm_, w->new_request());
     return w;
   }
 
   std::unique_ptr<Work> do_send(const Tensor& t, int peer, int tag) override {
     const int n = count_of("send", t, t);
     auto w = make_work("send", peer, t.nbytes(), t, Tensor());
-    MPI_Isend(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->request());
+    MPI_Isend(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->new_request());
     return w;
   }
 
   std::unique_ptr<Work> do_recv(const Tensor& t, int peer, int tag) override {
     const int n = count_of("recv", t, t);
     auto w = make_work("recv", peer, t.nbytes(), t, Tensor());
-    MPI_Irecv(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->request());
+    MPI_Irecv(t.raw(), n, mpi_type(t.dtype()), peer, tag, comm_, w->new_request());
     return w;
   }
 
@@ -208,13 +303,13 @@ class MpiProcessGroup final : public ProcessGroup {
     const int n = count_of("all_to_all", in, out) / size();
     auto w = make_work("all_to_all", -1, in.nbytes(), in, out);
     MPI_Ialltoall(in.raw(), n, mpi_type(in.dtype()), out.raw(), n, mpi_type(out.dtype()), comm_,
-                  w->request());
+                  w->new_request());
     return w;
   }
 
   std::unique_ptr<Work> do_barrier() override {
     auto w = make_work("barrier", -1, 0, Tensor(), Tensor());
-    MPI_Ibarrier(comm_, w->request());
+    MPI_Ibarrier(comm_, w->new_request());
     return w;
   }
 
@@ -261,21 +356,34 @@ class MpiProcessGroup final : public ProcessGroup {
 
   MPI_Op sum_op(DType d) const { return d == DType::bf16 ? bf16_sum_ : MPI_SUM; }
 
-  MPI_Comm comm_;
+  MPI_Comm comm_, rs_comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL;
+  std::vector<std::vector<std::byte>> spare_;  // staging buffers of completed reduce_scatters
 };
+
+char* MpiWork::staging(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  staging_ = g_.take_staging(bytes);
+  return reinterpret_cast<char*>(staging_.data());
+}
+
+bool MpiWork::arrived() {
+  int flag = 0;
+  MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE);
+  if (flag && on_arrival_) std::exchange(on_arrival_, nullptr)();
+  return flag;
+}
 
 void MpiWork::finish() {
   done_ = true;
   if (avg_.defined()) divide_inplace(avg_, g_.size());
   a_ = b_ = avg_ = Tensor();
+  g_.give_back_staging(std::move(staging_));
 }
 
 bool MpiWork::test() {
   if (done_) return true;
-  int flag = 0;
-  MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
-  if (flag) finish();
+  if (arrived()) finish();
   return done_;
 }
 
@@ -289,9 +397,7 @@ void MpiWork::wait() {
   auto sleep = std::chrono::microseconds(2);
   const double limit = g_.timeout_seconds();
   for (;;) {
-    int flag = 0;
-    MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
-    if (flag) break;
+    if (arrived()) break;
     const double waited = seconds_since(t0);
     if (waited > limit) abort_on_timeout(waited);
     if (waited < kYieldPhase) {

@@ -1,12 +1,18 @@
 #pragma once
-// The MPI backend: every collective is an MPI nonblocking call on the group's own communicator.
+// The MPI backend: every collective is made of MPI nonblocking calls on the group's communicators.
 //
-// Waiting: Work::wait() polls MPI_Test (which is also what drives the progress of nonblocking
+// Waiting: Work::wait() polls MPI_Testall (which is also what drives the progress of nonblocking
 // collectives in Open MPI: a collective left alone without test() or wait() does not advance),
 // yielding the core between polls at first and then sleeping a few microseconds growing to 1 ms.
 // After the group's timeout it prints one line to stderr naming the collective, the group, this
 // world rank, the peers' world ranks, the bytes and the time waited, and calls
 // MPI_Abort(MPI_COMM_WORLD, 1): a collective never hangs silently.
+//
+// reduce_scatter is point to point: each rank sends every peer its block and sums the blocks it
+// receives, in the order of Open MPI's MPI_Ireduce_scatter_block (20-60x slower than this from
+// 16 MB of input per rank up, docs/design.md). A group keeps the staging of finished
+// reduce_scatters for reuse: (size - 2) x out.nbytes per reduce_scatter in flight, not counted by
+// loom's allocator.
 //
 // Limits: at most INT_MAX elements per rank and call (MPI counts are int). MPI calls are made
 // only from the thread that drives the groups (MPI_THREAD_SERIALIZED is requested).
