@@ -262,7 +262,10 @@ int bench_command(const Args& args) {
     if (s == warmup) {
       alloc.reset_peak();
       for (dist::ProcessGroup* g : groups) g->reset_counters();
-      if (profile) profiling.emplace(profile->sink());
+      if (profile) {
+        profile->start();
+        profiling.emplace(profile->sink());
+      }
     }
     auto t0 = std::chrono::steady_clock::now();
     const StepResult r = train_step.run(
@@ -272,6 +275,7 @@ int bench_command(const Args& args) {
     losses.push_back(r.loss);
   }
   profiling.reset();
+  if (profile) profile->stop();
   // Taken now: the gathers of the figures below count on the world group too.
   std::vector<dist::CommCounters> measured;
   uint64_t bytes_measured = 0;
@@ -381,9 +385,11 @@ int bench_command(const Args& args) {
     return check && !all_ok ? 1 : 0;
   }
   const std::string load_after = load_average();
-  if (profile) std::fputs(profile->report(steps, step_s, wait_s / double(timed)).c_str(), stdout);
+  const std::string profiled =
+      profile ? profile->report(steps, step_s, wait_s / double(timed)) : std::string();
 
   if (json) {
+    std::fputs(profiled.c_str(), stdout);
     std::printf(
         "{\"config\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, \"seq_len\": %ld, "
         "\"params\": %zu, \"step_s\": %.6f, \"tokens_per_s\": %.1f, \"tflops\": %.4f, "
@@ -425,6 +431,7 @@ int bench_command(const Args& args) {
       mm.total() / MiB, mm.params / MiB, mm.grads / MiB, mm.optimizer / MiB, mm.mirror / MiB,
       mm.activations / MiB, mm.head / MiB, mem_ratio);
   std::printf("  loss                %.4f -> %.4f\n", losses.front(), losses.back());
+  std::fputs(profiled.c_str(), stdout);
   return check && std::fabs(mem_ratio - 1) > tolerance ? 1 : 0;
 }
 

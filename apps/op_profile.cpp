@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <utility>
 
+#include <sys/resource.h>
+
+#include "core/allocator.hpp"
 #include "core/error.hpp"
 
 namespace loom {
@@ -15,6 +18,30 @@ ops::ProfileOps::Sink OpProfile::sink() {
     r.seconds += s;
     for (const ops::KernelWork& w : works) r.model += plan::kernel_seconds(w, hw_) * slow_;
   };
+}
+
+namespace {
+
+long page_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt + u.ru_majflt;
+}
+
+}  // namespace
+
+void OpProfile::start() {
+  const AllocatorStats st = Allocator::get(Device::cpu).stats();
+  faults_ = page_faults();
+  os_allocs_ = st.num_os_allocs;
+  os_bytes_ = st.reserved;
+}
+
+void OpProfile::stop() {
+  const AllocatorStats st = Allocator::get(Device::cpu).stats();
+  faults_ = page_faults() - faults_;
+  os_allocs_ = st.num_os_allocs - os_allocs_;
+  os_bytes_ = st.reserved - os_bytes_;
 }
 
 std::string OpProfile::report(int steps, double step_s, double wait_s) const {
@@ -46,6 +73,12 @@ std::string OpProfile::report(int steps, double step_s, double wait_s) const {
                 "    step %.2f ms = ops %.2f + outside ops %.2f (of which waits %.2f, the rest "
                 "framework and MPI calls)\n",
                 step_s * 1e3, all.seconds / n * 1e3, outside * 1e3, wait_s * 1e3);
+  out += line;
+  std::snprintf(line, sizeof line,
+                "    page faults %.0f a step; the allocator reserved new memory %.1f times a step "
+                "(reserved %+.2f MiB over the steps)\n",
+                double(faults_) / n, double(os_allocs_) / n,
+                double(int64_t(os_bytes_)) / 1048576.0);
   out += line;
   return out;
 }

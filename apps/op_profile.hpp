@@ -18,6 +18,10 @@ class OpProfile {
   // `slow`: the time model's oversubscription factor (ranks sharing the node's rank slots).
   OpProfile(plan::Hardware hw, double slow) : hw_(std::move(hw)), slow_(slow) {}
   ops::ProfileOps::Sink sink();
+  // Brackets the profiled steps: the process's page faults and the device allocator's requests
+  // that reserved new memory in between (each a fresh page to fault in).
+  void start();
+  void stop();
   // The table, per step over `steps` timed steps, against `step_s` (the median step) and
   // `wait_s` (time in waits per step).
   std::string report(int steps, double step_s, double wait_s) const;
@@ -30,6 +34,8 @@ class OpProfile {
   plan::Hardware hw_;
   double slow_ = 1;
   std::map<std::string, Row> rows_;
+  long faults_ = 0;
+  size_t os_allocs_ = 0, os_bytes_ = 0;
 };
 
 }  // namespace loom

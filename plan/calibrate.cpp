@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,12 +13,14 @@
 #include <functional>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "core/error.hpp"
 #include "kernels/cpu/adamw.hpp"
 #include "ops/ops.hpp"
+#include "plan/planner.hpp"
 
 namespace loom::plan {
 
@@ -41,6 +44,7 @@ using Build = std::function<Call(Device)>;
 struct Rate {
   double flops = 0, bytes = 0;  // per second
   const char* op = "";
+  double seconds = 0;  // of one call
 };
 
 class Bench {
@@ -93,7 +97,7 @@ class Bench {
       call();
     }
     const double s = seconds(build(Device::cpu));
-    return {sum.flops / s, sum.bytes / s, sum.op};
+    return {sum.flops / s, sum.bytes / s, sum.op, s};
   }
   void note(const std::string& line) {
     if (log_ && lead()) *log_ << "  " << line << "\n" << std::flush;
@@ -114,7 +118,17 @@ Call call(std::function<void()> f) {
 
 // ---- GEMMs: y = x w^T on a grid of shapes spanning the models' (M tokens, N and K widths) ----
 
-std::vector<GemmPoint> gemm_table(Bench& b, DType dt) {
+GemmPoint measure_gemm(Bench& b, DType dt, int64_t m, int64_t n, int64_t k) {
+  const Rate r = b.measure([&b, dt, m, n, k](Device dev) {
+    Tensor x = ops::to_compute(b.random({m, k}, dev), dt);
+    Tensor w = ops::to_compute(b.random({n, k}, dev), dt);
+    Tensor y = Tensor::empty({m, n}, DType::f32, dev);
+    return call([x, w, y]() mutable { ops::linear(x, w, y); });
+  });
+  return {m, n, k, r.flops};
+}
+
+std::vector<GemmPoint> gemm_table(Bench& b, DType dt, const CalibrateOptions& opt) {
   // Powers of 4 from 64 to 4096 in each dimension; the largest products are left out (their
   // rate is the plateau of the ones measured, and they would take seconds each).
   const std::vector<int64_t> full{64, 256, 1024, 4096}, quick{128, 1024};
@@ -125,14 +139,13 @@ std::vector<GemmPoint> gemm_table(Bench& b, DType dt) {
     for (int64_t n : sizes)
       for (int64_t k : sizes) {
         if (double(m) * double(n) * double(k) > max_product) continue;
-        const Rate r = b.measure([&b, dt, m, n, k](Device dev) {
-          Tensor x = ops::to_compute(b.random({m, k}, dev), dt);
-          Tensor w = ops::to_compute(b.random({n, k}, dev), dt);
-          Tensor y = Tensor::empty({m, n}, DType::f32, dev);
-          return call([x, w, y]() mutable { ops::linear(x, w, y); });
-        });
-        points.push_back({m, n, k, r.flops});
+        points.push_back(measure_gemm(b, dt, m, n, k));
       }
+  if (dt == opt.gemm_shapes_dtype)
+    for (const GemmPoint& s : opt.gemm_shapes) points.push_back(measure_gemm(b, dt, s.m, s.n, s.k));
+  if (!opt.gemm_shapes.empty() && dt == opt.gemm_shapes_dtype)
+    b.note(std::to_string(opt.gemm_shapes.size()) + " " + std::string(dtype_name(dt)) +
+           " GEMM shapes of the model's step measured besides the grid");
   return points;
 }
 
@@ -146,7 +159,7 @@ double peak_of(const std::vector<GemmPoint>& points) {
 
 Build attention(Bench& b, int64_t T, int64_t D, bool backward) {
   return [&b, T, D, backward](Device dev) {
-    const int64_t B = 1, Hq = 4, Hkv = 2;
+    const int64_t B = 1, Hq = 4, Hkv = 2;  // a tp rank's heads at most: small GQA groups
     Tensor q = b.random({B * T, Hq * D}, dev), k = b.random({B * T, Hkv * D}, dev),
            v = b.random({B * T, Hkv * D}, dev);
     Tensor out = Tensor::empty({B * T, Hq * D}, DType::f32, dev),
@@ -193,6 +206,40 @@ Build attention_block(Bench& b, int64_t T, int64_t D, bool diagonal, bool backwa
       ops::attention_block_backward(shape(), q, k, v, lse, delta, dout, dq, dk, dv);
     });
   };
+}
+
+// One attention kernel's FLOPs, bytes and seconds at one shape, and the fit of
+// seconds = flops / rate + bytes / bandwidth over several (least squares on the relative error;
+// bandwidth 0 when noise leaves no positive byte term: the mean rate alone).
+struct Sample {
+  double flops, bytes, seconds;
+};
+struct Fit {
+  double rate = 0, bandwidth = 0;
+  double worst = 0;  // the largest relative error of a sample
+};
+Fit fit_flops_bytes(const std::vector<Sample>& pts) {
+  double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
+  for (const Sample& p : pts) {
+    const double x = p.flops / p.seconds, y = p.bytes / p.seconds;
+    a11 += x * x, a12 += x * y, a22 += y * y, b1 += x, b2 += y;
+  }
+  const double det = a11 * a22 - a12 * a12;
+  const double per_flop = (b1 * a22 - b2 * a12) / det, per_byte = (a11 * b2 - a12 * b1) / det;
+  Fit f;
+  if (det > 0 && per_flop > 0 && per_byte > 0) {
+    f.rate = 1 / per_flop;
+    f.bandwidth = 1 / per_byte;
+  } else {
+    double flops = 0, seconds = 0;
+    for (const Sample& p : pts) flops += p.flops, seconds += p.seconds;
+    f.rate = flops / seconds;
+  }
+  for (const Sample& p : pts) {
+    const double t = p.flops / f.rate + (f.bandwidth > 0 ? p.bytes / f.bandwidth : 0);
+    f.worst = std::max(f.worst, std::fabs(t / p.seconds - 1));
+  }
+  return f;
 }
 
 // ---- memory-bound ops -------------------------------------------------------------------------
@@ -429,44 +476,51 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
     *log << "calibrating " << c.cpu << ": " << c.ranks << " rank(s) x " << hw.threads
          << " OpenMP thread(s)" << (opt.quick ? " (quick)" : "") << "\n";
 
-  hw.gemm_f32 = gemm_table(b, DType::f32);
-  hw.gemm_bf16 = gemm_table(b, DType::bf16);
+  hw.gemm_f32 = gemm_table(b, DType::f32, opt);
+  hw.gemm_bf16 = gemm_table(b, DType::bf16, opt);
   hw.peak_f32 = peak_of(hw.gemm_f32);
   hw.peak_bf16 = peak_of(hw.gemm_bf16);
   hw.gemm_efficiency = 1;  // the tables are measured rates
   b.note("GEMM peak: f32 " + num(hw.peak_f32 / 1e9) + " GFLOP/s, bf16 " + num(hw.peak_bf16 / 1e9) +
          " GFLOP/s (" + std::to_string(hw.gemm_f32.size()) + " shapes each)");
 
-  // Attention efficiencies: fractions of the f32 GEMM peak (the kernels compute in f32).
+  // Attention: time = FLOPs / rate + bytes / bandwidth, fitted over sequence lengths from a
+  // short one up (the per-row work weighs on short sequences and small ring blocks); the rate as
+  // a fraction of the f32 GEMM peak (the kernels compute in f32).
   const std::vector<std::pair<int64_t, int64_t>> shapes =
-      opt.quick ? std::vector<std::pair<int64_t, int64_t>>{{256, 64}}
-                : std::vector<std::pair<int64_t, int64_t>>{{512, 64}, {2048, 64}, {1024, 128}};
-  double fwd = 0, bwd = 0;
+      opt.quick ? std::vector<std::pair<int64_t, int64_t>>{{128, 64}, {512, 64}}
+                : std::vector<std::pair<int64_t, int64_t>>{{128, 64},  {256, 64},  {512, 64},
+                                                           {2048, 64}, {256, 128}, {1024, 128}};
+  std::array<std::vector<Sample>, 4> samples;  // forward, backward, block forward, block backward
   for (auto [T, D] : shapes) {
     const Rate f = b.measure(attention(b, T, D, false)), g = b.measure(attention(b, T, D, true));
-    fwd += f.flops / double(shapes.size());
-    bwd += g.flops / double(shapes.size());
+    samples[0].push_back({f.flops * f.seconds, f.bytes * f.seconds, f.seconds});
+    samples[1].push_back({g.flops * g.seconds, g.bytes * g.seconds, g.seconds});
     b.note("attention T " + std::to_string(T) + " D " + std::to_string(D) + ": forward " +
            num(f.flops / 1e9) + " GFLOP/s, backward " + num(g.flops / 1e9) + " GFLOP/s");
-  }
-  hw.attention_efficiency = fwd / hw.peak_f32;
-  hw.attention_backward_efficiency = bwd / hw.peak_f32;
-  // Ring attention's block pairs: a whole block and a diagonal one, in the proportion of cp 2
-  // (each rank's two chunks meet one diagonal and one whole block per pair of chunks).
-  double bfwd = 0, bbwd = 0;
-  for (auto [T, D] : shapes) {
+    // Ring attention's block pairs: a whole block and a diagonal one (cp 2's pair of chunks).
     for (bool diagonal : {false, true}) {
-      const Rate f = b.measure(attention_block(b, T, D, diagonal, false)),
-                 g = b.measure(attention_block(b, T, D, diagonal, true));
-      bfwd += f.flops / double(2 * shapes.size());
-      bbwd += g.flops / double(2 * shapes.size());
+      const Rate bf = b.measure(attention_block(b, T, D, diagonal, false)),
+                 bg = b.measure(attention_block(b, T, D, diagonal, true));
+      samples[2].push_back({bf.flops * bf.seconds, bf.bytes * bf.seconds, bf.seconds});
+      samples[3].push_back({bg.flops * bg.seconds, bg.bytes * bg.seconds, bg.seconds});
       b.note("attention block T " + std::to_string(T) + " D " + std::to_string(D) +
-             (diagonal ? " diagonal" : " whole") + ": forward " + num(f.flops / 1e9) +
-             " GFLOP/s, backward " + num(g.flops / 1e9) + " GFLOP/s");
+             (diagonal ? " diagonal" : " whole") + ": forward " + num(bf.flops / 1e9) +
+             " GFLOP/s, backward " + num(bg.flops / 1e9) + " GFLOP/s");
     }
   }
-  hw.attention_block_efficiency = bfwd / hw.peak_f32;
-  hw.attention_block_backward_efficiency = bbwd / hw.peak_f32;
+  double* efficiency[4] = {&hw.attention_efficiency, &hw.attention_backward_efficiency,
+                           &hw.attention_block_efficiency, &hw.attention_block_backward_efficiency};
+  const char* kernel[4] = {"attention forward", "attention backward", "attention block forward",
+                           "attention block backward"};
+  for (size_t i = 0; i < 4; ++i) {
+    const Fit f = fit_flops_bytes(samples[i]);
+    *efficiency[i] = f.rate / hw.peak_f32;
+    hw.attention_bandwidth[i] = f.bandwidth;
+    b.note(std::string(kernel[i]) + ": " + num(f.rate / 1e9) + " GFLOP/s + " +
+           (f.bandwidth > 0 ? num(f.bandwidth / 1e9) + " GB/s" : std::string("no byte term")) +
+           ", worst shape off by " + num(100 * f.worst) + "%");
+  }
 
   const Rate s = b.measure(stream(b));
   hw.memory_bandwidth = s.bytes;
@@ -503,6 +557,22 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
   return c;
 }
 
+std::vector<GemmPoint> step_gemm_shapes(const PlanJob& j) {
+  std::set<std::array<int64_t, 3>> seen;
+  for (const PlannedKernel& k : plan_rank(j, 0).kernels) {
+    const ops::KernelWork& w = k.work;
+    if (w.m <= 0) continue;
+    for (int64_t dm : {1, 2, 4})
+      for (int64_t dn : {1, 2})
+        for (int64_t dk : {1, 2})
+          if (w.m % dm == 0 && w.n % dn == 0 && w.k % dk == 0)
+            seen.insert({w.m / dm, w.n / dn, w.k / dk});
+  }
+  std::vector<GemmPoint> out;
+  for (const auto& s : seen) out.push_back({s[0], s[1], s[2], 0});
+  return out;
+}
+
 std::string hardware_toml(const Calibration& c) {
   const Hardware& hw = c.hw;
   std::ostringstream os;
@@ -534,7 +604,15 @@ std::string hardware_toml(const Calibration& c) {
      << "efficiency = " << num(hw.attention_efficiency) << "\n"
      << "backward_efficiency = " << num(hw.attention_backward_efficiency) << "\n"
      << "block_efficiency = " << num(hw.attention_block_efficiency) << "  # ring attention's\n"
-     << "block_backward_efficiency = " << num(hw.attention_block_backward_efficiency) << "\n\n"
+     << "block_backward_efficiency = " << num(hw.attention_block_backward_efficiency) << "\n";
+  const char* bandwidths[4] = {"bandwidth", "backward_bandwidth", "block_bandwidth",
+                               "block_backward_bandwidth"};
+  for (size_t i = 0; i < 4; ++i)
+    if (hw.attention_bandwidth[i] > 0)
+      os << bandwidths[i] << " = " << num(hw.attention_bandwidth[i])
+         << (i == 0 ? "  # bytes/s paid on top of the FLOPs (a fit over sequence lengths)" : "")
+         << "\n";
+  os << "\n"
      << "[memory_ops]  # bytes/s read and written, as ops report them on meta\n";
   for (const auto& [op, bw] : hw.op_bandwidth) os << op << " = " << num(bw) << "\n";
   os << "\n[optimizer]  # AdamW, 28 bytes per f32 parameter (param, m, v in and out, grad in)\n"

@@ -14,7 +14,15 @@ namespace loom::plan {
 struct CalibrateOptions {
   bool quick = false;  // a few shapes and short timings (tests): ~10 s instead of ~60
   std::string name = "cpu-local";
+  // GEMM shapes (M, N, K) measured besides the grid, in this dtype: a model's own (`--config`),
+  // whose odd widths run off the grid's powers of 4.
+  std::vector<GemmPoint> gemm_shapes;
+  DType gemm_shapes_dtype = DType::f32;
 };
+
+// The GEMM shapes of one rank's training step of `j` (planned on meta), with M halved and
+// quartered (cp, pp micro-batches) and N and K halved (tp), each once.
+std::vector<GemmPoint> step_gemm_shapes(const struct PlanJob& j);
 
 struct Calibration {
   Hardware hw;

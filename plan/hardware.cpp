@@ -229,7 +229,12 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   if (const toml::table* att = r.table(top, "", "attention", false)) {
     r.only(*att, "attention",
            {"efficiency", "backward_efficiency", "block_efficiency", "block_backward_efficiency",
-            "dtype"});
+            "dtype", "bandwidth", "backward_bandwidth", "block_bandwidth",
+            "block_backward_bandwidth"});
+    const char* bandwidths[4] = {"bandwidth", "backward_bandwidth", "block_bandwidth",
+                                 "block_backward_bandwidth"};
+    for (size_t i = 0; i < 4; ++i)
+      hw.attention_bandwidth[i] = r.number(att, "attention", bandwidths[i], false, 0.0);
     hw.attention_efficiency = r.number(att, "attention", "efficiency", false, 1.0);
     hw.attention_backward_efficiency =
         r.number(att, "attention", "backward_efficiency", false, hw.attention_efficiency);
@@ -312,6 +317,10 @@ double kernel_seconds(const ops::KernelWork& w, const Hardware& hw) {
         block ? (backward ? hw.attention_block_backward_efficiency : hw.attention_block_efficiency)
               : (backward ? hw.attention_backward_efficiency : hw.attention_efficiency);
     rate = hw.peak(hw.has_attention_dtype ? hw.attention_dtype : w.dtype) * efficiency;
+    const bool fused = op.rfind("attention_", 0) == 0 && op != "attention_decode";
+    const double per_byte =
+        fused ? hw.attention_bandwidth[(block ? 2 : 0) + (backward ? 1 : 0)] : 0;
+    if (per_byte > 0) return w.flops / rate + w.bytes / per_byte;
   } else if (auto it = hw.op_bandwidth.find(op); it != hw.op_bandwidth.end()) {
     bandwidth = it->second;
   }

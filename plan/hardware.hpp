@@ -2,6 +2,7 @@
 // The hardware model of `loom plan` (docs/specs PIPELINE-AND-PLAN B3): what one rank's machine
 // computes per second and what its links move, read from configs/hardware/*.toml, and the time
 // of a kernel (a roofline over ops::KernelWork) or of a collective (ring formulas) on it.
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -64,6 +65,11 @@ struct Hardware {
   // Ring attention's block-pair kernels (attention_block_*): their own rates where measured
   // (on the CPU they run below the whole-sequence kernels), else the two above.
   double attention_block_efficiency = 1, attention_block_backward_efficiency = 1;
+  // Where measured (a CPU's calibration), each of those four kernels also pays its bytes at this
+  // rate on top of its FLOPs (bytes/s, 0: the roofline alone): the per-row work that makes short
+  // sequences, few heads and ring attention's small blocks slower per FLOP. Order: forward,
+  // backward, block forward, block backward.
+  std::array<double, 4> attention_bandwidth{};
   bool has_attention_dtype = false;
   DType attention_dtype = DType::bf16;
   // Memory-bound ops by their name in ops/ops.hpp: bytes/s (absent: memory_bandwidth).

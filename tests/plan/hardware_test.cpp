@@ -187,6 +187,17 @@ TEST(Hardware, KernelSecondsIsARoofline) {
       "toy.toml");
   EXPECT_DOUBLE_EQ(plain.attention_block_efficiency, 0.5);
   EXPECT_DOUBLE_EQ(plain.attention_block_backward_efficiency, 0.3);
+  // A calibrated byte term is paid on top of the FLOPs (not a roofline), for its kernel only.
+  const Hardware with_bytes = parse_hardware(
+      std::string(kMinimal) + "[attention]\nefficiency = 0.5\nblock_backward_bandwidth = 1e9\n",
+      "toy.toml");
+  at.bytes = 2e9;
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, with_bytes), 1e12 / (1e12 * 0.5));  // block forward: none
+  at.op = "attention_block_backward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(at, with_bytes), 1e12 / (1e12 * 0.5) + 2e9 / 1e9);
+  EXPECT_DOUBLE_EQ(with_bytes.attention_bandwidth[0], 0);
+  EXPECT_NE(parse_error(std::string(kMinimal) + "[attention]\nbandwidth = -1\n").find("bandwidth"),
+            std::string::npos);
   EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw), 1e9 / 1e11);
   // CPU offload: without a [host] link the host pool is the rank's own memory (a CPU); with
   // one, the bytes that cross are priced on it, and the host steps AdamW at its own rate.
@@ -207,7 +218,11 @@ TEST(Hardware, KernelSecondsIsARoofline) {
 }
 
 TEST(Calibrate, QuickWritesALoadableFile) {
-  const Calibration c = calibrate({true, "quick-test"}, nullptr, nullptr);
+  CalibrateOptions opt;
+  opt.quick = true;
+  opt.name = "quick-test";
+  opt.gemm_shapes = {{96, 288, 160, 0}};  // an odd model shape beside the grid
+  const Calibration c = calibrate(opt, nullptr, nullptr);
   EXPECT_LT(c.seconds, 30);  // generous: the tests share the cores
   const std::string text = hardware_toml(c);
   const Hardware hw = parse_hardware(text, "calibrated.toml");
@@ -215,7 +230,8 @@ TEST(Calibrate, QuickWritesALoadableFile) {
   EXPECT_GT(hw.peak_f32, 0);
   EXPECT_GT(hw.peak_bf16, 0);
   EXPECT_FALSE(hw.gemm_f32.empty());
-  EXPECT_EQ(hw.gemm_f32.size(), hw.gemm_bf16.size());
+  EXPECT_EQ(hw.gemm_f32.size(), hw.gemm_bf16.size() + 1);
+  EXPECT_EQ(hw.gemm_f32.back().n, 288);
   for (const GemmPoint& p : hw.gemm_f32) EXPECT_GT(p.flops_per_s, 0);
   EXPECT_GT(hw.attention_efficiency, 0);
   EXPECT_GT(hw.attention_backward_efficiency, 0);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "plan/calibrate.hpp"
 #include "plan/layout_plan.hpp"
 #include "plan/search.hpp"
 #include "train/config.hpp"
@@ -133,4 +134,26 @@ TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
     }
   }
   EXPECT_TRUE(found);
+}
+
+// `loom plan calibrate --config`: the step's own GEMM shapes, and their tp/cp/pp splits.
+TEST(Calibrate, StepGemmShapesAreTheModelsWithTheirSplits) {
+  const plan::PlanJob j = debug_job(1);
+  const std::vector<plan::GemmPoint> shapes = plan::step_gemm_shapes(j);
+  auto has = [&](int64_t m, int64_t n, int64_t k) {
+    return std::any_of(shapes.begin(), shapes.end(),
+                       [&](const plan::GemmPoint& p) { return p.m == m && p.n == n && p.k == k; });
+  };
+  size_t gemms = 0;
+  for (const plan::PlannedKernel& k : plan::plan_rank(j, 0).kernels) {
+    const ops::KernelWork& w = k.work;
+    if (w.m <= 0) continue;
+    ++gemms;
+    EXPECT_TRUE(has(w.m, w.n, w.k)) << w.op << " " << w.m << "x" << w.n << "x" << w.k;
+    if (w.m % 2 == 0 && w.n % 2 == 0) {
+      EXPECT_TRUE(has(w.m / 2, w.n / 2, w.k)) << w.op;
+    }
+  }
+  EXPECT_GT(gemms, 0u);
+  EXPECT_LT(shapes.size(), gemms * 12 + 1);  // each shape once
 }
