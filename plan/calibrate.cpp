@@ -208,6 +208,19 @@ Build attention_block(Bench& b, int64_t T, int64_t D, bool diagonal, bool backwa
   };
 }
 
+// c1 and c2 of t = c1 x1 + c2 x2 minimizing the relative error over points {x1, x2, t} (least
+// squares on 1 = c1 x1 / t + c2 x2 / t). Noise can leave either non-positive: the caller decides.
+std::array<double, 2> fit_two(const std::vector<std::array<double, 3>>& pts) {
+  double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
+  for (const auto& [x1, x2, t] : pts) {
+    const double x = x1 / t, y = x2 / t;
+    a11 += x * x, a12 += x * y, a22 += y * y, b1 += x, b2 += y;
+  }
+  const double det = a11 * a22 - a12 * a12;
+  if (!(det > 0)) return {0, 0};
+  return {(b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det};
+}
+
 // One attention kernel's FLOPs, bytes and seconds at one shape, and the fit of
 // seconds = flops / rate + bytes / bandwidth over several (least squares on the relative error;
 // bandwidth 0 when noise leaves no positive byte term: the mean rate alone).
@@ -219,15 +232,11 @@ struct Fit {
   double worst = 0;  // the largest relative error of a sample
 };
 Fit fit_flops_bytes(const std::vector<Sample>& pts) {
-  double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
-  for (const Sample& p : pts) {
-    const double x = p.flops / p.seconds, y = p.bytes / p.seconds;
-    a11 += x * x, a12 += x * y, a22 += y * y, b1 += x, b2 += y;
-  }
-  const double det = a11 * a22 - a12 * a12;
-  const double per_flop = (b1 * a22 - b2 * a12) / det, per_byte = (a11 * b2 - a12 * b1) / det;
+  std::vector<std::array<double, 3>> xs;
+  for (const Sample& p : pts) xs.push_back({p.flops, p.bytes, p.seconds});
+  const auto [per_flop, per_byte] = fit_two(xs);
   Fit f;
-  if (det > 0 && per_flop > 0 && per_byte > 0) {
+  if (per_flop > 0 && per_byte > 0) {
     f.rate = 1 / per_flop;
     f.bandwidth = 1 / per_byte;
   } else {
@@ -378,13 +387,9 @@ struct CommPoint {
 
 // alpha and beta minimizing the relative error of time = bytes / beta + steps * alpha.
 Link fit(const std::vector<CommPoint>& pts) {
-  double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
-  for (const CommPoint& p : pts) {
-    const double x = p.bytes_sent / p.seconds, y = p.steps / p.seconds;
-    a11 += x * x, a12 += x * y, a22 += y * y, b1 += x, b2 += y;
-  }
-  const double det = a11 * a22 - a12 * a12;
-  double inv_beta = (b1 * a22 - b2 * a12) / det, alpha = (a11 * b2 - a12 * b1) / det;
+  std::vector<std::array<double, 3>> xs;
+  for (const CommPoint& p : pts) xs.push_back({p.bytes_sent, p.steps, p.seconds});
+  auto [inv_beta, alpha] = fit_two(xs);
   if (!(inv_beta > 0) || !(alpha > 0)) {
     // Noise made one negative: alpha from the smallest message, beta from the largest.
     auto [lo, hi] = std::minmax_element(
