@@ -65,6 +65,47 @@ size_t pp_activation_peak(ParallelModel& m, int64_t B, int64_t Tl) {
   return size_t(std::llround(r.peak_bytes[size_t(pipe.rank())]));
 }
 
+// FSDP's full weights and gradients on a pp rank (parallel/pipeline_fsdp.hpp), replacing the
+// plain FSDP figures. `step`: every unit of the rank gathered and every gradient it writes
+// materialized for the whole step. `microbatch`: as without pp, a backward holds its unit's
+// weights and full gradient, the unit below's prefetch (within the stage) and the unit above's
+// gradient being reduce-scattered; under zero bubble a unit's gradient waits for its W, so every
+// gradient of the rank's stages is held (a bound: they are not all written at once).
+void pp_fsdp_buffers(ParallelModel& m, MemoryCost& mc) {
+  Model& model = *m.model;
+  const PipelineExecutor& pipe = *m.pipeline;
+  const pp::Schedule& s = pipe.schedule();
+  const std::vector<ParamUnit*> units = model.units();
+  const bool tied = model.tie_word_embeddings();
+  auto w = [&](size_t u) { return units[u]->materialized_weight_bytes(); };
+  auto g = [&](size_t u) { return 4 * size_t(units[u]->padded_numel()); };
+  std::vector<pp::UnitRange> ranges;
+  for (int stage = 0; stage < s.stages; ++stage) ranges.push_back(pipe.stage_units(stage));
+  std::vector<bool> writes(units.size(), false);
+  for (int stage : s.stages_of(pipe.rank()))
+    for (size_t u : pp_grad_units(ranges, stage, units.size(), tied)) writes[u] = true;
+  mc.gathered = mc.full_grad = 0;
+  const bool step = m.fsdp->keeps_gathered(), split = s.split_backward();
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (step && model.uses(u)) mc.gathered += w(u);
+    if ((step || split) && writes[u]) mc.full_grad += g(u);
+  }
+  if (step) return;
+  size_t weights = 0, grads = 0;
+  for (int stage : s.stages_of(pipe.rank())) {
+    const auto [first, last] = ranges[size_t(stage)];
+    for (size_t u = first; u < last; ++u) {
+      size_t wu = w(u) + (u > first ? w(u - 1) : 0);
+      size_t gu = split ? 0 : g(u) + (u + 1 < last ? g(u + 1) : 0);
+      // The tied head's backward also gathers the embedding and writes its gradient.
+      if (tied && u + 1 == units.size() && first > 0) wu += w(0), gu += split ? 0 : g(0);
+      if (wu + gu > weights + grads) weights = wu, grads = gu;
+    }
+  }
+  mc.gathered = weights;
+  mc.full_grad += grads;
+}
+
 }  // namespace
 
 MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
@@ -109,6 +150,7 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
     // Several micro-batches of this rank's stages at once; the head's workspace is in the peak
     // where the head is.
     mc.activations = pp_activation_peak(m, B, Tl);
+    if (m.fsdp) pp_fsdp_buffers(m, mc);
   } else {
     // The peak is at the head (what the blocks saved plus its workspace) or in a block (its
     // transients, a recomputation), whichever is larger: the head's term is what it adds.
