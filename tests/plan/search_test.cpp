@@ -90,6 +90,29 @@ TEST(PlanWhole, HoldsReservedMemoryWithinTheCapacity) {
   EXPECT_FALSE(plan::plan_whole(fsdp, ranks, hw, false).fits);
 }
 
+// Ranks oversubscribed onto fewer cores (`--oversubscribed`): symmetric ranks are slowed by
+// ranks / cores; a pipeline's ranks share their cores too, but the bubble of one stage is
+// the others' time, so a pp x FSDP step slows by less than that (and never speeds up).
+TEST(PlanTime, OversubscribedPipelineFillsItsBubble) {
+  // A CPU's figures (compute, not latency, dominates the debug model's step there).
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
+  hw.inter_node = hw.intra_node;  // one machine: the links do not change with the node count
+  auto step = [&](const plan::PlanJob& j, int cores) {
+    plan::Hardware h = hw;
+    h.ranks_per_node = cores;
+    const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(j));
+    return plan::plan_whole(j, ranks, h, cores < j.world).step();
+  };
+  const plan::PlanJob fsdp = debug_job(4, {"--parallelism.dp_shard=4"});
+  const double own = step(fsdp, 4), shared = step(fsdp, 2);
+  EXPECT_NEAR(shared / own, 2.0, 0.01);
+  const plan::PlanJob pp = debug_job(
+      4, {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.pp_microbatches=4"});
+  const double pp_own = step(pp, 4), pp_shared = step(pp, 2);
+  EXPECT_GT(pp_shared, pp_own * 1.2);
+  EXPECT_LT(pp_shared, pp_own * 1.95);
+}
+
 // A layout that does not fit is tried again with its states offloaded to the host, and listed
 // (as ", cpu offload") among those that fit when that makes it fit; a fitting layout is not.
 TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
