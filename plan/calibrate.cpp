@@ -622,6 +622,8 @@ std::string hardware_toml(const Calibration& c) {
   for (const auto& [op, bw] : hw.op_bandwidth) os << op << " = " << num(bw) << "\n";
   os << "\n[optimizer]  # AdamW, 28 bytes per f32 parameter (param, m, v in and out, grad in)\n"
      << "bandwidth = " << num(hw.optimizer_bandwidth) << "\n\n"
+     << "[links]\n"
+     << "transfers_on_core = true  # MPI over shared memory: the rank's core copies, no overlap\n"
      << "[links.intra_node]\nbandwidth = " << num(hw.intra_node.bandwidth)
      << "\nlatency = " << num(hw.intra_node.latency) << "\n"
      << "[links.inter_node]  # one machine: the same as intra_node\nbandwidth = "

@@ -267,9 +267,13 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
     hw.host_optimizer_bandwidth = r.number(host, "host", "optimizer_bandwidth", false);
   }
   const toml::table* links = r.table(top, "", "links", true);
-  r.only(*links, "links", {"intra_node", "inter_node"});
+  r.only(*links, "links", {"intra_node", "inter_node", "transfers_on_core"});
   hw.intra_node = r.link(*links, "intra_node");
   hw.inter_node = r.link(*links, "inter_node");
+  if (const toml::node* n = links->get("transfers_on_core")) {
+    LOOM_CHECK(n->is_boolean(), r.at(*n), ": 'links.transfers_on_core' must be true or false");
+    hw.transfers_on_core = **n->as_boolean();
+  }
   if (const toml::table* by_kind = r.table(top, "", "collectives", false)) {
     std::vector<std::string> names;
     for (CollectiveKind k : kCollectiveKinds) names.push_back(collective_name(k));

@@ -51,6 +51,10 @@ struct Hardware {
   double capacity = 0;          // bytes of memory per rank
   int ranks_per_node = 1;
   Link intra_node, inter_node;
+  // A CPU's MPI over shared memory ([links] transfers_on_core): a transfer's copies run on the
+  // rank's own core, inside its MPI calls, so a collective never overlaps the rank's compute; a
+  // GPU's copy engines and NCCL's kernels do overlap it.
+  bool transfers_on_core = false;
   // Measured per collective within a node ([collectives.NAME]; a CPU's MPI reduces in the
   // cores, so a reduce-scatter moves its bytes slower than an all-gather): overrides intra_node.
   std::map<CollectiveKind, Link> intra_by_kind;

@@ -17,9 +17,10 @@ CollectiveKind kind_of(const std::string& op) {
 }
 
 // 0 when the group lies within one node; else how many of its ranks share the first one's node
-// (the NICs its collectives run over on each node).
-int node_ranks(const GroupTraffic& g, const Hardware& hw) {
-  const int rpn = std::max(1, hw.ranks_per_node);
+// (the NICs its collectives run over on each node). `ranks_on_node` beyond the hardware's
+// ranks_per_node: oversubscribed, every rank on one node, and no group spans two.
+int node_ranks(const GroupTraffic& g, const Hardware& hw, int ranks_on_node) {
+  const int rpn = std::max({1, hw.ranks_per_node, ranks_on_node});
   int same = 0;
   bool spans = false;
   for (int r : g.members) {
@@ -43,7 +44,8 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   std::vector<double> call_time(p.calls.size()), call_end(p.calls.size(), 0);
   std::map<size_t, double> by_group;
   std::vector<int> spans(p.groups.size());
-  for (size_t g = 0; g < p.groups.size(); ++g) spans[g] = node_ranks(p.groups[g], hw);
+  for (size_t g = 0; g < p.groups.size(); ++g)
+    spans[g] = node_ranks(p.groups[g], hw, ranks_on_node);
   Timeline tl;
   for (size_t i = 0; i < p.calls.size(); ++i) {
     const PlannedCall& c = p.calls[i];
@@ -61,6 +63,13 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   size_t ci = 0, wi = 0;
   auto events_before = [&](uint64_t k) {
     for (; ci < p.calls.size() && p.calls[ci].kernels <= k; ++ci) {
+      if (hw.transfers_on_core) {
+        // The rank's core copies the transfer before its compute goes on.
+        c += call_time[ci];
+        tl.t.exposed += call_time[ci];
+        call_end[ci] = c;
+        continue;
+      }
       m = std::max(m, c) + call_time[ci];
       call_end[ci] = m;
     }
@@ -138,8 +147,9 @@ StepTime time_pipeline(const PlanJob& j, const std::vector<const RankPlan*>& sta
     outside.push_back(tl.end - inside);
     for (const PlannedCall& c : p.calls)
       if (c.op == "send" && p.groups[c.group].name == "pp")
-        message = std::max(message, collective_seconds(CollectiveKind::send, c.bytes, 2,
-                                                       node_ranks(p.groups[c.group], hw), hw));
+        message = std::max(
+            message, collective_seconds(CollectiveKind::send, c.bytes, 2,
+                                        node_ranks(p.groups[c.group], hw, ranks_on_node), hw));
   }
   const pp::SimResult sim = pp::simulate(
       s,

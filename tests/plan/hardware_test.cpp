@@ -108,6 +108,15 @@ TEST(Hardware, BadFilesNameTheKeyAndFile) {
   EXPECT_NE(e.find("toy.toml"), std::string::npos) << e;
   e = parse_error("name = \"x\"\n[peak\n");
   EXPECT_NE(e.find("toy.toml:2"), std::string::npos) << e;
+  std::string on_core = kMinimal;
+  on_core.replace(on_core.find("[links.intra_node]"), 18,
+                  "[links]\ntransfers_on_core = 1\n[links.intra_node]");
+  e = parse_error(on_core);
+  EXPECT_NE(e.find("'links.transfers_on_core' must be true or false"), std::string::npos) << e;
+  on_core.replace(on_core.find("= 1\n"), 3, "= true");
+  EXPECT_EQ(parse_error(on_core), "");
+  EXPECT_TRUE(parse_hardware(on_core, "toy.toml").transfers_on_core);
+  EXPECT_FALSE(parse_hardware(kMinimal, "toy.toml").transfers_on_core);
 }
 
 TEST(Hardware, CollectivesFollowTheRingFormulas) {

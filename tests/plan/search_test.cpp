@@ -91,12 +91,12 @@ TEST(PlanWhole, HoldsReservedMemoryWithinTheCapacity) {
 }
 
 // Ranks oversubscribed onto fewer cores (`--oversubscribed`): symmetric ranks are slowed by
-// ranks / cores; a pipeline's ranks share their cores too, but the bubble of one stage is
-// the others' time, so a pp x FSDP step slows by less than that (and never speeds up).
+// ranks / cores (all on one node: the same links); a pipeline's ranks share their cores too, but
+// the bubble of one stage is the others' time, so a pp x FSDP step slows by less than that (and
+// never speeds up).
 TEST(PlanTime, OversubscribedPipelineFillsItsBubble) {
   // A CPU's figures (compute, not latency, dominates the debug model's step there).
-  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
-  hw.inter_node = hw.intra_node;  // one machine: the links do not change with the node count
+  const plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
   auto step = [&](const plan::PlanJob& j, int cores) {
     plan::Hardware h = hw;
     h.ranks_per_node = cores;
@@ -105,12 +105,32 @@ TEST(PlanTime, OversubscribedPipelineFillsItsBubble) {
   };
   const plan::PlanJob fsdp = debug_job(4, {"--parallelism.dp_shard=4"});
   const double own = step(fsdp, 4), shared = step(fsdp, 2);
-  EXPECT_NEAR(shared / own, 2.0, 0.01);
+  EXPECT_NEAR(shared / own, 2.0, 1e-9);
   const plan::PlanJob pp = debug_job(
       4, {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.pp_microbatches=4"});
   const double pp_own = step(pp, 4), pp_shared = step(pp, 2);
   EXPECT_GT(pp_shared, pp_own * 1.2);
   EXPECT_LT(pp_shared, pp_own * 1.95);
+}
+
+// A CPU's MPI copies with the rank's own core ([links] transfers_on_core): FSDP's prefetched
+// gathers and its reduce-scatters no longer overlap the compute, every transfer is exposed.
+TEST(PlanTime, TransfersOnTheCoreDoNotOverlapCompute) {
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
+  EXPECT_TRUE(hw.transfers_on_core);
+  const plan::PlanJob fsdp = debug_job(2, {"--parallelism.dp_shard=2"});
+  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  hw.transfers_on_core = false;
+  const plan::StepTime gpu_like = plan::plan_whole(fsdp, ranks, hw, false).times.front();
+  ASSERT_GT(gpu_like.comm, 0);
+  EXPECT_LT(gpu_like.exposed, 0.9 * gpu_like.comm);
+  EXPECT_LT(gpu_like.step, gpu_like.compute + gpu_like.comm + gpu_like.optimizer);
+  hw.transfers_on_core = true;
+  const plan::StepTime cpu = plan::plan_whole(fsdp, ranks, hw, false).times.front();
+  EXPECT_DOUBLE_EQ(cpu.compute, gpu_like.compute);
+  EXPECT_DOUBLE_EQ(cpu.comm, gpu_like.comm);
+  EXPECT_NEAR(cpu.exposed, cpu.comm, 1e-12);
+  EXPECT_NEAR(cpu.step, cpu.compute + cpu.comm + cpu.optimizer, 1e-12);
 }
 
 // A layout that does not fit is tried again with its states offloaded to the host, and listed
