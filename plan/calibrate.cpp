@@ -31,6 +31,26 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The largest cache of the highest level cpu0 reports in sysfs (what lscpu shows), 32 MiB when
+// none is readable. Not sysconf(_SC_LEVEL3_CACHE_SIZE): under a VM it may report the host's
+// (384 MiB on this project's Zen 5 guests, 32 MiB in sysfs).
+size_t last_level_cache_bytes() {
+  int best_level = 0;
+  size_t best = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    size_t size = 0;
+    std::string unit;
+    if (!(level_file >> level) || !(size_file >> size)) continue;
+    size_file >> unit;  // "32768K"; the number stops at the unit
+    size <<= unit == "M" ? 20 : unit == "K" ? 10 : 0;
+    if (level > best_level || (level == best_level && size > best)) best_level = level, best = size;
+  }
+  return best ? best : size_t(32) << 20;
+}
+
 std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.4g", v);
@@ -104,7 +124,11 @@ class Bench {
   // activation): out of the caches. Writing a buffer the size of the last-level cache evicts
   // the repetition's operands, which a loop would otherwise find hot.
   void evict() {
-    if (flush_.empty()) flush_.assign(size_t(32) << 20, 0);
+    if (flush_.empty()) {
+      flush_.assign(last_level_cache_bytes(), 0);
+      note("kernels timed on cold operands: " + num(double(flush_.size()) / (1 << 20)) +
+           " MiB (the last-level cache) written before each repetition");
+    }
     for (size_t i = 0; i < flush_.size(); i += 64) flush_[i] = char(flush_[i] + 1);
   }
   void note(const std::string& line) {
