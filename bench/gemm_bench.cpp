@@ -231,6 +231,36 @@ int main(int argc, char** argv) {
             name(dt).c_str(), (long long)chunk, chunk == 0 ? " (default)" : "", tm.best * 1e3,
             6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3, tm.cpu / threads * 1e3);
       }
+      if (dt != DType::bf16) continue;
+      // bf16: small chunks of f32 logits whose bf16 gradients gather into larger groups before
+      // the backward GEMMs (LinearCrossEntropyArgs::grad_rows).
+      for (int64_t chunk : {32, 64, 112}) {
+        for (int64_t grad_rows : {128, 256, 512, 1024}) {
+          if (grad_rows <= chunk) continue;
+          const Timing tm = time_call(
+              [&] {
+                linear_cross_entropy({.x = x.data(),
+                                      .w = w.data(),
+                                      .ab = dt,
+                                      .targets = t.data(),
+                                      .N = N,
+                                      .D = D,
+                                      .V = V,
+                                      .grad_scale = 1.0f / N,
+                                      .dx = dx.data(),
+                                      .dw = dw.data(),
+                                      .chunk_rows = chunk,
+                                      .grad_rows = grad_rows});
+              },
+              secs * 3);
+          std::printf(
+              "  %-9s chunk %5lld grad_rows %5lld: best %8.2f ms (%6.1f GFLOP/s), median %8.2f "
+              "ms, scratch %5.2f MiB\n",
+              name(dt).c_str(), (long long)chunk, (long long)grad_rows, tm.best * 1e3,
+              6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3,
+              double(chunk * V * 4 + grad_rows / chunk * chunk * V * 2) / (1 << 20));
+        }
+      }
     }
   }
   return 0;

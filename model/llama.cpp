@@ -144,7 +144,9 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
     ce.targets = s.targets;
     ce.V = vocab_rows();
     ce.grad_scale = s.grad_scale;
-    ce.chunk_rows = loss_chunk_rows(config_, s.ctx.B, s.ctx.T, compute_);
+    const LossChunks chunks = loss_chunks(config_, s.ctx.B, s.ctx.T, compute_);
+    ce.chunk_rows = chunks.rows;
+    ce.grad_rows = chunks.grad_rows;
     s.loss = vocab_parallel_cross_entropy(tp, ce, vocab_begin(), config_.vocab_size);
   }
   if (tp.on()) dxf = tp_sum_partial(tp, dxf);

@@ -80,8 +80,13 @@ class LlamaModel final : public Model {
   // Per unit: the embedding saves nothing (its output is block 0's input), a block what its
   // checkpointing mode keeps, the head its input (its workspace is its backward's).
   UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const override;
-  // Rows per chunk of the fused output projection + loss.
-  static int64_t loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
+  // Rows per chunk of the fused output projection + loss: of f32 logits, and (bf16 on one tp
+  // rank) of the bf16 logit gradients its backward GEMMs take at once
+  // (cpu::LinearCrossEntropyArgs::grad_rows; 0: one chunk's).
+  struct LossChunks {
+    int64_t rows = 0, grad_rows = 0;
+  };
+  static LossChunks loss_chunks(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
  private:
   const RopeTable& rope_for(int64_t T);

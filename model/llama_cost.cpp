@@ -110,17 +110,32 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
 
 }  // namespace
 
-int64_t LlamaModel::loss_chunk_rows(const LlamaConfig& c, int64_t B, int64_t T, DType compute) {
-  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) is held to 2%
-  // of the step's saved activations, so the peak stays what the memory model predicts; larger
-  // chunks are a few percent faster (fewer passes over dW) but would be memory nobody planned for.
-  const double per_row = double(c.vocab_size) * (4 + (compute == DType::bf16 ? 2 : 0));
-  // The saved tensors as the blocks ask for them (without the allocator's slack, which does not
-  // depend on the chunk): tp has the same rows.
-  const auto budget =
-      0.02 * double(saved_activations(c, B, T, compute, 1, false, false, {}, false).at_head);
-  const int64_t rows = int64_t(budget / per_row) / 16 * 16;
-  return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
+LlamaModel::LossChunks LlamaModel::loss_chunks(const LlamaConfig& c, int64_t B, int64_t T,
+                                               DType compute) {
+  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) may take what a
+  // block's working buffers take beyond its saved tensors, less what else the head holds (its
+  // input x, xf, dxf, rstd): then the head is never the step's peak, which stays what the memory
+  // model predicts. At least 2% of the saved activations at the head (small vocabularies:
+  // larger chunks are faster, fewer passes over dW). The figures are those of one rank without
+  // checkpointing, so every layout's loss takes the same chunks and sums in the same order.
+  const SavedActivations a = saved_activations(c, B, T, compute, 1, false, false, {}, false);
+  const double M = double(B * T), d = double(c.hidden_size);
+  const double head = M * d * (4 + dtype_size(compute) + 4) + M * 4;
+  const double working = double(a.peak - a.at_head);
+  const double budget = std::max(0.02 * double(a.at_head), working - head);
+  const auto rows_of = [&](double bytes, double per_row) {
+    const int64_t rows = int64_t(bytes / per_row) / 16 * 16;
+    return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
+  };
+  const double V = double(c.vocab_size);
+  if (compute != DType::bf16) return {rows_of(budget, 4 * V), 0};
+  // bf16: the logits GEMM needs few rows to run at speed, the dW GEMM many (its inner dimension;
+  // each call re-reads and re-writes all of the f32 dW): a chunk of at most 64 rows of f32
+  // logits, the rest of the budget for the bf16 gradients (linear_cross_entropy at V 8192, D 512,
+  // 2 threads: 64 + 512 rows in 10 MiB take 72 ms, 112 + 112 rows in 5.25 MiB 89 ms).
+  const int64_t rows = std::min<int64_t>(64, rows_of(budget / 3, 4 * V));
+  const int64_t grad_rows = rows_of(budget - double(rows) * 4 * V, 2 * V) / rows * rows;
+  return {rows, std::max(rows, grad_rows)};
 }
 
 size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
@@ -299,9 +314,14 @@ size_t LlamaModel::head_workspace_bytes(int64_t B, int64_t T) const {
   const int n = tp().size();
   const bool sp = n > 1 && tp().sequence_parallel;
   const size_t M = size_t(B * T), d = size_t(config_.hidden_size);
-  const size_t logits_chunk = size_t(loss_chunk_rows(config_, B, T, compute_)) *
-                              size_t(config_.vocab_size / n) *
-                              (4 + (compute_ == DType::bf16 ? 2 : 0));
+  // One rank: the kernel's f32 logits and bf16 gradients (cpu::linear_cross_entropy_chunks);
+  // tp: a chunk of both (vocab_parallel_cross_entropy, which takes no gradient groups).
+  const LossChunks ch = loss_chunks(config_, B, T, compute_);
+  const bool bf16 = compute_ == DType::bf16;
+  const size_t Vn = size_t(config_.vocab_size / n);
+  const size_t logits_chunk =
+      n == 1 ? size_t(ch.rows) * Vn * 4 + (bf16 ? size_t(ch.grad_rows) * Vn * 2 : 0)
+             : size_t(ch.rows) * Vn * (4 + (bf16 ? 2 : 0));
   // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
   // rstd, and the loss's chunk of logits.
   if (n == 1) return M * d * (4 + dtype_size(compute_) + 4) + M * 4 + logits_chunk;
@@ -321,7 +341,7 @@ size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t
   size_t bytes = 2 * M * d * 4 + n * M * 4 + M * 4;
   if (compute == DType::bf16) {
     // The loss's chunk of logit gradients in bf16 ("ce_dlogits").
-    const int64_t chunk = loss_chunk_rows(c, B, T, compute);
+    const int64_t chunk = loss_chunks(c, B, T, compute).rows;
     const size_t rows =
         size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64, int64_t(M))));
     bytes += rows * size_t((c.vocab_size + tp - 1) / tp) * 2;

@@ -817,12 +817,12 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
 double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch for one chunk, alive for the call (the real run's allocator counts it).
-    const int64_t chunk = cpu::linear_cross_entropy_chunk(rows(a.x), a.V, a.chunk_rows);
+    const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined());
+    const cpu::LinearCrossEntropyChunks ch = cpu::linear_cross_entropy_chunks(
+        rows(a.x), a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
     const MemoryUseScope use(Device::meta, MemoryUse::loss);
-    Tensor logits = Tensor::empty({chunk, a.V}, DType::f32, Device::meta);
-    Tensor grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined())
-                        ? Tensor::empty({chunk, a.V}, DType::bf16, Device::meta)
-                        : Tensor();
+    Tensor logits = Tensor::empty({ch.rows, a.V}, DType::f32, Device::meta);
+    Tensor g16 = grad16 ? Tensor::empty({ch.grad_rows, a.V}, DType::bf16, Device::meta) : Tensor();
   }
   double loss = 0;
   on(
@@ -840,6 +840,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         ce.dx = a.dx.defined() ? a.dx.data<float>() : nullptr;
         ce.dw = a.dw.defined() ? a.dw.data<float>() : nullptr;
         ce.chunk_rows = a.chunk_rows;
+        ce.grad_rows = a.grad_rows;
         loss = cpu::linear_cross_entropy(ce);
       },
       [&] {

@@ -220,6 +220,7 @@ struct LinearCrossEntropy {
   int64_t V = 0;
   float grad_scale = 1;
   int64_t chunk_rows = 0;
+  int64_t grad_rows = 0;  // cpu::LinearCrossEntropyArgs::grad_rows
 };
 double linear_cross_entropy(const LinearCrossEntropy& a);
 // The pieces of a softmax over a vocabulary split across ranks (kernels/cpu/sharded.hpp).

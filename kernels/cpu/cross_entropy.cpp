@@ -108,8 +108,12 @@ constexpr int64_t kChunkBytes = int64_t{16} << 20;
 
 HWY_EXPORT(softmax_rows_impl);
 
-int64_t linear_cross_entropy_chunk(int64_t N, int64_t V, int64_t chunk_rows) {
-  return std::min(N, chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkBytes / (V * 4)));
+LinearCrossEntropyChunks linear_cross_entropy_chunks(int64_t N, int64_t V, int64_t chunk_rows,
+                                                     int64_t grad_rows) {
+  const int64_t rows =
+      std::min(N, chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkBytes / (V * 4)));
+  if (rows == 0) return {};
+  return {rows, std::min(N, std::max(rows, grad_rows / rows * rows))};
 }
 
 double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
@@ -129,27 +133,34 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
 
   const bool need_grad = a.dx || a.dw;
   const bool bf16_mode = a.ab == DType::bf16;
-  const int64_t chunk = linear_cross_entropy_chunk(a.N, a.V, a.chunk_rows);
+  const bool grad16 = bf16_mode && need_grad;
+  const LinearCrossEntropyChunks ch =
+      linear_cross_entropy_chunks(a.N, a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
   const size_t esz = dtype_size(a.ab);
   // Allocated once per call from the caching allocator, so the scratch is counted in its stats.
   const MemoryUseScope use(Device::cpu, MemoryUse::loss);
-  Tensor logits = Tensor::empty({chunk, a.V}, DType::f32);
-  Tensor grad16 = bf16_mode && need_grad ? Tensor::empty({chunk, a.V}, DType::bf16) : Tensor();
+  Tensor logits = Tensor::empty({ch.rows, a.V}, DType::f32);
+  Tensor g16 = grad16 ? Tensor::empty({ch.grad_rows, a.V}, DType::bf16) : Tensor();
   float* L = logits.data<float>();
-  bf16* G16 = grad16.defined() ? grad16.data<bf16>() : nullptr;
+  bf16* G16 = grad16 ? g16.data<bf16>() : nullptr;
   const void* dlogits = G16 ? static_cast<const void*>(G16) : static_cast<const void*>(L);
 
+  // Groups of grad_rows rows (one chunk's unless bf16 gathers several): the logits and softmax
+  // chunk by chunk into the group's gradients, then the two backward GEMMs over the group.
   double loss = 0;
-  for (int64_t r0 = 0; r0 < a.N; r0 += chunk) {
-    const int64_t c = std::min(chunk, a.N - r0);
-    const void* xc = static_cast<const char*>(a.x) + r0 * a.D * esz;
-    linear_forward(xc, a.w, L, c, a.V, a.D, a.ab);
-    const int64_t V = a.V;
-    const float scale = a.grad_scale;
-    const int32_t* tg = a.targets + r0;
-    loss += LOOM_DISPATCH(softmax_rows_impl)(L, G16, c, V, tg, scale, need_grad);
-    if (a.dx) linear_backward_input(dlogits, a.w, a.dx + r0 * a.D, c, a.V, a.D, a.ab, false);
-    if (a.dw) linear_backward_weight(dlogits, xc, a.dw, c, a.V, a.D, a.ab);
+  for (int64_t g0 = 0; g0 < a.N; g0 += ch.grad_rows) {
+    const int64_t gn = std::min(ch.grad_rows, a.N - g0);
+    for (int64_t r0 = g0; r0 < g0 + gn; r0 += ch.rows) {
+      const int64_t c = std::min(ch.rows, g0 + gn - r0);
+      const void* xc = static_cast<const char*>(a.x) + r0 * a.D * esz;
+      linear_forward(xc, a.w, L, c, a.V, a.D, a.ab);
+      bf16* g = G16 ? G16 + (r0 - g0) * a.V : nullptr;
+      loss += LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale,
+                                               need_grad);
+    }
+    const void* xg = static_cast<const char*>(a.x) + g0 * a.D * esz;
+    if (a.dx) linear_backward_input(dlogits, a.w, a.dx + g0 * a.D, gn, a.V, a.D, a.ab, false);
+    if (a.dw) linear_backward_weight(dlogits, xg, a.dw, gn, a.V, a.D, a.ab);
   }
   return loss;
 }

@@ -17,11 +17,22 @@ struct LinearCrossEntropyArgs {
   float* dx = nullptr;     // [N, D] f32, overwritten (nullptr: not computed)
   float* dw = nullptr;     // [V, D] f32, accumulated (nullptr: not computed)
   int64_t chunk_rows = 0;  // 0: chosen so a chunk's logits stay ~16 MiB
+  // bf16 with gradients: rows of bf16 logit gradients gathered (from chunks of `chunk_rows` f32
+  // logits) before the dx and dW GEMMs run on them; 0 or anything <= chunk_rows: one chunk's. Each
+  // dW GEMM reads and writes all of the f32 dW, so its inner dimension is these rows: at V 8192
+  // and D 512, 112 of them make the loss 1.5x slower than 2048 (the head's f32 dW re-read every
+  // chunk), while a chunk of f32 logits needs only enough rows for an efficient logits GEMM.
+  // Rounded down to a multiple of the (effective) chunk_rows.
+  int64_t grad_rows = 0;
 };
 
-// The rows of one chunk (its f32 logits, and with bf16 their bf16 gradient, are the call's
-// scratch from the caching allocator): what a meta run books for it.
-int64_t linear_cross_entropy_chunk(int64_t N, int64_t V, int64_t chunk_rows);
+// The rows of one chunk of f32 logits and of the bf16 logit gradients (the call's scratch from the
+// caching allocator, the latter only for bf16 with gradients): what a meta run books for them.
+struct LinearCrossEntropyChunks {
+  int64_t rows = 0, grad_rows = 0;
+};
+LinearCrossEntropyChunks linear_cross_entropy_chunks(int64_t N, int64_t V, int64_t chunk_rows,
+                                                     int64_t grad_rows);
 // Returns the sum over non-ignored rows of -log softmax(x w^T)[target]. Throws loom::Error naming
 // the row if a target is >= V.
 double linear_cross_entropy(const LinearCrossEntropyArgs& a);

@@ -293,9 +293,20 @@ TEST(LinearCrossEntropy, Bf16MatchesReferenceOnRoundedInputs) {
   const double want = ref_loss(p.xd(), p.wd(), p.t, p.N, p.D, p.V);
   std::vector<double> rdx, rdw;
   ref_grads(p.xd(), p.wd(), p.t, p.N, p.D, p.V, p.scale, rdx, rdw);
-  for (int64_t chunk : {1, 7, 0}) {
-    SCOPED_TRACE(testing::Message() << "chunk=" << chunk);
+  // {chunk_rows, grad_rows}: one chunk per gradient group, groups of several chunks (the last one
+  // short, 37 = 2 x 14 + 9 rows), a group rounded down to a multiple of the chunk (20 -> 14),
+  // one group for every row.
+  const std::pair<int64_t, int64_t> chunkings[] = {{1, 0}, {7, 0}, {0, 0}, {7, 14},
+                                                   {7, 20}, {4, 37}, {3, 1000}};
+  for (const auto& [chunk, grad_rows] : chunkings) {
+    SCOPED_TRACE(testing::Message() << "chunk=" << chunk << " grad_rows=" << grad_rows);
+    const LinearCrossEntropyChunks ch = linear_cross_entropy_chunks(p.N, p.V, chunk, grad_rows);
+    EXPECT_TRUE(ch.grad_rows % ch.rows == 0 || ch.grad_rows == p.N) << ch.grad_rows;
+    if (grad_rows == 20) {
+      EXPECT_EQ(ch.grad_rows, 14);
+    }
     std::vector<float> dx(p.N * p.D, 7.0f), dw(p.V * p.D, 0.0f);
+    Allocator::get(Device::cpu).reset_peak();
     const auto before = Allocator::get(Device::cpu).stats();
     const double loss = linear_cross_entropy({.x = x16.data(),
                                               .w = w16.data(),
@@ -307,8 +318,13 @@ TEST(LinearCrossEntropy, Bf16MatchesReferenceOnRoundedInputs) {
                                               .grad_scale = p.scale,
                                               .dx = dx.data(),
                                               .dw = dw.data(),
-                                              .chunk_rows = chunk});
-    EXPECT_EQ(Allocator::get(Device::cpu).stats().num_allocs - before.num_allocs, 2u);
+                                              .chunk_rows = chunk,
+                                              .grad_rows = grad_rows});
+    const auto after = Allocator::get(Device::cpu).stats();
+    EXPECT_EQ(after.num_allocs - before.num_allocs, 2u);
+    // The scratch the caching allocator handed out: what a meta run books.
+    EXPECT_GE(after.peak_allocated - before.allocated,
+              size_t(ch.rows * p.V * 4 + ch.grad_rows * p.V * 2));
     EXPECT_NEAR(loss, want, 1e-6 * std::abs(want));
     EXPECT_LT(rel_l2(dx, rdx), 1e-2);
     EXPECT_LT(rel_l2(dw, rdw), 1e-2);

@@ -161,8 +161,9 @@ TEST(ActivationCheckpoint, PeakMemoryFollowsTheModel) {
   auto& alloc = Allocator::get(Device::cpu);
   for (DType dt : {DType::f32, DType::bf16}) {
     const size_t cs = dtype_size(dt);
-    const size_t chunk = size_t(LlamaModel::loss_chunk_rows(c, B, T, dt)) * size_t(c.vocab_size) *
-                         (4 + (dt == DType::bf16 ? 2 : 0));
+    const LlamaModel::LossChunks ch = LlamaModel::loss_chunks(c, B, T, dt);
+    const size_t chunk = size_t(ch.rows) * size_t(c.vocab_size) * 4 +
+                         (dt == DType::bf16 ? size_t(ch.grad_rows) * size_t(c.vocab_size) * 2 : 0);
     const size_t head = size_t(M * d) * (4 + cs + 4) + size_t(M) * 4 + chunk;
     size_t peak_none = 0;
     for (const ActivationCheckpoint& a :
