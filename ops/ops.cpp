@@ -818,8 +818,8 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch for one chunk, alive for the call (the real run's allocator counts it).
     const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined());
-    const cpu::LinearCrossEntropyChunks ch = cpu::linear_cross_entropy_chunks(
-        rows(a.x), a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
+    const cpu::LinearCrossEntropyChunks ch =
+        cpu::linear_cross_entropy_chunks(rows(a.x), a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
     const MemoryUseScope use(Device::meta, MemoryUse::loss);
     Tensor logits = Tensor::empty({ch.rows, a.V}, DType::f32, Device::meta);
     Tensor g16 = grad16 ? Tensor::empty({ch.grad_rows, a.V}, DType::bf16, Device::meta) : Tensor();

@@ -155,8 +155,8 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
       const void* xc = static_cast<const char*>(a.x) + r0 * a.D * esz;
       linear_forward(xc, a.w, L, c, a.V, a.D, a.ab);
       bf16* g = G16 ? G16 + (r0 - g0) * a.V : nullptr;
-      loss += LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale,
-                                               need_grad);
+      loss +=
+          LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale, need_grad);
     }
     const void* xg = static_cast<const char*>(a.x) + g0 * a.D * esz;
     if (a.dx) linear_backward_input(dlogits, a.w, a.dx + g0 * a.D, gn, a.V, a.D, a.ab, false);

@@ -296,7 +296,7 @@ TEST(LinearCrossEntropy, Bf16MatchesReferenceOnRoundedInputs) {
   // {chunk_rows, grad_rows}: one chunk per gradient group, groups of several chunks (the last one
   // short, 37 = 2 x 14 + 9 rows), a group rounded down to a multiple of the chunk (20 -> 14),
   // one group for every row.
-  const std::pair<int64_t, int64_t> chunkings[] = {{1, 0}, {7, 0}, {0, 0}, {7, 14},
+  const std::pair<int64_t, int64_t> chunkings[] = {{1, 0},  {7, 0},  {0, 0},   {7, 14},
                                                    {7, 20}, {4, 37}, {3, 1000}};
   for (const auto& [chunk, grad_rows] : chunkings) {
     SCOPED_TRACE(testing::Message() << "chunk=" << chunk << " grad_rows=" << grad_rows);
