@@ -43,6 +43,7 @@
 #include "core/dtype.hpp"
 #include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/attention_bf16.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
@@ -263,8 +264,12 @@ void bench_adamw(Bench& b, const Model& m) {
 }
 
 // q, k, v in one token-major buffer as the fused qkv GEMM leaves them (the model's layout).
+// attention_bf16_* rows: the same shapes with bf16 q, k, v and attention output (the bf16 mixed
+// precision path: kernels/cpu/attention_bf16.hpp, vdpbf16ps where the CPU has it), and a line
+// with their speedup over the f32 rows.
 void bench_attention(Bench& b, const Model& m) {
-  if (!b.wants({"attention_fwd", "attention_bwd"})) return;
+  if (!b.wants({"attention_fwd", "attention_bwd", "attention_bf16_fwd", "attention_bf16_bwd"}))
+    return;
   const int64_t D = m.D(), stride = (m.Hq + 2 * m.Hkv) * D;
   auto qkv = random_floats(kRows * stride, 1), dout = random_floats(kRows * m.Hq * D, 2);
   std::vector<float> dqkv(qkv.size()), out(dout.size()), lse(kB * m.Hq * kT);
@@ -275,11 +280,28 @@ void bench_attention(Bench& b, const Model& m) {
   const double product = 2.0 * kB * m.Hq * kT * kT * D / 2;
   const auto shape = format("B%lld T%lld H%lld/%lld D%lld", (long long)kB, (long long)kT,
                             (long long)m.Hq, (long long)m.Hkv, (long long)D);
-  b.run("attention_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV",
-        [&] { cpu::attention_forward(s, q, k, v, out.data(), lse.data()); });
-  b.run("attention_bwd", shape, 5 * product, "GFLOP/s", "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
-    cpu::attention_backward(s, q, k, v, out.data(), lse.data(), dout.data(), dq, dk, dv);
+  const double fwd = b.run("attention_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV",
+                           [&] { cpu::attention_forward(s, q, k, v, out.data(), lse.data()); });
+  const double bwd = b.run(
+      "attention_bwd", shape, 5 * product, "GFLOP/s", "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
+        cpu::attention_backward(s, q, k, v, out.data(), lse.data(), dout.data(), dq, dk, dv);
+      });
+  std::vector<bf16> qkv16(qkv.size()), out16(out.size());
+  for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = float_to_bf16(qkv[i]);
+  const bf16 *q16 = qkv16.data(), *k16 = q16 + m.Hq * D, *v16 = k16 + m.Hkv * D;
+  const double fwd16 = b.run("attention_bf16_fwd", shape, 2 * product, "GFLOP/s", "QK^T, PV", [&] {
+    cpu::attention_forward_bf16(s, q16, k16, v16, out.data(), lse.data());
   });
+  for (size_t i = 0; i < out.size(); ++i) out16[i] = float_to_bf16(out[i]);
+  const double bwd16 = b.run("attention_bf16_bwd", shape, 5 * product, "GFLOP/s",
+                             "QK^T, dO V^T, P^T dO, dS^T Q, dS K", [&] {
+                               cpu::attention_backward_bf16(s, q16, k16, v16, out16.data(),
+                                                            lse.data(), dout.data(), dq, dk, dv);
+                             });
+  if (fwd > 0 && bwd > 0 && fwd16 > 0 && bwd16 > 0)
+    std::printf("attention bf16/f32 speedup (median): fwd %.2fx, bwd %.2fx, fwd+bwd %.2fx (%s)\n",
+                fwd / fwd16, bwd / bwd16, (fwd + bwd) / (fwd16 + bwd16),
+                cpu::attention_bf16_native() ? "vdpbf16ps" : "vdpbf16ps emulated");
 }
 
 // Context parallelism (ring attention) at debug-like shapes: what cp rank 0 computes per layer,
@@ -389,8 +411,8 @@ int main(int argc, char** argv) {
   std::printf("tier: kernels %s, oneDNN %s (LOOM_CPU_ISA=%s); CPU %s\n", cpu::isa_name(isa.kernels),
               isa.onednn.c_str(), isa.requested.c_str(), cpu::cpu_model_name().c_str());
   Bench b(filter, reps);
-  if (b.wants({"attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd", "ring_ideal_fwd",
-               "ring_ideal_bwd"})) {
+  if (b.wants({"attention_fwd", "attention_bwd", "attention_bf16_fwd", "attention_bf16_bwd",
+               "ring_fwd", "ring_bwd", "ring_ideal_fwd", "ring_ideal_bwd"})) {
     b.peak = cpu::measure_gemm_peak(DType::f32, 1.0);
     b.busy_peak = busy_gemm_peak(10);
     std::printf("f32 GEMM peak at this tier in busy time: %.1f GFLOP/s\n", b.busy_peak * 1e-9);
@@ -412,7 +434,7 @@ int main(int argc, char** argv) {
   }
   // Attention alone at Llama's head dim 128 (dim 512 in 4 heads, no GQA).
   const Model d128{"d128", 512, 1376, 8, 4, 4, 8192};
-  if (b.wants({"attention_fwd", "attention_bwd"}))
+  if (b.wants({"attention_fwd", "attention_bwd", "attention_bf16_fwd", "attention_bf16_bwd"}))
     std::printf("-- %s: attention only, heads %lld/%lld of %lld\n", d128.name, (long long)d128.Hq,
                 (long long)d128.Hkv, (long long)d128.D());
   bench_attention(b, d128);

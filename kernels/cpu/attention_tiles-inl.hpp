@@ -11,10 +11,16 @@
 #define LOOM_KERNELS_CPU_ATTENTION_TILES_INL_
 #endif
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <numeric>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/vec_math-inl.hpp"
@@ -373,6 +379,87 @@ void dispatch_head_dim(int64_t D, Args&&... args) {
       break;
   }
 }
+// ---- tile pairs of the block kernels (f32 and bf16) ----------------------------------------
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Positions of a block cut into tiles of `tile`: padded to whole tiles with `pad`, the range
+// [lo, hi] of every tile's real positions, and whether they are a run of consecutive positions
+// (every tile of plain causal attention, every tile inside one zigzag chunk).
+struct Tiles {
+  Tiles(const int64_t* pos, int64_t n, int64_t tile, int64_t pad)
+      : count((n + tile - 1) / tile), padded(static_cast<size_t>(count * tile), pad) {
+    std::copy_n(pos, n, padded.begin());
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t* first = pos + t * tile;
+      const int64_t* last = pos + std::min(n, (t + 1) * tile);
+      const auto [mn, mx] = std::minmax_element(first, last);
+      lo.push_back(*mn);
+      hi.push_back(*mx);
+      bool consecutive = true;
+      for (const int64_t* p = first + 1; p < last; ++p)
+        consecutive = consecutive && *p == p[-1] + 1;
+      run.push_back(consecutive);
+    }
+  }
+  int64_t count;
+  std::vector<int64_t> padded, lo, hi;
+  std::vector<char> run;
+};
+
+// What a (query tile, key tile) pair computes: nothing when every key follows every query, the
+// whole tile when every key precedes (or equals) every query, masked entries otherwise.
+enum class Pair { none, all, masked };
+inline Pair classify(const Tiles& qt, int64_t qi, const Tiles& kt, int64_t kj) {
+  if (kt.lo[kj] > qt.hi[qi]) return Pair::none;
+  return kt.hi[kj] <= qt.lo[qi] ? Pair::all : Pair::masked;
+}
+
+// Which entries of a pair of tiles (nq queries from q0, nk keys from k0) are visible. When both
+// tiles are runs, key j is visible to query i iff j + off <= i (off = first key position - first
+// query position), so the kernels skip whole vectors and rows past the diagonal, as plain causal
+// attention does; otherwise (a tile straddling two zigzag chunks) each entry is selected by
+// position.
+struct PairMask {
+  PairMask(const Tiles& qt, int64_t qi, const Tiles& kt, int64_t kj, int64_t nq, int64_t nk)
+      : kind(classify(qt, qi, kt, kj)),
+        diagonal(kind == Pair::masked && qt.run[qi] && kt.run[kj]),
+        off(kt.padded[kj * kBk] - qt.padded[qi * kBq]),
+        nq(nq),
+        nk(nk) {}
+  // Keys [0, key_limit(i)) hold every key query i may see.
+  int64_t key_limit(int64_t i) const {
+    return diagonal ? std::clamp<int64_t>(i - off + 1, 0, nk) : nk;
+  }
+  // Queries [first_query(j), nq) hold every query that may see key j.
+  int64_t first_query(int64_t j) const {
+    return diagonal ? std::clamp<int64_t>(j + off, 0, nq) : 0;
+  }
+  // Entries within those ranges still to be selected by position.
+  bool by_position() const { return kind == Pair::masked && !diagonal; }
+
+  Pair kind;
+  bool diagonal;
+  int64_t off, nq, nk;
+};
+
+// Tile indices ordered by decreasing number of partner tiles they work with (ties by index): the
+// dynamic schedule then hands out the heaviest units first.
+inline std::vector<int64_t> heaviest_first(const Tiles& a, const Tiles& b, bool a_is_query) {
+  std::vector<int64_t> work(static_cast<size_t>(a.count), 0), order(work.size());
+  for (int64_t i = 0; i < a.count; ++i)
+    for (int64_t j = 0; j < b.count; ++j)
+      work[i] += (a_is_query ? classify(a, i, b, j) : classify(b, j, a, i)) != Pair::none;
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  return order;
+}
+
+inline void report_progress(const std::function<void()>* progress) {
+  if (*progress && omp_get_thread_num() == 0) (*progress)();
+}
+
 }  // namespace loom::cpu::HWY_NAMESPACE::tiles
 HWY_AFTER_NAMESPACE();
 

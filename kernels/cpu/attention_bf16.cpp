@@ -1,0 +1,934 @@
+#include "kernels/cpu/attention_bf16.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include <omp.h>
+
+#include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
+
+// Compiled once per CPU tier (cpu_isa.hpp); the public functions below dispatch to the tier in use.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention_bf16.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include "kernels/cpu/attention_tiles-inl.hpp"
+#include "kernels/cpu/vec_math-inl.hpp"
+
+// See vec_math-inl.hpp: the ABI note on vectors does not apply to functions internal to this file.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::cpu::HWY_NAMESPACE {
+namespace {
+
+using namespace tiles;
+
+// ---- bf16 vectors ------------------------------------------------------------------------------
+// A bf16 tile is handled as 16-bit words (natural layout: one element per word) or as 32-bit words
+// holding a pair (low half: element 2p, high half: element 2p + 1), the operand layout of
+// vdpbf16ps.
+typedef uint32_t vu __attribute__((vector_size(kW * 4)));
+typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+typedef uint32_t vuu __attribute__((vector_size(kW * 4), aligned(4), may_alias));
+typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
+
+inline vu loadu(const uint32_t* p) {
+  return *reinterpret_cast<const vuu*>(p);
+}
+inline void storeu(uint32_t* p, vu x) {
+  *reinterpret_cast<vuu*>(p) = x;
+}
+inline vh loadh(const uint16_t* p) {
+  return *reinterpret_cast<const vhu*>(p);
+}
+inline void storeh(uint16_t* p, vh x) {
+  *reinterpret_cast<vhu*>(p) = x;
+}
+// bf16 bits (round to nearest even) in the low half of each lane; inputs are finite.
+inline vu round_bf16(vf x) {
+  const vu u = __builtin_bit_cast(vu, x);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+inline uint16_t round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline vf widen(vh x) {
+  return __builtin_bit_cast(vf, __builtin_convertvector(x, vu) << 16);
+}
+inline float hsum(vf x) {
+  float s = 0;
+  for (int l = 0; l < kW; ++l) s += x[l];
+  return s;
+}
+inline float hmax(vf x) {
+  float m = x[0];
+  for (int l = 1; l < kW; ++l) m = std::max(m, x[l]);
+  return m;
+}
+
+// ---- pair products ----------------------------------------------------------------------------
+// C[r][kW v + c] (+)= sum_{p in [lo, hi)} a(r, p).lo * b(p, kW v + c).lo + a.hi * b.hi, with
+// a(r, p) = A[r*sr + p*sp] and b(p, c) = B[p*ldb + c] pairs of bf16 (32-bit words), C f32: the
+// reduction index of the product runs over 2p, 2p + 1. A word of A is broadcast, a vector of B
+// words is a register. vdpbf16ps does one such step per vector; elsewhere it is emulated by two
+// FMAs on the halves widened to f32 (each product of two bf16 is exact in f32; high half first,
+// as Intel's vdpbf16ps).
+#if HWY_TARGET == HWY_AVX3
+constexpr bool kMayBeNative = true;  // the tier whose CPUs may have AVX512_BF16
+#else
+constexpr bool kMayBeNative = false;
+#endif
+
+// Vectors of C per kernel, and rows: vdpbf16ps takes its A word from memory (broadcast), so 6
+// rows x 4 vectors + 4 vectors of B = 28 of 32 registers; the emulation needs two registers per
+// vector of B and two broadcasts: 4 x 4 + 8 + 2 on AVX-512, 4 x 2 + 4 + 2 of the 16 otherwise.
+constexpr int kPairNV = kRegs == 32 ? 4 : 2;
+template <bool Native>
+constexpr int pair_rows() {
+  return Native ? 6 : 4;
+}
+
+#if HWY_TARGET == HWY_AVX3
+// The vdpbf16ps kernel: compiled for AVX512_BF16 on top of this region's AVX-512 (called only
+// where the CPU has it: attention_bf16_native()), so it is a function of its own that the
+// callers, compiled without it, call per block of rows.
+template <int R, int NV>
+__attribute__((target("avx512bf16"))) void pair_kernel_native(const uint32_t* A, int64_t sr,
+                                                              int64_t sp, const uint32_t* B,
+                                                              int64_t ldb, int64_t lo, int64_t hi,
+                                                              float* C, int64_t ldc, bool load_c,
+                                                              const float* row_scale) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float rs = row_scale ? row_scale[r] : 1.0f;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = load_c ? _mm512_mul_ps(_mm512_loadu_ps(C + r * ldc + v * kW), _mm512_set1_ps(rs))
+                         : _mm512_setzero_ps();
+  }
+  for (int64_t p = lo; p < hi; ++p) {
+    const uint32_t* b = B + p * ldb;
+    const uint32_t* a = A + p * sp;
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * kW);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int32_t(a[r * sr]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * kW, acc[r][v]);
+}
+#endif
+
+template <bool Native, int R, int NV>
+inline void pair_kernel(const uint32_t* A, int64_t sr, int64_t sp, const uint32_t* B, int64_t ldb,
+                        int64_t lo, int64_t hi, float* C, int64_t ldc, bool load_c,
+                        const float* row_scale) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (Native)
+    return pair_kernel_native<R, NV>(A, sr, sp, B, ldb, lo, hi, C, ldc, load_c, row_scale);
+#endif
+  vf acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float rs = row_scale ? row_scale[r] : 1.0f;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = load_c ? load(C + r * ldc + v * kW) * rs : vf{};
+  }
+  for (int64_t p = lo; p < hi; ++p) {
+    const uint32_t* b = B + p * ldb;
+    const uint32_t* a = A + p * sp;
+    {
+      vf bh[NV], bl[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const vu x = loadu(b + v * kW);
+        bh[v] = __builtin_bit_cast(vf, x & 0xffff0000u);
+        bl[v] = __builtin_bit_cast(vf, x << 16);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const uint32_t x = a[r * sr];
+        const float ah = __builtin_bit_cast(float, x & 0xffff0000u);
+        const float al = __builtin_bit_cast(float, x << 16);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          acc[r][v] += bh[v] * ah;
+          acc[r][v] += bl[v] * al;
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kW, acc[r][v]);
+}
+
+struct PairProd {
+  const uint32_t* A;
+  int64_t sr, sp;
+  const uint32_t* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  bool load_c = false;               // add to C (else overwrite it)
+  const float* row_scale = nullptr;  // with load_c: C[r] *= row_scale[r] first (online softmax)
+};
+// What rows [r0, r1) compute: pairs [lo, hi) of the reduction, vectors [v0, nv) of C.
+struct PairRange {
+  int64_t lo, hi, nv, v0 = 0;
+};
+
+// Rows [0, rows) in blocks; range(r0, r1) -> PairRange.
+template <bool Native, class Range>
+void pair_products(const PairProd& x, int64_t rows, Range range) {
+  row_blocks<pair_rows<Native>()>(rows, [&]<int R>(int64_t r) {
+    const PairRange pr = range(r, r + R);
+    if (pr.lo >= pr.hi && x.load_c && !x.row_scale) return;
+    for (int64_t v0 = pr.v0; v0 < pr.nv; v0 += kPairNV) {
+      const auto run = [&]<int NV>() {
+        pair_kernel<Native, R, NV>(x.A + r * x.sr, x.sr, x.sp, x.B + v0 * kW, x.ldb, pr.lo, pr.hi,
+                                   x.C + r * x.ldc + v0 * kW, x.ldc, x.load_c,
+                                   x.row_scale ? x.row_scale + r : nullptr);
+      };
+      switch (std::min<int64_t>(kPairNV, pr.nv - v0)) {
+        case 1:
+          run.template operator()<1>();
+          break;
+        case 2:
+          run.template operator()<2>();
+          break;
+        case 3:
+          if constexpr (kPairNV >= 3) run.template operator()<3>();
+          break;
+        case 4:
+          if constexpr (kPairNV >= 4) run.template operator()<4>();
+          break;
+        default:
+          break;
+      }
+    }
+  });
+}
+
+// ---- packing -----------------------------------------------------------------------------------
+// Head-dim widths of the packed tiles: Dn (natural rows, a multiple of 2 kW so that their words
+// transpose in kW x kW blocks) and Dc (columns of outputs and of the pair-interleaved rows, a
+// multiple of kW); both zero-padded past D.
+struct Widths {
+  explicit Widths(int64_t D)
+      : D(D),
+        Dn((D + 2 * kW - 1) / (2 * kW) * 2 * kW),
+        Dc((D + kW - 1) / kW * kW),
+        D2((D + 1) / 2) {}
+  int64_t D, Dn, Dc, D2;  // D2: pairs of the reduction over the head dim
+};
+
+// dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D; zero for c in [D, ldd) and rows in
+// [rows, rpad).
+inline void copy_rows(const uint16_t* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
+                      int64_t ldd, int64_t rpad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * ldd, src + r * lds, size_t(D) * 2);
+    std::memset(dst + r * ldd + D, 0, size_t(ldd - D) * 2);
+  }
+  if (rpad > rows) std::memset(dst + rows * ldd, 0, size_t((rpad - rows) * ldd) * 2);
+}
+// The same from f32, rounded to bf16.
+inline void round_rows(const float* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
+                       int64_t ldd, int64_t rpad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    uint16_t* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + kW <= D; c += kW)
+      storeh(d + c, __builtin_convertvector(round_bf16(load(s + c)), vh));
+    for (; c < D; ++c) d[c] = round_bf16(s[c]);
+    std::memset(d + D, 0, size_t(ldd - D) * 2);
+  }
+  if (rpad > rows) std::memset(dst + rows * ldd, 0, size_t((rpad - rows) * ldd) * 2);
+}
+// dst[p*ldd + c] = (src[2p][c], src[2p+1][c]) for p < rpad/2, c < cols (a multiple of kW), rows
+// past `rows` zero: rows of a natural tile (row stride lds) in pairs, the B operand of a reduction
+// over its rows.
+inline void interleave_rows(const uint16_t* src, int64_t lds, int64_t rows, int64_t rpad,
+                            int64_t cols, uint32_t* dst, int64_t ldd) {
+  for (int64_t p = 0; p < rpad / 2; ++p)
+    for (int64_t c = 0; c < cols; c += kW) {
+      const vu a = 2 * p < rows ? __builtin_convertvector(loadh(src + 2 * p * lds + c), vu) : vu{};
+      const vu b =
+          2 * p + 1 < rows ? __builtin_convertvector(loadh(src + (2 * p + 1) * lds + c), vu) : vu{};
+      storeu(dst + p * ldd + c, a | (b << 16));
+    }
+}
+// dst[c*ldd + r] = src[r*lds + c] for r < rpad, c < cols (both multiples of kW), 32-bit words,
+// rows past `rows` zero: a natural tile's pairs along its rows become rows of pairs, the B operand
+// of a reduction over its columns. (Moves of bits only: the words are not floats.)
+inline void transpose_words(const uint32_t* src, int64_t lds, int64_t rows, int64_t rpad,
+                            int64_t cols, uint32_t* dst, int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rpad; r0 += kW)
+    for (int64_t c0 = 0; c0 < cols; c0 += kW) {
+      vf x[kW];
+      for (int i = 0; i < kW; ++i)
+        x[i] =
+            r0 + i < rows ? load(reinterpret_cast<const float*>(src + (r0 + i) * lds + c0)) : vf{};
+      transpose_stage<0>(x);
+      transpose_stage<1>(x);
+      if constexpr (kW >= 8) transpose_stage<2>(x);
+      if constexpr (kW >= 16) transpose_stage<3>(x);
+      for (int i = 0; i < kW; ++i) store(reinterpret_cast<float*>(dst + (c0 + i) * ldd + r0), x[i]);
+    }
+}
+
+inline const uint16_t* bits(const bf16* p) {
+  return reinterpret_cast<const uint16_t*>(p);
+}
+inline const uint32_t* words(const uint16_t* p) {
+  return reinterpret_cast<const uint32_t*>(p);
+}
+inline uint32_t* words(uint16_t* p) {
+  return reinterpret_cast<uint32_t*>(p);
+}
+
+// Per-thread scratch in 32-bit words (Scratch holds floats; every piece starts on a cache line).
+struct Words {
+  explicit Words(Scratch& s, int64_t n) : w(reinterpret_cast<uint32_t*>(s.take(n))) {}
+  uint32_t* w;
+  uint16_t* h() const { return reinterpret_cast<uint16_t*>(w); }
+};
+
+// ---- forward -----------------------------------------------------------------------------------
+// Per tile pair, as the f32 kernel: S^T = K Q^T with keys as rows (A: K rows, B: Q^T in pairs over
+// the head dim, packed once per query tile), so the online softmax runs down the columns,
+// vectorized over queries; P is rounded into pairs over keys, [kBk/2][kBq] words, which is the A
+// operand of O += P V (B: V in pairs over keys, packed once per tile pair).
+template <bool Native>
+void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                  const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
+                  const std::function<void()>* progress) {
+  const int64_t Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, D = s.D, G = s.Hq / s.Hkv;
+  const int64_t qs = s.q_stride, kvs = s.kv_stride;
+  const Widths wd(D);
+  const int64_t Dn = wd.Dn, Dc = wd.Dc;
+  // Rows are read in place where whole words (and, for the packing, whole vectors) of them lie
+  // inside the row: K as pairs over d (D even), Q and V as vectors.
+  const bool even = D % 2 == 0 && qs % 2 == 0 && kvs % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(k) % 4 == 0;
+  const bool k_direct = even, q_direct = even && D == Dn, v_direct = D == Dc;
+  const Tiles qtiles(q_pos, Tq, kBq, std::numeric_limits<int64_t>::min());
+  const Tiles ktiles(k_pos, Tk, kBk, std::numeric_limits<int64_t>::max());
+  const int64_t nqt = qtiles.count, nkt = ktiles.count;
+  const std::vector<int64_t> order = heaviest_first(qtiles, ktiles, true);
+  const int64_t units = s.B * Hq * nqt;
+  // Scores in base-2 units: S times scale*log2(e) (in f32, after the bf16 product).
+  const float c = s.scale * kLog2e;
+#pragma omp parallel
+  {
+    Scratch scratch(lines(kBq * Dn / 2) + lines(Dn / 2 * kBq) + 2 * lines(kBk * Dn / 2) +
+                    lines(kBk / 2 * Dc) + lines(kBk * kBq) + lines(kBk / 2 * kBq) +
+                    lines(kBq * Dc) + 3 * lines(kBq));
+    const Words qn(scratch, kBq * Dn / 2);   // Q rows, natural bf16 [kBq][Dn] (if not in place)
+    const Words qd(scratch, Dn / 2 * kBq);   // Q^T in pairs over d, [Dn/2][kBq] words
+    const Words kn(scratch, kBk * Dn / 2);   // K rows, natural (if not in place)
+    const Words vn(scratch, kBk * Dn / 2);   // V rows, natural (if not in place)
+    const Words vk(scratch, kBk / 2 * Dc);   // V in pairs over keys, [kBk/2][Dc] words
+    float* st = scratch.take(kBk * kBq);     // S^T of the tile pair, [kBk][kBq]
+    const Words pk(scratch, kBk / 2 * kBq);  // P rounded, in pairs over keys, [kBk/2][kBq] words
+    float* o = scratch.take(kBq * Dc);       // unnormalized output rows, [kBq][Dc]
+    float* m = scratch.take(kBq);            // running max (base 2)
+    float* l = scratch.take(kBq);            // running sum
+    float* alpha = scratch.take(kBq);        // rescale factor of the current key tile
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t qi = order[u % nqt];
+      const int64_t b = u / nqt / Hq, h = u / nqt % Hq, g = h / G;
+      const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+      const int64_t nvq = (nq + kW - 1) / kW;
+      const int64_t* qp = qtiles.padded.data() + q0;
+      const uint16_t* qrows = q + (b * Tq + q0) * qs + h * D;
+      int64_t qld = qs;
+      if (!q_direct) {
+        copy_rows(qrows, qs, nq, D, qn.h(), Dn, kBq);
+        qrows = qn.h(), qld = Dn;
+      }
+      transpose_words(words(qrows), qld / 2, nq, kBq, Dn / 2, qd.w, kBq);
+      std::fill(m, m + kBq, kNegInf);
+      std::fill(l, l + kBq, 0.0f);
+      bool first = true;
+      for (int64_t kj = 0; kj < nkt; ++kj) {
+        const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+        if (mask.kind == Pair::none) continue;
+        const uint16_t* krows = k + (b * Tk + k0) * kvs + g * D;
+        const uint16_t* vrows = v + (b * Tk + k0) * kvs + g * D;
+        int64_t kld = kvs, vld = kvs;
+        if (!k_direct) {
+          copy_rows(krows, kvs, nk, D, kn.h(), Dn, kBk);
+          krows = kn.h(), kld = Dn;
+        }
+        if (!v_direct) {
+          copy_rows(vrows, kvs, nk, D, vn.h(), Dn, kBk);
+          vrows = vn.h(), vld = Dn;
+        }
+        interleave_rows(vrows, vld, nk, kBk, Dc, vk.w, Dc);
+        // S^T = K Q^T: rows are keys; row block [r0, r1) needs the queries from key r0's first.
+        pair_products<Native>(PairProd{words(krows), kld / 2, 1, qd.w, kBq, st, kBq}, nk,
+                              [&](int64_t r0, int64_t) {
+                                return PairRange{0, wd.D2, nvq, mask.first_query(r0) / kW};
+                              });
+        // Masked entries get -inf, so that exp2 gives them exactly 0.
+        if (mask.diagonal) {
+          for (int64_t j = 0; j < nk; ++j)
+            std::fill_n(st + j * kBq, std::min(mask.first_query(j), nvq * kW), kNegInf);
+        } else if (mask.by_position()) {
+          const int64_t* kp = ktiles.padded.data() + k0;
+          for (int64_t j = 0; j < nk; ++j)
+            for (int64_t i = 0; i < nvq * kW; ++i)
+              if (kp[j] > qp[i]) st[j * kBq + i] = kNegInf;
+        }
+        // Online softmax, vectorized over kW queries at a time; P rounded into pairs of keys. A
+        // query that has seen no key yet has a running max of -inf; subtracting 0 instead keeps
+        // exp2's argument at -inf (giving 0) where -inf - -inf would give NaN.
+        for (int64_t vq = 0; vq < nvq; ++vq) {
+          const float* col = st + vq * kW;
+          vf mt = load(col);
+          for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
+          const vf mo = load(m + vq * kW);
+          const vf mn = vmax(mo, mt * c);
+          const vf ms = mn == splat(kNegInf) ? vf{} : mn;
+          const vf al = vexp2(mo - ms);
+          vf sum{};
+          for (int64_t j = 0; j < nk; j += 2) {
+            const vf p0 = vexp2(load(col + j * kBq) * c - ms);
+            const vf p1 = j + 1 < nk ? vexp2(load(col + (j + 1) * kBq) * c - ms) : vf{};
+            sum += p0;
+            sum += p1;
+            storeu(pk.w + j / 2 * kBq + vq * kW, round_bf16(p0) | (round_bf16(p1) << 16));
+          }
+          store(l + vq * kW, load(l + vq * kW) * al + sum);
+          store(m + vq * kW, mn);
+          store(alpha + vq * kW, al);
+        }
+        // O = alpha * O + P V (P rounded to bf16); before the first key tile O is zero.
+        pair_products<Native>(
+            PairProd{pk.w, 1, kBq, vk.w, Dc, o, Dc, !first, first ? nullptr : alpha}, nq,
+            [&](int64_t, int64_t r1) {
+              return PairRange{0, (mask.key_limit(r1 - 1) + 1) / 2, Dc / kW};
+            });
+        first = false;
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* orow = out + ((b * Tq + q0 + i) * Hq + h) * D;
+        float& li = lse[(b * Hq + h) * Tq + q0 + i];
+        if (first || l[i] == 0) {  // no visible key in this block
+          std::fill_n(orow, D, 0.0f);
+          li = kNegInf;
+          continue;
+        }
+        const float inv = 1.0f / l[i];
+        for (int64_t d = 0; d < D; ++d) orow[d] = o[i * Dc + d] * inv;
+        li = (m[i] + std::log2(l[i])) * kLn2;
+      }
+      report_progress(progress);
+    }
+  }
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+// The f32 kernel's schemes (attention_block.cpp: fused units (batch, kv group), or the split
+// dk/dv-then-dq scheme), so results are bit-identical for any number of threads. Per tile pair:
+//   S = Q K^T      A: Q rows (natural)           B: K^T in pairs over d
+//   dP = dO V^T    A: dO rows (natural, rounded) B: V^T in pairs over d
+//   dV += P^T dO   A: P in pairs over queries    B: dO in pairs over queries
+//   dK += dS^T Q   A: dS in pairs over queries   B: Q in pairs over queries
+//   dQ += dS K     A: dS rows (natural)          B: K in pairs over keys
+template <bool Native>
+class Backward {
+ public:
+  Backward(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+           const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
+           const float* dout, float* dq, float* dk, float* dv)
+      : B(s.B),
+        Tq(s.Tq),
+        Tk(s.Tk),
+        Hq(s.Hq),
+        Hkv(s.Hkv),
+        D(s.D),
+        G(s.Hq / s.Hkv),
+        qs(s.q_stride),
+        kvs(s.kv_stride),
+        os(s.Hq * s.D),
+        overwrite(!s.accumulate),
+        qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
+        ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
+        wd(s.D),
+        c(s.scale * kLog2e),
+        scale(s.scale),
+        q(q),
+        k(k),
+        v(v),
+        lse(lse),
+        di(di),
+        dout(dout),
+        dq(dq),
+        dk(dk),
+        dv(dv) {}
+
+  struct Buffers {
+    explicit Buffers(const Widths& w)
+        : mem(2 * lines(kBq * w.Dn / 2) + 2 * lines(kBq / 2 * w.Dc) + 2 * lines(kBk * w.Dn / 2) +
+              2 * lines(w.Dn / 2 * kBk) + lines(kBk / 2 * w.Dc) + 2 * lines(kBq * kBk) +
+              2 * lines(kBq / 2 * kBk) + lines(kBq * kBk / 2) + 2 * lines(kBk * w.Dc) +
+              lines(kBq * w.Dc)),
+          qn_s(mem, kBq * w.Dn / 2),
+          don_s(mem, kBq * w.Dn / 2),
+          qk_s(mem, kBq / 2 * w.Dc),
+          dok_s(mem, kBq / 2 * w.Dc),
+          kn(mem, kBk * w.Dn / 2),
+          vn(mem, kBk * w.Dn / 2),
+          kd(mem, w.Dn / 2 * kBk),
+          vd(mem, w.Dn / 2 * kBk),
+          kk(mem, kBk / 2 * w.Dc),
+          s(mem.take(kBq * kBk)),
+          dp(mem.take(kBq * kBk)),
+          pq(mem, kBq / 2 * kBk),
+          dsq(mem, kBq / 2 * kBk),
+          dsn(mem, kBq * kBk / 2),
+          dkacc(mem.take(kBk * w.Dc)),
+          dvacc(mem.take(kBk * w.Dc)),
+          dqs(mem.take(kBq * w.Dc)) {}
+    Scratch mem;
+    Words qn_s, don_s;             // Q and dO (rounded) rows, natural bf16 [kBq][Dn]
+    Words qk_s, dok_s;             // Q and dO in pairs over queries, [kBq/2][Dc] words
+    std::vector<uint32_t> qcache;  // or all those of the unit's query tiles (load_q_tile)
+    std::vector<int64_t> stamp;    // the unit each cached tile was packed for
+    uint32_t *qn = nullptr, *don = nullptr, *qk = nullptr, *dok = nullptr;  // the tile in use
+    Words kn, vn;          // K and V rows, natural [kBk][Dn]
+    Words kd, vd;          // K^T and V^T in pairs over d, [Dn/2][kBk] words
+    Words kk;              // K in pairs over keys, [kBk/2][Dc] words
+    float *s, *dp;         // S then dP, [kBq][kBk] f32
+    Words pq, dsq;         // P and dS * scale rounded, in pairs over queries, [kBq/2][kBk] words
+    Words dsn;             // dS * scale rounded, natural [kBq][kBk]
+    float *dkacc, *dvacc;  // [kBk][Dc]
+    float* dqs;            // dq rows when D is not a multiple of kW, [kBq][Dc]
+  };
+
+  void key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj, bool with_dq) const {
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+    const int64_t Dc = wd.Dc;
+    bool any = false;
+    for (int64_t qi = 0; qi < qtiles.count; ++qi)
+      any = any || classify(qtiles, qi, ktiles, kj) != Pair::none;
+    if (!any) {
+      if (overwrite)
+        for (int64_t j = 0; j < nk; ++j) {
+          std::fill_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
+          std::fill_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
+        }
+      return;
+    }
+    load_kv_tile(w, b, g, k0, nk);
+    std::fill_n(w.dkacc, kBk * Dc, 0.0f);
+    std::fill_n(w.dvacc, kBk * Dc, 0.0f);
+    if (!overwrite)
+      for (int64_t j = 0; j < nk; ++j) {
+        std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * Dc);
+        std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * Dc);
+      }
+    for (int64_t h = g * G; h < (g + 1) * G; ++h)
+      for (int64_t qi = 0; qi < qtiles.count; ++qi) {
+        const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+        if (mask.kind == Pair::none) continue;
+        load_q_tile(w, b, h, qi);
+        probs_and_grads(w, b, h, q0, k0, mask);
+        // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
+        const auto queries = [&](int64_t r0, int64_t) {
+          return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
+        };
+        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, true}, nk, queries);
+        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, true}, nk, queries);
+        if (with_dq) add_dq(w, b, h, q0, mask);
+      }
+    for (int64_t j = 0; j < nk; ++j) {
+      std::copy_n(w.dkacc + j * Dc, D, dk + (b * Tk + k0 + j) * kvs + g * D);
+      std::copy_n(w.dvacc + j * Dc, D, dv + (b * Tk + k0 + j) * kvs + g * D);
+    }
+  }
+
+  void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    if (overwrite)
+      for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
+    load_q_tile(w, b, h, qi);
+    for (int64_t kj = 0; kj < ktiles.count; ++kj) {
+      const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
+      const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+      if (mask.kind == Pair::none) continue;
+      load_kv_tile(w, b, h / G, k0, nk);
+      probs_and_grads(w, b, h, q0, k0, mask);
+      add_dq(w, b, h, q0, mask);
+    }
+  }
+
+  void zero_dq(int64_t b, int64_t g) const {
+    for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
+  }
+
+  const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
+  const bool overwrite;
+  const Tiles qtiles, ktiles;
+  const Widths wd;
+
+ private:
+  void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
+    const int64_t Dn = wd.Dn;
+    copy_rows(k + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.kn.h(), Dn, kBk);
+    copy_rows(v + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.vn.h(), Dn, kBk);
+    transpose_words(w.kn.w, Dn / 2, kBk, kBk, Dn / 2, w.kd.w, kBk);
+    transpose_words(w.vn.w, Dn / 2, kBk, kBk, Dn / 2, w.vd.w, kBk);
+    interleave_rows(w.kn.h(), Dn, kBk, kBk, wd.Dc, w.kk.w, wd.Dc);
+  }
+  // Q and dO of a query tile, packed (rows, rounded rows, pairs over queries): into the unit's
+  // cache of all its query tiles, where that takes at most kQCacheBytes (the fused scheme walks
+  // key tiles outermost and meets every query tile again under each), else per use.
+  static constexpr int64_t kQCacheBytes = int64_t(8) << 20;
+  void load_q_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+    const int64_t Dn = wd.Dn, Dc = wd.Dc, q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    const int64_t rows_w = kBq * Dn / 2, pairs_w = kBq / 2 * Dc, tile_w = 2 * rows_w + 2 * pairs_w;
+    const int64_t slots = G * qtiles.count;
+    if (slots * tile_w * 4 <= kQCacheBytes) {
+      if (w.qcache.empty()) {
+        w.qcache.resize(size_t(slots * tile_w));
+        w.stamp.assign(size_t(slots), -1);
+      }
+      const int64_t slot = (h % G) * qtiles.count + qi, id = b * Hkv + h / G;
+      uint32_t* base = w.qcache.data() + slot * tile_w;
+      w.qn = base, w.don = base + rows_w, w.qk = base + 2 * rows_w, w.dok = w.qk + pairs_w;
+      if (w.stamp[size_t(slot)] == id) return;
+      w.stamp[size_t(slot)] = id;
+    } else {
+      w.qn = w.qn_s.w, w.don = w.don_s.w, w.qk = w.qk_s.w, w.dok = w.dok_s.w;
+    }
+    uint16_t* qn = reinterpret_cast<uint16_t*>(w.qn);
+    uint16_t* don = reinterpret_cast<uint16_t*>(w.don);
+    copy_rows(q + (b * Tq + q0) * qs + h * D, qs, nq, D, qn, Dn, kBq);
+    round_rows(dout + (b * Tq + q0) * os + h * D, os, nq, D, don, Dn, kBq);
+    interleave_rows(qn, Dn, kBq, kBq, Dc, w.qk, Dc);
+    interleave_rows(don, Dn, kBq, kBq, Dc, w.dok, Dc);
+  }
+
+  // P (exact zeros where masked, and on rows that see no key at all: lse = -inf) and dS * scale,
+  // rounded to bf16, in the layouts above; zero past the tile's keys and queries.
+  void probs_and_grads(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t k0,
+                       const PairMask& mask) const {
+    const int64_t nq = mask.nq;
+    const auto key_vectors = [&](int64_t, int64_t r1) {
+      return PairRange{0, wd.D2, (mask.key_limit(r1 - 1) + kW - 1) / kW};
+    };
+    pair_products<Native>(PairProd{w.qn, wd.Dn / 2, 1, w.kd.w, kBk, w.s, kBk}, nq, key_vectors);
+    pair_products<Native>(PairProd{w.don, wd.Dn / 2, 1, w.vd.w, kBk, w.dp, kBk}, nq, key_vectors);
+    if (mask.by_position()) {
+      // Invisible entries get a score of -inf (P = 0, dS = 0): selects, not products.
+      const int64_t* qp = qtiles.padded.data() + q0;
+      const int64_t* kp = ktiles.padded.data() + k0;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t j = 0; j < mask.nk; ++j)
+          if (kp[j] > qp[i]) w.s[i * kBk + j] = kNegInf;
+    }
+    vi iota;
+    for (int l = 0; l < kW; ++l) iota[l] = l;
+    const float* lrow = lse + (b * Hq + h) * Tq + q0;
+    const float* drow = di + (b * Hq + h) * Tq + q0;
+    // Rows in pairs (i, i + 1): the pair-interleaved tiles take one word from each.
+    for (int64_t i = 0; i < kBq; i += 2) {
+      vu pw[kBk / kW], dw[kBk / kW];
+      for (int half = 0; half < 2; ++half) {
+        const int64_t r = i + half;
+        const int64_t lim = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
+        const int64_t nv = (lim + kW - 1) / kW;
+        const float l2 = r < nq ? lrow[r] * kLog2e : 0.0f, dval = r < nq ? drow[r] : 0.0f;
+        const float* srow = w.s + r * kBk;
+        const float* dprow = w.dp + r * kBk;
+        uint16_t* dsrow = w.dsn.h() + r * kBk;
+        for (int64_t vk = 0; vk < kBk / kW; ++vk) {
+          vu pb{}, db{};
+          if (vk < nv) {
+            const vi visible = iota + int32_t(vk * kW) < int32_t(lim);
+            vf p = vexp2(load(srow + vk * kW) * c - l2);
+            p = visible ? p : vf{};
+            vf ds = p * (load(dprow + vk * kW) - dval) * scale;
+            ds = visible ? ds : vf{};
+            pb = round_bf16(p);
+            db = round_bf16(ds);
+          }
+          if (r < nq) storeh(dsrow + vk * kW, __builtin_convertvector(db, vh));
+          if (half == 0) {
+            pw[vk] = pb;
+            dw[vk] = db;
+          } else {
+            pw[vk] |= pb << 16;
+            dw[vk] |= db << 16;
+          }
+        }
+      }
+      for (int64_t vk = 0; vk < kBk / kW; ++vk) {
+        storeu(w.pq.w + i / 2 * kBk + vk * kW, pw[vk]);
+        storeu(w.dsq.w + i / 2 * kBk + vk * kW, dw[vk]);
+      }
+    }
+  }
+
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see.
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask) const {
+    const int64_t Dc = wd.Dc, nq = mask.nq;
+    float* rows = dq + (b * Tq + q0) * qs + h * D;
+    float* C = rows;
+    int64_t ldc = qs;
+    if (Dc != D) {  // the kernels write whole vectors: through a padded copy
+      for (int64_t i = 0; i < nq; ++i) {
+        std::copy_n(rows + i * qs, D, w.dqs + i * Dc);
+        std::fill_n(w.dqs + i * Dc + D, Dc - D, 0.0f);
+      }
+      C = w.dqs, ldc = Dc;
+    }
+    pair_products<Native>(PairProd{w.dsn.w, kBk / 2, 1, w.kk.w, Dc, C, ldc, true}, nq,
+                          [&](int64_t, int64_t r1) {
+                            return PairRange{0, (mask.key_limit(r1 - 1) + 1) / 2, Dc / kW};
+                          });
+    if (Dc != D)
+      for (int64_t i = 0; i < nq; ++i) std::copy_n(w.dqs + i * Dc, D, rows + i * qs);
+  }
+
+  const float c, scale;
+  const uint16_t *q, *k, *v;
+  const float *lse, *di, *dout;
+  float *dq, *dk, *dv;
+};
+
+template <bool Native>
+void backward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                   const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* delta,
+                   const float* dout, float* dq, float* dk, float* dv,
+                   const std::function<void()>* progress) {
+  const Backward<Native> bw(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv);
+  const int64_t groups = s.B * s.Hkv, nkt = bw.ktiles.count, nqt = bw.qtiles.count;
+  const int64_t threads = omp_get_max_threads();
+  const double busy = double(groups) / double(threads * ((groups + threads - 1) / threads));
+  if (busy >= 0.7) {
+#pragma omp parallel
+    {
+      typename Backward<Native>::Buffers w(bw.wd);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < groups; ++u) {
+        if (bw.overwrite) bw.zero_dq(u / s.Hkv, u % s.Hkv);
+        for (int64_t kj = 0; kj < nkt; ++kj) {
+          bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
+          report_progress(progress);
+        }
+      }
+    }
+    return;
+  }
+  const std::vector<int64_t> korder = heaviest_first(bw.ktiles, bw.qtiles, false);
+  const std::vector<int64_t> qorder = heaviest_first(bw.qtiles, bw.ktiles, true);
+#pragma omp parallel
+  {
+    typename Backward<Native>::Buffers w(bw.wd);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t u = 0; u < groups * nkt; ++u) {
+      const int64_t bg = u % groups;
+      bw.key_tile(w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
+      report_progress(progress);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < s.B * s.Hq * nqt; ++u) {
+      const int64_t bh = u % (s.B * s.Hq);
+      bw.query_tile(w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
+      report_progress(progress);
+    }
+  }
+}
+
+}  // namespace
+
+void attention_bf16_forward_impl(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
+                                 const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
+                                 const std::function<void()>* progress, bool native) {
+  if constexpr (kMayBeNative)
+    if (native)
+      return forward_impl<true>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, lse, progress);
+  (void)native;
+  forward_impl<false>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, lse, progress);
+}
+
+void attention_bf16_backward_impl(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
+                                  const int64_t* q_pos, const int64_t* k_pos, const float* lse,
+                                  const float* delta, const float* dout, float* dq, float* dk,
+                                  float* dv, const std::function<void()>* progress, bool native) {
+  if constexpr (kMayBeNative)
+    if (native)
+      return backward_impl<true>(s, bits(q), bits(k), bits(v), q_pos, k_pos, lse, delta, dout, dq,
+                                 dk, dv, progress);
+  (void)native;
+  backward_impl<false>(s, bits(q), bits(k), bits(v), q_pos, k_pos, lse, delta, dout, dq, dk, dv,
+                       progress);
+}
+
+void attention_bf16_delta_impl(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const bf16* out,
+                               const float* dout, float* delta) {
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * Tq; ++bt) {
+    const int64_t b = bt / Tq, t = bt % Tq;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const uint16_t* o = bits(out) + (bt * Hq + h) * D;
+      const float* g = dout + (bt * Hq + h) * D;
+      vf acc{};
+      int64_t d = 0;
+      for (; d + kW <= D; d += kW)
+        acc += widen(loadh(o + d)) * __builtin_bit_cast(vf, round_bf16(load(g + d)) << 16);
+      float sum = hsum(acc);
+      for (; d < D; ++d) sum += bf16_to_float(bf16{o[d]}) * bf16_to_float(bf16{round_bf16(g[d])});
+      delta[(b * Hq + h) * Tq + t] = sum;
+    }
+  }
+}
+
+// Whether this tier's code can run vdpbf16ps (the avx512 tier; the CPU is asked separately).
+bool attention_bf16_tier_native() {
+  return kMayBeNative;
+}
+
+}  // namespace loom::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace loom::cpu {
+namespace {
+
+std::atomic<bool> native_allowed{true};
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
+void check(const BlockShape& s, const char* who) {
+  LOOM_CHECK(s.B > 0 && s.Tq > 0 && s.Tk > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
+             ": B, Tq, Tk, Hq, Hkv, D must be positive, got B=", s.B, " Tq=", s.Tq, " Tk=", s.Tk,
+             " Hq=", s.Hq, " Hkv=", s.Hkv, " D=", s.D);
+  LOOM_CHECK(s.Hq % s.Hkv == 0, who, ": Hq (", s.Hq, ") must be a multiple of Hkv (", s.Hkv, ")");
+  LOOM_CHECK(s.q_stride >= s.Hq * s.D, who, ": q_stride ", s.q_stride, " < Hq*D = ", s.Hq * s.D);
+  LOOM_CHECK(s.kv_stride >= s.Hkv * s.D, who, ": kv_stride ", s.kv_stride,
+             " < Hkv*D = ", s.Hkv * s.D);
+  LOOM_CHECK(std::isfinite(s.scale) && s.scale > 0, who, ": scale must be finite and > 0, got ",
+             s.scale);
+}
+
+BlockShape block_shape(const AttentionShape& s) {
+  return {s.B, s.T, s.T, s.Hq, s.Hkv, s.D, s.q_stride, s.kv_stride, s.scale};
+}
+std::vector<int64_t> iota_positions(int64_t T) {
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::iota(pos.begin(), pos.end(), int64_t(0));
+  return pos;
+}
+
+}  // namespace
+
+HWY_EXPORT(attention_bf16_forward_impl);
+HWY_EXPORT(attention_bf16_backward_impl);
+HWY_EXPORT(attention_bf16_delta_impl);
+HWY_EXPORT(attention_bf16_tier_native);
+
+bool attention_bf16_native() {
+  return native_allowed.load() && LOOM_DISPATCH(attention_bf16_tier_native)() &&
+         cpu_has_avx512_bf16();
+}
+
+void set_attention_bf16_native_allowed(bool allowed) {
+  native_allowed.store(allowed);
+}
+
+void attention_block_forward_bf16(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
+                                  const int64_t* q_pos, const int64_t* k_pos, float* out,
+                                  float* lse, const std::function<void()>& progress) {
+  check(s, "attention_block_forward_bf16");
+  LOOM_CHECK(q && k && v && q_pos && k_pos && out && lse,
+             "attention_block_forward_bf16: null pointer among q, k, v, q_pos, k_pos, out, lse");
+  if (progress) progress();  // as in attention_block_forward
+  const bool native = attention_bf16_native();
+  LOOM_DISPATCH(attention_bf16_forward_impl)
+  (s, q, k, v, q_pos, k_pos, out, lse, &progress, native);
+}
+
+void attention_block_backward_bf16(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
+                                   const int64_t* q_pos, const int64_t* k_pos, const float* lse,
+                                   const float* delta, const float* dout, float* dq, float* dk,
+                                   float* dv, const std::function<void()>& progress) {
+  check(s, "attention_block_backward_bf16");
+  LOOM_CHECK(q && k && v && q_pos && k_pos && lse && delta && dout && dq && dk && dv,
+             "attention_block_backward_bf16: null pointer among q, k, v, q_pos, k_pos, lse, "
+             "delta, dout, dq, dk, dv");
+  if (progress) progress();
+  const bool native = attention_bf16_native();
+  LOOM_DISPATCH(attention_bf16_backward_impl)
+  (s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv, &progress, native);
+}
+
+void attention_delta_bf16(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const bf16* out,
+                          const float* dout, float* delta) {
+  LOOM_DISPATCH(attention_bf16_delta_impl)(B, Tq, Hq, D, out, dout, delta);
+}
+
+void attention_forward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,
+                            float* out, float* lse) {
+  const std::vector<int64_t> pos = iota_positions(std::max<int64_t>(s.T, 0));
+  attention_block_forward_bf16(block_shape(s), q, k, v, pos.data(), pos.data(), out, lse);
+}
+
+void attention_backward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,
+                             const bf16* out, const float* lse, const float* dout, float* dq,
+                             float* dk, float* dv) {
+  check(block_shape(s), "attention_backward_bf16");
+  LOOM_CHECK(q && k && v && out && lse && dout && dq && dk && dv,
+             "attention_backward_bf16: null pointer among q, k, v, out, lse, dout, dq, dk, dv");
+  std::vector<float> delta(static_cast<size_t>(s.B * s.Hq * s.T));
+  attention_delta_bf16(s.B, s.T, s.Hq, s.D, out, dout, delta.data());
+  BlockShape bs = block_shape(s);
+  bs.accumulate = false;
+  const std::vector<int64_t> pos = iota_positions(s.T);
+  attention_block_backward_bf16(bs, q, k, v, pos.data(), pos.data(), lse, delta.data(), dout, dq,
+                                dk, dv);
+}
+
+}  // namespace loom::cpu
+#endif  // HWY_ONCE
