@@ -58,6 +58,7 @@ nlohmann::json time_json(const plan::StepTime& t, double tokens, double model_fl
           {"optimizer_s", t.optimizer},
           {"comm_s", t.comm},
           {"exposed_comm_s", t.exposed},
+          {"waits_s", t.waits},
           {"bubble", t.bubble},
           {"job_tokens_per_s", tokens / t.step},
           {"mfu", model_flops * tokens / t.step / peak},
@@ -272,10 +273,14 @@ int plan_command(const Args& args) {
     }
     std::printf(
         "    time on %s: step %.2f ms = compute %.2f + exposed communication %.2f + AdamW %.2f"
-        "%s (communication %.2f ms in all); job %.0f tokens/s, MFU %.1f%%\n",
+        "%s (communication %.2f ms in all%s); job %.0f tokens/s, MFU %.1f%%\n",
         hw.name.c_str(), t.step * 1e3, t.compute * 1e3, t.exposed * 1e3, t.optimizer * 1e3,
         pp > 1 ? str_cat(", pipeline bubble ", int(t.bubble * 1000) / 10.0, "%").c_str() : "",
-        t.comm * 1e3, job_tokens / t.step,
+        t.comm * 1e3,
+        t.waits > 0
+            ? str_cat(", waits for the last rank ", int(t.waits * 1e5) / 100.0, " ms").c_str()
+            : "",
+        job_tokens / t.step,
         100 * model_flops_per_token * job_tokens / t.step / (world * hw.peak(compute)));
   }
   std::printf("\n  %s\n",

@@ -485,6 +485,66 @@ Link collectives(Bench& b, Hardware& hw) {
   return fit(all);
 }
 
+// Ranks that run the same kernels between two collectives still reach it at different times
+// (the machine's other work, the OS, shared caches and memory slow one rank now and another
+// then), and a blocking collective waits for the last of them. Measured as a step meets it:
+// segments of GEMMs, each followed by a one-float all-reduce, against the same segments without
+// it, every rank running both ways at once (sharing the machine as training does), less the
+// all-reduce's own latency. Segments of 1, 4 and 16 ms (a step's kernels between two of its
+// collectives: a tp GEMM to an FSDP unit), three times each; returns the median wait as a
+// fraction of the segment.
+double sync_wait(Bench& b) {
+  dist::ProcessGroup& g = *b.world();
+  Tensor x = b.random({128, 256}, Device::cpu), w = b.random({256, 256}, Device::cpu);
+  Tensor y = Tensor::empty({128, 256}, DType::f32, Device::cpu), one = b.random({1}, Device::cpu);
+  const auto gemms = [&](int n) {
+    for (int i = 0; i < n; ++i) ops::linear(x, w, y);
+  };
+  // The same number of GEMMs per segment on every rank: rank 0's count, shared.
+  Tensor per_ms = Tensor::zeros({1}, DType::f32, Device::cpu);
+  const double one_call = b.seconds([&] { gemms(1); }, 20);
+  if (g.rank() == 0) per_ms.data<float>()[0] = float(1e-3 / one_call);
+  g.all_reduce(per_ms, dist::ReduceOp::sum)->wait();
+  const double budget = b.quick() ? 0.1 : 0.6;  // seconds per way, length and repetition
+  // The mean over ranks of each rank's mean time per iteration.
+  const auto mean_time = [&](int iters, const std::function<void()>& body) {
+    b.barrier();
+    const Clock::time_point t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) body();
+    Tensor t = Tensor::empty({1}, DType::f32, Device::cpu);
+    t.data<float>()[0] = float(since(t0) / iters);
+    g.all_reduce(t, dist::ReduceOp::sum)->wait();
+    return double(t.data<float>()[0]) / g.size();
+  };
+  const double latency = mean_time(2000, [&] { g.all_reduce(one, dist::ReduceOp::sum)->wait(); });
+  std::vector<double> all;
+  for (double ms : {1.0, 4.0, 16.0}) {
+    const int n = std::max(1, int(std::lround(ms * per_ms.data<float>()[0])));
+    const int iters = std::max(5, int(budget / (ms * 1e-3)));
+    std::vector<double> fractions;
+    for (int rep = 0; rep < 3; ++rep) {
+      const double alone = mean_time(iters, [&] { gemms(n); });
+      const double synced = mean_time(iters, [&] {
+        gemms(n);
+        g.all_reduce(one, dist::ReduceOp::sum)->wait();
+      });
+      fractions.push_back(std::max(0.0, synced - alone - latency) / alone);
+    }
+    all.insert(all.end(), fractions.begin(), fractions.end());
+    std::sort(fractions.begin(), fractions.end());
+    b.note("waits at a collective after " + num(ms) + " ms of GEMMs: " + num(100 * fractions[0]) +
+           ", " + num(100 * fractions[1]) + ", " + num(100 * fractions[2]) + "% of them");
+  }
+  std::sort(all.begin(), all.end());
+  const double median = all[all.size() / 2];
+  b.note("sync_wait (the median): " + num(100 * median) + "% of the compute between collectives" +
+         " (all_reduce latency " + num(latency * 1e6) + " us left out)" +
+         (median > 0.25
+              ? "; so much means other work shared the cores: calibrate on an idle machine"
+              : ""));
+  return median;
+}
+
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -577,6 +637,7 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
 
   if (c.ranks > 1) {
     hw.intra_node = collectives(b, hw);
+    hw.sync_wait = sync_wait(b);
     b.note("intra_node fit over all collectives: beta " + num(hw.intra_node.bandwidth / 1e9) +
            " GB/s, alpha " + num(hw.intra_node.latency * 1e6) + " us");
   } else {
@@ -657,6 +718,10 @@ std::string hardware_toml(const Calibration& c) {
      << "bandwidth = " << num(hw.optimizer_bandwidth) << "\n\n"
      << "[links]\n"
      << "transfers_on_core = true  # MPI over shared memory: the rank's core copies, no overlap\n"
+     << (hw.sync_wait > 0 ? "sync_wait = " + num(hw.sync_wait) +
+                                "  # a blocking collective's wait for its last rank, per second "
+                                "of compute since the previous one\n"
+                          : std::string())
      << "[links.intra_node]\nbandwidth = " << num(hw.intra_node.bandwidth)
      << "\nlatency = " << num(hw.intra_node.latency) << "\n"
      << "[links.inter_node]  # one machine: the same as intra_node\nbandwidth = "

@@ -267,12 +267,18 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
     hw.host_optimizer_bandwidth = r.number(host, "host", "optimizer_bandwidth", false);
   }
   const toml::table* links = r.table(top, "", "links", true);
-  r.only(*links, "links", {"intra_node", "inter_node", "transfers_on_core"});
+  r.only(*links, "links", {"intra_node", "inter_node", "transfers_on_core", "sync_wait"});
   hw.intra_node = r.link(*links, "intra_node");
   hw.inter_node = r.link(*links, "inter_node");
   if (const toml::node* n = links->get("transfers_on_core")) {
     LOOM_CHECK(n->is_boolean(), r.at(*n), ": 'links.transfers_on_core' must be true or false");
     hw.transfers_on_core = **n->as_boolean();
+  }
+  if (const toml::node* n = links->get("sync_wait")) {
+    const std::optional<double> v = n->value<double>();
+    LOOM_CHECK(v && std::isfinite(*v) && *v >= 0, r.at(*n),
+               ": 'links.sync_wait' must be a fraction (>= 0) of the compute between collectives");
+    hw.sync_wait = *v;
   }
   if (const toml::table* by_kind = r.table(top, "", "collectives", false)) {
     std::vector<std::string> names;

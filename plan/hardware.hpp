@@ -55,6 +55,11 @@ struct Hardware {
   // rank's own core, inside its MPI calls, so a collective never overlaps the rank's compute; a
   // GPU's copy engines and NCCL's kernels do overlap it.
   bool transfers_on_core = false;
+  // The wait at a blocking collective for its last member ([links] sync_wait), as a fraction of
+  // the rank's compute since its previous one: ranks running the same kernels between two
+  // collectives still arrive apart (the machine's other work, shared caches and memory slow one
+  // rank now and another then). Measured by calibrate; 0 unless given.
+  double sync_wait = 0;
   // Measured per collective within a node ([collectives.NAME]; a CPU's MPI reduces in the
   // cores, so a reduce-scatter moves its bytes slower than an all-gather): overrides intra_node.
   std::map<CollectiveKind, Link> intra_by_kind;

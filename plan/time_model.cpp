@@ -61,16 +61,24 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
   }
   double c = 0, m = 0;  // compute and communication streams
   size_t ci = 0, wi = 0;
+  // The rank's compute since its previous collective: a collective first waits for its last
+  // member, sync_wait of the compute each member did since then.
+  double since_sync = 0;
   auto events_before = [&](uint64_t k) {
     for (; ci < p.calls.size() && p.calls[ci].kernels <= k; ++ci) {
+      const double wait = p.groups[p.calls[ci].group].size > 1 ? hw.sync_wait * since_sync : 0.0;
+      tl.t.waits += wait;
+      since_sync = 0;
       if (hw.transfers_on_core) {
+        c += wait;
+        tl.t.exposed += wait;
         // The rank's core copies the transfer before its compute goes on.
         c += call_time[ci];
         tl.t.exposed += call_time[ci];
         call_end[ci] = c;
         continue;
       }
-      m = std::max(m, c) + call_time[ci];
+      m = std::max(m, c + wait) + call_time[ci];
       call_end[ci] = m;
     }
     for (; wi < p.waits.size() && p.waits[wi].kernels <= k; ++wi) {
@@ -85,6 +93,7 @@ Timeline run_timeline(const RankPlan& p, const Hardware& hw, int ranks_on_node) 
     tl.before[k] = c;
     const double s = kernel_seconds(p.kernels[k].work, hw) * slow;
     tl.t.compute += s;
+    since_sync += s;
     c += s;
     tl.after[k] = c;
   }
@@ -180,7 +189,7 @@ StepTime time_pipeline(const PlanJob& j, const std::vector<const RankPlan*>& sta
   // The critical rank's figures, each stretched by the oversubscription as time_rank's are.
   StepTime t = tls[size_t(critical)].t;
   t.optimizer = opts[size_t(critical)];
-  for (double* f : {&t.compute, &t.optimizer, &t.comm, &t.exposed}) *f *= slow;
+  for (double* f : {&t.compute, &t.optimizer, &t.comm, &t.exposed, &t.waits}) *f *= slow;
   for (auto& [g, sec] : t.comm_by_group) sec *= slow;
   t.bubble = sim.bubble();
   t.step = std::max(path, slow * work);

@@ -23,7 +23,8 @@ struct StepTime {
   double compute = 0;    // the kernels
   double optimizer = 0;  // AdamW
   double comm = 0;       // every collective's own time, overlapped or not
-  double exposed = 0;    // time the compute stream waited for a collective
+  double exposed = 0;    // time the compute stream waited for a collective (waits included)
+  double waits = 0;      // of which for a collective's last member (Hardware::sync_wait)
   double bubble = 0;     // pp: the schedule's idle fraction
   double step = 0;       // the step's time
   std::vector<std::pair<std::string, double>> comm_by_group;  // collective time per group

@@ -117,6 +117,20 @@ TEST(Hardware, BadFilesNameTheKeyAndFile) {
   EXPECT_EQ(parse_error(on_core), "");
   EXPECT_TRUE(parse_hardware(on_core, "toy.toml").transfers_on_core);
   EXPECT_FALSE(parse_hardware(kMinimal, "toy.toml").transfers_on_core);
+  // sync_wait: a fraction, at least 0 (more than 1 on a busy machine); absent is 0.
+  EXPECT_EQ(parse_hardware(kMinimal, "toy.toml").sync_wait, 0);
+  for (const char* bad : {"sync_wait = -0.1", "sync_wait = \"x\"", "sync_wait = nan"}) {
+    std::string wait = kMinimal;
+    wait.replace(wait.find("[links.intra_node]"), 18,
+                 std::string("[links]\n") + bad + "\n[links.intra_node]");
+    e = parse_error(wait);
+    EXPECT_NE(e.find("links.sync_wait"), std::string::npos) << bad << ": " << e;
+    EXPECT_NE(e.find("toy.toml"), std::string::npos) << bad << ": " << e;
+  }
+  std::string wait = kMinimal;
+  wait.replace(wait.find("[links.intra_node]"), 18,
+               "[links]\nsync_wait = 0.02\n[links.intra_node]");
+  EXPECT_DOUBLE_EQ(parse_hardware(wait, "toy.toml").sync_wait, 0.02);
 }
 
 TEST(Hardware, CollectivesFollowTheRingFormulas) {

@@ -129,8 +129,39 @@ TEST(PlanTime, TransfersOnTheCoreDoNotOverlapCompute) {
   const plan::StepTime cpu = plan::plan_whole(fsdp, ranks, hw, false).times.front();
   EXPECT_DOUBLE_EQ(cpu.compute, gpu_like.compute);
   EXPECT_DOUBLE_EQ(cpu.comm, gpu_like.comm);
-  EXPECT_NEAR(cpu.exposed, cpu.comm, 1e-12);
-  EXPECT_NEAR(cpu.step, cpu.compute + cpu.comm + cpu.optimizer, 1e-12);
+  // Exposed, with the waits for the last rank (sync_wait; CollectivesWaitForTheirLastRank).
+  EXPECT_NEAR(cpu.exposed, cpu.comm + cpu.waits, 1e-12);
+  EXPECT_NEAR(cpu.step, cpu.compute + cpu.comm + cpu.waits + cpu.optimizer, 1e-12);
+}
+
+// [links] sync_wait: each collective of a group of several ranks first waits sync_wait of the
+// compute since the rank's previous collective, on the compute stream when transfers run on the
+// core. A single rank has no such wait.
+TEST(PlanTime, CollectivesWaitForTheirLastRank) {
+  plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
+  ASSERT_TRUE(hw.transfers_on_core);
+  for (const auto& [world, args] : std::vector<std::pair<int, std::vector<std::string>>>{
+           {2, {"--parallelism.dp_shard=2"}}, {1, {}}}) {
+    const plan::PlanJob job = debug_job(world, args);
+    const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(job));
+    hw.sync_wait = 0;
+    const plan::StepTime none = plan::plan_whole(job, ranks, hw, false).times.front();
+    EXPECT_EQ(none.waits, 0);
+    hw.sync_wait = 0.05;
+    const plan::StepTime some = plan::plan_whole(job, ranks, hw, false).times.front();
+    EXPECT_DOUBLE_EQ(some.compute, none.compute);
+    if (world == 1) {
+      EXPECT_EQ(some.waits, 0);
+      EXPECT_DOUBLE_EQ(some.step, none.step);
+      continue;
+    }
+    // Every second of compute before the last collective is waited on once: FSDP's collectives
+    // run through the whole step, so that is most of it.
+    EXPECT_LE(some.waits, 0.05 * none.compute + 1e-12);
+    EXPECT_GT(some.waits, 0.5 * 0.05 * none.compute);
+    EXPECT_NEAR(some.step, none.step + some.waits, 1e-12);
+    EXPECT_NEAR(some.exposed, none.exposed + some.waits, 1e-12);
+  }
 }
 
 // A layout that does not fit is tried again with its states offloaded to the host, and listed
