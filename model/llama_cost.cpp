@@ -258,13 +258,15 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   // The backward's MLP phase: the SwiGLU's f32 gradient while everything is held (in bf16 also
   // the output gradient rounded for the down projection's GEMM).
   const size_t mlp = M * F * 4 + (bf16 ? M * d * 2 : 0);
-  // Its attention phase: dqkv and dattn (f32), and in bf16 the saved qkv and attention output
-  // widened to f32 for the kernels (the bf16 attention output still held as the last one is
-  // made), once the MLP branch's tensors and the widened bf16 qkv are freed.
+  // Its attention phase: dqkv and dattn (f32), once the MLP branch's tensors are freed. In bf16
+  // the attention kernels read the saved bf16 qkv and attention output themselves; only ring
+  // attention (cp) reads them widened to f32 (the bf16 attention output still held as the last
+  // one is made, the bf16 qkv freed once widened).
+  const bool widened = bf16 && cp().size() > 1;
   auto attention_phase = [&](bool saved_act_xn2) {
-    const size_t held = M * (nqkv + Hq * hd) * 4 + (bf16 ? M * (nqkv + Hq * hd) * 4 + attn : 0);
+    const size_t held = M * (nqkv + Hq * hd) * 4 + (widened ? M * (nqkv + Hq * hd) * 4 + attn : 0);
     const size_t freed = gu + (saved_act_xn2 ? act + Mn * d * cs : 0) + Mx * d * 4 + Mx * 4 +
-                         (bf16 ? qkv + attn : 0);
+                         (widened ? qkv + attn : 0);
     return held > freed ? held - freed : 0;
   };
   switch (mode) {
@@ -295,14 +297,15 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   // computed with the down projection's output gradient copied, dgu (in place, in the compute
   // dtype) and its copy, and dxn2 live, beyond the backward's own start without dact. Its
   // attention phase: those copies and the o projection's, with the attention's buffers as in B,
-  // gu, h and the widened bf16 qkv freed (act, xn2 and the attention output are kept for W).
+  // gu, h (and under cp the widened bf16 qkv) freed (act, xn2 and the attention output are kept
+  // for W).
   const size_t recomputed = mode == ActivationCheckpoint::Mode::full
                                 ? block(ActivationCheckpoint::Mode::none) - input
                             : mode == ActivationCheckpoint::Mode::op ? act
                                                                      : 0;
   const size_t copies = M * cs * (d + 2 * F + d);
-  const size_t attention_i = M * (nqkv + Hq * hd) * 4 * (bf16 ? 2 : 1) + copies;
-  const size_t freed_i = gu + Mx * d * 4 + Mx * 4 + (bf16 ? qkv : 0);
+  const size_t attention_i = M * (nqkv + Hq * hd) * 4 * (widened ? 2 : 1) + copies;
+  const size_t freed_i = gu + Mx * d * 4 + Mx * 4 + (widened ? qkv : 0);
   u.backward_input = std::max({mlp - M * F * 4 + recomputed + M * (d * cs + 2 * F * cs + d * 4),
                                u.backward + M * d * cs,
                                recomputed + (attention_i > freed_i ? attention_i - freed_i : 0)});

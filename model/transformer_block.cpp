@@ -101,26 +101,30 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
 }
 
 // RoPE on q and k, then causal attention (ring attention across cp ranks). qkv is the f32 GEMM
-// output; a.qkv and a.attn keep it and the attention output in the compute dtype. In bf16 qkv is
-// rounded before the attention reads it, so that its backward (which widens the saved bf16 copy)
-// differentiates the function the forward computed.
+// output; a.qkv and a.attn keep it and the attention output in the compute dtype. In bf16 the
+// attention reads qkv rounded, so that its backward (which reads the saved bf16 copy)
+// differentiates the function the forward computed: the bf16 kernels read that copy itself;
+// ring attention (f32 kernels) reads qkv rounded in place.
 void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const {
   const Dims g = dims(ctx);
   const Device dev = qkv.device();
+  const bool ring = par_->cp.size() > 1, bf16 = ctx.compute == DType::bf16;
   Tensor attn = f32({g.M, g.Hq * g.hd}, dev);
   {
     Tensor q = qkv.narrow(1, 0, g.Hq * g.hd), k = qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
-    const Tensor v = qkv.narrow(1, (g.Hq + g.Hkv) * g.hd, g.Hkv * g.hd);
     ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
     ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
     a.qkv = ops::to_compute(qkv, ctx.compute);
-    if (ctx.compute != DType::f32) ops::cast(a.qkv, qkv);
+    if (ctx.compute != DType::f32 && ring) ops::cast(a.qkv, qkv);
     a.lse = f32({ctx.B, g.Hq, ctx.T}, dev);
-    if (par_->cp.size() > 1)
+    const Tensor& in = bf16 && !ring ? a.qkv : qkv;
+    if (ring)
       ring_attention_forward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, qkv, attn,
                              a.lse);
     else
-      ops::attention_forward(q, k, v, ctx.B, g.Hq, g.Hkv, attn, a.lse);
+      ops::attention_forward(in.narrow(1, 0, g.Hq * g.hd), in.narrow(1, g.Hq * g.hd, g.Hkv * g.hd),
+                             in.narrow(1, (g.Hq + g.Hkv) * g.hd, g.Hkv * g.hd), ctx.B, g.Hq, g.Hkv,
+                             attn, a.lse);
   }
   qkv = Tensor();  // the f32 copy goes before the rounded output is made
   a.attn = ops::to_compute(attn, ctx.compute);
@@ -130,13 +134,24 @@ void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, 
                                           Tensor& dqkv) const {
   const Dims g = dims(ctx);
   const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
-  // The attention kernels read f32: the saved bf16 copies widened (exactly), each freed as soon
+  Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
+  if (par_->cp.size() == 1 && ctx.compute == DType::bf16) {
+    // The bf16 kernels read the saved bf16 qkv and attention output themselves.
+    ops::attention_backward(a.qkv.narrow(1, 0, qc), a.qkv.narrow(1, qc, kc),
+                            a.qkv.narrow(1, qc + kc, kc), a.attn, a.lse, dattn, ctx.B, g.Hq, g.Hkv,
+                            dq, dk, dv);
+    a.qkv = Tensor();
+    a.attn = Tensor();
+    ops::rope_backward(dq, ctx.B, g.Hq, ctx.positions, *ctx.rope);
+    ops::rope_backward(dk, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
+    return;
+  }
+  // Ring attention's kernels read f32: the saved bf16 copies widened (exactly), each freed as soon
   // as it is.
   const Tensor qkv = ops::to_f32(a.qkv);
   a.qkv = Tensor();
   const Tensor attn = ops::to_f32(a.attn);
   a.attn = Tensor();
-  Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
   if (par_->cp.size() > 1)
     ring_attention_backward(par_->cp, {ctx.B, ctx.T, g.Hq, g.Hkv, g.hd, &ctx.cp_pos}, qkv, attn,
                             a.lse, dattn, dqkv);

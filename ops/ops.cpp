@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "core/philox.hpp"
 #include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/attention_bf16.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/attention_decode.hpp"
 #include "kernels/cpu/cast.hpp"
@@ -466,9 +467,9 @@ cpu::BlockShape block_shape(const AttentionBlock& s, const Tensor& q, const Tens
 // B * Hkv would leave threads idle, recomputes S and dP once more for dq: 7. The fused count is
 // kept: it is what flash kernels on other devices do too.)
 KernelWork attention_work(double entries, int64_t B, int64_t Hq, int64_t D, double products,
-                          double moved) {
+                          double moved, DType dtype = DType::f32) {
   KernelWork w;
-  w.dtype = DType::f32;
+  w.dtype = dtype;  // bf16: the products run at the bf16 rate (kernels/cpu/attention_bf16.hpp)
   w.flops = entries * double(B * Hq) * products * 2.0 * double(D);
   w.bytes = moved;
   return w;
@@ -495,12 +496,17 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   on(
       "attention_forward", q.device(),
       [&] {
-        cpu::attention_forward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out), f(lse));
+        if (q.dtype() == DType::bf16)
+          cpu::attention_forward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
+                                      k.data<bf16>(), v.data<bf16>(), f(out), f(lse));
+        else
+          cpu::attention_forward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out),
+                                 f(lse));
       },
       [&] {
         return attention_work(causal_tiled_entries(rows(q) / B), B, Hq, q.size(1) / Hq,
                               kForwardProducts,
-                              bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(lse));
+                              bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(lse), q.dtype());
       });
 }
 
@@ -510,15 +516,20 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   on(
       "attention_backward", q.device(),
       [&] {
-        cpu::attention_backward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out), f(lse),
-                                f(dout), f(dq), f(dk), f(dv));
+        if (q.dtype() == DType::bf16)
+          cpu::attention_backward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
+                                       k.data<bf16>(), v.data<bf16>(), out.data<bf16>(), f(lse),
+                                       f(dout), f(dq), f(dk), f(dv));
+        else
+          cpu::attention_backward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out),
+                                  f(lse), f(dout), f(dq), f(dk), f(dv));
       },
       [&] {
         // delta = rowsum(dO * O) is read and written once more.
         const double moved = bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(dout) +
                              3 * bytes(lse) + bytes(dq) + bytes(dk) + bytes(dv);
         return attention_work(causal_tiled_entries(rows(q) / B), B, Hq, q.size(1) / Hq,
-                              kBackwardProducts, moved);
+                              kBackwardProducts, moved, q.dtype());
       });
 }
 
