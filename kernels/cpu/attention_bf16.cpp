@@ -78,6 +78,39 @@ inline float hmax(vf x) {
   return m;
 }
 
+// Rounding to bf16 into the two layouts: pack_pairs gives the words (bf16(a[l]), bf16(b[l])), the
+// pair layout; pack_rows stores bf16(a), bf16(b) as 2 kW consecutive elements. With AVX512_BF16
+// one vcvtne2ps2bf16 rounds both (to nearest even, as round_bf16; it flushes denormals, which
+// only the tiniest probabilities are). Inline asm: the instruction runs only where
+// attention_bf16_native() holds, and the functions around it need no other target.
+template <bool Native>
+inline vu pack_pairs(vf a, vf b) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (Native) {
+    typedef uint16_t v32h __attribute__((vector_size(64)));
+    v32h r;  // bf16(a) in lanes 0..15, bf16(b) in 16..31
+    asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(b), "v"(a));
+    constexpr v32h interleave = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return __builtin_bit_cast(vu, __builtin_shuffle(r, interleave));
+  }
+#endif
+  return round_bf16(a) | (round_bf16(b) << 16);
+}
+template <bool Native>
+inline void pack_rows(uint16_t* dst, vf a, vf b) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (Native) {
+    vu r;
+    asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(b), "v"(a));
+    storeu(reinterpret_cast<uint32_t*>(dst), r);
+    return;
+  }
+#endif
+  storeh(dst, __builtin_convertvector(round_bf16(a), vh));
+  storeh(dst + kW, __builtin_convertvector(round_bf16(b), vh));
+}
+
 // ---- pair products ----------------------------------------------------------------------------
 // C[r][kW v + c] (+)= sum_{p in [lo, hi)} a(r, p).lo * b(p, kW v + c).lo + a.hi * b.hi, with
 // a(r, p) = A[r*sr + p*sp] and b(p, c) = B[p*ldb + c] pairs of bf16 (32-bit words), C f32: the
@@ -359,6 +392,10 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
     float* m = scratch.take(kBq);            // running max (base 2)
     float* l = scratch.take(kBq);            // running sum
     float* alpha = scratch.take(kBq);        // rescale factor of the current key tile
+    const int64_t vtile_w = kBk / 2 * Dc;
+    const bool vcache_ok = nkt * vtile_w * 4 <= (int64_t(8) << 20);
+    std::vector<uint32_t> vcache;  // V of every key tile in pairs over keys (vcache_ok)
+    std::vector<int64_t> vstamp;   // the (batch, kv group) each cached tile was packed for
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t qi = order[u % nqt];
@@ -387,11 +424,28 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
           copy_rows(krows, kvs, nk, D, kn.h(), Dn, kBk);
           krows = kn.h(), kld = Dn;
         }
-        if (!v_direct) {
-          copy_rows(vrows, kvs, nk, D, vn.h(), Dn, kBk);
-          vrows = vn.h(), vld = Dn;
+        // V in pairs over keys: packed once per (batch, kv group) and key tile into the thread's
+        // cache where that takes at most 8 MiB (the units of a thread mostly share their batch
+        // and head, and the heads of a group their V), else per tile pair.
+        const uint32_t* vpk = vk.w;
+        bool packed = false;
+        if (vcache_ok) {
+          if (vcache.empty()) {
+            vcache.resize(size_t(nkt * vtile_w));
+            vstamp.assign(size_t(nkt), -1);
+          }
+          uint32_t* slot = vcache.data() + kj * vtile_w;
+          vpk = slot;
+          packed = vstamp[size_t(kj)] == b * s.Hkv + g;
+          vstamp[size_t(kj)] = b * s.Hkv + g;
         }
-        interleave_rows(vrows, vld, nk, kBk, Dc, vk.w, Dc);
+        if (!packed) {
+          if (!v_direct) {
+            copy_rows(vrows, kvs, nk, D, vn.h(), Dn, kBk);
+            vrows = vn.h(), vld = Dn;
+          }
+          interleave_rows(vrows, vld, nk, kBk, Dc, const_cast<uint32_t*>(vpk), Dc);
+        }
         // S^T = K Q^T: rows are keys; row block [r0, r1) needs the queries from key r0's first.
         pair_products<Native>(PairProd{words(krows), kld / 2, 1, qd.w, kBq, st, kBq}, nk,
                               [&](int64_t r0, int64_t) {
@@ -424,7 +478,7 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
             const vf p1 = j + 1 < nk ? vexp2(load(col + (j + 1) * kBq) * c - ms) : vf{};
             sum += p0;
             sum += p1;
-            storeu(pk.w + j / 2 * kBq + vq * kW, round_bf16(p0) | (round_bf16(p1) << 16));
+            storeu(pk.w + j / 2 * kBq + vq * kW, pack_pairs<Native>(p0, p1));
           }
           store(l + vq * kW, load(l + vq * kW) * al + sum);
           store(m + vq * kW, mn);
@@ -432,7 +486,7 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
         }
         // O = alpha * O + P V (P rounded to bf16); before the first key tile O is zero.
         pair_products<Native>(
-            PairProd{pk.w, 1, kBq, vk.w, Dc, o, Dc, !first, first ? nullptr : alpha}, nq,
+            PairProd{pk.w, 1, kBq, vpk, Dc, o, Dc, !first, first ? nullptr : alpha}, nq,
             [&](int64_t, int64_t r1) {
               return PairRange{0, (mask.key_limit(r1 - 1) + 1) / 2, Dc / kW};
             });
@@ -662,8 +716,10 @@ class Backward {
     const float* lrow = lse + (b * Hq + h) * Tq + q0;
     const float* drow = di + (b * Hq + h) * Tq + q0;
     // Rows in pairs (i, i + 1): the pair-interleaved tiles take one word from each.
+    constexpr int64_t NK = kBk / kW;
+    static_assert(NK % 2 == 0);
     for (int64_t i = 0; i < kBq; i += 2) {
-      vu pw[kBk / kW], dw[kBk / kW];
+      vf p[2][NK], ds[2][NK];
       for (int half = 0; half < 2; ++half) {
         const int64_t r = i + half;
         const int64_t lim = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
@@ -671,31 +727,23 @@ class Backward {
         const float l2 = r < nq ? lrow[r] * kLog2e : 0.0f, dval = r < nq ? drow[r] : 0.0f;
         const float* srow = w.s + r * kBk;
         const float* dprow = w.dp + r * kBk;
-        uint16_t* dsrow = w.dsn.h() + r * kBk;
-        for (int64_t vk = 0; vk < kBk / kW; ++vk) {
-          vu pb{}, db{};
+        for (int64_t vk = 0; vk < NK; ++vk) {
+          p[half][vk] = ds[half][vk] = vf{};
           if (vk < nv) {
             const vi visible = iota + int32_t(vk * kW) < int32_t(lim);
-            vf p = vexp2(load(srow + vk * kW) * c - l2);
-            p = visible ? p : vf{};
-            vf ds = p * (load(dprow + vk * kW) - dval) * scale;
-            ds = visible ? ds : vf{};
-            pb = round_bf16(p);
-            db = round_bf16(ds);
-          }
-          if (r < nq) storeh(dsrow + vk * kW, __builtin_convertvector(db, vh));
-          if (half == 0) {
-            pw[vk] = pb;
-            dw[vk] = db;
-          } else {
-            pw[vk] |= pb << 16;
-            dw[vk] |= db << 16;
+            const vf pv = vexp2(load(srow + vk * kW) * c - l2);
+            p[half][vk] = visible ? pv : vf{};
+            const vf dv = p[half][vk] * (load(dprow + vk * kW) - dval) * scale;
+            ds[half][vk] = visible ? dv : vf{};
           }
         }
+        if (r < nq)
+          for (int64_t vk = 0; vk < NK; vk += 2)
+            pack_rows<Native>(w.dsn.h() + r * kBk + vk * kW, ds[half][vk], ds[half][vk + 1]);
       }
-      for (int64_t vk = 0; vk < kBk / kW; ++vk) {
-        storeu(w.pq.w + i / 2 * kBk + vk * kW, pw[vk]);
-        storeu(w.dsq.w + i / 2 * kBk + vk * kW, dw[vk]);
+      for (int64_t vk = 0; vk < NK; ++vk) {
+        storeu(w.pq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(p[0][vk], p[1][vk]));
+        storeu(w.dsq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(ds[0][vk], ds[1][vk]));
       }
     }
   }
