@@ -190,16 +190,19 @@ double peak_of(const std::vector<GemmPoint>& points) {
 
 // ---- attention (f32 flash kernels), forward and backward --------------------------------------
 
-Build attention(Bench& b, int64_t T, int64_t D, bool backward) {
-  return [&b, T, D, backward](Device dev) {
+// In bf16 (loom's bf16 kernels) q, k, v and the backward's out are bf16, as the model saves them.
+Build attention(Bench& b, int64_t T, int64_t D, bool backward, DType dt = DType::f32) {
+  return [&b, T, D, backward, dt](Device dev) {
     const int64_t B = 1, Hq = 4, Hkv = 2;  // a tp rank's heads at most: small GQA groups
-    Tensor q = b.random({B * T, Hq * D}, dev), k = b.random({B * T, Hkv * D}, dev),
-           v = b.random({B * T, Hkv * D}, dev);
+    Tensor q = ops::to_compute(b.random({B * T, Hq * D}, dev), dt),
+           k = ops::to_compute(b.random({B * T, Hkv * D}, dev), dt),
+           v = ops::to_compute(b.random({B * T, Hkv * D}, dev), dt);
     Tensor out = Tensor::empty({B * T, Hq * D}, DType::f32, dev),
            lse = Tensor::empty({B, Hq, T}, DType::f32, dev);
     if (!backward)
       return call([=]() mutable { ops::attention_forward(q, k, v, B, Hq, Hkv, out, lse); });
     ops::attention_forward(q, k, v, B, Hq, Hkv, out, lse);
+    out = ops::to_compute(out, dt);
     Tensor dout = b.random({B * T, Hq * D}, dev), dq = Tensor::empty(q.shape(), DType::f32, dev),
            dk = Tensor::empty(k.shape(), DType::f32, dev),
            dv = Tensor::empty(v.shape(), DType::f32, dev);
@@ -505,30 +508,35 @@ double sync_wait(Bench& b) {
   const double one_call = b.seconds([&] { gemms(1); }, 20);
   if (g.rank() == 0) per_ms.data<float>()[0] = float(1e-3 / one_call);
   g.all_reduce(per_ms, dist::ReduceOp::sum)->wait();
-  const double budget = b.quick() ? 0.1 : 0.6;  // seconds per way, length and repetition
-  // The mean over ranks of each rank's mean time per iteration.
+  const double budget = b.quick() ? 0.1 : 0.5;  // seconds per way, length and repetition
+  // The mean over ranks of each rank's time for `iters` iterations of `body`.
   const auto mean_time = [&](int iters, const std::function<void()>& body) {
     b.barrier();
     const Clock::time_point t0 = Clock::now();
     for (int i = 0; i < iters; ++i) body();
     Tensor t = Tensor::empty({1}, DType::f32, Device::cpu);
-    t.data<float>()[0] = float(since(t0) / iters);
+    t.data<float>()[0] = float(since(t0));
     g.all_reduce(t, dist::ReduceOp::sum)->wait();
     return double(t.data<float>()[0]) / g.size();
   };
-  const double latency = mean_time(2000, [&] { g.all_reduce(one, dist::ReduceOp::sum)->wait(); });
+  const double latency =
+      mean_time(2000, [&] { g.all_reduce(one, dist::ReduceOp::sum)->wait(); }) / 2000;
   std::vector<double> all;
   for (double ms : {1.0, 4.0, 16.0}) {
     const int n = std::max(1, int(std::lround(ms * per_ms.data<float>()[0])));
-    const int iters = std::max(5, int(budget / (ms * 1e-3)));
+    // Both ways in alternating blocks, so that a change in the machine's other load meets both.
+    const int blocks = 10, per_block = std::max(1, int(budget / (ms * 1e-3)) / blocks);
     std::vector<double> fractions;
     for (int rep = 0; rep < 3; ++rep) {
-      const double alone = mean_time(iters, [&] { gemms(n); });
-      const double synced = mean_time(iters, [&] {
-        gemms(n);
-        g.all_reduce(one, dist::ReduceOp::sum)->wait();
-      });
-      fractions.push_back(std::max(0.0, synced - alone - latency) / alone);
+      double alone = 0, synced = 0;
+      for (int k = 0; k < blocks; ++k) {
+        alone += mean_time(per_block, [&] { gemms(n); });
+        synced += mean_time(per_block, [&] {
+          gemms(n);
+          g.all_reduce(one, dist::ReduceOp::sum)->wait();
+        });
+      }
+      fractions.push_back(std::max(0.0, synced - alone - blocks * per_block * latency) / alone);
     }
     all.insert(all.end(), fractions.begin(), fractions.end());
     std::sort(fractions.begin(), fractions.end());
@@ -589,13 +597,20 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
       opt.quick ? std::vector<std::pair<int64_t, int64_t>>{{128, 64}, {512, 64}}
                 : std::vector<std::pair<int64_t, int64_t>>{{128, 64},  {256, 64},  {512, 64},
                                                            {2048, 64}, {256, 128}, {1024, 128}};
-  std::array<std::vector<Sample>, 4> samples;  // forward, backward, block forward, block backward
+  // forward, backward, block forward, block backward, bf16 forward, bf16 backward
+  std::array<std::vector<Sample>, 6> samples;
   for (auto [T, D] : shapes) {
     const Rate f = b.measure(attention(b, T, D, false)), g = b.measure(attention(b, T, D, true));
     samples[0].push_back({f.flops * f.seconds, f.bytes * f.seconds, f.seconds});
     samples[1].push_back({g.flops * g.seconds, g.bytes * g.seconds, g.seconds});
     b.note("attention T " + std::to_string(T) + " D " + std::to_string(D) + ": forward " +
            num(f.flops / 1e9) + " GFLOP/s, backward " + num(g.flops / 1e9) + " GFLOP/s");
+    const Rate hf = b.measure(attention(b, T, D, false, DType::bf16)),
+               hg = b.measure(attention(b, T, D, true, DType::bf16));
+    samples[4].push_back({hf.flops * hf.seconds, hf.bytes * hf.seconds, hf.seconds});
+    samples[5].push_back({hg.flops * hg.seconds, hg.bytes * hg.seconds, hg.seconds});
+    b.note("attention bf16 T " + std::to_string(T) + " D " + std::to_string(D) + ": forward " +
+           num(hf.flops / 1e9) + " GFLOP/s, backward " + num(hg.flops / 1e9) + " GFLOP/s");
     // Ring attention's block pairs: a whole block and a diagonal one (cp 2's pair of chunks).
     for (bool diagonal : {false, true}) {
       const Rate bf = b.measure(attention_block(b, T, D, diagonal, false)),
@@ -607,14 +622,19 @@ Calibration calibrate(const CalibrateOptions& opt, dist::ProcessGroup* world, st
              " GFLOP/s, backward " + num(bg.flops / 1e9) + " GFLOP/s");
     }
   }
-  double* efficiency[4] = {&hw.attention_efficiency, &hw.attention_backward_efficiency,
-                           &hw.attention_block_efficiency, &hw.attention_block_backward_efficiency};
-  const char* kernel[4] = {"attention forward", "attention backward", "attention block forward",
-                           "attention block backward"};
-  for (size_t i = 0; i < 4; ++i) {
+  double* efficiency[6] = {&hw.attention_efficiency,       &hw.attention_backward_efficiency,
+                           &hw.attention_block_efficiency, &hw.attention_block_backward_efficiency,
+                           &hw.attention_bf16_efficiency,  &hw.attention_bf16_backward_efficiency};
+  double* bandwidth[6] = {&hw.attention_bandwidth[0],      &hw.attention_bandwidth[1],
+                          &hw.attention_bandwidth[2],      &hw.attention_bandwidth[3],
+                          &hw.attention_bf16_bandwidth[0], &hw.attention_bf16_bandwidth[1]};
+  const char* kernel[6] = {"attention forward",       "attention backward",
+                           "attention block forward", "attention block backward",
+                           "attention bf16 forward",  "attention bf16 backward"};
+  for (size_t i = 0; i < 6; ++i) {
     const Fit f = fit_flops_bytes(samples[i]);
-    *efficiency[i] = f.rate / hw.peak_f32;
-    hw.attention_bandwidth[i] = f.bandwidth;
+    *efficiency[i] = f.rate / (i < 4 ? hw.peak_f32 : hw.peak_bf16);
+    *bandwidth[i] = f.bandwidth;
     b.note(std::string(kernel[i]) + ": " + num(f.rate / 1e9) + " GFLOP/s + " +
            (f.bandwidth > 0 ? num(f.bandwidth / 1e9) + " GB/s" : std::string("no byte term")) +
            ", worst shape off by " + num(100 * f.worst) + "%");
@@ -711,6 +731,15 @@ std::string hardware_toml(const Calibration& c) {
       os << bandwidths[i] << " = " << num(hw.attention_bandwidth[i])
          << (i == 0 ? "  # bytes/s paid on top of the FLOPs (a fit over sequence lengths)" : "")
          << "\n";
+  if (hw.attention_bf16_efficiency > 0) {
+    os << "bf16_efficiency = " << num(hw.attention_bf16_efficiency)
+       << "  # loom's bf16 kernels: measured FLOP/s over peak.bf16\n"
+       << "bf16_backward_efficiency = " << num(hw.attention_bf16_backward_efficiency) << "\n";
+    if (hw.attention_bf16_bandwidth[0] > 0)
+      os << "bf16_bandwidth = " << num(hw.attention_bf16_bandwidth[0]) << "\n";
+    if (hw.attention_bf16_bandwidth[1] > 0)
+      os << "bf16_backward_bandwidth = " << num(hw.attention_bf16_bandwidth[1]) << "\n";
+  }
   os << "\n"
      << "[memory_ops]  # bytes/s read and written, as ops report them on meta\n";
   for (const auto& [op, bw] : hw.op_bandwidth) os << op << " = " << num(bw) << "\n";

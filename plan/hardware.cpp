@@ -230,7 +230,8 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
     r.only(*att, "attention",
            {"efficiency", "backward_efficiency", "block_efficiency", "block_backward_efficiency",
             "dtype", "bandwidth", "backward_bandwidth", "block_bandwidth",
-            "block_backward_bandwidth"});
+            "block_backward_bandwidth", "bf16_efficiency", "bf16_backward_efficiency",
+            "bf16_bandwidth", "bf16_backward_bandwidth"});
     const char* bandwidths[4] = {"bandwidth", "backward_bandwidth", "block_bandwidth",
                                  "block_backward_bandwidth"};
     for (size_t i = 0; i < 4; ++i)
@@ -242,6 +243,12 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
         r.number(att, "attention", "block_efficiency", false, hw.attention_efficiency);
     hw.attention_block_backward_efficiency = r.number(att, "attention", "block_backward_efficiency",
                                                       false, hw.attention_backward_efficiency);
+    hw.attention_bf16_efficiency = r.number(att, "attention", "bf16_efficiency", false, 0.0);
+    hw.attention_bf16_backward_efficiency =
+        r.number(att, "attention", "bf16_backward_efficiency", false, 0.0);
+    hw.attention_bf16_bandwidth = {
+        r.number(att, "attention", "bf16_bandwidth", false, 0.0),
+        r.number(att, "attention", "bf16_backward_bandwidth", false, 0.0)};
     const std::string dt = r.text(att, "attention", "dtype", false);
     if (!dt.empty()) {
       LOOM_CHECK(dt == "f32" || dt == "bf16", source, ": 'attention.dtype' must be \"f32\" or ",
@@ -323,13 +330,19 @@ double kernel_seconds(const ops::KernelWork& w, const Hardware& hw) {
   } else if (attention_like(op)) {
     const bool backward = op.find("backward") != std::string::npos;
     const bool block = op.rfind("attention_block_", 0) == 0;
-    const double efficiency =
+    double efficiency =
         block ? (backward ? hw.attention_block_backward_efficiency : hw.attention_block_efficiency)
               : (backward ? hw.attention_backward_efficiency : hw.attention_efficiency);
-    rate = hw.peak(hw.has_attention_dtype ? hw.attention_dtype : w.dtype) * efficiency;
     const bool fused = op.rfind("attention_", 0) == 0 && op != "attention_decode";
-    const double per_byte =
-        fused ? hw.attention_bandwidth[(block ? 2 : 0) + (backward ? 1 : 0)] : 0;
+    double per_byte = fused ? hw.attention_bandwidth[(block ? 2 : 0) + (backward ? 1 : 0)] : 0;
+    // loom's own bf16 kernels, where measured.
+    const double bf16 =
+        backward ? hw.attention_bf16_backward_efficiency : hw.attention_bf16_efficiency;
+    if (fused && !block && !hw.has_attention_dtype && w.dtype == DType::bf16 && bf16 > 0) {
+      efficiency = bf16;
+      per_byte = hw.attention_bf16_bandwidth[backward ? 1 : 0];
+    }
+    rate = hw.peak(hw.has_attention_dtype ? hw.attention_dtype : w.dtype) * efficiency;
     if (per_byte > 0) return w.flops / rate + w.bytes / per_byte;
   } else if (auto it = hw.op_bandwidth.find(op); it != hw.op_bandwidth.end()) {
     bandwidth = it->second;

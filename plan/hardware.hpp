@@ -79,6 +79,11 @@ struct Hardware {
   // sequences, few heads and ring attention's small blocks slower per FLOP. Order: forward,
   // backward, block forward, block backward.
   std::array<double, 4> attention_bandwidth{};
+  // loom's bf16 attention kernels (attention_forward/backward on bf16 tensors: vdpbf16ps where
+  // the CPU has it), where measured: their fraction of peak_bf16 and bytes/s, forward and
+  // backward (0: the f32 kernels' fractions, of peak_bf16).
+  double attention_bf16_efficiency = 0, attention_bf16_backward_efficiency = 0;
+  std::array<double, 2> attention_bf16_bandwidth{};
   bool has_attention_dtype = false;
   DType attention_dtype = DType::bf16;
   // Memory-bound ops by their name in ops/ops.hpp: bytes/s (absent: memory_bandwidth).

@@ -221,6 +221,29 @@ TEST(Hardware, KernelSecondsIsARoofline) {
   EXPECT_DOUBLE_EQ(with_bytes.attention_bandwidth[0], 0);
   EXPECT_NE(parse_error(std::string(kMinimal) + "[attention]\nbandwidth = -1\n").find("bandwidth"),
             std::string::npos);
+  // loom's bf16 kernels on bf16 tensors: their own fraction of peak.bf16 and byte term where the
+  // file measures them; otherwise the f32 kernels' fraction, of peak.bf16. Not the ring's block
+  // kernels (f32), nor a device whose attention.dtype decides.
+  const Hardware bf16 = parse_hardware(std::string(kMinimal) +
+                                           "[attention]\nefficiency = 0.5\n"
+                                           "backward_efficiency = 0.25\nbf16_efficiency = 0.3\n"
+                                           "bf16_backward_efficiency = 0.2\n"
+                                           "bf16_backward_bandwidth = 4e9\n",
+                                       "toy.toml");
+  ops::KernelWork hb;
+  hb.op = "attention_backward";
+  hb.dtype = DType::bf16;
+  hb.flops = 1e12;
+  hb.bytes = 2e9;
+  EXPECT_DOUBLE_EQ(kernel_seconds(hb, bf16), 1e12 / (2e12 * 0.2) + 2e9 / 4e9);
+  hb.op = "attention_forward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(hb, bf16), std::max(1e12 / (2e12 * 0.3), 2e9 / 1e11));
+  EXPECT_DOUBLE_EQ(kernel_seconds(hb, plain), std::max(1e12 / (2e12 * 0.5), 2e9 / 1e11));
+  hb.op = "attention_block_forward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(hb, bf16), std::max(1e12 / (2e12 * 0.5), 2e9 / 1e11));
+  hb.dtype = DType::f32;
+  hb.op = "attention_forward";
+  EXPECT_DOUBLE_EQ(kernel_seconds(hb, bf16), std::max(1e12 / (1e12 * 0.5), 2e9 / 1e11));
   EXPECT_DOUBLE_EQ(optimizer_seconds(1e9, hw), 1e9 / 1e11);
   // CPU offload: without a [host] link the host pool is the rank's own memory (a CPU); with
   // one, the bytes that cross are priced on it, and the host steps AdamW at its own rate.
@@ -258,6 +281,8 @@ TEST(Calibrate, QuickWritesALoadableFile) {
   for (const GemmPoint& p : hw.gemm_f32) EXPECT_GT(p.flops_per_s, 0);
   EXPECT_GT(hw.attention_efficiency, 0);
   EXPECT_GT(hw.attention_backward_efficiency, 0);
+  EXPECT_GT(hw.attention_bf16_efficiency, 0);
+  EXPECT_GT(hw.attention_bf16_backward_efficiency, 0);
   EXPECT_GT(hw.memory_bandwidth, 0);
   EXPECT_GT(hw.optimizer_bandwidth, 0);
   EXPECT_GT(hw.capacity, 0);
