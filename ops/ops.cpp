@@ -255,8 +255,15 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   on(
       "linear", y.device(),
       [&] {
-        cpu::linear_forward(x.raw(), w.raw(), f(y), rows(x), cols(y), cols(x), x.dtype(),
-                            accumulate);
+        if (y.dtype() == DType::bf16) {
+          LOOM_CHECK(!accumulate, "linear: a bfloat16 output (the product rounded) cannot ",
+                     "accumulate");
+          cpu::linear_forward_rounded(x.raw(), w.raw(), y.data<bf16>(), rows(x), cols(y), cols(x),
+                                      x.dtype());
+        } else {
+          cpu::linear_forward(x.raw(), w.raw(), f(y), rows(x), cols(y), cols(x), x.dtype(),
+                              accumulate);
+        }
       },
       [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), accumulate); });
 }

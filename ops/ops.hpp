@@ -84,7 +84,8 @@ void copy_rows(const Tensor& src, Tensor& dst);
 void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
 
 // ---- linear layers -----------------------------------------------------------------------------
-// y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation).
+// y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation). A
+// bf16 y receives the f32 product rounded (no accumulate): the rounded copy without the f32 one.
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);
 // For y = x w^T: dx [M, K] = dy w (overwritten), then dw [N, K] += dy^T x.
 void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx);

@@ -26,7 +26,8 @@ struct Key {
   int64_t M, N, K, lda, ldb, ldc;
   bool ta, tb, accumulate;
   DType ab;
-  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, accumulate, ab); }
+  bool c16 = false;  // C written in bf16 (GemmArgs::C16)
+  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, accumulate, ab, c16); }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
 
@@ -65,7 +66,8 @@ std::unique_ptr<Entry> build(const Key& k, const dnnl::engine& eng) {
   // stored transposed; the transposes are just swapped strides.
   memory::desc a_md({k.M, k.K}, dt, k.ta ? memory::dims{1, k.lda} : memory::dims{k.lda, 1});
   memory::desc b_md({k.K, k.N}, dt, k.tb ? memory::dims{1, k.ldb} : memory::dims{k.ldb, 1});
-  memory::desc c_md({k.M, k.N}, memory::data_type::f32, memory::dims{k.ldc, 1});
+  memory::desc c_md({k.M, k.N}, k.c16 ? memory::data_type::bf16 : memory::data_type::f32,
+                    memory::dims{k.ldc, 1});
   dnnl::primitive_attr attr;
   if (k.accumulate) {
     dnnl::post_ops po;
@@ -153,13 +155,19 @@ void widen_block(const bf16* src, int64_t ld, int64_t rows, int64_t cols, float*
   for (int64_t r = 0; r < rows; ++r) cast_bf16_to_f32(src + r * ld, dst + r * cols, cols);
 }
 
+// dst[r * ld + c] = bf16(src[r * cols + c]) for a rows x cols block.
+void round_block(const float* src, int64_t rows, int64_t cols, bf16* dst, int64_t ld) {
+#pragma omp parallel for schedule(static) if (rows * cols >= (int64_t(1) << 16))
+  for (int64_t r = 0; r < rows; ++r) cast_f32_to_bf16(src + r * cols, dst + r * ld, cols);
+}
+
 void run_matmul(const GemmArgs& a);
 
 // bf16 GEMM as an f32 GEMM of widened copies: op(A)'s rows in chunks of mc, op(B)'s columns in
 // chunks of nc, so that each copy stays within kGemmWidenChunkBytes. Every element of C is
 // still one dot product over the whole K, accumulated in f32 by oneDNN.
 void gemm_widened(const GemmArgs& a) {
-  thread_local Scratch sa, sb;
+  thread_local Scratch sa, sb, sc;
   const bool ta = a.ta == Trans::T, tb = a.tb == Trans::T;
   const int64_t max_floats = int64_t(g_chunk_bytes.load(std::memory_order_relaxed) / sizeof(float));
   const int64_t mc = std::clamp<int64_t>(max_floats / a.K, 1, a.M);
@@ -192,10 +200,37 @@ void gemm_widened(const GemmArgs& a) {
       f.lda = ta ? m : a.K;
       f.B = b;
       f.ldb = tb ? a.K : n;
-      f.C = a.C + m0 * a.ldc + n0;
       f.ab = DType::f32;
+      if (a.C16) {  // the chunk of C in f32 scratch, then rounded into place
+        f.C16 = nullptr;
+        f.C = sc.get(size_t(m * n));
+        f.ldc = n;
+        run_matmul(f);
+        round_block(f.C, m, n, a.C16 + m0 * a.ldc + n0, a.ldc);
+        continue;
+      }
+      f.C = a.C + m0 * a.ldc + n0;
       run_matmul(f);
     }
+  }
+}
+
+// An f32 product rounded to bf16: through f32 scratch, in chunks of rows of at most
+// kGemmWidenChunkBytes.
+void gemm_rounded_f32(const GemmArgs& a) {
+  thread_local Scratch sc;
+  const int64_t max_floats = int64_t(g_chunk_bytes.load(std::memory_order_relaxed) / sizeof(float));
+  const int64_t mc = std::clamp<int64_t>(max_floats / a.N, 1, a.M);
+  const auto* A = static_cast<const float*>(a.A);
+  for (int64_t m0 = 0; m0 < a.M; m0 += mc) {
+    GemmArgs f = a;
+    f.M = std::min(mc, a.M - m0);
+    f.A = a.ta == Trans::T ? A + m0 : A + m0 * a.lda;
+    f.C16 = nullptr;
+    f.C = sc.get(size_t(f.M * a.N));
+    f.ldc = a.N;
+    run_matmul(f);
+    round_block(f.C, f.M, a.N, a.C16 + m0 * a.ldc, a.ldc);
   }
 }
 
@@ -213,8 +248,11 @@ void check_args(const GemmArgs& a) {
              " of B as stored (", tb ? "transposed" : "not transposed", ")");
   LOOM_CHECK(a.ldc >= std::max<int64_t>(a.N, 1), "gemm: ldc=", a.ldc,
              " is less than the width N=", a.N, " of C");
+  LOOM_CHECK(!(a.C && a.C16), "gemm: both C and C16 are set; the product goes to one of them");
+  LOOM_CHECK(!(a.C16 && a.accumulate), "gemm: C16 (a rounded bf16 product) cannot accumulate");
   if (a.M > 0 && a.N > 0) {
-    LOOM_CHECK(a.C != nullptr, "gemm: C is null for a ", a.M, "x", a.N, " product");
+    LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
+               " product");
     LOOM_CHECK(a.K == 0 || (a.A != nullptr && a.B != nullptr), "gemm: A or B is null with K=", a.K);
   }
 }
@@ -222,8 +260,17 @@ void check_args(const GemmArgs& a) {
 // The oneDNN matmul of arguments already checked, M, N, K > 0. A bf16 shape oneDNN refuses
 // (after the probe passed) is widened.
 void run_matmul(const GemmArgs& a) {
-  const Key key{a.M,          a.N, a.K, a.lda, a.ldb, a.ldc, a.ta == Trans::T, a.tb == Trans::T,
-                a.accumulate, a.ab};
+  const Key key{a.M,
+                a.N,
+                a.K,
+                a.lda,
+                a.ldb,
+                a.ldc,
+                a.ta == Trans::T,
+                a.tb == Trans::T,
+                a.accumulate,
+                a.ab,
+                a.C16 != nullptr};
   Context& ctx = Context::get();
   Entry* e;
   {
@@ -248,7 +295,7 @@ void run_matmul(const GemmArgs& a) {
   std::lock_guard<std::mutex> lock(e->mu);
   e->a.set_data_handle(const_cast<void*>(a.A));
   e->b.set_data_handle(const_cast<void*>(a.B));
-  e->c.set_data_handle(a.C);
+  e->c.set_data_handle(a.C16 ? static_cast<void*>(a.C16) : static_cast<void*>(a.C));
   // The C API takes the arguments as an array; the C++ one would build an unordered_map per call.
   const dnnl_exec_arg_t args[3] = {
       {DNNL_ARG_SRC, e->a.get()}, {DNNL_ARG_WEIGHTS, e->b.get()}, {DNNL_ARG_DST, e->c.get()}};
@@ -264,12 +311,15 @@ void gemm(const GemmArgs& a) {
   check_args(a);
   if (a.M == 0 || a.N == 0) return;
   if (a.K == 0) {  // an empty sum: C = 0, or C unchanged when accumulating
-    if (!a.accumulate)
+    if (a.C16)
+      for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C16 + i * a.ldc, a.N, bf16{});
+    else if (!a.accumulate)
       for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C + i * a.ldc, a.N, 0.0f);
     return;
   }
   if (a.ab == DType::bf16 && (g_force_widen.load(std::memory_order_relaxed) || !bf16_path().native))
     return gemm_widened(a);
+  if (a.C16 && a.ab == DType::f32) return gemm_rounded_f32(a);
   run_matmul(a);
 }
 
@@ -307,6 +357,22 @@ void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N
         .ldc = N,
         .ab = ab,
         .accumulate = accumulate});
+}
+
+void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
+                            DType ab) {
+  gemm({.ta = Trans::N,
+        .tb = Trans::T,
+        .M = M,
+        .N = N,
+        .K = K,
+        .A = x,
+        .lda = K,
+        .B = w,
+        .ldb = K,
+        .ldc = N,
+        .ab = ab,
+        .C16 = y});
 }
 
 void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, int64_t N,

@@ -30,6 +30,10 @@ struct GemmArgs {
   int64_t ldc = 0;
   DType ab = DType::f32;
   bool accumulate = false;
+  // Instead of C: the product rounded to bf16 (round to nearest even, as float_to_bf16), written
+  // here with leading dimension ldc; not with accumulate. The rounded copy of an f32 GEMM output
+  // without the f32 one: oneDNN rounds in its kernel, the widening path through a scratch chunk.
+  bf16* C16 = nullptr;
 };
 
 void gemm(const GemmArgs& a);
@@ -44,6 +48,9 @@ void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, 
                            int64_t K, DType ab, bool accumulate);
 void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M, int64_t N,
                             int64_t K, DType ab);
+// y[M,N] = bf16(x[M,K] * W[N,K]^T): linear_forward rounded to bf16 (GemmArgs::C16).
+void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
+                            DType ab);
 
 // Measures this machine's GEMM throughput (FLOP/s) for the dtype on square-ish transformer shapes;
 // the denominator of MFU in `loom bench`.

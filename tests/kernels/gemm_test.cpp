@@ -321,6 +321,96 @@ TEST(Gemm, WidenedBf16MatchesReferenceAndNative) {
     }
 }
 
+// GemmArgs::C16: the product rounded to bf16, in place of C. Each element against the fp64
+// reference: the f32 sum's error (1e-5 of sum_k |a b|) plus one rounding to bf16 (2^-8 of the
+// value: half an ulp of its 8 significant bits); a wrong stride, transpose or chunk offset is
+// off by far more. Padding of C untouched; f32 and bf16 inputs, native and widened
+// (chunked) paths, every transpose, an empty K.
+TEST(Gemm, RoundedOutputIsTheProductInBf16) {
+  const bf16 sentinel = float_to_bf16(12345.0f);
+  const auto run = [&](const Case& cs, DType dt, uint64_t seed) {
+    SCOPED_TRACE(testing::Message() << "M=" << cs.M << " N=" << cs.N << " K=" << cs.K
+                                    << " ta=" << int(cs.ta) << " tb=" << int(cs.tb)
+                                    << " dtype=" << dtype_name(dt) << " path=" << gemm_bf16_path());
+    Problem p(cs, seed);
+    std::vector<bf16> a16, b16;
+    const void *A = p.a.data(), *B = p.b.data();
+    if (dt == DType::bf16) {
+      a16 = round_to_bf16(p.a);
+      b16 = round_to_bf16(p.b);
+      A = a16.data();
+      B = b16.data();
+    }
+    std::vector<bf16> c(size_t(cs.M * p.ldc), sentinel);
+    gemm({.ta = cs.ta,
+          .tb = cs.tb,
+          .M = cs.M,
+          .N = cs.N,
+          .K = cs.K,
+          .A = A,
+          .lda = p.lda,
+          .B = B,
+          .ldb = p.ldb,
+          .ldc = p.ldc,
+          .ab = dt,
+          .C16 = c.data()});
+    const auto ref = p.reference(false);
+    int bad = 0;
+    for (int64_t m = 0; m < cs.M; ++m)
+      for (int64_t n = 0; n < p.ldc; ++n) {
+        const bf16 got = c[size_t(m * p.ldc + n)];
+        if (n >= cs.N) {
+          if (got.bits != sentinel.bits && ++bad < 5)
+            ADD_FAILURE() << "padding of C changed at " << m << "," << n;
+          continue;
+        }
+        const double want = ref[size_t(m * p.ldc + n)];
+        const double tol = 1e-5 * p.magnitude(m, n, false) + std::ldexp(std::abs(want), -8) + 1e-30;
+        if (std::abs(bf16_to_float(got) - want) > tol && ++bad < 5)
+          ADD_FAILURE() << "C[" << m << "," << n << "] = " << bf16_to_float(got) << ", expected "
+                        << want;
+      }
+    EXPECT_EQ(bad, 0);
+  };
+  for (Trans ta : kTrans)
+    for (Trans tb : kTrans)
+      for (DType dt : {DType::f32, DType::bf16}) {
+        run({ta, tb, 37, 29, 53, 3, 5, 7}, dt, 80);
+        run({ta, tb, 130, 70, 200}, dt, 90);
+        run({ta, tb, 5, 6, 0, 1, 1, 2}, dt, 95);  // K = 0: zeros
+      }
+  {
+    ScopedGemmBf16Widen widen(4096);  // several chunks of A's rows and B's columns
+    for (Trans ta : kTrans)
+      for (Trans tb : kTrans) run({ta, tb, 130, 70, 200, 1, 2, 3}, DType::bf16, 100);
+  }
+  std::vector<float> f(4);
+  std::vector<bf16> h(4);
+  const std::vector<float> x = randn(4, 1);
+  EXPECT_THROW(gemm({.M = 2,
+                     .N = 2,
+                     .K = 2,
+                     .A = x.data(),
+                     .lda = 2,
+                     .B = x.data(),
+                     .ldb = 2,
+                     .C = f.data(),
+                     .ldc = 2,
+                     .C16 = h.data()}),
+               Error);
+  EXPECT_THROW(gemm({.M = 2,
+                     .N = 2,
+                     .K = 2,
+                     .A = x.data(),
+                     .lda = 2,
+                     .B = x.data(),
+                     .ldb = 2,
+                     .ldc = 2,
+                     .accumulate = true,
+                     .C16 = h.data()}),
+               Error);
+}
+
 TEST(Gemm, PeakIsPositive) {
   const double p = measure_gemm_peak(DType::f32, 0.05);
   EXPECT_GT(p, 1e9);  // any machine that runs this does over 1 GFLOP/s
