@@ -32,11 +32,10 @@ CacheSlack qkv_block_slack(size_t M, size_t Mx, size_t d, size_t nqkv, size_t q,
     size_t bytes;
     bool saved, op;
   };
-  // attn, the residual h, xn2 (every row, gathered under SP), the f32 gate/up, gu, act.
-  const Made made[] = {{M * q * 2, true, true},       {Mx * d * 4, true, true},
-                       {Mx * d * 2, true, false},     {gathered_xn2 ? M * d * 2 : 0, true, false},
-                       {M * 2 * F * 4, false, false}, {M * 2 * F * 2, true, true},
-                       {M * F * 2, true, false}};
+  // attn, the residual h, xn2 (every row, gathered under SP), gu, act.
+  const Made made[] = {{M * q * 2, true, true},     {Mx * d * 4, true, true},
+                       {Mx * d * 2, true, false},   {gathered_xn2 ? M * d * 2 : 0, true, false},
+                       {M * 2 * F * 2, true, true}, {M * F * 2, true, false}};
   for (const Made& m : made) {
     if (m.bytes == 0) continue;
     const size_t r = Allocator::round_size(m.bytes);
@@ -65,12 +64,10 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   // + xn1, xn2 (compute dtype) and act.
   const size_t act = M * F * cs;
   const size_t block = op_block + Mn * d * cs * 2 + act;
-  // A block's working buffers beyond its saved set: in bf16 its forward holds the f32 gate/up
-  // GEMM output beside its rounded copy before the SwiGLU output exists; its backward starts
-  // with the gradient from above (f32), the SwiGLU's f32 gradient and, in bf16, the former
-  // rounded for the down projection's GEMM.
-  const size_t gu_f32 = cs == 4 ? 0 : M * 2 * F * 4;
-  const size_t forward = gu_f32 > act ? gu_f32 - act : 0;
+  // A block's working buffers beyond its saved set: its forward holds nothing beyond the f32
+  // input (`live`; the gate/up GEMM writes its output in the compute dtype, rounded in the GEMM,
+  // where it once held an f32 copy); its backward starts with the gradient from above (f32), the
+  // SwiGLU's f32 gradient and, in bf16, the former rounded for the down projection's GEMM.
   const size_t backward = Mx * d * 4 + M * F * 4 + (cs == 4 ? 0 : Mx * d * 2);
   const size_t L = size_t(c.num_hidden_layers);
   const CacheSlack slack =
@@ -80,13 +77,13 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   switch (ac.mode) {
     case ActivationCheckpoint::Mode::none: {
       const size_t all = (block + slack.bytes) * L;
-      return {all, all + std::max(live + forward, backward), all + backward};
+      return {all, all + std::max(live, backward), all + backward};
     }
     case ActivationCheckpoint::Mode::op: {
       // The backward of a block also holds its recomputed act (the norm output recomputed later
       // is smaller); the forward holds no act.
       const size_t all = (op_block + (slack.op ? slack.bytes : 0)) * L;
-      return {all, all + std::max(live + gu_f32, act + backward), all + act + backward};
+      return {all, all + std::max(live, act + backward), all + act + backward};
     }
     case ActivationCheckpoint::Mode::full:
       break;
@@ -98,11 +95,9 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   for (size_t l = 0; l < L; ++l) {
     const bool full = ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
     const size_t saved = full ? block : block + slack.bytes;
-    peak =
-        std::max(peak, all + saved + std::max(live + forward + (full ? Mx * d * 4 : 0), backward));
-    in_backward =
-        std::max(in_backward,
-                 all + saved + (full ? std::max(live + forward + Mx * d * 4, backward) : backward));
+    peak = std::max(peak, all + saved + std::max(live + (full ? Mx * d * 4 : 0), backward));
+    in_backward = std::max(in_backward,
+                           all + saved + (full ? std::max(live + Mx * d * 4, backward) : backward));
     all += full ? input : saved;
   }
   return {all, std::max(all, peak), in_backward};
@@ -252,9 +247,6 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   // In bf16 the f32 input the forward reads (and a recomputation, widened) beside the saved copy.
   const size_t live = bf16 ? Mx * d * 4 : 0;
   const size_t act = M * F * cs, gu = M * 2 * F * cs, qkv = M * nqkv * cs, attn = M * Hq * hd * cs;
-  // In bf16 the forward holds the f32 gate/up GEMM output beside its rounded copy, before
-  // SwiGLU's output (saved unless `op`) exists.
-  const size_t gu_f32 = bf16 ? M * 2 * F * 4 : 0;
   // The backward's MLP phase: the SwiGLU's f32 gradient while everything is held (in bf16 also
   // the output gradient rounded for the down projection's GEMM).
   const size_t mlp = M * F * 4 + (bf16 ? M * d * 2 : 0);
@@ -272,21 +264,20 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   switch (mode) {
     case ActivationCheckpoint::Mode::none:
       u.saved = block(mode);
-      u.forward = live + (gu_f32 > act ? gu_f32 - act : 0);
+      u.forward = live;
       u.backward = std::max(mlp, attention_phase(true));
       break;
     case ActivationCheckpoint::Mode::op:
       u.saved = block(mode);
-      u.forward = live + gu_f32;
+      u.forward = live;
       u.backward = std::max(mlp + act, attention_phase(false));
       break;
     case ActivationCheckpoint::Mode::full: {
       u.saved = input;
       // Its forward saves everything until the block's end, its backward does so again.
       const size_t all = block(ActivationCheckpoint::Mode::none) - input;
-      u.forward = all + live + (gu_f32 > act ? gu_f32 - act : 0);
-      u.backward =
-          all + std::max({live + (gu_f32 > act ? gu_f32 - act : 0), mlp, attention_phase(true)});
+      u.forward = all + live;
+      u.backward = all + std::max({live, mlp, attention_phase(true)});
       break;
     }
   }

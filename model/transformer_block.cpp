@@ -192,12 +192,11 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
   {
     Tensor xn2 = Tensor::empty({g.Mx, g.d}, dt, dev);
     ops::rmsnorm_forward(a.h, P[kNorm2].value, g.eps, xn2, a.rstd2);
-    // The f32 GEMM output is kept in the compute dtype: SwiGLU reads the rounded gate/up, and
-    // its backward the same values.
-    Tensor gu = f32({g.M, 2 * g.F}, dev);
-    column_parallel_forward(tp, xn2, weight(kGate), keep_gathered, a.xn2, gu);
+    // The GEMM writes its output in the compute dtype (in bf16 rounded from f32 in its kernel,
+    // no f32 copy): SwiGLU reads the rounded gate/up, and its backward the same values.
+    a.gu = Tensor::empty({g.M, 2 * g.F}, dt, dev);
+    column_parallel_forward(tp, xn2, weight(kGate), keep_gathered, a.xn2, a.gu);
     if (op) a.xn2 = Tensor();
-    a.gu = ops::to_compute(gu, dt);
   }
   a.act = Tensor::empty({g.M, g.F}, dt, dev);
   ops::swiglu_forward(a.gu, a.act);
