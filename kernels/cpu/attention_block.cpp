@@ -373,43 +373,7 @@ void backward_impl(const BlockShape& s, const float* q, const float* k, const fl
                    const float* dout, float* dq, float* dk, float* dv,
                    const std::function<void()>* progress) {
   const Backward<ND> bw(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv);
-  const int64_t groups = s.B * s.Hkv, nkt = bw.ktiles.count, nqt = bw.qtiles.count;
-  const int64_t threads = omp_get_max_threads();
-  // Fraction of the threads that the fused scheme keeps busy with equal-sized units.
-  const double busy = double(groups) / double(threads * ((groups + threads - 1) / threads));
-  if (busy >= 0.7) {
-#pragma omp parallel
-    {
-      typename Backward<ND>::Buffers w(s.D);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < groups; ++u) {
-        if (bw.overwrite) bw.zero_dq(u / s.Hkv, u % s.Hkv);
-        for (int64_t kj = 0; kj < nkt; ++kj) {
-          bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
-          report_progress(progress);
-        }
-      }
-    }
-    return;
-  }
-  const std::vector<int64_t> korder = heaviest_first(bw.ktiles, bw.qtiles, false);
-  const std::vector<int64_t> qorder = heaviest_first(bw.qtiles, bw.ktiles, true);
-#pragma omp parallel
-  {
-    typename Backward<ND>::Buffers w(s.D);
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t u = 0; u < groups * nkt; ++u) {
-      const int64_t bg = u % groups;
-      bw.key_tile(w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
-      report_progress(progress);
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < s.B * s.Hq * nqt; ++u) {
-      const int64_t bh = u % (s.B * s.Hq);
-      bw.query_tile(w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
-      report_progress(progress);
-    }
-  }
+  run_backward(bw, s, s.D, progress);
 }
 
 template <int ND>

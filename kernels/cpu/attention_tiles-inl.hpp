@@ -460,6 +460,52 @@ inline void report_progress(const std::function<void()>* progress) {
   if (*progress && omp_get_thread_num() == 0) (*progress)();
 }
 
+// The flash backward's two thread schemes (attention_block.cpp's Backward explains them), for a
+// Backward `bw` of either dtype whose per-thread Buffers are made from `buffers_arg`: the fused
+// one, units (batch, kv group), when they keep at least 70% of the threads busy; otherwise the
+// split one, units (batch, kv group, key tile) for dk/dv, then (batch, head, query tile) for dq.
+template <class BW, class Arg>
+void run_backward(const BW& bw, const BlockShape& s, const Arg& buffers_arg,
+                  const std::function<void()>* progress) {
+  const int64_t groups = s.B * s.Hkv, nkt = bw.ktiles.count, nqt = bw.qtiles.count;
+  const int64_t threads = omp_get_max_threads();
+  // Fraction of the threads that the fused scheme keeps busy with equal-sized units.
+  const double busy = double(groups) / double(threads * ((groups + threads - 1) / threads));
+  if (busy >= 0.7) {
+#pragma omp parallel
+    {
+      typename BW::Buffers w(buffers_arg);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < groups; ++u) {
+        if (bw.overwrite) bw.zero_dq(u / s.Hkv, u % s.Hkv);
+        for (int64_t kj = 0; kj < nkt; ++kj) {
+          bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
+          report_progress(progress);
+        }
+      }
+    }
+    return;
+  }
+  const std::vector<int64_t> korder = heaviest_first(bw.ktiles, bw.qtiles, false);
+  const std::vector<int64_t> qorder = heaviest_first(bw.qtiles, bw.ktiles, true);
+#pragma omp parallel
+  {
+    typename BW::Buffers w(buffers_arg);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t u = 0; u < groups * nkt; ++u) {
+      const int64_t bg = u % groups;
+      bw.key_tile(w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
+      report_progress(progress);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < s.B * s.Hq * nqt; ++u) {
+      const int64_t bh = u % (s.B * s.Hq);
+      bw.query_tile(w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
+      report_progress(progress);
+    }
+  }
+}
+
 }  // namespace loom::cpu::HWY_NAMESPACE::tiles
 HWY_AFTER_NAMESPACE();
 
