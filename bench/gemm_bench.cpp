@@ -209,8 +209,8 @@ int main(int argc, char** argv) {
     for (DType dt : dtypes) {
       auto x = filled(N * D, dt, 1), w = filled(V * D, dt, 2);
       std::vector<float> dx(N * D), dw(V * D);
-      for (int64_t chunk : {0, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
-        const Timing tm = time_call(
+      const auto time_loss = [&](int64_t chunk, int64_t grad_rows) {
+        return time_call(
             [&] {
               linear_cross_entropy({.x = x.data(),
                                     .w = w.data(),
@@ -222,9 +222,13 @@ int main(int argc, char** argv) {
                                     .grad_scale = 1.0f / N,
                                     .dx = dx.data(),
                                     .dw = dw.data(),
-                                    .chunk_rows = chunk});
+                                    .chunk_rows = chunk,
+                                    .grad_rows = grad_rows});
             },
             secs * 3);
+      };
+      for (int64_t chunk : {0, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
+        const Timing tm = time_loss(chunk, 0);
         std::printf(
             "  %-9s chunk %5lld%s: best %8.2f ms (%6.1f GFLOP/s), median %8.2f ms, cpu/threads "
             "%8.2f ms\n",
@@ -237,22 +241,7 @@ int main(int argc, char** argv) {
       for (int64_t chunk : {32, 64, 112}) {
         for (int64_t grad_rows : {128, 256, 512, 1024}) {
           if (grad_rows <= chunk) continue;
-          const Timing tm = time_call(
-              [&] {
-                linear_cross_entropy({.x = x.data(),
-                                      .w = w.data(),
-                                      .ab = dt,
-                                      .targets = t.data(),
-                                      .N = N,
-                                      .D = D,
-                                      .V = V,
-                                      .grad_scale = 1.0f / N,
-                                      .dx = dx.data(),
-                                      .dw = dw.data(),
-                                      .chunk_rows = chunk,
-                                      .grad_rows = grad_rows});
-              },
-              secs * 3);
+          const Timing tm = time_loss(chunk, grad_rows);
           std::printf(
               "  %-9s chunk %5lld grad_rows %5lld: best %8.2f ms (%6.1f GFLOP/s), median %8.2f "
               "ms, scratch %5.2f MiB\n",

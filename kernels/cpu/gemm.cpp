@@ -342,37 +342,39 @@ ScopedGemmBf16Widen::~ScopedGemmBf16Widen() {
   g_chunk_bytes.store(prev_chunk_);
 }
 
+namespace {
+
+// y = x W^T: A is x [M, K], B is W [N, K] read transposed; C is y [M, N].
+GemmArgs linear_forward_args(const void* x, const void* w, int64_t M, int64_t N, int64_t K,
+                             DType ab) {
+  return {.ta = Trans::N,
+          .tb = Trans::T,
+          .M = M,
+          .N = N,
+          .K = K,
+          .A = x,
+          .lda = K,
+          .B = w,
+          .ldb = K,
+          .ldc = N,
+          .ab = ab};
+}
+
+}  // namespace
+
 void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K,
                     DType ab, bool accumulate) {
-  gemm({.ta = Trans::N,
-        .tb = Trans::T,
-        .M = M,
-        .N = N,
-        .K = K,
-        .A = x,
-        .lda = K,
-        .B = w,
-        .ldb = K,
-        .C = y,
-        .ldc = N,
-        .ab = ab,
-        .accumulate = accumulate});
+  GemmArgs a = linear_forward_args(x, w, M, N, K, ab);
+  a.C = y;
+  a.accumulate = accumulate;
+  gemm(a);
 }
 
 void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
                             DType ab) {
-  gemm({.ta = Trans::N,
-        .tb = Trans::T,
-        .M = M,
-        .N = N,
-        .K = K,
-        .A = x,
-        .lda = K,
-        .B = w,
-        .ldb = K,
-        .ldc = N,
-        .ab = ab,
-        .C16 = y});
+  GemmArgs a = linear_forward_args(x, w, M, N, K, ab);
+  a.C16 = y;
+  gemm(a);
 }
 
 void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, int64_t N,

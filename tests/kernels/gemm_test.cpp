@@ -76,6 +76,33 @@ std::vector<bf16> round_to_bf16(std::vector<float>& v) {
   return out;
 }
 
+// The problem's operands in `dt` (bf16: rounded, and the problem's f32 copies with them, so the
+// reference sees what the kernel sees) and the GemmArgs that multiply them; C is the caller's.
+struct Operands {
+  std::vector<bf16> a16, b16;
+  GemmArgs args;
+  Operands(Problem& p, DType dt) {
+    const void *A = p.a.data(), *B = p.b.data();
+    if (dt == DType::bf16) {
+      a16 = round_to_bf16(p.a);
+      b16 = round_to_bf16(p.b);
+      A = a16.data();
+      B = b16.data();
+    }
+    args = {.ta = p.c.ta,
+            .tb = p.c.tb,
+            .M = p.c.M,
+            .N = p.c.N,
+            .K = p.c.K,
+            .A = A,
+            .lda = p.lda,
+            .B = B,
+            .ldb = p.ldb,
+            .ldc = p.ldc,
+            .ab = dt};
+  }
+};
+
 // Runs the kernel and checks every element against the fp64 reference: within `tol` of the
 // worst-case error scale sum_k |a b| (f32 accumulation over K <= 1000 terms stays well under
 // 1e-5 of it; a wrong transpose, stride or a missing accumulate is off by O(1) of it), and the
@@ -86,28 +113,11 @@ void check(const Case& cs, DType dt, bool accumulate, uint64_t seed) {
                                   << " pads=" << cs.pad_a << "," << cs.pad_b << "," << cs.pad_c
                                   << " dtype=" << dtype_name(dt) << " acc=" << accumulate);
   Problem p(cs, seed);
-  std::vector<bf16> a16, b16;
-  const void *A = p.a.data(), *B = p.b.data();
-  if (dt == DType::bf16) {
-    a16 = round_to_bf16(p.a);
-    b16 = round_to_bf16(p.b);
-    A = a16.data();
-    B = b16.data();
-  }
+  Operands ops(p, dt);
   std::vector<float> c = p.c0;
-  gemm({.ta = cs.ta,
-        .tb = cs.tb,
-        .M = cs.M,
-        .N = cs.N,
-        .K = cs.K,
-        .A = A,
-        .lda = p.lda,
-        .B = B,
-        .ldb = p.ldb,
-        .C = c.data(),
-        .ldc = p.ldc,
-        .ab = dt,
-        .accumulate = accumulate});
+  ops.args.C = c.data();
+  ops.args.accumulate = accumulate;
+  gemm(ops.args);
   const auto ref = p.reference(accumulate);
   int bad = 0;
   for (int64_t m = 0; m < cs.M; ++m) {
@@ -333,27 +343,10 @@ TEST(Gemm, RoundedOutputIsTheProductInBf16) {
                                     << " ta=" << int(cs.ta) << " tb=" << int(cs.tb)
                                     << " dtype=" << dtype_name(dt) << " path=" << gemm_bf16_path());
     Problem p(cs, seed);
-    std::vector<bf16> a16, b16;
-    const void *A = p.a.data(), *B = p.b.data();
-    if (dt == DType::bf16) {
-      a16 = round_to_bf16(p.a);
-      b16 = round_to_bf16(p.b);
-      A = a16.data();
-      B = b16.data();
-    }
+    Operands ops(p, dt);
     std::vector<bf16> c(size_t(cs.M * p.ldc), sentinel);
-    gemm({.ta = cs.ta,
-          .tb = cs.tb,
-          .M = cs.M,
-          .N = cs.N,
-          .K = cs.K,
-          .A = A,
-          .lda = p.lda,
-          .B = B,
-          .ldb = p.ldb,
-          .ldc = p.ldc,
-          .ab = dt,
-          .C16 = c.data()});
+    ops.args.C16 = c.data();
+    gemm(ops.args);
     const auto ref = p.reference(false);
     int bad = 0;
     for (int64_t m = 0; m < cs.M; ++m)
