@@ -553,27 +553,13 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
 //   dK += dS^T Q   A: dS in pairs over queries   B: Q in pairs over queries
 //   dQ += dS K     A: dS rows (natural)          B: K in pairs over keys
 template <bool Native>
-class Backward {
+class Backward : public BackwardShape {
  public:
   Backward(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
            const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
            const float* dout, float* dq, float* dk, float* dv)
-      : B(s.B),
-        Tq(s.Tq),
-        Tk(s.Tk),
-        Hq(s.Hq),
-        Hkv(s.Hkv),
-        D(s.D),
-        G(s.Hq / s.Hkv),
-        qs(s.q_stride),
-        kvs(s.kv_stride),
-        os(s.Hq * s.D),
-        overwrite(!s.accumulate),
-        qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
-        ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
+      : BackwardShape(s, q_pos, k_pos),
         wd(s.D),
-        c(s.scale * kLog2e),
-        scale(s.scale),
         q(q),
         k(k),
         v(v),
@@ -685,9 +671,6 @@ class Backward {
     for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
   }
 
-  const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
-  const bool overwrite;
-  const Tiles qtiles, ktiles;
   const Widths wd;
 
  private:
@@ -804,7 +787,6 @@ class Backward {
       for (int64_t i = 0; i < nq; ++i) std::copy_n(w.dqs + i * Dc, D, rows + i * qs);
   }
 
-  const float c, scale;
   const uint16_t *q, *k, *v;
   const float *lse, *di, *dout;
   float *dq, *dk, *dv;

@@ -155,26 +155,12 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
 // Both run the same kernels in the same order for each output element, so the results are
 // bit-identical whichever scheme (and thread count) is used.
 template <int ND>
-class Backward {
+class Backward : public BackwardShape {
  public:
   Backward(const BlockShape& s, const float* q, const float* k, const float* v,
            const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
            const float* dout, float* dq, float* dk, float* dv)
-      : B(s.B),
-        Tq(s.Tq),
-        Tk(s.Tk),
-        Hq(s.Hq),
-        Hkv(s.Hkv),
-        D(s.D),
-        G(s.Hq / s.Hkv),
-        qs(s.q_stride),
-        kvs(s.kv_stride),
-        os(s.Hq * s.D),
-        overwrite(!s.accumulate),
-        qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
-        ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
-        c(s.scale * kLog2e),
-        scale(s.scale),
+      : BackwardShape(s, q_pos, k_pos),
         q(q),
         k(k),
         v(v),
@@ -278,10 +264,6 @@ class Backward {
     for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
   }
 
-  const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
-  const bool overwrite;
-  const Tiles qtiles, ktiles;
-
  private:
   void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
     transpose_tile(k + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
@@ -362,7 +344,6 @@ class Backward {
                    });
   }
 
-  const float c, scale;
   const float *q, *k, *v, *lse, *di, *dout;
   float *dq, *dk, *dv;
 };

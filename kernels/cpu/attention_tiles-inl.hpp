@@ -460,6 +460,32 @@ inline void report_progress(const std::function<void()>* progress) {
   if (*progress && omp_get_thread_num() == 0) (*progress)();
 }
 
+// What the backward kernels of both dtypes take from a BlockShape: sizes, strides, the tiles of
+// the positions (padded: a padded query sees nothing, a padded key is seen by nobody) and the
+// scale of the scores in base-2 units.
+struct BackwardShape {
+  BackwardShape(const BlockShape& s, const int64_t* q_pos, const int64_t* k_pos)
+      : B(s.B),
+        Tq(s.Tq),
+        Tk(s.Tk),
+        Hq(s.Hq),
+        Hkv(s.Hkv),
+        D(s.D),
+        G(s.Hq / s.Hkv),
+        qs(s.q_stride),
+        kvs(s.kv_stride),
+        os(s.Hq * s.D),
+        overwrite(!s.accumulate),
+        qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
+        ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
+        c(s.scale * kLog2e),
+        scale(s.scale) {}
+  const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
+  const bool overwrite;
+  const Tiles qtiles, ktiles;
+  const float c, scale;
+};
+
 // The flash backward's two thread schemes (attention_block.cpp's Backward explains them), for a
 // Backward `bw` of either dtype whose per-thread Buffers are made from `buffers_arg`: the fused
 // one, units (batch, kv group), when they keep at least 70% of the threads busy; otherwise the
