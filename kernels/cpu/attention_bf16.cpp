@@ -527,18 +527,8 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
             });
         first = false;
       }
-      for (int64_t i = 0; i < nq; ++i) {
-        float* orow = out + ((b * Tq + q0 + i) * Hq + h) * D;
-        float& li = lse[(b * Hq + h) * Tq + q0 + i];
-        if (first || l[i] == 0) {  // no visible key in this block
-          std::fill_n(orow, D, 0.0f);
-          li = kNegInf;
-          continue;
-        }
-        const float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < D; ++d) orow[d] = o[i * Dc + d] * inv;
-        li = (m[i] + std::log2(l[i])) * kLn2;
-      }
+      finish_query_tile(o, Dc, m, l, nq, D, out + ((b * Tq + q0) * Hq + h) * D, Hq * D,
+                        lse + (b * Hq + h) * Tq + q0);
       report_progress(progress);
     }
   }
