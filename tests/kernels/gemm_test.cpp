@@ -377,31 +377,18 @@ TEST(Gemm, RoundedOutputIsTheProductInBf16) {
     for (Trans ta : kTrans)
       for (Trans tb : kTrans) run({ta, tb, 130, 70, 200, 1, 2, 3}, DType::bf16, 100);
   }
+  // Misuse: both outputs, or a rounded output that would accumulate.
   std::vector<float> f(4);
   std::vector<bf16> h(4);
   const std::vector<float> x = randn(4, 1);
-  EXPECT_THROW(gemm({.M = 2,
-                     .N = 2,
-                     .K = 2,
-                     .A = x.data(),
-                     .lda = 2,
-                     .B = x.data(),
-                     .ldb = 2,
-                     .C = f.data(),
-                     .ldc = 2,
-                     .C16 = h.data()}),
-               Error);
-  EXPECT_THROW(gemm({.M = 2,
-                     .N = 2,
-                     .K = 2,
-                     .A = x.data(),
-                     .lda = 2,
-                     .B = x.data(),
-                     .ldb = 2,
-                     .ldc = 2,
-                     .accumulate = true,
-                     .C16 = h.data()}),
-               Error);
+  GemmArgs both{.M = 2, .N = 2, .K = 2, .A = x.data(), .lda = 2, .B = x.data(), .ldb = 2, .ldc = 2};
+  both.C = f.data();
+  both.C16 = h.data();
+  EXPECT_THROW(gemm(both), Error);
+  GemmArgs acc = both;
+  acc.C = nullptr;
+  acc.accumulate = true;
+  EXPECT_THROW(gemm(acc), Error);
 }
 
 TEST(Gemm, PeakIsPositive) {
