@@ -37,14 +37,17 @@ bool present(const json& obj, const char* key) {
   return obj.contains(key) && !obj.at(key).is_null();
 }
 
-int64_t get_int(const json& obj, const char* key, const std::string& source,
-                const std::string& field) {
-  const json& v = obj.at(key);
+int64_t to_int(const json& v, const std::string& source, const std::string& field) {
   LOOM_CHECK(v.is_number_integer(), source, ": field '", field, "': expected an integer, found ",
              found(v));
   LOOM_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX, source, ": field '", field,
              "': value ", v.dump(), " is too large");
   return v.get<int64_t>();
+}
+
+int64_t get_int(const json& obj, const char* key, const std::string& source,
+                const std::string& field) {
+  return to_int(obj.at(key), source, field);
 }
 
 double get_number(const json& obj, const char* key, const std::string& source,

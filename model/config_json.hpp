@@ -20,7 +20,10 @@ std::string found(const json& v);
 // Present and not null: a null field means the default, as in transformers and fla.
 bool present(const json& obj, const char* key);
 
-// Typed getters; `field` is the name used in messages (may be dotted).
+// Typed getters; `field` is the name used in messages (may be dotted). The integer ones check
+// the type and range first: nlohmann's get<int64_t>() of a float or of a too-large integer is an
+// undefined conversion, not an error.
+int64_t to_int(const json& v, const std::string& source, const std::string& field);
 int64_t get_int(const json& obj, const char* key, const std::string& source,
                 const std::string& field);
 double get_number(const json& obj, const char* key, const std::string& source,

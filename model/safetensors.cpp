@@ -15,6 +15,7 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "model/config_json.hpp"
 
 namespace loom {
 
@@ -425,8 +426,8 @@ void SafetensorsDir::open_sharded(const std::string& ip) {
   try {
     LOOM_CHECK(index.is_object() && index.value("format", "") == "loom-sharded", ip,
                ": not a loom sharded checkpoint index (expected \"format\": \"loom-sharded\")");
-    LOOM_CHECK(index.at("version").get<int>() == 1, ip, ": version ", index.at("version").dump(),
-               ", expected 1");
+    LOOM_CHECK(config_json::get_int(index, "version", ip, "version") == 1, ip, ": version ",
+               index.at("version").dump(), ", expected 1");
     const nlohmann::json meta = index.value("metadata", nlohmann::json::object());
     for (const auto& [k, v] : meta.items()) metadata_[k] = v.get<std::string>();
     std::map<std::string, size_t> file_idx;

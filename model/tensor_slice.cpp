@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "model/config_json.hpp"
 
 namespace loom {
 
@@ -33,13 +34,21 @@ nlohmann::json slice_to_json(const TensorSlice& s) {
 TensorSlice slice_from_json(const nlohmann::json& j, const Shape& shape, const std::string& where) {
   TensorSlice s;
   try {
-    s.offsets = j.at("offsets").get<Shape>();
-    s.lengths = j.at("lengths").get<Shape>();
-    const auto& r = j.at("range");
-    LOOM_CHECK(r.is_array() && r.size() == 2, where, ": \"range\" must be [begin, end], found ",
-               r.dump());
-    s.begin = r[0].get<int64_t>();
-    s.end = r[1].get<int64_t>();
+    const auto ints = [&](const char* key) {
+      const nlohmann::json& a = j.at(key);
+      LOOM_CHECK(a.is_array(), where, ": \"", key, "\" must be an array of integers, found ",
+                 config_json::found(a));
+      Shape out;
+      for (const nlohmann::json& v : a) out.push_back(config_json::to_int(v, where, key));
+      return out;
+    };
+    s.offsets = ints("offsets");
+    s.lengths = ints("lengths");
+    const Shape r = ints("range");
+    LOOM_CHECK(r.size() == 2, where, ": \"range\" must be [begin, end], found ",
+               j.at("range").dump());
+    s.begin = r[0];
+    s.end = r[1];
   } catch (const nlohmann::json::exception& e) {
     fail(where, ": expected {\"offsets\": [...], \"lengths\": [...], \"range\": [begin, end]}: ",
          e.what());

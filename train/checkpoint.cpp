@@ -22,6 +22,7 @@
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
+#include "model/config_json.hpp"
 #include "model/model.hpp"
 #include "model/safetensors.hpp"
 #include "model/tensor_slice.hpp"
@@ -700,14 +701,20 @@ TrainState read_checkpoint_state(const std::string& dir) {
     const auto j = nlohmann::json::parse(read_file(state_path));
     LOOM_CHECK(j.value("format", "") == "loom-checkpoint", state_path,
                ": not a loom checkpoint state (expected \"format\": \"loom-checkpoint\")");
-    LOOM_CHECK(j.at("version").get<int>() == kStateVersion, state_path, ": version ",
-               j.at("version").dump(), ", expected ", kStateVersion);
-    st.step = j.at("step").get<int64_t>();
-    st.data_step = j.at("data_step").get<int64_t>();
-    st.lr = j.at("lr").get<double>();
-    st.loss = j.at("loss").get<double>();
+    // Typed reads that check the JSON type and range first: nlohmann's get<int64_t>() of a
+    // float (or of an integer too large for it) is an undefined conversion, not an error.
+    using config_json::get_int;
+    using config_json::get_number;
+    LOOM_CHECK(get_int(j, "version", state_path, "version") == kStateVersion, state_path,
+               ": version ", j.at("version").dump(), ", expected ", kStateVersion);
+    st.step = get_int(j, "step", state_path, "step");
+    st.data_step = get_int(j, "data_step", state_path, "data_step");
+    st.lr = get_number(j, "lr", state_path, "lr");
+    st.loss = get_number(j, "loss", state_path, "loss");
     st.config_toml = j.at("config").get<std::string>();
-    st.tokens_per_step = j.value("tokens_per_step", int64_t(0));
+    st.tokens_per_step = j.contains("tokens_per_step")
+                             ? get_int(j, "tokens_per_step", state_path, "tokens_per_step")
+                             : 0;
   } catch (const nlohmann::json::exception& e) {
     fail(state_path, ": invalid checkpoint state: ", e.what());
   }

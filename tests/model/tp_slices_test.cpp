@@ -8,7 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
 #include "model/param_unit.hpp"
+#include "model/tensor_slice.hpp"
 
 namespace loom {
 namespace {
@@ -151,4 +155,35 @@ TEST(TpSlices, PaddedVocabularyRowsAreZeroAndInvisible) {
 }
 
 }  // namespace
+// A checkpoint index's slice (loom.index.json, untrusted input) round-trips; a number that is not
+// an int64 there (a float, one past its range, a string) is an error naming the entry, where
+// nlohmann's conversion of a float to int64 would be undefined.
+TEST(TensorSliceJson, RoundTripsAndRejectsNonIntegers) {
+  TensorSlice s;
+  s.offsets = {2, 0};
+  s.lengths = {3, 4};
+  s.begin = 1;
+  s.end = 11;
+  const Shape shape{8, 4};
+  const TensorSlice back = slice_from_json(slice_to_json(s), shape, "w");
+  EXPECT_EQ(back.offsets, s.offsets);
+  EXPECT_EQ(back.lengths, s.lengths);
+  EXPECT_EQ(back.begin, s.begin);
+  EXPECT_EQ(back.end, s.end);
+  for (const char* bad :
+       {R"({"offsets": [2.5, 0], "lengths": [3, 4], "range": [1, 11]})",
+        R"({"offsets": [2, 0], "lengths": [3, 4e70], "range": [1, 11]})",
+        R"({"offsets": [2, 0], "lengths": [3, 4], "range": [1, 1.0e300]})",
+        R"({"offsets": [2, 0], "lengths": [3, 4], "range": [18446744073709551615, 11]})",
+        R"({"offsets": 2, "lengths": [3, 4], "range": [1, 11]})",
+        R"({"offsets": [2, 0], "lengths": [3, 4], "range": [1]})"}) {
+    try {
+      slice_from_json(nlohmann::json::parse(bad), shape, "entry w");
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("entry w"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace loom

@@ -299,6 +299,19 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
   std::ofstream(d + "/state.json") << "{\"format\": \"loom-checkpoint\", \"step\": ";
   expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json"});
 
+  // A number that is not an int64 (a float, or past its range; found by fuzz_checkpoint_state)
+  // names the field, where nlohmann's conversion would be undefined.
+  const std::string bad_steps[] = {"1.5", "8.8e64", "18446744073709551615", "\"7\""};
+  for (size_t i = 0; i < std::size(bad_steps); ++i) {
+    const std::string& bad = bad_steps[i];
+    d = fresh("bad_step_" + std::to_string(i));
+    std::ifstream f(d + "/state.json");
+    std::string s((std::istreambuf_iterator<char>(f)), {});
+    s.replace(s.find("\"data_step\": "), 13, "\"data_step\": " + bad + ", \"x\": ");
+    std::ofstream(d + "/state.json") << s;
+    expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json", "data_step"});
+  }
+
   d = fresh("no_state");
   fs::remove(d + "/state.json");
   expect_error([&] { load_checkpoint(d, b.model, b.opt); }, {d + "/state.json"});
