@@ -67,11 +67,6 @@ inline uint16_t round_bf16(float x) {
 inline vf widen(vh x) {
   return __builtin_bit_cast(vf, __builtin_convertvector(x, vu) << 16);
 }
-inline float hsum(vf x) {
-  float s = 0;
-  for (int l = 0; l < kW; ++l) s += x[l];
-  return s;
-}
 inline float hmax(vf x) {
   float m = x[0];
   for (int l = 1; l < kW; ++l) m = std::max(m, x[l]);
@@ -83,14 +78,8 @@ inline float hmax(vf x) {
 // f32 Horner), two FMAs fewer than vexp2's degree-7 Taylor polynomial of e^(f ln 2) (0.93 ulp):
 // P is rounded to bf16 (2^-9) for its products, and its f32 sums keep f32 accuracy.
 inline vf exp2_p(vf x) {
-  using namespace vec_math_detail;
-  const vf lo = splat(-127.0f), hi = splat(127.0f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vf t = x + kRound;
-  const vf f = x - (t - kRound);
-  const vi n = __builtin_bit_cast(vi, t) - kRoundBits;
-  const vi bits = (n + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
+  vf scale;
+  const vf f = exp2_split(x, scale);
   vf p = splat(1.534579115e-04f);
   p = p * f + 1.339992676e-03f;
   p = p * f + 9.618488988e-03f;
@@ -98,7 +87,7 @@ inline vf exp2_p(vf x) {
   p = p * f + 2.402264689e-01f;
   p = p * f + 6.931472057e-01f;
   p = p * f + 1.000000001e+00f;
-  return p * __builtin_bit_cast(vf, bits);
+  return p * scale;
 }
 
 // Rounding to bf16 into the two layouts: pack_pairs gives the words (bf16(a[l]), bf16(b[l])), the
@@ -828,7 +817,7 @@ void attention_bf16_delta_impl(int64_t B, int64_t Tq, int64_t Hq, int64_t D, con
       int64_t d = 0;
       for (; d + kW <= D; d += kW)
         acc += widen(loadh(o + d)) * __builtin_bit_cast(vf, round_bf16(load(g + d)) << 16);
-      float sum = hsum(acc);
+      float sum = reduce_add(acc);
       for (; d < D; ++d) sum += bf16_to_float(bf16{o[d]}) * bf16_to_float(bf16{round_bf16(g[d])});
       delta[(b * Hq + h) * Tq + t] = sum;
     }

@@ -131,16 +131,22 @@ inline float reduce_add(vf x) {
 // step; e^(f ln2) then comes from the same polynomial as vexp. Clamping is chosen for masked
 // scores: x is clamped to [-127, 127], and x < -126.5 (in particular -inf) gives exactly 0, so a
 // masked score drops out of the softmax sum without a separate select. NaN propagates.
-inline vf vexp2(vf x) {
+// The split behind it (and the bf16 attention's own 2^x): x clamped, then n + f; returns f and
+// puts 2^n in `scale` (n = -127 gives the bit pattern of 0.0f).
+inline vf exp2_split(vf x, vf& scale) {
   using namespace vec_math_detail;
   const vf lo = splat(-127.0f), hi = splat(127.0f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const vf t = x + kRound;
-  const vf f = x - (t - kRound);
   const vi n = __builtin_bit_cast(vi, t) - kRoundBits;
-  const vi bits = (n + 127) << 23;  // 2^n; n = -127 gives the bit pattern of 0.0f
-  return exp_taylor7(f * kLn2) * __builtin_bit_cast(vf, bits);
+  scale = __builtin_bit_cast(vf, (n + 127) << 23);
+  return x - (t - kRound);
+}
+inline vf vexp2(vf x) {
+  vf scale;
+  const vf f = exp2_split(x, scale);
+  return vec_math_detail::exp_taylor7(f * kLn2) * scale;
 }
 
 }  // namespace loom::cpu::HWY_NAMESPACE
