@@ -200,54 +200,56 @@ int main(int argc, char** argv) {
                   measure_gemm_peak(dt, 1.0) * 1e-9);
 
   if (ce) {
-    // The output projection + loss of the largest target model, forward and backward.
-    const int64_t N = 2048, D = 512, V = 8192;
-    std::vector<int32_t> t(N);
-    for (int64_t i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
-    std::printf("\nlinear_cross_entropy N=%lld D=%lld V=%lld (3 GEMMs = %.1f GFLOP)\n",
-                (long long)N, (long long)D, (long long)V, 6.0 * N * D * V * 1e-9);
-    for (DType dt : dtypes) {
-      auto x = filled(N * D, dt, 1), w = filled(V * D, dt, 2);
-      std::vector<float> dx(N * D), dw(V * D);
-      const auto time_loss = [&](int64_t chunk, int64_t grad_rows) {
-        return time_call(
-            [&] {
-              linear_cross_entropy({.x = x.data(),
-                                    .w = w.data(),
-                                    .ab = dt,
-                                    .targets = t.data(),
-                                    .N = N,
-                                    .D = D,
-                                    .V = V,
-                                    .grad_scale = 1.0f / N,
-                                    .dx = dx.data(),
-                                    .dw = dw.data(),
-                                    .chunk_rows = chunk,
-                                    .grad_rows = grad_rows});
-            },
-            secs * 3);
-      };
-      for (int64_t chunk : {0, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
-        const Timing tm = time_loss(chunk, 0);
-        std::printf(
-            "  %-9s chunk %5lld%s: best %8.2f ms (%6.1f GFLOP/s), median %8.2f ms, cpu/threads "
-            "%8.2f ms\n",
-            name(dt).c_str(), (long long)chunk, chunk == 0 ? " (default)" : "", tm.best * 1e3,
-            6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3, tm.cpu / threads * 1e3);
-      }
-      if (dt != DType::bf16) continue;
-      // bf16: small chunks of f32 logits whose bf16 gradients gather into larger groups before
-      // the backward GEMMs (LinearCrossEntropyArgs::grad_rows).
-      for (int64_t chunk : {32, 64, 112}) {
-        for (int64_t grad_rows : {128, 256, 512, 1024}) {
-          if (grad_rows <= chunk) continue;
-          const Timing tm = time_loss(chunk, grad_rows);
+    // The output projection + loss of the two benchmark models, forward and backward.
+    for (const auto& [D, V] : {std::pair<int64_t, int64_t>{512, 8192}, {288, 4096}}) {
+      const int64_t N = 2048;
+      std::vector<int32_t> t(N);
+      for (int64_t i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
+      std::printf("\nlinear_cross_entropy N=%lld D=%lld V=%lld (3 GEMMs = %.1f GFLOP)\n",
+                  (long long)N, (long long)D, (long long)V, 6.0 * N * D * V * 1e-9);
+      for (DType dt : dtypes) {
+        auto x = filled(N * D, dt, 1), w = filled(V * D, dt, 2);
+        std::vector<float> dx(N * D), dw(V * D);
+        const auto time_loss = [&](int64_t chunk, int64_t grad_rows) {
+          return time_call(
+              [&] {
+                linear_cross_entropy({.x = x.data(),
+                                      .w = w.data(),
+                                      .ab = dt,
+                                      .targets = t.data(),
+                                      .N = N,
+                                      .D = D,
+                                      .V = V,
+                                      .grad_scale = 1.0f / N,
+                                      .dx = dx.data(),
+                                      .dw = dw.data(),
+                                      .chunk_rows = chunk,
+                                      .grad_rows = grad_rows});
+              },
+              secs * 3);
+        };
+        for (int64_t chunk : {0, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
+          const Timing tm = time_loss(chunk, 0);
           std::printf(
-              "  %-9s chunk %5lld grad_rows %5lld: best %8.2f ms (%6.1f GFLOP/s), median %8.2f "
-              "ms, scratch %5.2f MiB\n",
-              name(dt).c_str(), (long long)chunk, (long long)grad_rows, tm.best * 1e3,
-              6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3,
-              double(chunk * V * 4 + grad_rows / chunk * chunk * V * 2) / (1 << 20));
+              "  %-9s chunk %5lld%s: best %8.2f ms (%6.1f GFLOP/s), median %8.2f ms, cpu/threads "
+              "%8.2f ms\n",
+              name(dt).c_str(), (long long)chunk, chunk == 0 ? " (default)" : "", tm.best * 1e3,
+              6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3, tm.cpu / threads * 1e3);
+        }
+        if (dt != DType::bf16) continue;
+        // bf16: small chunks of f32 logits whose bf16 gradients gather into larger groups before
+        // the backward GEMMs (LinearCrossEntropyArgs::grad_rows).
+        for (int64_t chunk : {64, 96, 112, 128, 192, 256}) {
+          for (int64_t grad_rows : {256, 512, 1024}) {
+            if (grad_rows <= chunk) continue;
+            const Timing tm = time_loss(chunk, grad_rows);
+            std::printf(
+                "  %-9s chunk %5lld grad_rows %5lld: best %8.2f ms (%6.1f GFLOP/s), median %8.2f "
+                "ms, scratch %5.2f MiB\n",
+                name(dt).c_str(), (long long)chunk, (long long)grad_rows, tm.best * 1e3,
+                6.0 * N * D * V / tm.best * 1e-9, tm.median * 1e3,
+                double(chunk * V * 4 + grad_rows / chunk * chunk * V * 2) / (1 << 20));
+          }
         }
       }
     }

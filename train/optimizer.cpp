@@ -26,7 +26,7 @@ size_t AdamW::state_bytes() const {
   return n;
 }
 
-void AdamW::step(float lr) {
+void AdamW::step(float lr, float grad_scale) {
   ++step_;
   for (size_t i = 0; i < units_.size(); ++i) {
     ParamUnit& u = *units_[i];
@@ -47,8 +47,8 @@ void AdamW::step(float lr) {
       const int64_t begin = slices[first].shard_offset;
       const int64_t n = slices[last - 1].shard_offset + slices[last - 1].count - begin;
       cpu::AdamWArgs a{
-          lr,   config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.0f,
-          step_};
+          lr,    config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.0f,
+          step_, grad_scale};
       cpu::adamw_step(a, w + begin, g + begin, m_[i].data<float>() + begin,
                       v_[i].data<float>() + begin, n, mirror ? mirror + begin : nullptr);
       first = last;
@@ -56,11 +56,11 @@ void AdamW::step(float lr) {
   }
 }
 
-double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
-                      dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group,
-                      dist::ProcessGroup* pp_group, const std::vector<bool>& counted) {
+double grad_norm(const std::vector<ParamUnit*>& units, dist::ProcessGroup* shard_group,
+                 dist::ProcessGroup* tp_group, dist::ProcessGroup* pp_group,
+                 const std::vector<bool>& counted) {
   const int tp = tp_group ? tp_group->size() : 1;
-  LOOM_CHECK(counted.empty() || counted.size() == units.size(), "clip_grad_norm: ", counted.size(),
+  LOOM_CHECK(counted.empty() || counted.size() == units.size(), "grad_norm: ", counted.size(),
              " counted flags for ", units.size(), " units");
   // One squared sum per unit, each reduced over the groups, then the units added in unit order on
   // every rank: the same additions in the same order whatever the pp split (a unit's sum comes
@@ -86,14 +86,22 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
       group_sum_each(pp_group, group_sum_each(tp_group, group_sum_each(shard_group, per_unit)));
   double ss = 0;
   for (double x : per_unit) ss += x;
-  const double norm = std::sqrt(ss);
-  if (max_norm > 0 && norm > max_norm) {
-    // PyTorch adds 1e-6 to the norm in the denominator; do the same so clipped runs match.
-    const float s = float(max_norm / (norm + 1e-6));
+  return std::sqrt(ss);
+}
+
+float clip_grad_scale(double norm, double max_norm) {
+  return max_norm > 0 && norm > max_norm ? float(max_norm / (norm + 1e-6)) : 1.0f;
+}
+
+double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
+                      dist::ProcessGroup* shard_group, dist::ProcessGroup* tp_group,
+                      dist::ProcessGroup* pp_group, const std::vector<bool>& counted) {
+  const double norm = grad_norm(units, shard_group, tp_group, pp_group, counted);
+  const float s = clip_grad_scale(norm, max_norm);
+  if (s != 1.0f)
     for (ParamUnit* u : units)
       if (holds_data(u->device()))
         cpu::scale_inplace(u->grad_shard().data<float>(), u->shard_numel(), s);
-  }
   return norm;
 }
 

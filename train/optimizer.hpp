@@ -22,8 +22,9 @@ struct AdamWConfig {
 class AdamW {
  public:
   AdamW(std::vector<ParamUnit*> units, const AdamWConfig& config);
-  // One update at learning rate `lr` (the schedule's value for this step).
-  void step(float lr);
+  // One update at learning rate `lr` (the schedule's value for this step), each gradient
+  // multiplied by `grad_scale` as it is read (clip_grad_scale: clipping without a pass of its own).
+  void step(float lr, float grad_scale = 1);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t steps) { step_ = steps; }  // restoring a checkpoint
   size_t state_bytes() const;
@@ -52,5 +53,14 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
                       dist::ProcessGroup* tp_group = nullptr,
                       dist::ProcessGroup* pp_group = nullptr,
                       const std::vector<bool>& counted = {});
+
+// clip_grad_norm without the scaling: the global norm, the gradients unchanged.
+double grad_norm(const std::vector<ParamUnit*>& units, dist::ProcessGroup* shard_group = nullptr,
+                 dist::ProcessGroup* tp_group = nullptr, dist::ProcessGroup* pp_group = nullptr,
+                 const std::vector<bool>& counted = {});
+
+// The factor clip_grad_norm scales the gradients by: max_norm / (norm + 1e-6) when max_norm > 0
+// and the norm exceeds it (PyTorch adds the 1e-6 too), else 1.
+float clip_grad_scale(double norm, double max_norm);
 
 }  // namespace loom

@@ -42,13 +42,15 @@ StepResult TrainStep::run(int64_t micro_batches,
   // With pp the loss is on the head's rank only (0 elsewhere).
   r.loss =
       group_sum(model_.groups.pp, group_sum(model_.groups.dp, loss_sum)) / double(tokens_per_step_);
-  r.grad_norm = clip_grad_norm(
-      model_.model->units(), max_norm_, model_.groups.shard, model_.groups.tp, model_.groups.pp,
-      model_.pipeline ? model_.pipeline->counted_units() : std::vector<bool>{});
+  r.grad_norm =
+      grad_norm(model_.model->units(), model_.groups.shard, model_.groups.tp, model_.groups.pp,
+                model_.pipeline ? model_.pipeline->counted_units() : std::vector<bool>{});
   r.updated = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
   if (r.updated) {
     if (before_update) before_update();
-    optimizer_.step(float(lr));
+    // Clipping scales the gradients as AdamW reads them (the same products as scaling them in
+    // place first, one pass over them fewer).
+    optimizer_.step(float(lr), clip_grad_scale(r.grad_norm, max_norm_));
   }
   return r;
 }

@@ -42,13 +42,18 @@ void sqrt_inplace(float* x, int64_t n) {
 // so that results agree with PyTorch to rounding.
 template <bool kBf16>
 void adamw_block(float* __restrict p, const float* __restrict g, float* __restrict m,
-                 float* __restrict v, bf16* __restrict pb, int64_t n, float decay, float w1,
-                 bool lerp_from_end, float b2, float one_minus_b2, float step_size, float bc2_sqrt,
-                 float eps) {
-  float sq[kBlock];
+                 float* __restrict v, bf16* __restrict pb, int64_t n, float gscale, float decay,
+                 float w1, bool lerp_from_end, float b2, float one_minus_b2, float step_size,
+                 float bc2_sqrt, float eps) {
+  // The scaled gradients go through memory: a product that stays in a register may be contracted
+  // into the FMA of the moments' update (GCC's default -ffp-contract=fast), where clipping in
+  // place rounds it first.
+  float gs[kBlock], sq[kBlock];
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) gs[i] = g[i] * gscale;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = gs[i];
     // torch.lerp(m, g, w1) switches form at weight 0.5 for accuracy; so do we.
     m[i] = lerp_from_end ? gi - (gi - m[i]) * (1.0f - w1) : m[i] + w1 * (gi - m[i]);
     const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
@@ -66,29 +71,29 @@ void adamw_block(float* __restrict p, const float* __restrict g, float* __restri
 }
 
 template <bool kBf16>
-void adamw_loop(float* p, const float* g, float* m, float* v, bf16* pb, int64_t n, float decay,
-                float w1, bool lerp_from_end, float b2, float one_minus_b2, float step_size,
-                float bc2_sqrt, float eps) {
+void adamw_loop(float* p, const float* g, float* m, float* v, bf16* pb, int64_t n, float gscale,
+                float decay, float w1, bool lerp_from_end, float b2, float one_minus_b2,
+                float step_size, float bc2_sqrt, float eps) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kBlock, len = std::min(kBlock, n - lo);
-    adamw_block<kBf16>(p + lo, g + lo, m + lo, v + lo, kBf16 ? pb + lo : nullptr, len, decay, w1,
-                       lerp_from_end, b2, one_minus_b2, step_size, bc2_sqrt, eps);
+    adamw_block<kBf16>(p + lo, g + lo, m + lo, v + lo, kBf16 ? pb + lo : nullptr, len, gscale,
+                       decay, w1, lerp_from_end, b2, one_minus_b2, step_size, bc2_sqrt, eps);
   }
 }
 
 }  // namespace
 
-void adamw_loop_impl(float* p, const float* g, float* m, float* v, bf16* pb, int64_t n, float decay,
-                     float w1, bool lerp_from_end, float b2, float one_minus_b2, float step_size,
-                     float bc2_sqrt, float eps) {
+void adamw_loop_impl(float* p, const float* g, float* m, float* v, bf16* pb, int64_t n,
+                     float gscale, float decay, float w1, bool lerp_from_end, float b2,
+                     float one_minus_b2, float step_size, float bc2_sqrt, float eps) {
   if (pb != nullptr)
-    adamw_loop<true>(p, g, m, v, pb, n, decay, w1, lerp_from_end, b2, one_minus_b2, step_size,
-                     bc2_sqrt, eps);
+    adamw_loop<true>(p, g, m, v, pb, n, gscale, decay, w1, lerp_from_end, b2, one_minus_b2,
+                     step_size, bc2_sqrt, eps);
   else
-    adamw_loop<false>(p, g, m, v, nullptr, n, decay, w1, lerp_from_end, b2, one_minus_b2, step_size,
-                      bc2_sqrt, eps);
+    adamw_loop<false>(p, g, m, v, nullptr, n, gscale, decay, w1, lerp_from_end, b2, one_minus_b2,
+                      step_size, bc2_sqrt, eps);
 }
 
 }  // namespace loom::cpu::HWY_NAMESPACE
@@ -110,6 +115,8 @@ void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, f
   LOOM_CHECK(a.lr >= 0 && a.weight_decay >= 0,
              "adamw_step: lr and weight_decay must be >= 0, got lr ", a.lr, " and weight_decay ",
              a.weight_decay);
+  LOOM_CHECK(std::isfinite(a.grad_scale) && a.grad_scale > 0,
+             "adamw_step: grad_scale must be finite and > 0, got ", a.grad_scale);
   const double lr = a.lr, wd = a.weight_decay, b1 = a.beta1, b2 = a.beta2;
   const double bc1 = 1.0 - std::pow(b1, double(a.step));
   const double bc2 = 1.0 - std::pow(b2, double(a.step));
@@ -118,8 +125,8 @@ void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, f
   const float step_size = float(lr / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
   LOOM_DISPATCH(adamw_loop_impl)
-  (param, grad, m, v, param_bf16, n, decay, w1, w1 >= 0.5f, a.beta2, float(1.0 - b2), step_size,
-   bc2_sqrt, a.eps);
+  (param, grad, m, v, param_bf16, n, a.grad_scale, decay, w1, w1 >= 0.5f, a.beta2, float(1.0 - b2),
+   step_size, bc2_sqrt, a.eps);
 }
 
 }  // namespace loom::cpu

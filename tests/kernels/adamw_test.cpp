@@ -107,6 +107,35 @@ TEST_ALL_ISAS(AdamW, ThreadCountIndependent) {
   EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), n * sizeof(float)), 0);
 }
 
+// grad_scale (clipping in the optimizer's pass) must give the bits of scaling the gradients in
+// place first and updating with the scaled ones, with and without the bf16 copy.
+TEST_ALL_ISAS(AdamW, GradScaleEqualsScalingTheGradientsFirst) {
+  const int64_t n = 100003;
+  const auto p0 = test::randn(static_cast<size_t>(n), 11),
+             g = test::randn(static_cast<size_t>(n), 12);
+  auto m0 = test::randn(static_cast<size_t>(n), 13, 0.1f),
+       v0 = test::randn(static_cast<size_t>(n), 14, 0.1f);
+  for (auto& x : v0) x = x * x;
+  for (const float s : {0.37f, 1.0f / 3.0f, 1.0f}) {
+    for (const bool with_bf16 : {false, true}) {
+      auto p1 = p0, m1 = m0, v1 = v0, p2 = p0, m2 = m0, v2 = v0;
+      std::vector<bf16> b1(static_cast<size_t>(n)), b2(static_cast<size_t>(n));
+      auto scaled = g;
+      for (auto& x : scaled) x *= s;
+      cpu::AdamWArgs a{.lr = 1e-3f, .weight_decay = 0.1f, .step = 3};
+      cpu::adamw_step(a, p1.data(), scaled.data(), m1.data(), v1.data(), n,
+                      with_bf16 ? b1.data() : nullptr);
+      a.grad_scale = s;
+      cpu::adamw_step(a, p2.data(), g.data(), m2.data(), v2.data(), n,
+                      with_bf16 ? b2.data() : nullptr);
+      EXPECT_EQ(std::memcmp(p1.data(), p2.data(), n * sizeof(float)), 0) << "scale " << s;
+      EXPECT_EQ(std::memcmp(m1.data(), m2.data(), n * sizeof(float)), 0) << "scale " << s;
+      EXPECT_EQ(std::memcmp(v1.data(), v2.data(), n * sizeof(float)), 0) << "scale " << s;
+      EXPECT_EQ(std::memcmp(b1.data(), b2.data(), n * sizeof(bf16)), 0) << "scale " << s;
+    }
+  }
+}
+
 TEST(AdamW, RejectsBadArguments) {
   float p = 1, g = 1, m = 0, v = 0;
   cpu::AdamWArgs a{.lr = 1e-3f};
@@ -117,4 +146,9 @@ TEST(AdamW, RejectsBadArguments) {
   EXPECT_THROW(cpu::adamw_step(a, &p, &g, &m, &v, 1), Error);
   a.beta2 = 0.95f;
   EXPECT_THROW(cpu::adamw_step(a, &p, &g, &m, &v, -1), Error);
+  a = cpu::AdamWArgs{};
+  for (const float s : {0.0f, -1.0f, std::nanf(""), INFINITY}) {
+    a.grad_scale = s;
+    EXPECT_THROW(cpu::adamw_step(a, &p, &g, &m, &v, 1), Error) << s;
+  }
 }

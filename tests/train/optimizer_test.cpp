@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
+#include "kernels/cpu/cast.hpp"
 #include "model/llama.hpp"
 #include "tests/test_util.hpp"
 #include "train/optimizer.hpp"
@@ -101,4 +103,41 @@ TEST(ClipGradNorm, ScalesToMaxNormLikePyTorch) {
     for (int64_t k = 0; k < u->numel(); ++k) after += std::pow(u->grad_flat().data<float>()[k], 2);
   EXPECT_NEAR(std::sqrt(after), 1.0 / (1.0 + 1e-6 / std::sqrt(ss)), 1e-5);
   EXPECT_NEAR(clip_grad_norm(model.units(), 10.0), std::sqrt(after), 1e-6);  // below: unchanged
+}
+
+// The step clips inside AdamW (clip_grad_scale as its grad_scale): the same weights, moments and
+// bf16 mirrors to the bit as clip_grad_norm's in-place scaling followed by a plain step.
+TEST(ClipGradNorm, ScaleInTheOptimizerEqualsClippingInPlace) {
+  LlamaModel a(tiny(), DType::bf16), b(tiny(), DType::bf16);
+  size_t ui = 0;
+  for (auto* m : {&a, &b}) {
+    m->init_weights(5);
+    ui = 0;
+    for (ParamUnit* u : m->units()) {
+      auto g = test::randn(size_t(u->numel()), 70 + ui++);
+      std::copy(g.begin(), g.end(), u->grad_flat().data<float>());
+    }
+  }
+  AdamW oa(a.units(), {}), ob(b.units(), {});
+  for (const double max_norm : {0.5, 1e9, 0.0}) {
+    const double na = clip_grad_norm(a.units(), max_norm);
+    oa.step(1e-3f);
+    const double nb = grad_norm(b.units());
+    EXPECT_EQ(na, nb);
+    const float s = clip_grad_scale(nb, max_norm);
+    EXPECT_EQ(s == 1.0f, max_norm == 0.0 || nb <= max_norm) << max_norm;
+    ob.step(1e-3f, s);
+    for (size_t i = 0; i < a.units().size(); ++i) {
+      ParamUnit &ua = *a.units()[i], &ub = *b.units()[i];
+      const size_t n = size_t(ua.numel());
+      EXPECT_EQ(std::memcmp(ua.flat().data<float>(), ub.flat().data<float>(), n * 4), 0) << i;
+      EXPECT_EQ(std::memcmp(oa.exp_avg()[i].data<float>(), ob.exp_avg()[i].data<float>(), n * 4),
+                0);
+      EXPECT_EQ(std::memcmp(ua.flat_bf16().data<bf16>(), ub.flat_bf16().data<bf16>(), n * 2), 0);
+    }
+    // Both keep their (a: clipped) gradients for the next round.
+    if (max_norm == 0.5)
+      for (ParamUnit* u : b.units())
+        cpu::scale_inplace(u->grad_flat().data<float>(), u->numel(), s);
+  }
 }
