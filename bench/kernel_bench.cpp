@@ -50,6 +50,7 @@
 #include "kernels/cpu/embedding.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
+#include "kernels/cpu/rope.hpp"
 #include "kernels/cpu/swiglu.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "tests/test_util.hpp"
@@ -207,6 +208,34 @@ void bench_swiglu(Bench& b, const Model& m) {
         [&] { cpu::swiglu_forward(gu.data(), kRows, m.F, h.data()); });
   b.run("swiglu_bwd", shape, 5 * kF * n, "GB/s", "dh, gu, dgu",
         [&] { cpu::swiglu_backward(dh.data(), gu.data(), kRows, m.F, dgu.data()); });
+}
+
+// RoPE on the q and k of an f32 qkv GEMM output: in place and then cast to bf16 (f32 compute and
+// cp's path), and rotated as it is rounded (bf16 without cp), forward and backward alike.
+void bench_rope(Bench& b, const Model& m) {
+  if (!b.wants({"rope_fwd", "rope_cast_fwd", "rope_rounded_fwd"})) return;
+  const int64_t D = m.D(), cols = (m.Hq + 2 * m.Hkv) * D, n = kRows * cols;
+  const int64_t T = 256, B = kRows / T;
+  const auto table = cpu::rope_table(D, T, 10000.0, {});
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(t);
+  auto qkv = random_floats(n, 1);
+  std::vector<bf16> out(n);
+  const auto shape = format("%lldx%lld D%lld", (long long)kRows, (long long)cols, (long long)D);
+  const double rotated = double(kRows * (m.Hq + m.Hkv) * D);
+  b.run("rope_fwd", shape, 2 * kF * rotated, "GB/s", "q k rw", [&] {
+    cpu::rope_forward(qkv.data(), B, T, m.Hq, D, cols, pos.data(), table);
+    cpu::rope_forward(qkv.data() + m.Hq * D, B, T, m.Hkv, D, cols, pos.data(), table);
+  });
+  b.run("rope_cast_fwd", shape, 2 * kF * rotated + (kF + 2) * n, "GB/s", "q k rw, qkv, out", [&] {
+    cpu::rope_forward(qkv.data(), B, T, m.Hq, D, cols, pos.data(), table);
+    cpu::rope_forward(qkv.data() + m.Hq * D, B, T, m.Hkv, D, cols, pos.data(), table);
+    cpu::cast_f32_to_bf16(qkv.data(), out.data(), n);
+  });
+  b.run("rope_rounded_fwd", shape, (kF + 2) * n, "GB/s", "qkv, out", [&] {
+    cpu::rope_forward_rounded(qkv.data(), B, T, m.Hq + m.Hkv, m.Hkv, D, cols, pos.data(), table,
+                              out.data(), cols);
+  });
 }
 
 void bench_embedding(Bench& b, const Model& m) {
@@ -427,6 +456,7 @@ int main(int argc, char** argv) {
                 (long long)m.vocab, m.params() * 1e-6);
     bench_rmsnorm(b, m);
     bench_swiglu(b, m);
+    bench_rope(b, m);
     bench_embedding(b, m);
     bench_cast(b, m);
     bench_adamw(b, m);

@@ -111,11 +111,17 @@ void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs&
   const bool ring = par_->cp.size() > 1, bf16 = ctx.compute == DType::bf16;
   Tensor attn = f32({g.M, g.Hq * g.hd}, dev);
   {
-    Tensor q = qkv.narrow(1, 0, g.Hq * g.hd), k = qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
-    ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
-    ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
-    a.qkv = ops::to_compute(qkv, ctx.compute);
-    if (ctx.compute != DType::f32 && ring) ops::cast(a.qkv, qkv);
+    if (bf16 && !ring) {
+      // The bf16 kernels read only the rounded copy: q and k rotated as they are rounded.
+      a.qkv = Tensor::empty({g.M, g.nqkv}, DType::bf16, dev);
+      ops::rope_rounded(qkv, ctx.B, g.Hq + g.Hkv, g.Hkv, ctx.positions, *ctx.rope, false, a.qkv);
+    } else {
+      Tensor q = qkv.narrow(1, 0, g.Hq * g.hd), k = qkv.narrow(1, g.Hq * g.hd, g.Hkv * g.hd);
+      ops::rope_forward(q, ctx.B, g.Hq, ctx.positions, *ctx.rope);
+      ops::rope_forward(k, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
+      a.qkv = ops::to_compute(qkv, ctx.compute);
+      if (ctx.compute != DType::f32 && ring) ops::cast(a.qkv, qkv);
+    }
     a.lse = f32({ctx.B, g.Hq, ctx.T}, dev);
     const Tensor& in = bf16 && !ring ? a.qkv : qkv;
     if (ring)
@@ -130,20 +136,24 @@ void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs&
   a.attn = ops::to_compute(attn, ctx.compute);
 }
 
+// In bf16 without cp, dq and dk come out not yet rotated back: the caller rotates them as it rounds
+// dqkv for the GEMM (unrotated_dqkv).
+bool TransformerBlock::unrotated_dqkv(const StepContext& ctx) const {
+  return par_->cp.size() == 1 && ctx.compute == DType::bf16;
+}
+
 void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
                                           Tensor& dqkv) const {
   const Dims g = dims(ctx);
   const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
   Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
-  if (par_->cp.size() == 1 && ctx.compute == DType::bf16) {
+  if (unrotated_dqkv(ctx)) {
     // The bf16 kernels read the saved bf16 qkv and attention output themselves.
     ops::attention_backward(a.qkv.narrow(1, 0, qc), a.qkv.narrow(1, qc, kc),
                             a.qkv.narrow(1, qc + kc, kc), a.attn, a.lse, dattn, ctx.B, g.Hq, g.Hkv,
                             dq, dk, dv);
     a.qkv = Tensor();
     a.attn = Tensor();
-    ops::rope_backward(dq, ctx.B, g.Hq, ctx.positions, *ctx.rope);
-    ops::rope_backward(dk, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
     return;
   }
   // Ring attention's kernels read f32: the saved bf16 copies widened (exactly), each freed as soon
@@ -264,8 +274,16 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     // The saved input as the forward read it (widened from bf16, exactly).
     const Tensor x = ops::to_f32(a.x);
     a.x = Tensor();
-    Tensor dxn1 = column_parallel_backward(tp, ops::to_compute(dqkv, dt),
-                                           norm_output(a.xn1, x, kNorm1), weight(kQ), P[kQ].grad);
+    Tensor dqkv_c;
+    if (unrotated_dqkv(ctx)) {
+      dqkv_c = Tensor::empty({g.M, g.nqkv}, DType::bf16, dev);
+      ops::rope_rounded(dqkv, ctx.B, g.Hq + g.Hkv, g.Hkv, ctx.positions, *ctx.rope, true, dqkv_c);
+    } else {
+      dqkv_c = ops::to_compute(dqkv, dt);
+    }
+    Tensor dxn1 =
+        column_parallel_backward(tp, dqkv_c, norm_output(a.xn1, x, kNorm1), weight(kQ), P[kQ].grad);
+    dqkv_c = Tensor();
     dqkv = Tensor();
     a.xn1 = Tensor();
     tp_summed_norm_grad(tp, P[kNorm1].grad, [&](Tensor& gw) {

@@ -84,6 +84,7 @@ class TransformerBlock {
   void attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const;
   void attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
                           Tensor& dqkv) const;
+  bool unrotated_dqkv(const StepContext& ctx) const;
   const Tensor& weight(size_t i) const { return unit_.gemm_weight(i); }
 
   const LlamaConfig& c_;

@@ -401,6 +401,34 @@ void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>&
       [&] { return streaming(DType::f32, 2 * bytes(dx) + bytes(dx) / double(H), dx.numel(), 3); });
 }
 
+void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
+                  const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
+                  Tensor& out) {
+  LOOM_CHECK(x.dtype() == DType::f32 && out.dtype() == DType::bf16 && out.is_contiguous() &&
+                 out.ndim() == 2 && x.ndim() == 2 && out.size(0) == x.size(0) &&
+                 out.size(1) == x.size(1),
+             "rope_rounded: x ", shape_str(x.shape()), " ", dtype_name(x.dtype()), ", out ",
+             shape_str(out.shape()), " ", dtype_name(out.dtype()),
+             " (f32 x and a contiguous bf16 out of the same 2-d shape)");
+  LOOM_CHECK(H + Hc > 0 && x.size(1) % (H + Hc) == 0, "rope_rounded: ", x.size(1),
+             " columns are not ", H, " + ", Hc, " heads");
+  on(
+      backward ? "rope_backward" : "rope_forward", x.device(),
+      [&] {
+        const int64_t T = rows(x) / B, D = x.size(1) / (H + Hc);
+        (backward ? cpu::rope_backward_rounded : cpu::rope_forward_rounded)(
+            f(x), B, T, H, Hc, D, stride(x), positions.data(), table, out.data<bf16>(),
+            out.size(1));
+      },
+      // x read, out written, each token's row of cos and sin; the rotated pairs take 6 flops.
+      [&] {
+        const double rotated = bytes(x) * double(H) / double(H + Hc);
+        return streaming(DType::f32,
+                         bytes(x) + bytes(out) + rotated / double(std::max<int64_t>(H, 1)),
+                         x.numel() * double(H) / double(H + Hc), 3);
+      });
+}
+
 RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s) {
   // A host table: every backend's rope kernel reads positions' cos/sin from it.
   return cpu::rope_table(head_dim, num_positions, theta, s);

@@ -127,6 +127,12 @@ void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& p
                   const RopeTable& table);
 void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>& positions,
                    const RopeTable& table);
+// out [B*T, (H+Hc)*D] (bf16, contiguous) = x [B*T, (H+Hc)*D] (f32, a strided view allowed) with
+// its first H heads rotated (by the negative angle when `backward`) and the next Hc heads as they
+// are, rounded: rope_forward (rope_backward) and a cast in one pass, the same bits; x unchanged.
+void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
+                  const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
+                  Tensor& out);
 RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s);
 
 // ---- embedding ------------------------------------------------------------------------------

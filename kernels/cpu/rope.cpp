@@ -1,5 +1,6 @@
 #include "kernels/cpu/rope.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -11,6 +12,11 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/rope.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
+
+#include "kernels/cpu/vec_math-inl.hpp"
+
+// Vectors passed by value: see vec_math-inl.hpp.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 HWY_BEFORE_NAMESPACE();
 namespace loom::cpu::HWY_NAMESPACE {
@@ -39,7 +45,105 @@ void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_st
   }
 }
 
+// GCC vectors of the target's width, with their bf16 halves, and on AVX-512 of 8 floats too (the
+// rest of a half head: D 48 is 16 + 8 pairs); vector_size cannot depend on a template parameter.
+typedef uint32_t vu __attribute__((vector_size(kW * 4)));
+typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
+
+// float_to_bf16 on every lane: to nearest even, NaNs kept quiet.
+template <class U>
+U round_bits(U b) {
+  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
+}
+inline void put(bf16* p, vf x) {
+  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(round_bits((vu)x), vh);
+}
+inline vf load_n(const float* p, vf) {
+  return load(p);
+}
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define LOOM_ROPE_HALF_LANES 1
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v8hu __attribute__((vector_size(16), aligned(2), may_alias));
+inline void put(bf16* p, v8f x) {
+  *reinterpret_cast<v8hu*>(p) = __builtin_convertvector(round_bits((v8u)x), v8h);
+}
+inline v8f load_n(const float* p, v8f) {
+  return *reinterpret_cast<const v8fu*>(p);
+}
+#endif
+
+// Pairs i .. n of a head with vectors V while they last; returns where they stopped.
+template <int Sign, class V>
+int64_t rotate_lanes(const float* x1, const float* x2, const float* c, const float* s, bf16* o1,
+                     bf16* o2, int64_t i, int64_t n) {
+  constexpr int64_t N = sizeof(V) / 4;
+  for (; i + N <= n; i += N) {
+    const V a = load_n(x1 + i, V{}), b = load_n(x2 + i, V{}), ci = load_n(c + i, V{});
+    const V si = float(Sign) * load_n(s + i, V{});
+    put(o1 + i, a * ci - b * si);
+    put(o2 + i, b * ci + a * si);
+  }
+  return i;
+}
+
+// rotate<Sign> and a cast in one pass: the same expressions, so the same f32 values are rounded.
+template <int Sign>
+void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                    int64_t x_stride, const int32_t* positions, const RopeTable& table, bf16* out,
+                    int64_t out_stride) {
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t pos = positions[bt % T];
+    const float* __restrict c = table.cos.data() + pos * half;
+    const float* __restrict s = table.sin.data() + pos * half;
+    const float* row = x + bt * x_stride;
+    bf16* orow = out + bt * out_stride;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* x1 = row + h * D;
+      const float* x2 = x1 + half;
+      bf16* o1 = orow + h * D;
+      bf16* o2 = o1 + half;
+      int64_t i = rotate_lanes<Sign, vf>(x1, x2, c, s, o1, o2, 0, half);
+#ifdef LOOM_ROPE_HALF_LANES
+      i = rotate_lanes<Sign, v8f>(x1, x2, c, s, o1, o2, i, half);
+#endif
+      for (; i < half; ++i) {
+        const float a = x1[i], b = x2[i], si = Sign * s[i];
+        o1[i] = float_to_bf16(a * c[i] - b * si);
+        o2[i] = float_to_bf16(b * c[i] + a * si);
+      }
+    }
+    const float* rest = row + H * D;
+    bf16* orest = orow + H * D;
+    const int64_t n = Hc * D;
+    int64_t j = 0;
+    for (; j + kW <= n; j += kW) put(orest + j, load(rest + j));
+    for (; j < n; ++j) orest[j] = float_to_bf16(rest[j]);
+  }
+}
+
+#undef LOOM_ROPE_HALF_LANES
+
 }  // namespace
+
+void rope_forward_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
+                               int64_t D, int64_t x_stride, const int32_t* positions,
+                               const RopeTable& table, bf16* out, int64_t out_stride) {
+  rotate_rounded<1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+}
+
+void rope_backward_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
+                                int64_t D, int64_t x_stride, const int32_t* positions,
+                                const RopeTable& table, bf16* out, int64_t out_stride) {
+  rotate_rounded<-1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+}
 
 void rope_forward_impl(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                        const int32_t* positions, const RopeTable& table) {
@@ -130,6 +234,8 @@ void check_args(const char* who, int64_t B, int64_t T, int64_t H, int64_t D, int
 
 HWY_EXPORT(rope_forward_impl);
 HWY_EXPORT(rope_backward_impl);
+HWY_EXPORT(rope_forward_rounded_impl);
+HWY_EXPORT(rope_backward_rounded_impl);
 
 void rope_forward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                   const int32_t* positions, const RopeTable& table) {
@@ -141,6 +247,35 @@ void rope_backward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, int64_
                    const int32_t* positions, const RopeTable& table) {
   check_args("rope_backward", B, T, H, D, row_stride, positions, table);
   LOOM_DISPATCH(rope_backward_impl)(dx, B, T, H, D, row_stride, positions, table);
+}
+
+namespace {
+
+void check_rounded(const char* who, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                   int64_t x_stride, const int32_t* positions, const RopeTable& table,
+                   int64_t out_stride) {
+  LOOM_CHECK(Hc >= 0, who, ": Hc must be >= 0, got ", Hc);
+  check_args(who, B, T, H + Hc, D, x_stride, positions, table);
+  LOOM_CHECK(out_stride >= (H + Hc) * D, who, ": out_stride (", out_stride,
+             ") must be >= (H+Hc)*D (", (H + Hc) * D, ")");
+}
+
+}  // namespace
+
+void rope_forward_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                          int64_t x_stride, const int32_t* positions, const RopeTable& table,
+                          bf16* out, int64_t out_stride) {
+  check_rounded("rope_forward_rounded", B, T, H, Hc, D, x_stride, positions, table, out_stride);
+  LOOM_DISPATCH(rope_forward_rounded_impl)
+  (x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+}
+
+void rope_backward_rounded(const float* dx, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                           int64_t x_stride, const int32_t* positions, const RopeTable& table,
+                           bf16* out, int64_t out_stride) {
+  check_rounded("rope_backward_rounded", B, T, H, Hc, D, x_stride, positions, table, out_stride);
+  LOOM_DISPATCH(rope_backward_rounded_impl)
+  (dx, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
 }
 
 }  // namespace loom::cpu

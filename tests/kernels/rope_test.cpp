@@ -181,6 +181,50 @@ TEST_ALL_ISAS(Rope, ForwardThenBackwardIsIdentity) {
     }
 }
 
+// Mixed precision's fused rotation and rounding: the bits of rope_forward (rope_backward) on the
+// rotated heads and a cast of every element, x untouched; strided input rows, copied heads (v)
+// after the rotated ones (q, k), a head dim whose half is no multiple of any vector width.
+TEST_ALL_ISAS(Rope, RoundedEqualsRotatingThenCasting) {
+  for (const int64_t D : {64, 48, 6}) {
+    const int64_t B = 3, T = 8, H = 5, Hc = 2, stride = (H + Hc) * D + 3;
+    const auto table = cpu::rope_table(D, 30000, 500000.0, llama31());
+    const std::vector<int32_t> pos = {29999, 0, 17, 4096, 8192, 12000, 5, 25000};
+    const std::vector<float> x0 = test::randn(size_t(B * T * stride), 21, 3.0f);
+    for (const bool backward : {false, true}) {
+      std::vector<float> x = x0;
+      std::vector<bf16> got(size_t(B * T * (H + Hc) * D)), want(got.size());
+      (backward ? cpu::rope_backward_rounded : cpu::rope_forward_rounded)(
+          x.data(), B, T, H, Hc, D, stride, pos.data(), table, got.data(), (H + Hc) * D);
+      ASSERT_EQ(x, x0) << "x must be left as it was";
+      (backward ? cpu::rope_backward : cpu::rope_forward)(x.data(), B, T, H, D, stride, pos.data(),
+                                                          table);
+      for (int64_t r = 0; r < B * T; ++r)
+        for (int64_t j = 0; j < (H + Hc) * D; ++j)
+          want[size_t(r * (H + Hc) * D + j)] = float_to_bf16(x[size_t(r * stride + j)]);
+      int64_t rotated = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].bits, want[i].bits) << "D " << D << " element " << i;
+        rotated +=
+            got[i].bits != float_to_bf16(x0[i / ((H + Hc) * D) * stride + i % ((H + Hc) * D)]).bits;
+      }
+      EXPECT_GT(rotated, int64_t(got.size()) / 4);  // it did rotate
+    }
+  }
+  std::vector<float> x(2 * 16, 1.0f);
+  std::vector<bf16> out(2 * 16);
+  const auto table = cpu::rope_table(8, 10, 10000.0, cpu::RopeScaling{});
+  const std::vector<int32_t> pos = {3, 4};
+  EXPECT_THROW(
+      cpu::rope_forward_rounded(x.data(), 1, 2, 1, 1, 8, 16, pos.data(), table, out.data(), 15),
+      Error);  // out stride
+  EXPECT_THROW(
+      cpu::rope_forward_rounded(x.data(), 1, 2, 1, -1, 8, 16, pos.data(), table, out.data(), 16),
+      Error);  // Hc
+  EXPECT_THROW(
+      cpu::rope_backward_rounded(x.data(), 1, 2, 2, 1, 8, 16, pos.data(), table, out.data(), 24),
+      Error);  // x stride
+}
+
 TEST(Rope, RejectsBadInput) {
   const auto table = cpu::rope_table(16, 10, 10000.0, cpu::RopeScaling{});
   std::vector<float> x(2 * 16, 1.0f);
