@@ -199,7 +199,7 @@ void bench_rmsnorm(Bench& b, const Model& m) {
 }
 
 void bench_swiglu(Bench& b, const Model& m) {
-  if (!b.wants({"swiglu_fwd", "swiglu_bwd"})) return;
+  if (!b.wants({"swiglu_fwd", "swiglu_bwd", "swiglu_bf16_fwd", "swiglu_bf16_bwd"})) return;
   const int64_t n = kRows * m.F;
   auto gu = random_floats(2 * n, 1, 3.0f), dh = random_floats(n, 2);
   std::vector<float> h(n), dgu(2 * n);
@@ -208,6 +208,13 @@ void bench_swiglu(Bench& b, const Model& m) {
         [&] { cpu::swiglu_forward(gu.data(), kRows, m.F, h.data()); });
   b.run("swiglu_bwd", shape, 5 * kF * n, "GB/s", "dh, gu, dgu",
         [&] { cpu::swiglu_backward(dh.data(), gu.data(), kRows, m.F, dgu.data()); });
+  // Mixed precision: the saved gate/up, the activation and gu's gradient in bf16, dh in f32.
+  std::vector<bf16> gu16(2 * n), h16(n), dgu16(2 * n);
+  cpu::cast_f32_to_bf16(gu.data(), gu16.data(), 2 * n);
+  b.run("swiglu_bf16_fwd", shape, 3 * kH * n, "GB/s", "gu, h",
+        [&] { cpu::swiglu_forward(gu16.data(), kRows, m.F, h16.data()); });
+  b.run("swiglu_bf16_bwd", shape, (kF + 4 * kH) * n, "GB/s", "dh, gu, dgu",
+        [&] { cpu::swiglu_backward(dh.data(), gu16.data(), kRows, m.F, dgu16.data()); });
 }
 
 // RoPE on the q and k of an f32 qkv GEMM output: in place and then cast to bf16 (f32 compute and
