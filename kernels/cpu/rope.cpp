@@ -22,27 +22,36 @@ HWY_BEFORE_NAMESPACE();
 namespace loom::cpu::HWY_NAMESPACE {
 namespace {
 
+// fn(row, cos, sin) for every token's row, over the thread team: the table's rows at its position.
+template <class Fn>
+void for_each_token(int64_t B, int64_t T, const int32_t* positions, const RopeTable& table,
+                    Fn&& fn) {
+  const int64_t half = table.head_dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t pos = positions[bt % T];
+    fn(bt, table.cos.data() + pos * half, table.sin.data() + pos * half);
+  }
+}
+
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward, the transpose).
 template <int Sign>
 void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
             const int32_t* positions, const RopeTable& table) {
   const int64_t half = D / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    const int64_t pos = positions[bt % T];
-    const float* __restrict c = table.cos.data() + pos * half;
-    const float* __restrict s = table.sin.data() + pos * half;
-    float* row = x + bt * row_stride;
-    for (int64_t h = 0; h < H; ++h) {
-      float* __restrict x1 = row + h * D;
-      float* __restrict x2 = x1 + half;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i], si = Sign * s[i];
-        x1[i] = a * c[i] - b * si;
-        x2[i] = b * c[i] + a * si;
-      }
-    }
-  }
+  for_each_token(B, T, positions, table,
+                 [&](int64_t bt, const float* __restrict c, const float* __restrict s) {
+                   float* row = x + bt * row_stride;
+                   for (int64_t h = 0; h < H; ++h) {
+                     float* __restrict x1 = row + h * D;
+                     float* __restrict x2 = x1 + half;
+                     for (int64_t i = 0; i < half; ++i) {
+                       const float a = x1[i], b = x2[i], si = Sign * s[i];
+                       x1[i] = a * c[i] - b * si;
+                       x2[i] = b * c[i] + a * si;
+                     }
+                   }
+                 });
 }
 
 // GCC vectors of the target's width, with their bf16 halves, and on AVX-512 of 8 floats too (the
@@ -98,11 +107,7 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
                     int64_t x_stride, const int32_t* positions, const RopeTable& table, bf16* out,
                     int64_t out_stride) {
   const int64_t half = D / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    const int64_t pos = positions[bt % T];
-    const float* __restrict c = table.cos.data() + pos * half;
-    const float* __restrict s = table.sin.data() + pos * half;
+  for_each_token(B, T, positions, table, [&](int64_t bt, const float* c, const float* s) {
     const float* row = x + bt * x_stride;
     bf16* orow = out + bt * out_stride;
     for (int64_t h = 0; h < H; ++h) {
@@ -126,7 +131,7 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
     int64_t j = 0;
     for (; j + kW <= n; j += kW) put(orest + j, load(rest + j));
     for (; j < n; ++j) orest[j] = float_to_bf16(rest[j]);
-  }
+  });
 }
 
 #undef LOOM_ROPE_HALF_LANES
