@@ -296,8 +296,8 @@ struct Widths {
 
 // dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D; zero for c in [D, ldd) and rows in
 // [rows, rpad).
-// Inline vector copies: a call to memcpy and memset per row of 48 or 64 elements cost more than
-// the copy (measured: 6% of the backward at D 48).
+// Inline vector copies, as the f32 kernels' pack_rows: a call to memcpy and memset per row of 48
+// or 64 elements costs about as much as the copy.
 inline void copy_rows(const uint16_t* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
                       int64_t ldd, int64_t rpad) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -319,19 +319,6 @@ inline void copy_rows(const float* src, int64_t lds, int64_t rows, int64_t D, fl
     int64_t c = 0;
     for (; c + kW <= D; c += kW) store(d + c, load(s + c));
     for (; c < D; ++c) d[c] = s[c];
-  }
-}
-// Prefetches rows [0, rows) of D elements, stride ld elements (for writing: `write`).
-template <class T>
-inline void prefetch_rows(const T* p, int64_t ld, int64_t rows, int64_t D, bool write) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p + r * ld);
-    for (uintptr_t l = a & ~uintptr_t(63); l < a + uintptr_t(D) * sizeof(T); l += 64) {
-      if (write)
-        __builtin_prefetch(reinterpret_cast<const void*>(l), 1);
-      else
-        __builtin_prefetch(reinterpret_cast<const void*>(l), 0);
-    }
   }
 }
 // The same from f32, rounded to bf16.
@@ -622,7 +609,6 @@ class Backward : public BackwardShape {
     Words qk_s, dok_s;             // Q and dO in pairs over queries, [kBq/2][Dc] words
     std::vector<uint32_t> qcache;  // or all those of the unit's query tiles (load_q_tile)
     std::vector<int64_t> stamp;    // the unit each cached tile was packed for
-    std::vector<std::pair<int64_t, int64_t>> steps;  // key_tile's (head, query tile) pairs
     uint32_t *qn = nullptr, *don = nullptr, *qk = nullptr, *dok = nullptr;  // the tile in use
     Words kn, vn;          // K and V rows, natural [kBk][Dn]
     Words kd, vd;          // K^T and V^T in pairs over d, [Dn/2][kBk] words
@@ -655,50 +641,21 @@ class Backward : public BackwardShape {
       copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, Dc);
       copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, Dc);
     }
-    // The (head, query tile) steps of this key tile; while one runs, the rows that later steps
-    // and the next key tile will touch first are prefetched: reads of Q, dO, K, V and writes of
-    // dq, dk, dv that would otherwise miss the cache in bursts (their rows lie a qkv stride apart,
-    // which the hardware prefetchers do not follow; 12% of the backward at D 48 was such misses).
-    std::vector<std::pair<int64_t, int64_t>>& steps = w.steps;
-    steps.clear();
     for (int64_t h = g * G; h < (g + 1) * G; ++h)
-      for (int64_t qi = 0; qi < qtiles.count; ++qi)
-        if (classify(qtiles, qi, ktiles, kj) != Pair::none) steps.emplace_back(h, qi);
-    const int64_t nsteps = int64_t(steps.size());
-    const int64_t nk_next = kj + 1 < ktiles.count ? std::min(kBk, Tk - k0 - kBk) : 0;
-    for (int64_t st = 0; st < nsteps; ++st) {
-      const auto [h, qi] = steps[size_t(st)];
-      const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-      const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
-      load_q_tile(w, b, h, qi);
-      {  // this step's share of the key-side rows
-        const int64_t r0 = st * kBk / nsteps, r1 = (st + 1) * kBk / nsteps;
-        const int64_t rk = (b * Tk + k0 + kBk + r0) * kvs + g * D;
-        prefetch_rows(k + rk, kvs, std::min(r1, nk_next) - r0, D, false);
-        prefetch_rows(v + rk, kvs, std::min(r1, nk_next) - r0, D, false);
-        const int64_t ro = (b * Tk + k0 + r0) * kvs + g * D;
-        prefetch_rows(dk + ro, kvs, std::min(r1, nk) - r0, D, true);
-        prefetch_rows(dv + ro, kvs, std::min(r1, nk) - r0, D, true);
+      for (int64_t qi = 0; qi < qtiles.count; ++qi) {
+        const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
+        if (mask.kind == Pair::none) continue;
+        load_q_tile(w, b, h, qi);
+        probs_and_grads(w, b, h, q0, k0, mask);
+        // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
+        const auto queries = [&](int64_t r0, int64_t) {
+          return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
+        };
+        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, true}, nk, queries);
+        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, true}, nk, queries);
+        if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
       }
-      if (st + 1 < nsteps) {  // the next step's query tile, if it is new to the thread
-        const auto [hn, qn] = steps[size_t(st + 1)];
-        const int64_t q0n = qn * kBq, nqn = std::min(kBq, Tq - q0n);
-        if (!q_tile_cached(w, b, hn, qn)) {
-          prefetch_rows(q + (b * Tq + q0n) * qs + hn * D, qs, nqn, D, false);
-          prefetch_rows(dout + (b * Tq + q0n) * os + hn * D, os, nqn, D, false);
-        }
-        if (with_dq && overwrite && kj == first_key_tile(qn))
-          prefetch_rows(dq + (b * Tq + q0n) * qs + hn * D, qs, nqn, D, true);
-      }
-      probs_and_grads(w, b, h, q0, k0, mask);
-      // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
-      const auto queries = [&](int64_t r0, int64_t) {
-        return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
-      };
-      pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, true}, nk, queries);
-      pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, true}, nk, queries);
-      if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
-    }
     copy_rows(w.dkacc, Dc, nk, D, dk + (b * Tk + k0) * kvs + g * D, kvs);
     copy_rows(w.dvacc, Dc, nk, D, dv + (b * Tk + k0) * kvs + g * D, kvs);
   }
@@ -720,8 +677,8 @@ class Backward : public BackwardShape {
   }
 
   // Only the query tiles that no key tile reaches: add_dq writes the others' dq at their first key
-  // tile instead of adding to zeros (zeroing all of dq up front cost 5% of the backward at D 48,
-  // in stores that miss the cache).
+  // tile instead of adding to zeros (zeroing all of dq up front, stores that miss the cache, was
+  // 3-5% of the backward at D 48 in perf profiles).
   void zero_dq(int64_t b, int64_t g) const {
     for (int64_t qi = 0; qi < qtiles.count; ++qi)
       if (first_key_tile(qi) == ktiles.count)
@@ -744,11 +701,6 @@ class Backward : public BackwardShape {
   // cache of all its query tiles, where that takes at most kQCacheBytes (the fused scheme walks
   // key tiles outermost and meets every query tile again under each), else per use.
   static constexpr int64_t kQCacheBytes = int64_t(8) << 20;
-  // Whether load_q_tile would find the tile in the cache.
-  bool q_tile_cached(const Buffers& w, int64_t b, int64_t h, int64_t qi) const {
-    const int64_t slot = (h % G) * qtiles.count + qi;
-    return !w.stamp.empty() && w.stamp[size_t(slot)] == b * Hkv + h / G;
-  }
   void load_q_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
     const int64_t Dn = wd.Dn, Dc = wd.Dc, q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
     const int64_t rows_w = kBq * Dn / 2, pairs_w = kBq / 2 * Dc, tile_w = 2 * rows_w + 2 * pairs_w;
