@@ -752,31 +752,41 @@ class Backward : public BackwardShape {
     constexpr int64_t NK = kBk / kW;
     static_assert(NK % 2 == 0);
     for (int64_t i = 0; i < kBq; i += 2) {
-      vf p[2][NK], ds[2][NK];
+      int64_t lim[2], nv[2];
+      float l2[2], dval[2];
       for (int half = 0; half < 2; ++half) {
         const int64_t r = i + half;
-        const int64_t lim = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
-        const int64_t nv = (lim + kW - 1) / kW;
-        const float l2 = r < nq ? lrow[r] * kLog2e : 0.0f, dval = r < nq ? drow[r] : 0.0f;
-        const float* srow = w.s + r * kBk;
-        const float* dprow = w.dp + r * kBk;
-        for (int64_t vk = 0; vk < NK; ++vk) {
-          p[half][vk] = ds[half][vk] = vf{};
-          if (vk < nv) {
-            const vi visible = iota + int32_t(vk * kW) < int32_t(lim);
-            const vf pv = exp2_p(load(srow + vk * kW) * c - l2);
-            p[half][vk] = visible ? pv : vf{};
-            const vf dv = p[half][vk] * (load(dprow + vk * kW) - dval) * scale;
-            ds[half][vk] = visible ? dv : vf{};
-          }
-        }
-        if (r < nq)
-          for (int64_t vk = 0; vk < NK; vk += 2)
-            pack_rows<Native>(w.dsn.h() + r * kBk + vk * kW, ds[half][vk], ds[half][vk + 1]);
+        lim[half] = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
+        nv[half] = (lim[half] + kW - 1) / kW;
+        l2[half] = r < nq ? lrow[r] * kLog2e : 0.0f;
+        dval[half] = r < nq ? drow[r] : 0.0f;
       }
-      for (int64_t vk = 0; vk < NK; ++vk) {
-        storeu(w.pq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(p[0][vk], p[1][vk]));
-        storeu(w.dsq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(ds[0][vk], ds[1][vk]));
+      // Two vectors of keys of both rows at a time: what the three layouts take from them, so
+      // that P and dS stay in registers (whole rows of them spilled to the stack).
+      for (int64_t vk = 0; vk < NK; vk += 2) {
+        vf p[2][2], ds[2][2];
+        for (int half = 0; half < 2; ++half)
+          for (int t = 0; t < 2; ++t) {
+            const int64_t r = i + half, v = vk + t;
+            p[half][t] = ds[half][t] = vf{};
+            if (v >= nv[half]) continue;
+            const vf pv = exp2_p(load(w.s + r * kBk + v * kW) * c - l2[half]);
+            const vf dv = pv * (load(w.dp + r * kBk + v * kW) - dval[half]) * scale;
+            if ((v + 1) * kW <= lim[half]) {
+              p[half][t] = pv, ds[half][t] = dv;
+            } else {
+              const vi visible = iota + int32_t(v * kW) < int32_t(lim[half]);
+              p[half][t] = visible ? pv : vf{};
+              ds[half][t] = visible ? dv : vf{};
+            }
+          }
+        for (int half = 0; half < 2; ++half)
+          if (i + half < nq)
+            pack_rows<Native>(w.dsn.h() + (i + half) * kBk + vk * kW, ds[half][0], ds[half][1]);
+        for (int t = 0; t < 2; ++t) {
+          storeu(w.pq.w + i / 2 * kBk + (vk + t) * kW, pack_pairs<Native>(p[0][t], p[1][t]));
+          storeu(w.dsq.w + i / 2 * kBk + (vk + t) * kW, pack_pairs<Native>(ds[0][t], ds[1][t]));
+        }
       }
     }
   }
