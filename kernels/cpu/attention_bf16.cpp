@@ -635,8 +635,10 @@ class Backward : public BackwardShape {
       return;
     }
     load_kv_tile(w, b, g, k0, nk);
-    std::fill_n(w.dkacc, kBk * Dc, 0.0f);
-    std::fill_n(w.dvacc, kBk * Dc, 0.0f);
+    // dk and dv accumulate in dkacc, dvacc: from dk, dv, or (overwrite) from the first query
+    // tile's products, written rather than added to zeros. Their columns past D and rows past nk
+    // are never copied out, so they need no initial value.
+    bool first = overwrite;
     if (!overwrite) {
       copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, Dc);
       copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, Dc);
@@ -652,8 +654,11 @@ class Backward : public BackwardShape {
         const auto queries = [&](int64_t r0, int64_t) {
           return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
         };
-        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, true}, nk, queries);
-        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, true}, nk, queries);
+        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !first}, nk,
+                              queries);
+        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !first}, nk,
+                              queries);
+        first = false;
         if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
       }
     copy_rows(w.dkacc, Dc, nk, D, dk + (b * Tk + k0) * kvs + g * D, kvs);
