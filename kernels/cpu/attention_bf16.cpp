@@ -154,7 +154,8 @@ __attribute__((target("avx512bf16"))) void pair_kernel_native(const uint32_t* A,
                                                               int64_t sp, const uint32_t* B,
                                                               int64_t ldb, int64_t lo, int64_t hi,
                                                               float* C, int64_t ldc, bool load_c,
-                                                              const float* row_scale) {
+                                                              const float* row_scale, float* Co,
+                                                              int64_t ldo) {
   __m512 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -180,17 +181,18 @@ __attribute__((target("avx512bf16"))) void pair_kernel_native(const uint32_t* A,
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * kW, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(Co + r * ldo + v * kW, acc[r][v]);
 }
 #endif
 
+// Accumulators start from C (load_c) or zero and end in Co (row stride ldo), which may be C.
 template <bool Native, int R, int NV>
 inline void pair_kernel(const uint32_t* A, int64_t sr, int64_t sp, const uint32_t* B, int64_t ldb,
                         int64_t lo, int64_t hi, float* C, int64_t ldc, bool load_c,
-                        const float* row_scale) {
+                        const float* row_scale, float* Co, int64_t ldo) {
 #if HWY_TARGET == HWY_AVX3
   if constexpr (Native)
-    return pair_kernel_native<R, NV>(A, sr, sp, B, ldb, lo, hi, C, ldc, load_c, row_scale);
+    return pair_kernel_native<R, NV>(A, sr, sp, B, ldb, lo, hi, C, ldc, load_c, row_scale, Co, ldo);
 #endif
   vf acc[R][NV];
 #pragma GCC unroll 8
@@ -226,7 +228,7 @@ inline void pair_kernel(const uint32_t* A, int64_t sr, int64_t sp, const uint32_
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kW, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store(Co + r * ldo + v * kW, acc[r][v]);
 }
 
 struct PairProd {
@@ -238,6 +240,8 @@ struct PairProd {
   int64_t ldc;
   bool load_c = false;               // add to C (else overwrite it)
   const float* row_scale = nullptr;  // with load_c: C[r] *= row_scale[r] first (online softmax)
+  float* Co = nullptr;               // if set, the results go there (row stride ldo), not to C
+  int64_t ldo = 0;
 };
 // What rows [r0, r1) compute: pairs [lo, hi) of the reduction, vectors [v0, nv) of C.
 struct PairRange {
@@ -249,12 +253,13 @@ template <bool Native, class Range>
 void pair_products(const PairProd& x, int64_t rows, Range range) {
   const auto block = [&]<int R>(int64_t r) {
     const PairRange pr = range(r, r + R);
-    if (pr.lo >= pr.hi && x.load_c && !x.row_scale) return;
+    if (pr.lo >= pr.hi && x.load_c && !x.row_scale && !x.Co) return;
     for (int64_t v0 = pr.v0; v0 < pr.nv; v0 += kPairNV) {
       const auto run = [&]<int NV>() {
+        float* C = x.C + r * x.ldc + v0 * kW;
         pair_kernel<Native, R, NV>(x.A + r * x.sr, x.sr, x.sp, x.B + v0 * kW, x.ldb, pr.lo, pr.hi,
-                                   x.C + r * x.ldc + v0 * kW, x.ldc, x.load_c,
-                                   x.row_scale ? x.row_scale + r : nullptr);
+                                   C, x.ldc, x.load_c, x.row_scale ? x.row_scale + r : nullptr,
+                                   x.Co ? x.Co + r * x.ldo + v0 * kW : C, x.Co ? x.ldo : x.ldc);
       };
       switch (std::min<int64_t>(kPairNV, pr.nv - v0)) {
         case 1:
@@ -643,6 +648,16 @@ class Backward : public BackwardShape {
       copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, Dc);
       copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, Dc);
     }
+    // The last step's products store dk and dv straight into their rows (where they are whole
+    // vectors: D == Dc), so that those stores, which miss the cache, spread over its row blocks
+    // instead of coming in one burst of copies at the end (14% of the backward at D 48 with 2
+    // threads was that burst).
+    int64_t last_qi = 0;
+    for (int64_t qi = 0; qi < qtiles.count; ++qi)
+      if (classify(qtiles, qi, ktiles, kj) != Pair::none) last_qi = qi;
+    float* dk_rows = dk + (b * Tk + k0) * kvs + g * D;
+    float* dv_rows = dv + (b * Tk + k0) * kvs + g * D;
+    const bool direct = D == Dc;
     for (int64_t h = g * G; h < (g + 1) * G; ++h)
       for (int64_t qi = 0; qi < qtiles.count; ++qi) {
         const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
@@ -654,15 +669,22 @@ class Backward : public BackwardShape {
         const auto queries = [&](int64_t r0, int64_t) {
           return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
         };
-        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !first}, nk,
-                              queries);
-        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !first}, nk,
-                              queries);
+        const bool last = direct && h == (g + 1) * G - 1 && qi == last_qi;
+        PairProd pv{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !first};
+        PairProd pk{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !first};
+        if (last) {
+          pv.Co = dv_rows, pv.ldo = kvs;
+          pk.Co = dk_rows, pk.ldo = kvs;
+        }
+        pair_products<Native>(pv, nk, queries);
+        pair_products<Native>(pk, nk, queries);
         first = false;
         if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
       }
-    copy_rows(w.dkacc, Dc, nk, D, dk + (b * Tk + k0) * kvs + g * D, kvs);
-    copy_rows(w.dvacc, Dc, nk, D, dv + (b * Tk + k0) * kvs + g * D, kvs);
+    if (!direct) {
+      copy_rows(w.dkacc, Dc, nk, D, dk_rows, kvs);
+      copy_rows(w.dvacc, Dc, nk, D, dv_rows, kvs);
+    }
   }
 
   void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
