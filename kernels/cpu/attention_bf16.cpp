@@ -154,7 +154,8 @@ __attribute__((target("avx512bf16"))) void pair_kernel_native(const uint32_t* A,
                                                               int64_t sp, const uint32_t* B,
                                                               int64_t ldb, int64_t lo, int64_t hi,
                                                               float* C, int64_t ldc, bool load_c,
-                                                              const float* row_scale) {
+                                                              const float* row_scale, float* Co,
+                                                              int64_t ldo) {
   __m512 acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -180,17 +181,18 @@ __attribute__((target("avx512bf16"))) void pair_kernel_native(const uint32_t* A,
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * kW, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(Co + r * ldo + v * kW, acc[r][v]);
 }
 #endif
 
+// Accumulators start from C (load_c) or zero and end in Co (row stride ldo), which may be C.
 template <bool Native, int R, int NV>
 inline void pair_kernel(const uint32_t* A, int64_t sr, int64_t sp, const uint32_t* B, int64_t ldb,
                         int64_t lo, int64_t hi, float* C, int64_t ldc, bool load_c,
-                        const float* row_scale) {
+                        const float* row_scale, float* Co, int64_t ldo) {
 #if HWY_TARGET == HWY_AVX3
   if constexpr (Native)
-    return pair_kernel_native<R, NV>(A, sr, sp, B, ldb, lo, hi, C, ldc, load_c, row_scale);
+    return pair_kernel_native<R, NV>(A, sr, sp, B, ldb, lo, hi, C, ldc, load_c, row_scale, Co, ldo);
 #endif
   vf acc[R][NV];
 #pragma GCC unroll 8
@@ -226,7 +228,7 @@ inline void pair_kernel(const uint32_t* A, int64_t sr, int64_t sp, const uint32_
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kW, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store(Co + r * ldo + v * kW, acc[r][v]);
 }
 
 struct PairProd {
@@ -238,6 +240,8 @@ struct PairProd {
   int64_t ldc;
   bool load_c = false;               // add to C (else overwrite it)
   const float* row_scale = nullptr;  // with load_c: C[r] *= row_scale[r] first (online softmax)
+  float* Co = nullptr;               // if set, the results go there (row stride ldo), not to C
+  int64_t ldo = 0;
 };
 // What rows [r0, r1) compute: pairs [lo, hi) of the reduction, vectors [v0, nv) of C.
 struct PairRange {
@@ -249,12 +253,13 @@ template <bool Native, class Range>
 void pair_products(const PairProd& x, int64_t rows, Range range) {
   const auto block = [&]<int R>(int64_t r) {
     const PairRange pr = range(r, r + R);
-    if (pr.lo >= pr.hi && x.load_c && !x.row_scale) return;
+    if (pr.lo >= pr.hi && x.load_c && !x.row_scale && !x.Co) return;
     for (int64_t v0 = pr.v0; v0 < pr.nv; v0 += kPairNV) {
       const auto run = [&]<int NV>() {
+        float* C = x.C + r * x.ldc + v0 * kW;
         pair_kernel<Native, R, NV>(x.A + r * x.sr, x.sr, x.sp, x.B + v0 * kW, x.ldb, pr.lo, pr.hi,
-                                   x.C + r * x.ldc + v0 * kW, x.ldc, x.load_c,
-                                   x.row_scale ? x.row_scale + r : nullptr);
+                                   C, x.ldc, x.load_c, x.row_scale ? x.row_scale + r : nullptr,
+                                   x.Co ? x.Co + r * x.ldo + v0 * kW : C, x.Co ? x.ldo : x.ldc);
       };
       switch (std::min<int64_t>(kPairNV, pr.nv - v0)) {
         case 1:
@@ -296,13 +301,30 @@ struct Widths {
 
 // dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D; zero for c in [D, ldd) and rows in
 // [rows, rpad).
+// Inline vector copies, as the f32 kernels' pack_rows: a call to memcpy and memset per row of 48
+// or 64 elements costs about as much as the copy.
 inline void copy_rows(const uint16_t* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
                       int64_t ldd, int64_t rpad) {
   for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(dst + r * ldd, src + r * lds, size_t(D) * 2);
-    std::memset(dst + r * ldd + D, 0, size_t(ldd - D) * 2);
+    const uint16_t* s = src + r * lds;
+    uint16_t* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + kW <= D; c += kW) storeh(d + c, loadh(s + c));
+    for (; c < D; ++c) d[c] = s[c];
+    for (; c < ldd; ++c) d[c] = 0;
   }
   if (rpad > rows) std::memset(dst + rows * ldd, 0, size_t((rpad - rows) * ldd) * 2);
+}
+// dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D, floats.
+inline void copy_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst,
+                      int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    float* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + kW <= D; c += kW) store(d + c, load(s + c));
+    for (; c < D; ++c) d[c] = s[c];
+  }
 }
 // The same from f32, rounded to bf16.
 inline void round_rows(const float* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
@@ -468,10 +490,17 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
                               [&](int64_t r0, int64_t) {
                                 return PairRange{0, wd.D2, nvq, mask.first_query(r0) / kW};
                               });
-        // Masked entries get -inf, so that exp2 gives them exactly 0.
+        // Masked entries get -inf, so that exp2 gives them exactly 0. On a diagonal pair, query
+        // vector vq sees keys [0, key_end(vq)) only, and the softmax below reads no other rows
+        // of its columns: row j is filled from the vector holding its first visible query.
+        const auto key_end = [&](int64_t vq) {
+          return mask.diagonal ? std::clamp<int64_t>((vq + 1) * kW - mask.off, 0, nk) : nk;
+        };
         if (mask.diagonal) {
-          for (int64_t j = 0; j < nk; ++j)
-            std::fill_n(st + j * kBq, std::min(mask.first_query(j), nvq * kW), kNegInf);
+          for (int64_t j = 0; j < nk; ++j) {
+            const int64_t fq = std::min(mask.first_query(j), nvq * kW);
+            for (int64_t i = fq / kW * kW; i < fq; ++i) st[j * kBq + i] = kNegInf;
+          }
         } else if (mask.by_position()) {
           const int64_t* kp = ktiles.padded.data() + k0;
           for (int64_t j = 0; j < nk; ++j)
@@ -480,30 +509,38 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
         }
         // Online softmax, vectorized over kW queries at a time; P rounded into pairs of keys. A
         // query that has seen no key yet has a running max of -inf; subtracting 0 instead keeps
-        // exp2's argument at -inf (giving 0) where -inf - -inf would give NaN.
+        // exp2's argument at -inf (giving 0) where -inf - -inf would give NaN. Keys past key_end
+        // get P = 0 without an exp (the product of P V reads pairs up to its rows' key limit).
         for (int64_t vq = 0; vq < nvq; ++vq) {
           const float* col = st + vq * kW;
-          vf mt = load(col);
-          for (int64_t j = 1; j < nk; ++j) mt = vmax(mt, load(col + j * kBq));
+          const int64_t ke = key_end(vq);
+          // Four running maxima, so that the comparisons do not chain all 64 rows.
+          vf mx[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+          int64_t j = 0;
+          for (; j + 4 <= ke; j += 4)
+            for (int t = 0; t < 4; ++t) mx[t] = vmax(mx[t], load(col + (j + t) * kBq));
+          for (; j < ke; ++j) mx[0] = vmax(mx[0], load(col + j * kBq));
+          const vf mt = vmax(vmax(mx[0], mx[1]), vmax(mx[2], mx[3]));
           const vf mo = load(m + vq * kW);
           const vf mn = vmax(mo, mt * c);
           const vf ms = mn == splat(kNegInf) ? vf{} : mn;
           const vf al = vexp2(mo - ms);
           // Two running sums (even and odd keys), so that the adds do not chain all 64 rows.
           vf sum0{}, sum1{};
-          const int64_t even = nk & ~int64_t(1);
-          for (int64_t j = 0; j < even; j += 2) {
+          const int64_t even = ke & ~int64_t(1);
+          for (j = 0; j < even; j += 2) {
             const vf p0 = exp2_p(load(col + j * kBq) * c - ms);
             const vf p1 = exp2_p(load(col + (j + 1) * kBq) * c - ms);
             sum0 += p0;
             sum1 += p1;
             storeu(pk.w + j / 2 * kBq + vq * kW, pack_pairs<Native>(p0, p1));
           }
-          if (even < nk) {
+          if (even < ke) {
             const vf p0 = exp2_p(load(col + even * kBq) * c - ms);
             sum0 += p0;
             storeu(pk.w + even / 2 * kBq + vq * kW, pack_pairs<Native>(p0, vf{}));
           }
+          for (j = (ke + 1) / 2; j < (nk + 1) / 2; ++j) storeu(pk.w + j * kBq + vq * kW, vu{});
           store(l + vq * kW, load(l + vq * kW) * al + (sum0 + sum1));
           store(m + vq * kW, mn);
           store(alpha + vq * kW, al);
@@ -603,13 +640,24 @@ class Backward : public BackwardShape {
       return;
     }
     load_kv_tile(w, b, g, k0, nk);
-    std::fill_n(w.dkacc, kBk * Dc, 0.0f);
-    std::fill_n(w.dvacc, kBk * Dc, 0.0f);
-    if (!overwrite)
-      for (int64_t j = 0; j < nk; ++j) {
-        std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * Dc);
-        std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * Dc);
-      }
+    // dk and dv accumulate in dkacc, dvacc: from dk, dv, or (overwrite) from the first query
+    // tile's products, written rather than added to zeros. Their columns past D and rows past nk
+    // are never copied out, so they need no initial value.
+    bool first = overwrite;
+    if (!overwrite) {
+      copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, Dc);
+      copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, Dc);
+    }
+    // The last step's products store dk and dv straight into their rows (where they are whole
+    // vectors: D == Dc), so that those stores, which miss the cache, spread over its row blocks
+    // instead of coming in one burst of copies at the end (14% of the backward at D 48 with 2
+    // threads was that burst).
+    int64_t last_qi = 0;
+    for (int64_t qi = 0; qi < qtiles.count; ++qi)
+      if (classify(qtiles, qi, ktiles, kj) != Pair::none) last_qi = qi;
+    float* dk_rows = dk + (b * Tk + k0) * kvs + g * D;
+    float* dv_rows = dv + (b * Tk + k0) * kvs + g * D;
+    const bool direct = D == Dc;
     for (int64_t h = g * G; h < (g + 1) * G; ++h)
       for (int64_t qi = 0; qi < qtiles.count; ++qi) {
         const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
@@ -621,19 +669,28 @@ class Backward : public BackwardShape {
         const auto queries = [&](int64_t r0, int64_t) {
           return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
         };
-        pair_products<Native>(PairProd{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, true}, nk, queries);
-        pair_products<Native>(PairProd{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, true}, nk, queries);
-        if (with_dq) add_dq(w, b, h, q0, mask);
+        const bool last = direct && h == (g + 1) * G - 1 && qi == last_qi;
+        PairProd pv{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !first};
+        PairProd pk{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !first};
+        if (last) {
+          pv.Co = dv_rows, pv.ldo = kvs;
+          pk.Co = dk_rows, pk.ldo = kvs;
+        }
+        pair_products<Native>(pv, nk, queries);
+        pair_products<Native>(pk, nk, queries);
+        first = false;
+        if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
       }
-    for (int64_t j = 0; j < nk; ++j) {
-      std::copy_n(w.dkacc + j * Dc, D, dk + (b * Tk + k0 + j) * kvs + g * D);
-      std::copy_n(w.dvacc + j * Dc, D, dv + (b * Tk + k0 + j) * kvs + g * D);
+    if (!direct) {
+      copy_rows(w.dkacc, Dc, nk, D, dk_rows, kvs);
+      copy_rows(w.dvacc, Dc, nk, D, dv_rows, kvs);
     }
   }
 
   void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
     const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-    if (overwrite)
+    const int64_t first = first_key_tile(qi);
+    if (overwrite && first == ktiles.count)
       for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
     load_q_tile(w, b, h, qi);
     for (int64_t kj = 0; kj < ktiles.count; ++kj) {
@@ -642,12 +699,18 @@ class Backward : public BackwardShape {
       if (mask.kind == Pair::none) continue;
       load_kv_tile(w, b, h / G, k0, nk);
       probs_and_grads(w, b, h, q0, k0, mask);
-      add_dq(w, b, h, q0, mask);
+      add_dq(w, b, h, q0, mask, overwrite && kj == first);
     }
   }
 
+  // Only the query tiles that no key tile reaches: add_dq writes the others' dq at their first key
+  // tile instead of adding to zeros (zeroing all of dq up front, stores that miss the cache, was
+  // 3-5% of the backward at D 48 in perf profiles).
   void zero_dq(int64_t b, int64_t g) const {
-    for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
+    for (int64_t qi = 0; qi < qtiles.count; ++qi)
+      if (first_key_tile(qi) == ktiles.count)
+        for (int64_t t = qi * kBq; t < std::min(Tq, (qi + 1) * kBq); ++t)
+          std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
   }
 
   const Widths wd;
@@ -716,49 +779,69 @@ class Backward : public BackwardShape {
     constexpr int64_t NK = kBk / kW;
     static_assert(NK % 2 == 0);
     for (int64_t i = 0; i < kBq; i += 2) {
-      vf p[2][NK], ds[2][NK];
+      int64_t lim[2], nv[2];
+      float l2[2], dval[2];
       for (int half = 0; half < 2; ++half) {
         const int64_t r = i + half;
-        const int64_t lim = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
-        const int64_t nv = (lim + kW - 1) / kW;
-        const float l2 = r < nq ? lrow[r] * kLog2e : 0.0f, dval = r < nq ? drow[r] : 0.0f;
-        const float* srow = w.s + r * kBk;
-        const float* dprow = w.dp + r * kBk;
-        for (int64_t vk = 0; vk < NK; ++vk) {
-          p[half][vk] = ds[half][vk] = vf{};
-          if (vk < nv) {
-            const vi visible = iota + int32_t(vk * kW) < int32_t(lim);
-            const vf pv = exp2_p(load(srow + vk * kW) * c - l2);
-            p[half][vk] = visible ? pv : vf{};
-            const vf dv = p[half][vk] * (load(dprow + vk * kW) - dval) * scale;
-            ds[half][vk] = visible ? dv : vf{};
-          }
-        }
-        if (r < nq)
-          for (int64_t vk = 0; vk < NK; vk += 2)
-            pack_rows<Native>(w.dsn.h() + r * kBk + vk * kW, ds[half][vk], ds[half][vk + 1]);
+        lim[half] = r >= nq || lrow[r] == kNegInf ? 0 : mask.key_limit(r);
+        nv[half] = (lim[half] + kW - 1) / kW;
+        l2[half] = r < nq ? lrow[r] * kLog2e : 0.0f;
+        dval[half] = r < nq ? drow[r] : 0.0f;
       }
-      for (int64_t vk = 0; vk < NK; ++vk) {
-        storeu(w.pq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(p[0][vk], p[1][vk]));
-        storeu(w.dsq.w + i / 2 * kBk + vk * kW, pack_pairs<Native>(ds[0][vk], ds[1][vk]));
+      // Two vectors of keys of both rows at a time: what the three layouts take from them, so
+      // that P and dS stay in registers (whole rows of them spilled to the stack).
+      for (int64_t vk = 0; vk < NK; vk += 2) {
+        vf p[2][2], ds[2][2];
+        for (int half = 0; half < 2; ++half)
+          for (int t = 0; t < 2; ++t) {
+            const int64_t r = i + half, v = vk + t;
+            p[half][t] = ds[half][t] = vf{};
+            if (v >= nv[half]) continue;
+            const vf pv = exp2_p(load(w.s + r * kBk + v * kW) * c - l2[half]);
+            const vf dv = pv * (load(w.dp + r * kBk + v * kW) - dval[half]) * scale;
+            if ((v + 1) * kW <= lim[half]) {
+              p[half][t] = pv, ds[half][t] = dv;
+            } else {
+              const vi visible = iota + int32_t(v * kW) < int32_t(lim[half]);
+              p[half][t] = visible ? pv : vf{};
+              ds[half][t] = visible ? dv : vf{};
+            }
+          }
+        for (int half = 0; half < 2; ++half)
+          if (i + half < nq)
+            pack_rows<Native>(w.dsn.h() + (i + half) * kBk + vk * kW, ds[half][0], ds[half][1]);
+        for (int t = 0; t < 2; ++t) {
+          storeu(w.pq.w + i / 2 * kBk + (vk + t) * kW, pack_pairs<Native>(p[0][t], p[1][t]));
+          storeu(w.dsq.w + i / 2 * kBk + (vk + t) * kW, pack_pairs<Native>(ds[0][t], ds[1][t]));
+        }
       }
     }
   }
 
-  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see.
-  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask) const {
+  // The first key tile (in the order both schemes walk them) that query tile qi sees; count if
+  // none.
+  int64_t first_key_tile(int64_t qi) const {
+    int64_t kj = 0;
+    while (kj < ktiles.count && classify(qtiles, qi, ktiles, kj) == Pair::none) ++kj;
+    return kj;
+  }
+
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see; = when `first`.
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask,
+              bool first) const {
     const int64_t Dc = wd.Dc, nq = mask.nq;
     float* rows = dq + (b * Tq + q0) * qs + h * D;
     float* C = rows;
     int64_t ldc = qs;
     if (Dc != D) {  // the kernels write whole vectors: through a padded copy
       for (int64_t i = 0; i < nq; ++i) {
-        std::copy_n(rows + i * qs, D, w.dqs + i * Dc);
+        if (!first) std::copy_n(rows + i * qs, D, w.dqs + i * Dc);
         std::fill_n(w.dqs + i * Dc + D, Dc - D, 0.0f);
       }
       C = w.dqs, ldc = Dc;
     }
-    pair_products<Native>(PairProd{w.dsn.w, kBk / 2, 1, w.kk.w, Dc, C, ldc, true}, nq,
+    // With load_c false every row is written, zeros where the row sees no key of the tile.
+    pair_products<Native>(PairProd{w.dsn.w, kBk / 2, 1, w.kk.w, Dc, C, ldc, !first}, nq,
                           [&](int64_t, int64_t r1) {
                             return PairRange{0, (mask.key_limit(r1 - 1) + 1) / 2, Dc / kW};
                           });

@@ -398,6 +398,71 @@ TEST(AttentionBf16, BlockKernelsWithZigzagPositions) {
   });
 }
 
+// Keys at positions shifted past the queries' (a block pair of context parallelism seen from a
+// later key chunk): diagonal tile pairs with a nonzero offset of both signs, rows that see no key
+// (out 0, lse -inf), and a query tile that sees no key tile, whose dq the overwriting backward
+// must zero. Against the f32 block kernels on the same inputs; the overwriting backward (into
+// sentinels) equals the accumulating one (into zeros) bit for bit, in both backward schemes.
+TEST(AttentionBf16, BlockKernelsWithShiftedKeyPositions) {
+  for (const Dims& d : {Dims{1, 150, 2, 1, 48}, Dims{1, 150, 4, 2, 64}}) {
+    Case c(d, 900 + d.D);
+    const int64_t T = d.T, qw = d.Hq * d.D, kw = d.Hkv * d.D;
+    std::vector<int64_t> qpos(static_cast<size_t>(T)), kpos(static_cast<size_t>(T));
+    std::iota(qpos.begin(), qpos.end(), int64_t(0));
+    std::iota(kpos.begin(), kpos.end(), int64_t(70));
+    const BlockShape s{d.B, T, T, d.Hq, d.Hkv, d.D, qw, kw, c.scale};
+    const std::vector<float> q = widen_all(c.q), k = widen_all(c.k), v = widen_all(c.v);
+    std::vector<float> fout(q.size()), flse(size_t(d.Hq * T)), fdelta(flse.size());
+    cpu::attention_block_forward(s, q.data(), k.data(), v.data(), qpos.data(), kpos.data(),
+                                 fout.data(), flse.data());
+    const std::vector<bf16> fout16 = round_all(fout);
+    const std::vector<float> fout_r = widen_all(fout16);
+    cpu::attention_delta(d.B, T, d.Hq, d.D, fout_r.data(), c.dout.data(), fdelta.data());
+    std::vector<float> fdq(q.size(), 0.0f), fdk(k.size(), 0.0f), fdv(v.size(), 0.0f);
+    cpu::attention_block_backward(s, q.data(), k.data(), v.data(), qpos.data(), kpos.data(),
+                                  flse.data(), fdelta.data(), c.dout.data(), fdq.data(), fdk.data(),
+                                  fdv.data());
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 2}) {  // 1: the fused backward scheme, 2: the split one (B*Hkv <= 2)
+      omp_set_num_threads(threads);
+      SCOPED_TRACE(std::to_string(threads) + " threads");
+      for_each_variant([&] {
+        std::vector<float> out(q.size()), lse(flse.size());
+        cpu::attention_block_forward_bf16(s, c.q.data(), c.k.data(), c.v.data(), qpos.data(),
+                                          kpos.data(), out.data(), lse.data());
+        EXPECT_LT(test::rel_l2(out, fout), kFwdTol) << name(d);
+        for (size_t i = 0; i < lse.size(); ++i) {
+          if (std::isinf(flse[i])) {
+            EXPECT_EQ(lse[i], flse[i]) << name(d) << " lse " << i;
+          } else {
+            EXPECT_NEAR(lse[i], flse[i], kLseTol * 10 * std::max(1.0f, std::abs(flse[i])))
+                << name(d) << " lse " << i;
+          }
+        }
+        // Both backward passes read the f32 kernels' lse and Di, so that they compare the
+        // gradients.
+        std::vector<float> dq(q.size(), 0.0f), dk(k.size(), 0.0f), dv(v.size(), 0.0f);
+        cpu::attention_block_backward_bf16(s, c.q.data(), c.k.data(), c.v.data(), qpos.data(),
+                                           kpos.data(), flse.data(), fdelta.data(), c.dout.data(),
+                                           dq.data(), dk.data(), dv.data());
+        EXPECT_LT(test::rel_l2(dq, fdq), kDqkTol) << name(d);
+        EXPECT_LT(test::rel_l2(dk, fdk), kDqkTol) << name(d);
+        EXPECT_LT(test::rel_l2(dv, fdv), kDvTol) << name(d);
+        BlockShape so = s;
+        so.accumulate = false;
+        std::vector<float> oq(q.size(), 12345.0f), ok(k.size(), 12345.0f), ov(v.size(), 12345.0f);
+        cpu::attention_block_backward_bf16(so, c.q.data(), c.k.data(), c.v.data(), qpos.data(),
+                                           kpos.data(), flse.data(), fdelta.data(), c.dout.data(),
+                                           oq.data(), ok.data(), ov.data());
+        EXPECT_EQ(oq, dq) << name(d);
+        EXPECT_EQ(ok, dk) << name(d);
+        EXPECT_EQ(ov, dv) << name(d);
+      });
+    }
+    omp_set_num_threads(saved);
+  }
+}
+
 TEST(AttentionBf16, RejectsBadShapes) {
   std::vector<bf16> b(4096);
   std::vector<float> f(4096);
