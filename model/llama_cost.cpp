@@ -110,26 +110,30 @@ LlamaModel::LossChunks LlamaModel::loss_chunks(const LlamaConfig& c, int64_t B, 
   // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) may take what a
   // block's working buffers take beyond its saved tensors, less what else the head holds (its
   // input x, xf, dxf, rstd): then the head is never the step's peak, which stays what the memory
-  // model predicts. At least 2% of the saved activations at the head, 4% in bf16, where the peak
-  // may then grow by what that takes beyond the working buffers: each call of the dW GEMM re-reads
-  // and re-writes all of the f32 dW, and its inner dimension wants rows (bench-small bf16: 64 + 256
-  // rows in 6.7 MiB, the loss 77 ms of a 500 ms step; 64 + 512 rows in 10 MiB, 72 ms for 3 MiB,
-  // 0.4%, more at the peak). f32 keeps 2%: the chunk depends on the micro-batch's rows, and the f32
-  // parity tests compare pp's micro-batches of one sequence with a single rank's whole batch to
-  // 5e-5, which 4% broke (parity_pp2_ddp2_tied: their chunks, 64 rows at 2%, differed at 4%). The
-  // figures are those of one rank without checkpointing, so every layout with the same micro-batch
-  // takes the same chunks and sums in the same order.
+  // model predicts. Small models get a floor, where the peak may then grow by what it takes beyond
+  // the working buffers (the memory model adds it): in f32, 2% of the saved activations at the
+  // head; in bf16 the room for 64 + 512 rows (f32 logits + bf16 gradients), within 4% of them.
+  // Each call of the dW GEMM re-reads and re-writes all of the f32 dW, and its inner dimension
+  // wants rows: bench-small bf16 64 + 256 rows in 6.7 MiB gave the loss 77 ms of a 500 ms step,
+  // 64 + 512 rows in 10 MiB 72 ms for 3 MiB (0.4%) more at the peak; past 512 rows little is left
+  // to gain (1024: 4% more), while 4% of a large model's activations is a GiB (8B FSDP: 1.1). The
+  // f32 floor stays 2% because the chunk depends on the micro-batch's rows: the f32 parity tests
+  // compare pp's one-sequence micro-batches with a single rank's whole batch to 5e-5, and at 4%
+  // their chunks (64 rows at 2%) differed (parity_pp2_ddp2_tied drifted past it). The figures are
+  // those of one rank without checkpointing, so every layout with the same micro-batch takes the
+  // same chunks and sums in the same order.
   const SavedActivations a = saved_activations(c, B, T, compute, 1, false, false, {}, false);
-  const double M = double(B * T), d = double(c.hidden_size);
+  const double M = double(B * T), d = double(c.hidden_size), V = double(c.vocab_size);
   const double head = M * d * (4 + dtype_size(compute) + 4) + M * 4;
   const double working = double(a.peak - a.at_head);
-  const double floor = compute == DType::bf16 ? 0.04 : 0.02;
-  const double budget = std::max(floor * double(a.at_head), working - head);
+  const double floor = compute == DType::bf16
+                           ? std::min(0.04 * double(a.at_head), (64 * 4 + 512 * 2) * V)
+                           : 0.02 * double(a.at_head);
+  const double budget = std::max(floor, working - head);
   const auto rows_of = [&](double bytes, double per_row) {
     const int64_t rows = int64_t(bytes / per_row) / 16 * 16;
     return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
   };
-  const double V = double(c.vocab_size);
   if (compute != DType::bf16) return {rows_of(budget, 4 * V), 0};
   // bf16: the logits GEMM needs few rows to run at speed, the dW GEMM many (its inner dimension;
   // each call re-reads and re-writes all of the f32 dW): a chunk of at most 64 rows of f32
