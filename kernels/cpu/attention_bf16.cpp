@@ -315,17 +315,8 @@ inline void copy_rows(const uint16_t* src, int64_t lds, int64_t rows, int64_t D,
   }
   if (rpad > rows) std::memset(dst + rows * ldd, 0, size_t((rpad - rows) * ldd) * 2);
 }
-// dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D, floats.
-inline void copy_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst,
-                      int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = src + r * lds;
-    float* d = dst + r * ldd;
-    int64_t c = 0;
-    for (; c + kW <= D; c += kW) store(d + c, load(s + c));
-    for (; c < D; ++c) d[c] = s[c];
-  }
-}
+// The f32 rows (dk, dv accumulators) as the f32 kernels copy them.
+using tiles::copy_rows;
 // The same from f32, rounded to bf16.
 inline void round_rows(const float* src, int64_t lds, int64_t rows, int64_t D, uint16_t* dst,
                        int64_t ldd, int64_t rpad) {

@@ -113,17 +113,21 @@ inline void transpose_tile(const float* src, int64_t lds, int64_t rows, int64_t 
 // take whole cache lines), so only the narrower targets pack.
 constexpr bool kPack = kW < 16;
 
-// dst[r*D + c] = src[r*lds + c] for r < rows, c < D: rows of a tile copied to consecutive
-// memory.
+// dst[r*ldd + c] = src[r*lds + c] for r < rows, c < D.
 // Inline vector copies: a call to memcpy per row of 48 or 64 floats costs as much as the copy.
-inline void pack_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst) {
+inline void copy_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst,
+                      int64_t ldd) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = src + r * lds;
-    float* d = dst + r * D;
+    float* d = dst + r * ldd;
     int64_t c = 0;
     for (; c + kW <= D; c += kW) store(d + c, load(s + c));
     for (; c < D; ++c) d[c] = s[c];
   }
+}
+// Rows of a tile copied to consecutive memory (dst[r*D + c]).
+inline void pack_rows(const float* src, int64_t lds, int64_t rows, int64_t D, float* dst) {
+  copy_rows(src, lds, rows, D, dst, D);
 }
 
 // Query and key tile sizes.
