@@ -240,8 +240,8 @@ void bench_rope(Bench& b, const Model& m) {
     cpu::cast_f32_to_bf16(qkv.data(), out.data(), n);
   });
   b.run("rope_rounded_fwd", shape, (kF + 2) * n, "GB/s", "qkv, out", [&] {
-    cpu::rope_forward_rounded(qkv.data(), B, T, m.Hq + m.Hkv, m.Hkv, D, cols, pos.data(), table,
-                              out.data(), cols);
+    cpu::rope_rounded(qkv.data(), B, T, m.Hq + m.Hkv, m.Hkv, D, cols, pos.data(), table, false,
+                      out.data(), cols);
   });
 }
 

@@ -416,9 +416,8 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
       backward ? "rope_backward" : "rope_forward", x.device(),
       [&] {
         const int64_t T = rows(x) / B, D = x.size(1) / (H + Hc);
-        (backward ? cpu::rope_backward_rounded : cpu::rope_forward_rounded)(
-            f(x), B, T, H, Hc, D, stride(x), positions.data(), table, out.data<bf16>(),
-            out.size(1));
+        cpu::rope_rounded(f(x), B, T, H, Hc, D, stride(x), positions.data(), table, backward,
+                          out.data<bf16>(), out.size(1));
       },
       // x read, out written, each token's row of cos and sin; the rotated pairs take 6 flops.
       [&] {

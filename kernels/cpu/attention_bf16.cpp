@@ -36,11 +36,8 @@ using namespace tiles;
 // ---- bf16 vectors ------------------------------------------------------------------------------
 // A bf16 tile is handled as 16-bit words (natural layout: one element per word) or as 32-bit words
 // holding a pair (low half: element 2p, high half: element 2p + 1), the operand layout of
-// vdpbf16ps.
-typedef uint32_t vu __attribute__((vector_size(kW * 4)));
-typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+// vdpbf16ps. vu, vh and vhu come from vec_math-inl.hpp.
 typedef uint32_t vuu __attribute__((vector_size(kW * 4), aligned(4), may_alias));
-typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
 
 inline vu loadu(const uint32_t* p) {
   return *reinterpret_cast<const vuu*>(p);

@@ -54,20 +54,10 @@ void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_st
                  });
 }
 
-// GCC vectors of the target's width, with their bf16 halves, and on AVX-512 of 8 floats too (the
+// Vectors of the target's width (store_bf16 rounds them), and on AVX-512 of 8 floats too (the
 // rest of a half head: D 48 is 16 + 8 pairs); vector_size cannot depend on a template parameter.
-typedef uint32_t vu __attribute__((vector_size(kW * 4)));
-typedef uint16_t vh __attribute__((vector_size(kW * 2)));
-typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
-
-// float_to_bf16 on every lane: to nearest even, NaNs kept quiet.
-template <class U>
-U round_bits(U b) {
-  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
-}
 inline void put(bf16* p, vf x) {
-  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(round_bits((vu)x), vh);
+  store_bf16(p, x);
 }
 inline vf load_n(const float* p, vf) {
   return load(p);
@@ -80,7 +70,7 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint16_t v8hu __attribute__((vector_size(16), aligned(2), may_alias));
 inline void put(bf16* p, v8f x) {
-  *reinterpret_cast<v8hu*>(p) = __builtin_convertvector(round_bits((v8u)x), v8h);
+  *reinterpret_cast<v8hu*>(p) = __builtin_convertvector(bf16_bits(__builtin_bit_cast(v8u, x)), v8h);
 }
 inline v8f load_n(const float* p, v8f) {
   return *reinterpret_cast<const v8fu*>(p);
@@ -129,7 +119,7 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
     bf16* orest = orow + H * D;
     const int64_t n = Hc * D;
     int64_t j = 0;
-    for (; j + kW <= n; j += kW) put(orest + j, load(rest + j));
+    for (; j + kW <= n; j += kW) store_bf16(orest + j, load(rest + j));
     for (; j < n; ++j) orest[j] = float_to_bf16(rest[j]);
   });
 }
@@ -138,16 +128,13 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
 
 }  // namespace
 
-void rope_forward_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
-                               int64_t D, int64_t x_stride, const int32_t* positions,
-                               const RopeTable& table, bf16* out, int64_t out_stride) {
-  rotate_rounded<1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
-}
-
-void rope_backward_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
-                                int64_t D, int64_t x_stride, const int32_t* positions,
-                                const RopeTable& table, bf16* out, int64_t out_stride) {
-  rotate_rounded<-1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+void rope_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                       int64_t x_stride, const int32_t* positions, const RopeTable& table,
+                       bool backward, bf16* out, int64_t out_stride) {
+  if (backward)
+    rotate_rounded<-1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+  else
+    rotate_rounded<1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
 }
 
 void rope_forward_impl(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
@@ -239,8 +226,7 @@ void check_args(const char* who, int64_t B, int64_t T, int64_t H, int64_t D, int
 
 HWY_EXPORT(rope_forward_impl);
 HWY_EXPORT(rope_backward_impl);
-HWY_EXPORT(rope_forward_rounded_impl);
-HWY_EXPORT(rope_backward_rounded_impl);
+HWY_EXPORT(rope_rounded_impl);
 
 void rope_forward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
                   const int32_t* positions, const RopeTable& table) {
@@ -267,20 +253,13 @@ void check_rounded(const char* who, int64_t B, int64_t T, int64_t H, int64_t Hc,
 
 }  // namespace
 
-void rope_forward_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
-                          int64_t x_stride, const int32_t* positions, const RopeTable& table,
-                          bf16* out, int64_t out_stride) {
-  check_rounded("rope_forward_rounded", B, T, H, Hc, D, x_stride, positions, table, out_stride);
-  LOOM_DISPATCH(rope_forward_rounded_impl)
-  (x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
-}
-
-void rope_backward_rounded(const float* dx, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
-                           int64_t x_stride, const int32_t* positions, const RopeTable& table,
-                           bf16* out, int64_t out_stride) {
-  check_rounded("rope_backward_rounded", B, T, H, Hc, D, x_stride, positions, table, out_stride);
-  LOOM_DISPATCH(rope_backward_rounded_impl)
-  (dx, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+void rope_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                  int64_t x_stride, const int32_t* positions, const RopeTable& table, bool backward,
+                  bf16* out, int64_t out_stride) {
+  check_rounded(backward ? "rope_rounded (backward)" : "rope_rounded", B, T, H, Hc, D, x_stride,
+                positions, table, out_stride);
+  LOOM_DISPATCH(rope_rounded_impl)
+  (x, B, T, H, Hc, D, x_stride, positions, table, backward, out, out_stride);
 }
 
 }  // namespace loom::cpu

@@ -45,14 +45,12 @@ void rope_backward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, int64_
                    const int32_t* positions, const RopeTable& table);
 
 // Mixed precision's qkv in one pass: each token's row of x (f32, `x_stride` floats apart) goes to
-// `out` (bf16, `out_stride` apart) with its first H heads rotated (forward, or by the negative
-// angle) and the next Hc heads copied, every element rounded to bf16: the bits of rope_forward
-// (rope_backward) in place followed by a cast, without writing x back or reading it twice.
-void rope_forward_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
-                          int64_t x_stride, const int32_t* positions, const RopeTable& table,
-                          bf16* out, int64_t out_stride);
-void rope_backward_rounded(const float* dx, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
-                           int64_t x_stride, const int32_t* positions, const RopeTable& table,
-                           bf16* out, int64_t out_stride);
+// `out` (bf16, `out_stride` apart) with its first H heads rotated (by the negative angle when
+// `backward`) and the next Hc heads copied, every element rounded to bf16: the bits of
+// rope_forward (rope_backward) in place followed by a cast, without writing x back or reading it
+// twice.
+void rope_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
+                  int64_t x_stride, const int32_t* positions, const RopeTable& table, bool backward,
+                  bf16* out, int64_t out_stride);
 
 }  // namespace loom::cpu

@@ -31,19 +31,13 @@ inline vf sigmoid(vf x) {
 }
 
 // The forward's output is f32, or bf16 for mixed precision (only a bf16 GEMM reads it). bf16 is
-// rounded in registers exactly as float_to_bf16 rounds (to nearest even, NaNs kept quiet), so the
-// bits equal the f32 result cast afterwards, and the f32 values never go to memory.
-typedef uint32_t vu __attribute__((vector_size(kW * 4)));
-typedef uint16_t vh __attribute__((vector_size(kW * 2)));
-typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));
+// rounded in registers exactly as float_to_bf16 rounds (store_bf16), so the bits equal the f32
+// result cast afterwards, and the f32 values never go to memory.
 inline void put(float* p, vf x) {
   store(p, x);
 }
 inline void put(bf16* p, vf x) {
-  const vu u = (vu)x;
-  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
-  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(r, vh);
+  store_bf16(p, x);
 }
 inline void put(float& dst, float v) {
   dst = v;
@@ -51,11 +45,10 @@ inline void put(float& dst, float v) {
 inline void put(bf16& dst, float v) {
   dst = float_to_bf16(v);
 }
-// A bf16 input widens exactly (its bits are the high half of the f32's).
+// A bf16 input widens exactly.
 using HWY_NAMESPACE::load;
 inline vf load(const bf16* p) {
-  const vh h = *reinterpret_cast<const vhu*>(p);
-  return (vf)(__builtin_convertvector(h, vu) << 16);
+  return load_bf16(p);
 }
 inline float get(float v) {
   return v;

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/dtype.hpp"
+
 // Functions passing vectors by value get another ABI on narrower targets, and GCC warns; they are
 // all inline, per target, and never cross a library boundary.
 #pragma GCC diagnostic push
@@ -52,6 +54,27 @@ inline void store(float* p, vf x) {
 }
 inline vf splat(float x) {
   return vf{} + x;
+}
+
+// bf16 as 16-bit words: kW of them, and the 32-bit lanes they widen into.
+typedef uint32_t vu __attribute__((vector_size(kW * 4)));
+typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+typedef uint16_t vhu __attribute__((vector_size(kW * 2), aligned(2), may_alias));  // unaligned
+
+// float_to_bf16 on every lane of f32 bits b (any width): to nearest even, NaNs kept quiet.
+template <class U>
+inline U bf16_bits(U b) {
+  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
+}
+// x rounded to bf16 at p: the bits float_to_bf16 gives each lane, the f32 values never stored.
+inline void store_bf16(bf16* p, vf x) {
+  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(bf16_bits(__builtin_bit_cast(vu, x)), vh);
+}
+// kW bf16 at p, widened (exactly: their bits are the high half of the f32's).
+inline vf load_bf16(const bf16* p) {
+  const vh h = *reinterpret_cast<const vhu*>(p);
+  return __builtin_bit_cast(vf, __builtin_convertvector(h, vu) << 16);
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

@@ -193,8 +193,8 @@ TEST_ALL_ISAS(Rope, RoundedEqualsRotatingThenCasting) {
     for (const bool backward : {false, true}) {
       std::vector<float> x = x0;
       std::vector<bf16> got(size_t(B * T * (H + Hc) * D)), want(got.size());
-      (backward ? cpu::rope_backward_rounded : cpu::rope_forward_rounded)(
-          x.data(), B, T, H, Hc, D, stride, pos.data(), table, got.data(), (H + Hc) * D);
+      cpu::rope_rounded(x.data(), B, T, H, Hc, D, stride, pos.data(), table, backward, got.data(),
+                        (H + Hc) * D);
       ASSERT_EQ(x, x0) << "x must be left as it was";
       (backward ? cpu::rope_backward : cpu::rope_forward)(x.data(), B, T, H, D, stride, pos.data(),
                                                           table);
@@ -215,13 +215,13 @@ TEST_ALL_ISAS(Rope, RoundedEqualsRotatingThenCasting) {
   const auto table = cpu::rope_table(8, 10, 10000.0, cpu::RopeScaling{});
   const std::vector<int32_t> pos = {3, 4};
   EXPECT_THROW(
-      cpu::rope_forward_rounded(x.data(), 1, 2, 1, 1, 8, 16, pos.data(), table, out.data(), 15),
+      cpu::rope_rounded(x.data(), 1, 2, 1, 1, 8, 16, pos.data(), table, false, out.data(), 15),
       Error);  // out stride
   EXPECT_THROW(
-      cpu::rope_forward_rounded(x.data(), 1, 2, 1, -1, 8, 16, pos.data(), table, out.data(), 16),
+      cpu::rope_rounded(x.data(), 1, 2, 1, -1, 8, 16, pos.data(), table, false, out.data(), 16),
       Error);  // Hc
   EXPECT_THROW(
-      cpu::rope_backward_rounded(x.data(), 1, 2, 2, 1, 8, 16, pos.data(), table, out.data(), 24),
+      cpu::rope_rounded(x.data(), 1, 2, 2, 1, 8, 16, pos.data(), table, true, out.data(), 24),
       Error);  // x stride
 }
 
