@@ -5,6 +5,7 @@
 #include "core/allocator.hpp"
 
 #include "model/llama.hpp"
+#include "ops/ops.hpp"
 
 namespace loom {
 
@@ -325,7 +326,8 @@ size_t LlamaModel::head_workspace_bytes(int64_t B, int64_t T) const {
   const bool bf16 = compute_ == DType::bf16;
   const size_t Vn = size_t(config_.vocab_size / n);
   const size_t logits_chunk =
-      n == 1 ? size_t(ch.rows) * Vn * 4 + (bf16 ? size_t(ch.grad_rows) * Vn * 2 : 0)
+      n == 1 ? ops::linear_cross_entropy_scratch_bytes(int64_t(M), int64_t(d), int64_t(Vn),
+                                                       compute_, ch.rows, ch.grad_rows, true)
              : size_t(ch.rows) * Vn * (4 + (bf16 ? 2 : 0));
   // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
   // rstd, and the loss's chunk of logits.

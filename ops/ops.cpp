@@ -859,15 +859,32 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
       });
 }
 
+size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab,
+                                          int64_t chunk_rows, int64_t grad_rows, bool grad) {
+  if (N == 0) return 0;
+  const bool grad16 = ab == DType::bf16 && grad;
+  const cpu::LinearCrossEntropyChunks ch =
+      cpu::linear_cross_entropy_chunks(N, V, chunk_rows, grad16 ? grad_rows : 0);
+  return size_t(ch.rows) * size_t(V) * 4 + (grad16 ? size_t(ch.grad_rows) * size_t(V) * 2 : 0) +
+         cpu::linear_cross_entropy_packed_bytes(N, D, V, ab, ch, grad16);
+}
+
 double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
-    // The kernel's scratch for one chunk, alive for the call (the real run's allocator counts it).
+    // The kernel's scratch, alive for the call (the real run's allocator counts it): one chunk of
+    // logits and gradients, and the packed head weight.
     const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined());
     const cpu::LinearCrossEntropyChunks ch =
         cpu::linear_cross_entropy_chunks(rows(a.x), a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
     const MemoryUseScope use(Device::meta, MemoryUse::loss);
     Tensor logits = Tensor::empty({ch.rows, a.V}, DType::f32, Device::meta);
     Tensor g16 = grad16 ? Tensor::empty({ch.grad_rows, a.V}, DType::bf16, Device::meta) : Tensor();
+    const size_t packed = cpu::linear_cross_entropy_packed_bytes(rows(a.x), a.x.size(1), a.V,
+                                                                 a.x.dtype(), ch, grad16);
+    const size_t esz = dtype_size(a.x.dtype());
+    Tensor w_packed =
+        packed > 0 ? Tensor::empty({int64_t((packed + esz - 1) / esz)}, a.x.dtype(), Device::meta)
+                   : Tensor();
   }
   double loss = 0;
   on(

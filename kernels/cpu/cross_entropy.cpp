@@ -116,6 +116,15 @@ LinearCrossEntropyChunks linear_cross_entropy_chunks(int64_t N, int64_t V, int64
   return {rows, std::min(N, std::max(rows, grad_rows / rows * rows))};
 }
 
+size_t linear_cross_entropy_packed_bytes(int64_t N, int64_t D, int64_t V, DType ab,
+                                         const LinearCrossEntropyChunks& ch, bool grad16) {
+  if (ch.rows <= 0 || ch.rows >= N) return 0;
+  const size_t packed = packed_linear_forward_bytes(ch.rows, V, D, ab);
+  const size_t scratch =
+      size_t(ch.rows) * size_t(V) * 4 + (grad16 ? size_t(ch.grad_rows) * size_t(V) * 2 : 0);
+  return packed <= scratch ? packed : 0;
+}
+
 double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   LOOM_CHECK(a.ab == DType::f32 || a.ab == DType::bf16,
              "linear_cross_entropy: x and w must be float32 or bfloat16, got ", dtype_name(a.ab));
@@ -147,13 +156,16 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
 
   // Groups of grad_rows rows (one chunk's unless bf16 gathers several): the logits and softmax
   // chunk by chunk into the group's gradients, then the two backward GEMMs over the group.
+  const PackedB w_fwd = linear_cross_entropy_packed_bytes(a.N, a.D, a.V, a.ab, ch, grad16) > 0
+                            ? pack_linear_forward(a.w, ch.rows, a.V, a.D, a.ab)
+                            : PackedB();
   double loss = 0;
   for (int64_t g0 = 0; g0 < a.N; g0 += ch.grad_rows) {
     const int64_t gn = std::min(ch.grad_rows, a.N - g0);
     for (int64_t r0 = g0; r0 < g0 + gn; r0 += ch.rows) {
       const int64_t c = std::min(ch.rows, g0 + gn - r0);
       const void* xc = static_cast<const char*>(a.x) + r0 * a.D * esz;
-      linear_forward(xc, a.w, L, c, a.V, a.D, a.ab);
+      linear_forward(xc, a.w, w_fwd, L, c, a.V, a.D, a.ab);
       bf16* g = G16 ? G16 + (r0 - g0) * a.V : nullptr;
       loss +=
           LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale, need_grad);

@@ -33,6 +33,13 @@ struct LinearCrossEntropyChunks {
 };
 LinearCrossEntropyChunks linear_cross_entropy_chunks(int64_t N, int64_t V, int64_t chunk_rows,
                                                      int64_t grad_rows);
+// The bytes of the head's weight w packed once for the logits GEMMs of all chunks (gemm.hpp
+// PackedB; a plain call would reorder it for each chunk), 0 where the kernel does not pack: one
+// chunk, a product widened to f32, or a packed copy larger than the chunk's scratch (the f32
+// logits and bf16 gradients), so that packing at most doubles the loss's workspace (an 8B model's
+// head weight is 1 GiB in bf16, its chunk scratch 160 MiB).
+size_t linear_cross_entropy_packed_bytes(int64_t N, int64_t D, int64_t V, DType ab,
+                                         const LinearCrossEntropyChunks& ch, bool grad16);
 // Returns the sum over non-ignored rows of -log softmax(x w^T)[target]. Throws loom::Error naming
 // the row if a target is >= V.
 double linear_cross_entropy(const LinearCrossEntropyArgs& a);

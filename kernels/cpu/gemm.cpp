@@ -14,6 +14,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "core/error.hpp"
+#include "core/tensor.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 
@@ -26,8 +27,9 @@ struct Key {
   int64_t M, N, K, lda, ldb, ldc;
   bool ta, tb, accumulate;
   DType ab;
-  bool c16 = false;  // C written in bf16 (GemmArgs::C16)
-  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, accumulate, ab, c16); }
+  bool c16 = false;     // C written in bf16 (GemmArgs::C16)
+  bool packed = false;  // B in the layout oneDNN picks (PackedB); ldb and tb are then 0
+  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, accumulate, ab, c16, packed); }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
 
@@ -65,7 +67,10 @@ std::unique_ptr<Entry> build(const Key& k, const dnnl::engine& eng) {
   // Row-major with leading dimensions: op(A)[m,k] lives at m*lda + k, or at k*lda + m when A is
   // stored transposed; the transposes are just swapped strides.
   memory::desc a_md({k.M, k.K}, dt, k.ta ? memory::dims{1, k.lda} : memory::dims{k.lda, 1});
-  memory::desc b_md({k.K, k.N}, dt, k.tb ? memory::dims{1, k.ldb} : memory::dims{k.ldb, 1});
+  memory::desc b_md =
+      k.packed
+          ? memory::desc({k.K, k.N}, dt, memory::format_tag::any)
+          : memory::desc({k.K, k.N}, dt, k.tb ? memory::dims{1, k.ldb} : memory::dims{k.ldb, 1});
   memory::desc c_md({k.M, k.N}, k.c16 ? memory::data_type::bf16 : memory::data_type::f32,
                     memory::dims{k.ldc, 1});
   dnnl::primitive_attr attr;
@@ -78,7 +83,7 @@ std::unique_ptr<Entry> build(const Key& k, const dnnl::engine& eng) {
   auto e = std::make_unique<Entry>();
   e->prim = dnnl::matmul(pd);
   e->a = memory(a_md, eng, DNNL_MEMORY_NONE);
-  e->b = memory(b_md, eng, DNNL_MEMORY_NONE);
+  e->b = memory(pd.weights_desc(), eng, DNNL_MEMORY_NONE);
   e->c = memory(c_md, eng, DNNL_MEMORY_NONE);
   return e;
 }
@@ -234,7 +239,8 @@ void gemm_rounded_f32(const GemmArgs& a) {
   }
 }
 
-void check_args(const GemmArgs& a) {
+// Sizes, dtype and leading dimensions; check_args adds the pointers.
+void check_shape(const GemmArgs& a) {
   LOOM_CHECK(a.M >= 0 && a.N >= 0 && a.K >= 0, "gemm: negative size M=", a.M, " N=", a.N,
              " K=", a.K);
   LOOM_CHECK(a.ab == DType::f32 || a.ab == DType::bf16, "gemm: A and B must be float32 or ",
@@ -250,6 +256,10 @@ void check_args(const GemmArgs& a) {
              " is less than the width N=", a.N, " of C");
   LOOM_CHECK(!(a.C && a.C16), "gemm: both C and C16 are set; the product goes to one of them");
   LOOM_CHECK(!(a.C16 && a.accumulate), "gemm: C16 (a rounded bf16 product) cannot accumulate");
+}
+
+void check_args(const GemmArgs& a) {
+  check_shape(a);
   if (a.M > 0 && a.N > 0) {
     LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
                " product");
@@ -257,52 +267,78 @@ void check_args(const GemmArgs& a) {
   }
 }
 
-// The oneDNN matmul of arguments already checked, M, N, K > 0. A bf16 shape oneDNN refuses
-// (after the probe passed) is widened.
-void run_matmul(const GemmArgs& a) {
-  const Key key{a.M,
-                a.N,
-                a.K,
-                a.lda,
-                a.ldb,
-                a.ldc,
-                a.ta == Trans::T,
-                a.tb == Trans::T,
-                a.accumulate,
-                a.ab,
-                a.C16 != nullptr};
+Key key_of(const GemmArgs& a, bool packed) {
+  return {a.M,
+          a.N,
+          a.K,
+          a.lda,
+          packed ? 0 : a.ldb,
+          a.ldc,
+          a.ta == Trans::T,
+          !packed && a.tb == Trans::T,
+          a.accumulate,
+          a.ab,
+          a.C16 != nullptr,
+          packed};
+}
+
+// The compiled matmul for `key`, built on first use; an entry marked `widen` where oneDNN refuses
+// a bf16 shape (after the probe passed).
+Entry& entry(const Key& key) {
   Context& ctx = Context::get();
-  Entry* e;
-  {
-    std::lock_guard<std::mutex> lock(ctx.mu);
-    auto it = ctx.cache.find(key);
-    if (it == ctx.cache.end()) {
-      try {
-        it = ctx.cache.emplace(key, build(key, ctx.engine)).first;
-      } catch (const dnnl::error& err) {
-        if (a.ab != DType::bf16)
-          fail("gemm: oneDNN cannot build a ", dtype_name(a.ab), " matmul M=", a.M, " N=", a.N,
-               " K=", a.K, " ta=", key.ta, " tb=", key.tb, " lda=", a.lda, " ldb=", a.ldb,
-               " ldc=", a.ldc, ": ", err.what());
-        auto w = std::make_unique<Entry>();
-        w->widen = true;
-        it = ctx.cache.emplace(key, std::move(w)).first;
-      }
+  std::lock_guard<std::mutex> lock(ctx.mu);
+  auto it = ctx.cache.find(key);
+  if (it == ctx.cache.end()) {
+    try {
+      it = ctx.cache.emplace(key, build(key, ctx.engine)).first;
+    } catch (const dnnl::error& err) {
+      if (key.ab != DType::bf16)
+        fail("gemm: oneDNN cannot build a ", dtype_name(key.ab), " matmul M=", key.M, " N=", key.N,
+             " K=", key.K, " ta=", key.ta, " tb=", key.tb, " lda=", key.lda, " ldb=", key.ldb,
+             " ldc=", key.ldc, ": ", err.what());
+      auto w = std::make_unique<Entry>();
+      w->widen = true;
+      it = ctx.cache.emplace(key, std::move(w)).first;
     }
-    e = it->second.get();
   }
-  if (e->widen) return gemm_widened(a);
-  std::lock_guard<std::mutex> lock(e->mu);
-  e->a.set_data_handle(const_cast<void*>(a.A));
-  e->b.set_data_handle(const_cast<void*>(a.B));
-  e->c.set_data_handle(a.C16 ? static_cast<void*>(a.C16) : static_cast<void*>(a.C));
+  return *it->second;
+}
+
+// Runs entry e (not widened) on A, B and C.
+void execute(Entry& e, const void* A, const void* B, void* C, const GemmArgs& a) {
+  Context& ctx = Context::get();
+  std::lock_guard<std::mutex> lock(e.mu);
+  e.a.set_data_handle(const_cast<void*>(A));
+  e.b.set_data_handle(const_cast<void*>(B));
+  e.c.set_data_handle(C);
   // The C API takes the arguments as an array; the C++ one would build an unordered_map per call.
   const dnnl_exec_arg_t args[3] = {
-      {DNNL_ARG_SRC, e->a.get()}, {DNNL_ARG_WEIGHTS, e->b.get()}, {DNNL_ARG_DST, e->c.get()}};
-  const dnnl_status_t st = dnnl_primitive_execute(e->prim.get(), ctx.stream.get(), 3, args);
+      {DNNL_ARG_SRC, e.a.get()}, {DNNL_ARG_WEIGHTS, e.b.get()}, {DNNL_ARG_DST, e.c.get()}};
+  const dnnl_status_t st = dnnl_primitive_execute(e.prim.get(), ctx.stream.get(), 3, args);
   LOOM_CHECK(st == dnnl_success, "gemm: oneDNN matmul M=", a.M, " N=", a.N, " K=", a.K,
              " failed to execute (dnnl status ", static_cast<int>(st), ")");
   ctx.stream.wait();
+}
+
+void* c_of(const GemmArgs& a) {
+  return a.C16 ? static_cast<void*>(a.C16) : static_cast<void*>(a.C);
+}
+
+// The oneDNN matmul of arguments already checked, M, N, K > 0. A bf16 shape oneDNN refuses
+// (after the probe passed) is widened.
+void run_matmul(const GemmArgs& a) {
+  Entry& e = entry(key_of(a, false));
+  if (e.widen) return gemm_widened(a);
+  execute(e, a.A, a.B, c_of(a), a);
+}
+
+// Whether gemm(a) of arguments already checked runs oneDNN's matmul on a.A and a.B as they are
+// (not widened, not rounded from an f32 product, not empty).
+bool runs_matmul(const GemmArgs& a) {
+  if (a.M == 0 || a.N == 0 || a.K == 0) return false;
+  if (a.ab == DType::bf16 && (g_force_widen.load(std::memory_order_relaxed) || !bf16_path().native))
+    return false;
+  return !(a.C16 && a.ab == DType::f32);
 }
 
 }  // namespace
@@ -321,6 +357,59 @@ void gemm(const GemmArgs& a) {
     return gemm_widened(a);
   if (a.C16 && a.ab == DType::f32) return gemm_rounded_f32(a);
   run_matmul(a);
+}
+
+struct PackedB::Impl {
+  int64_t N, K;
+  DType ab;
+  memory::desc md;
+  Tensor storage;
+};
+
+size_t PackedB::bytes() const {
+  return impl_ ? impl_->md.get_size() : 0;
+}
+
+size_t packed_b_bytes(const GemmArgs& a) {
+  check_shape(a);
+  if (!runs_matmul(a)) return 0;
+  const Entry& e = entry(key_of(a, true));
+  return e.widen ? 0 : e.b.get_desc().get_size();
+}
+
+PackedB pack_b(const GemmArgs& a) {
+  LOOM_CHECK(a.B != nullptr || a.K == 0 || a.N == 0, "pack_b: B is null with K=", a.K, " N=", a.N);
+  if (packed_b_bytes(a) == 0) return {};
+  Entry& e = entry(key_of(a, true));
+  auto impl = std::make_shared<PackedB::Impl>();
+  impl->N = a.N, impl->K = a.K, impl->ab = a.ab;
+  impl->md = e.b.get_desc();
+  const size_t esz = dtype_size(a.ab);
+  impl->storage = Tensor::empty({int64_t((impl->md.get_size() + esz - 1) / esz)}, a.ab);
+  Context& ctx = Context::get();
+  const auto dt = to_dnnl(a.ab);
+  memory src(memory::desc({a.K, a.N}, dt,
+                          a.tb == Trans::T ? memory::dims{1, a.ldb} : memory::dims{a.ldb, 1}),
+             ctx.engine, const_cast<void*>(a.B));
+  memory dst(impl->md, ctx.engine, impl->storage.raw());
+  dnnl::reorder(src, dst).execute(ctx.stream, src, dst);
+  ctx.stream.wait();
+  PackedB p;
+  p.impl_ = std::move(impl);
+  return p;
+}
+
+void gemm_packed(const GemmArgs& a, const PackedB& b) {
+  check_args(a);
+  if (!b) return gemm(a);
+  const PackedB::Impl& p = *b.impl_;
+  LOOM_CHECK(a.N == p.N && a.K == p.K && a.ab == p.ab, "gemm_packed: B was packed for N=", p.N,
+             " K=", p.K, " ", dtype_name(p.ab), ", used for N=", a.N, " K=", a.K, " ",
+             dtype_name(a.ab));
+  if (!runs_matmul(a)) return gemm(a);
+  Entry& e = entry(key_of(a, true));
+  if (e.widen || e.b.get_desc() != p.md) return gemm(a);
+  execute(e, a.A, p.storage.raw(), c_of(a), a);
 }
 
 bool gemm_bf16_native() {
@@ -368,6 +457,21 @@ void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N
   a.C = y;
   a.accumulate = accumulate;
   gemm(a);
+}
+
+PackedB pack_linear_forward(const void* w, int64_t M, int64_t N, int64_t K, DType ab) {
+  return pack_b(linear_forward_args(nullptr, w, M, N, K, ab));
+}
+
+size_t packed_linear_forward_bytes(int64_t M, int64_t N, int64_t K, DType ab) {
+  return packed_b_bytes(linear_forward_args(nullptr, nullptr, M, N, K, ab));
+}
+
+void linear_forward(const void* x, const void* w, const PackedB& packed, float* y, int64_t M,
+                    int64_t N, int64_t K, DType ab) {
+  GemmArgs a = linear_forward_args(x, w, M, N, K, ab);
+  a.C = y;
+  gemm_packed(a, packed);
 }
 
 void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,

@@ -11,6 +11,7 @@
 // (tests), LOOM_GEMM_BF16=native makes a missing native matmul an error.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/dtype.hpp"
@@ -51,6 +52,40 @@ void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M,
 // y[M,N] = bf16(x[M,K] * W[N,K]^T): linear_forward rounded to bf16 (GemmArgs::C16).
 void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
                             DType ab);
+
+// B reordered once into the blocked layout oneDNN's matmul picks for a shape, for a product that
+// repeats with the same B and new A (the loss's row chunks). A plain call reorders B into that
+// layout on every call, which for 64 rows of A against the head's weight costs about a fifth of
+// the product. The packed copy comes from the device allocator (booked like any workspace) and
+// lives as long as the PackedB.
+class PackedB {
+ public:
+  struct Impl;
+  PackedB() = default;
+  // False where packing does not apply (the product is widened to f32, rounded to bf16 from an
+  // f32 product, or empty): gemm_packed then runs the plain GEMM on the original B.
+  explicit operator bool() const { return impl_ != nullptr; }
+  size_t bytes() const;
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+  friend PackedB pack_b(const GemmArgs& a);
+  friend void gemm_packed(const GemmArgs& a, const PackedB& b);
+};
+// Packs a.B for products of a's shape (a.M: the rows most of the repeated calls have; A and C are
+// not read).
+PackedB pack_b(const GemmArgs& a);
+// gemm(a) with its B read from `b`, packed from this a.B for the same N, K and dtype. a.B must
+// stay valid: a call whose M gets another layout from oneDNN (a short last chunk may) runs the
+// plain GEMM on it. The products are those of gemm(a); the order of their sums may differ.
+void gemm_packed(const GemmArgs& a, const PackedB& b);
+// The bytes pack_b(a) takes (the layout oneDNN picks may pad), 0 where it would not pack.
+size_t packed_b_bytes(const GemmArgs& a);
+// linear_forward's W packed for x of M rows (its bytes), and linear_forward with it.
+PackedB pack_linear_forward(const void* w, int64_t M, int64_t N, int64_t K, DType ab);
+size_t packed_linear_forward_bytes(int64_t M, int64_t N, int64_t K, DType ab);
+void linear_forward(const void* x, const void* w, const PackedB& packed, float* y, int64_t M,
+                    int64_t N, int64_t K, DType ab);
 
 // Measures this machine's GEMM throughput (FLOP/s) for the dtype on square-ish transformer shapes;
 // the denominator of MFU in `loom bench`.

@@ -68,13 +68,27 @@ inline U bf16_bits(U b) {
   return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
 }
 // x rounded to bf16 at p: the bits float_to_bf16 gives each lane, the f32 values never stored.
+// With AVX-512 the narrowing and widening are spelled as the one instruction each is
+// (vpmovdw, vpmovzxwd): GCC made a two-source word permute and 128-bit pieces of them, and the
+// bf16 SwiGLU forward ran 10% slower for it.
 inline void store_bf16(bf16* p, vf x) {
-  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(bf16_bits(__builtin_bit_cast(vu, x)), vh);
+  const vu bits = bf16_bits(__builtin_bit_cast(vu, x));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(__builtin_bit_cast(__m512i, bits)));
+#else
+  *reinterpret_cast<vhu*>(p) = __builtin_convertvector(bits, vh);
+#endif
 }
 // kW bf16 at p, widened (exactly: their bits are the high half of the f32's).
 inline vf load_bf16(const bf16* p) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return __builtin_bit_cast(vf, _mm512_slli_epi32(w, 16));
+#else
   const vh h = *reinterpret_cast<const vhu*>(p);
   return __builtin_bit_cast(vf, __builtin_convertvector(h, vu) << 16);
+#endif
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

@@ -391,6 +391,76 @@ TEST(Gemm, RoundedOutputIsTheProductInBf16) {
   EXPECT_THROW(gemm(acc), Error);
 }
 
+// B packed once and used by products with new A and C: each against the fp64 reference (check's
+// tolerance) and against the plain gemm of the same operands, to 1e-6 of the error scale (oneDNN
+// runs the same products; nothing promises it sums them in the same order for both layouts). Also
+// at another M than the one packed for (a short last chunk), and accumulating.
+TEST(Gemm, PackedBEqualsThePlainProduct) {
+  const auto run = [&](const Case& cs, DType dt, int64_t pack_m, bool accumulate, uint64_t seed) {
+    SCOPED_TRACE(testing::Message()
+                 << "M=" << cs.M << " N=" << cs.N << " K=" << cs.K << " tb=" << int(cs.tb)
+                 << " pack_m=" << pack_m << " dtype=" << dtype_name(dt) << " acc=" << accumulate
+                 << " path=" << gemm_bf16_path());
+    Problem p(cs, seed);
+    Operands ops(p, dt);
+    GemmArgs for_pack = ops.args;
+    for_pack.M = pack_m;
+    const PackedB packed = pack_b(for_pack);
+    const bool expect_packed = dt == DType::f32 || gemm_bf16_native();
+    EXPECT_EQ(bool(packed), expect_packed);
+    EXPECT_EQ(packed.bytes(), packed_b_bytes(for_pack));
+    if (expect_packed) {
+      EXPECT_GE(packed.bytes(), size_t(cs.N * cs.K) * dtype_size(dt));
+    }
+    std::vector<float> plain = p.c0, got = p.c0;
+    ops.args.accumulate = accumulate;
+    ops.args.C = plain.data();
+    gemm(ops.args);
+    ops.args.C = got.data();
+    gemm_packed(ops.args, packed);
+    const auto ref = p.reference(accumulate);
+    int bad = 0;
+    for (int64_t m = 0; m < cs.M; ++m)
+      for (int64_t n = 0; n < p.ldc; ++n) {
+        const size_t i = size_t(m * p.ldc + n);
+        if (n >= cs.N) {
+          if (got[i] != p.c0[i] && ++bad < 5)
+            ADD_FAILURE() << "padding of C changed at " << m << "," << n;
+          continue;
+        }
+        const double scale = p.magnitude(m, n, accumulate) + 1e-30;
+        if (std::abs(got[i] - plain[i]) > 1e-6 * scale && ++bad < 5)
+          ADD_FAILURE() << "C[" << m << "," << n << "] = " << got[i] << ", the plain GEMM gave "
+                        << plain[i];
+        if (std::abs(got[i] - ref[i]) > 1e-5 * scale && ++bad < 5)
+          ADD_FAILURE() << "C[" << m << "," << n << "] = " << got[i] << ", expected " << ref[i];
+      }
+    EXPECT_EQ(bad, 0);
+  };
+  for (DType dt : {DType::f32, DType::bf16})
+    for (Trans tb : kTrans) {
+      run({Trans::N, tb, 64, 300, 72, 0, 3, 5}, dt, 64, false, 110);
+      run({Trans::N, tb, 23, 300, 72, 0, 3, 5}, dt, 64, false, 111);  // the short last chunk
+      run({Trans::N, tb, 64, 130, 57}, dt, 64, true, 112);
+    }
+  {
+    ScopedGemmBf16Widen widen;  // nothing to pack: the plain (widened) product
+    run({Trans::N, Trans::T, 64, 300, 72}, DType::bf16, 64, false, 113);
+  }
+  // Misuse: another shape than packed for, and a null B.
+  Problem p({Trans::N, Trans::T, 16, 32, 48}, 114);
+  Operands ops(p, DType::f32);
+  const PackedB packed = pack_b(ops.args);
+  std::vector<float> c(size_t(16 * 32));
+  GemmArgs other = ops.args;
+  other.C = c.data();
+  other.N = 16;
+  EXPECT_THROW(gemm_packed(other, packed), Error);
+  GemmArgs null_b = ops.args;
+  null_b.B = nullptr;
+  EXPECT_THROW(pack_b(null_b), Error);
+}
+
 TEST(Gemm, PeakIsPositive) {
   const double p = measure_gemm_peak(DType::f32, 0.05);
   EXPECT_GT(p, 1e9);  // any machine that runs this does over 1 GFLOP/s
