@@ -154,11 +154,12 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   bf16* G16 = grad16 ? g16.data<bf16>() : nullptr;
   const void* dlogits = G16 ? static_cast<const void*>(G16) : static_cast<const void*>(L);
 
-  // Groups of grad_rows rows (one chunk's unless bf16 gathers several): the logits and softmax
-  // chunk by chunk into the group's gradients, then the two backward GEMMs over the group.
+  // Every chunk's logits GEMM reads all of w: reordered once for all of them where that pays.
   const PackedB w_fwd = linear_cross_entropy_packed_bytes(a.N, a.D, a.V, a.ab, ch, grad16) > 0
                             ? pack_linear_forward(a.w, ch.rows, a.V, a.D, a.ab)
                             : PackedB();
+  // Groups of grad_rows rows (one chunk's unless bf16 gathers several): the logits and softmax
+  // chunk by chunk into the group's gradients, then the two backward GEMMs over the group.
   double loss = 0;
   for (int64_t g0 = 0; g0 < a.N; g0 += ch.grad_rows) {
     const int64_t gn = std::min(ch.grad_rows, a.N - g0);
