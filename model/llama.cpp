@@ -69,6 +69,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
                     r,
                     n,
                     real_rows});
+  // Only the loss's dW GEMMs write the output head's gradient (ParamUnit::zero_grad).
+  if (!config_.tie_word_embeddings) head.back().gemm_grad = true;
   set_units(std::move(embed), std::move(block_units),
             std::make_unique<ParamUnit>("head", head, bf,
                                         unit_device(size_t(config_.num_hidden_layers) + 1), shard));
@@ -141,6 +143,7 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
     ce.w = out_unit.gemm_weight(out_index);
     ce.dx = dxf;
     ce.dw = out_unit.params()[out_index].grad;
+    ce.dw_unwritten = out_unit.weight_grad(out_index).unwritten;
     ce.targets = s.targets;
     ce.V = vocab_rows();
     ce.grad_scale = s.grad_scale;

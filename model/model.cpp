@@ -80,6 +80,12 @@ void Model::zero_grad() {
     if (uses(i)) all[i]->zero_grad();
 }
 
+void Model::check_grads_written() {
+  auto all = units();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (uses(i)) all[i]->check_grads_written();
+}
+
 void Model::set_activation_checkpoint(const ActivationCheckpoint& ac) {
   LOOM_CHECK(ac.every_n >= 1, "activation checkpointing: every_n = ", ac.every_n,
              ", expected a positive integer");

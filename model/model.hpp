@@ -100,6 +100,8 @@ class Model {
   // (load_units; a model may check more, e.g. that `dir` holds no tensor it does not have).
   virtual void load_hf(const SafetensorsDir& dir) { load_units(dir); }
   void zero_grad();
+  // ParamUnit::check_grads_written on every unit this rank uses.
+  void check_grads_written();
 
   // A micro-batch: inputs/targets [B, T]; with context parallelism this cp rank's tokens
   // (T = seq_len / cp, at positions cp_positions). Gradients of (grad_scale * the summed loss)

@@ -31,6 +31,7 @@ ParamUnit::ParamUnit(std::string name, std::vector<ParamSpec> specs, bool bf16_m
     params_.push_back(std::move(p));
   }
   padded_ = (numel_ + shard_.count - 1) / shard_.count * shard_.count;
+  unwritten_.assign(params_.size(), 0);
   // The GEMMs read an unsharded unit's buffers in place, so it cannot live in host memory.
   LOOM_CHECK(!shard_.offload || device == Device::elsewhere || sharded(), "unit ", name_,
              ": CPU offload needs sharded states (FSDP over more than one rank)");
@@ -119,8 +120,41 @@ void ParamUnit::refresh_bf16() {
 }
 
 void ParamUnit::zero_grad() {
-  grad_shard().zero_();
-  if (sharded() && grad_flat_.defined()) grad_flat_.zero_();
+  if (sharded()) {
+    grad_shard().zero_();
+    if (grad_flat_.defined()) grad_flat_.zero_();
+    return;
+  }
+  // Zeros between the gemm_grad parameters, which are marked instead.
+  int64_t zero_from = 0;
+  const auto zero_to = [&](int64_t end) {
+    if (end > zero_from) grad_flat_.narrow(0, zero_from, end - zero_from).zero_();
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (!p.spec.gemm_grad) continue;
+    zero_to(p.offset);
+    zero_from = p.offset + shape_numel(p.spec.shape);
+    unwritten_[i] = 1;
+  }
+  zero_to(numel_);
+}
+
+ops::WeightGrad ParamUnit::weight_grad(size_t first, size_t count) {
+  LOOM_CHECK(first + count <= params_.size() && count > 0, "unit ", name_, ": weight_grad(", first,
+             ", ", count, ") of ", params_.size(), " parameters");
+  for (size_t i = first; i < first + count; ++i)
+    LOOM_CHECK(params_[i].spec.gemm_grad == params_[first].spec.gemm_grad, "unit ", name_,
+               ": the fused gradient of ", params_[first].spec.name, " mixes gemm_grad parameters ",
+               "with others (", params_[i].spec.name, ")");
+  return {params_[first].grad, std::span<uint8_t>(unwritten_.data() + first, count)};
+}
+
+void ParamUnit::check_grads_written() const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    LOOM_CHECK(!unwritten_[i], "unit ", name_, ": the gradient of ", params_[i].spec.name,
+               " was never written after zero_grad (its values are stale, not zero): its weight ",
+               "gradient must run in every backward that a step reads");
 }
 
 DType ParamUnit::gather_dtype() const {

@@ -38,6 +38,7 @@ std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_r
   for (auto& sp : specs) {
     sp.tp_rank = tp_rank;
     sp.tp_count = tp;
+    sp.gemm_grad = !sp.f32_value;  // the projections; the norms' kernel adds to its gradient
   }
   return specs;
 }
@@ -248,13 +249,13 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
         a.act = Tensor::empty({g.M, g.F}, dt, dev);
         ops::swiglu_forward(dgu, a.act);
       }
-      row_parallel_backward(tp, dy, a.act, weight(kDown), P[kDown].grad, dact, dt);
+      row_parallel_backward(tp, dy, a.act, weight(kDown), unit_.weight_grad(kDown), dact, dt);
       a.act = Tensor();
       // In place over gu, in its dtype: in bf16 the kernel rounds the gradient for the GEMM.
       ops::swiglu_backward(dact, dgu, dgu);
     }
     Tensor dxn2 = column_parallel_backward(tp, dgu, norm_output(a.xn2, a.h, kNorm2), weight(kGate),
-                                           P[kGate].grad);
+                                           unit_.weight_grad(kGate, 2));
     dgu = Tensor();
     a.xn2 = Tensor();
     tp_summed_norm_grad(tp, P[kNorm2].grad, [&](Tensor& gw) {
@@ -267,7 +268,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     Tensor dqkv = f32({g.M, g.nqkv}, dev);
     {
       Tensor dattn = f32({g.M, g.Hq * g.hd}, dev);
-      row_parallel_backward(tp, dy, a.attn, weight(kO), P[kO].grad, dattn, dt);
+      row_parallel_backward(tp, dy, a.attn, weight(kO), unit_.weight_grad(kO), dattn, dt);
       attention_backward(ctx, a, dattn, dqkv);
       a.lse = Tensor();
     }
@@ -281,8 +282,8 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     } else {
       dqkv_c = ops::to_compute(dqkv, dt);
     }
-    Tensor dxn1 =
-        column_parallel_backward(tp, dqkv_c, norm_output(a.xn1, x, kNorm1), weight(kQ), P[kQ].grad);
+    Tensor dxn1 = column_parallel_backward(tp, dqkv_c, norm_output(a.xn1, x, kNorm1), weight(kQ),
+                                           unit_.weight_grad(kQ, 3));
     dqkv_c = Tensor();
     dqkv = Tensor();
     a.xn1 = Tensor();

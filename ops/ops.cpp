@@ -290,17 +290,26 @@ DeferWeightGrads::~DeferWeightGrads() {
 }
 
 namespace {
-// dw [N, K] += dy [M, N]^T x [M, K].
-void weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw) {
+// dw [N, K] += dy [M, N]^T x [M, K] (= on dw's first write).
+void weight_grad(const Tensor& dy, const Tensor& x, const WeightGrad& g) {
   const int64_t M = rows(dy), N = cols(dy), K = cols(x);
+  const bool add = !g.take_first_write();
+  Tensor dw = g.t;
   on(
       "linear_backward_weight", dy.device(),
-      [&] { cpu::linear_backward_weight(dy.raw(), x.raw(), f(dw), M, N, K, dy.dtype()); },
-      [&] { return gemm("linear_backward_weight", dy.dtype(), N, K, M, true); });
+      [&] { cpu::linear_backward_weight(dy.raw(), x.raw(), f(dw), M, N, K, dy.dtype(), add); },
+      [&] { return gemm("linear_backward_weight", dy.dtype(), N, K, M, add); });
 }
 }  // namespace
 
-void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx) {
+bool WeightGrad::take_first_write() const {
+  if (unwritten.empty() || !unwritten.front()) return false;
+  std::fill(unwritten.begin(), unwritten.end(), uint8_t{0});
+  return true;
+}
+
+void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const WeightGrad& dw,
+                     Tensor& dx) {
   const int64_t M = rows(dy), N = cols(dy), K = cols(x);
   on(
       "linear_backward", dy.device(),
@@ -887,6 +896,8 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
                    : Tensor();
   }
   double loss = 0;
+  // Taken on every device, so that a meta run marks the gradient written as a real one does.
+  const bool dw_overwrite = a.dw.defined() && WeightGrad(a.dw, a.dw_unwritten).take_first_write();
   on(
       "linear_cross_entropy", a.x.device(),
       [&] {
@@ -901,6 +912,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         ce.grad_scale = a.grad_scale;
         ce.dx = a.dx.defined() ? a.dx.data<float>() : nullptr;
         ce.dw = a.dw.defined() ? a.dw.data<float>() : nullptr;
+        ce.dw_overwrite = dw_overwrite;
         ce.chunk_rows = a.chunk_rows;
         ce.grad_rows = a.grad_rows;
         loss = cpu::linear_cross_entropy(ce);

@@ -11,6 +11,7 @@
 // as many rows as its output has columns, so adjacent parameters (q, k, v) read as one matrix.
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -87,13 +88,27 @@ void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
 // y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation). A
 // bf16 y receives the f32 product rounded (no accumulate): the rounded copy without the f32 one.
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);
-// For y = x w^T: dx [M, K] = dy w (overwritten), then dw [N, K] += dy^T x.
-void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dw, Tensor& dx);
+// A weight gradient the dW GEMM adds to. `unwritten`, where given, holds the flags of the
+// parameters the GEMM writes (a fused matrix: several): set, they say the gradient holds nothing
+// yet, not even zeros (ParamUnit::zero_grad leaves such gradients as they are), and the GEMM
+// writes instead of adding, then clears them. All are set or none.
+struct WeightGrad {
+  WeightGrad(const Tensor& grad) : t(grad) {}  // NOLINT(google-explicit-constructor): plain add
+  WeightGrad(const Tensor& grad, std::span<uint8_t> flags) : t(grad), unwritten(flags) {}
+  // Whether the next write overwrites; clears the flags (the caller then writes).
+  bool take_first_write() const;
+  Tensor t;
+  std::span<uint8_t> unwritten;
+};
+// For y = x w^T: dx [M, K] = dy w (overwritten), then dw [N, K] += dy^T x (= where unwritten).
+void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const WeightGrad& dw,
+                     Tensor& dx);
 
 // A weight gradient left for later (zero-bubble pipelines split a backward into the input
 // gradient I and the weight gradient W): dw += dy^T x with the kernel linear_backward uses.
 struct DeferredWeightGrad {
-  Tensor dy, x, dw;
+  Tensor dy, x;
+  WeightGrad dw;
 };
 // While one lives on this thread, linear_backward computes dx only and appends its weight
 // gradient's operands to `into`: dy copied (callers overwrite or reuse it), dw by reference, x by
@@ -230,6 +245,8 @@ struct LinearCrossEntropy {
   float grad_scale = 1;
   int64_t chunk_rows = 0;
   int64_t grad_rows = 0;  // cpu::LinearCrossEntropyArgs::grad_rows
+  std::span<uint8_t> dw_unwritten =
+      {};  // as WeightGrad::unwritten: set, the first dW GEMM writes dw
 };
 double linear_cross_entropy(const LinearCrossEntropy& a);
 // The kernel's scratch for N rows of x (D wide, dtype ab) with these chunk settings: one chunk of

@@ -30,6 +30,7 @@ StepResult TrainStep::run(int64_t micro_batches,
     }
   }
   model_.finish_step();
+  model_.model->check_grads_written();
   if (model_.pipeline && model_.pipeline->tied_across_ranks()) {
     // DDP reduced the first stage's embedding in its hooks; the last stage's replica never ran
     // them: its dp ranks (all on the last stage) sum it here, so the tied sum adds two dp sums.

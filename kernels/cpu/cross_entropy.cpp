@@ -132,7 +132,10 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
              "V > 0, got N=", a.N, " D=", a.D, " V=", a.V);
   LOOM_CHECK(a.chunk_rows >= 0, "linear_cross_entropy: chunk_rows must be >= 0 (0: automatic), ",
              "got ", a.chunk_rows);
-  if (a.N == 0) return 0.0;
+  if (a.N == 0) {
+    if (a.dw && a.dw_overwrite) std::fill_n(a.dw, a.V * a.D, 0.0f);
+    return 0.0;
+  }
   LOOM_CHECK(a.x && a.w && a.targets, "linear_cross_entropy: x, w and targets must be non-null");
   // Validate every target before any output is touched, so an error leaves dw as it was.
   for (int64_t i = 0; i < a.N; ++i)
@@ -173,7 +176,8 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
     }
     const void* xg = static_cast<const char*>(a.x) + g0 * a.D * esz;
     if (a.dx) linear_backward_input(dlogits, a.w, a.dx + g0 * a.D, gn, a.V, a.D, a.ab, false);
-    if (a.dw) linear_backward_weight(dlogits, xg, a.dw, gn, a.V, a.D, a.ab);
+    if (a.dw)
+      linear_backward_weight(dlogits, xg, a.dw, gn, a.V, a.D, a.ab, !(a.dw_overwrite && g0 == 0));
   }
   return loss;
 }

@@ -13,10 +13,11 @@ struct LinearCrossEntropyArgs {
   DType ab = DType::f32;
   const int32_t* targets = nullptr;  // [N]; a target < 0 is ignored
   int64_t N = 0, D = 0, V = 0;
-  float grad_scale = 1;    // d(loss)/d(sum of per-token losses), e.g. 1 / number of targets
-  float* dx = nullptr;     // [N, D] f32, overwritten (nullptr: not computed)
-  float* dw = nullptr;     // [V, D] f32, accumulated (nullptr: not computed)
-  int64_t chunk_rows = 0;  // 0: chosen so a chunk's logits stay ~16 MiB
+  float grad_scale = 1;       // d(loss)/d(sum of per-token losses), e.g. 1 / number of targets
+  float* dx = nullptr;        // [N, D] f32, overwritten (nullptr: not computed)
+  float* dw = nullptr;        // [V, D] f32, accumulated (nullptr: not computed)
+  bool dw_overwrite = false;  // dw holds nothing yet: the first dW GEMM writes instead of adding
+  int64_t chunk_rows = 0;     // 0: chosen so a chunk's logits stay ~16 MiB
   // bf16 with gradients: rows of bf16 logit gradients gathered (from chunks of `chunk_rows` f32
   // logits) before the dx and dW GEMMs run on them; 0 or anything <= chunk_rows: one chunk's. Each
   // dW GEMM reads and writes all of the f32 dW, so its inner dimension is these rows: at V 8192

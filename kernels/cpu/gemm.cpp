@@ -499,7 +499,7 @@ void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, 
 }
 
 void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M, int64_t N,
-                            int64_t K, DType ab) {
+                            int64_t K, DType ab, bool accumulate) {
   gemm({.ta = Trans::T,
         .tb = Trans::N,
         .M = N,
@@ -512,7 +512,7 @@ void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M,
         .C = dw,
         .ldc = K,
         .ab = ab,
-        .accumulate = true});
+        .accumulate = accumulate});
 }
 
 namespace {

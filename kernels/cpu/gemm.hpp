@@ -43,13 +43,13 @@ void gemm(const GemmArgs& a);
 // The common linear-layer forms (W stored [out, in] as in Hugging Face):
 //   y[M,N] (+)= x[M,K] * W[N,K]^T        linear_forward
 //   dx[M,K] (+)= dy[M,N] * W[N,K]        linear_backward_input
-//   dW[N,K] += dy[M,N]^T * x[M,K]        linear_backward_weight (always accumulates)
+//   dW[N,K] (+)= dy[M,N]^T * x[M,K]      linear_backward_weight (accumulates by default)
 void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N, int64_t K,
                     DType ab, bool accumulate = false);
 void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, int64_t N,
                            int64_t K, DType ab, bool accumulate);
 void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M, int64_t N,
-                            int64_t K, DType ab);
+                            int64_t K, DType ab, bool accumulate = true);
 // y[M,N] = bf16(x[M,K] * W[N,K]^T): linear_forward rounded to bf16 (GemmArgs::C16).
 void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
                             DType ab);

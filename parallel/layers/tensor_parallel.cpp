@@ -84,7 +84,7 @@ void column_parallel_forward(const TpRuntime& tp, const Tensor& local, const Ten
 }
 
 Tensor column_parallel_backward(const TpRuntime& tp, const Tensor& dout, const Tensor& in,
-                                const Tensor& w, Tensor& dw) {
+                                const Tensor& w, const ops::WeightGrad& dw) {
   const int64_t M = dout.size(0), d = in.size(1);
   const Device dev = dout.device();
   if (!tp.on()) {
@@ -131,7 +131,7 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
 }
 
 void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in, const Tensor& w,
-                           Tensor& dw, Tensor& din, DType compute) {
+                           const ops::WeightGrad& dw, Tensor& din, DType compute) {
   // The backward of the reduce-scatter is an all-gather: the gradient of every row.
   Tensor full = dy;
   if (tp.sp()) {
@@ -215,8 +215,8 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
     ops::linear(x, a.w, l);
     ops::vocab_shard_dlogits(l, Vr, a.targets + r0, v0, glse.narrow(0, r0, nr), a.grad_scale);
     if (a.x.dtype() == DType::bf16) ops::cast(l, dl);
-    Tensor dx = a.dx.narrow(0, r0, nr), dw = a.dw;
-    ops::linear_backward(dl, x, a.w, dw, dx);
+    Tensor dx = a.dx.narrow(0, r0, nr);
+    ops::linear_backward(dl, x, a.w, ops::WeightGrad(a.dw, a.dw_unwritten), dx);
   }
   return loss;
 }

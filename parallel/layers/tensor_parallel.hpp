@@ -64,7 +64,7 @@ void column_parallel_forward(const TpRuntime& tp, const Tensor& local, const Ten
 // Column-parallel backward: dW += dout^T in, returns dx = dout w summed over tp (this rank's rows
 // with SP). `in` holds every row (the caller gathers it again when forward kept only its own).
 Tensor column_parallel_backward(const TpRuntime& tp, const Tensor& dout, const Tensor& in,
-                                const Tensor& w, Tensor& dw);
+                                const Tensor& w, const ops::WeightGrad& dw);
 
 // Row-parallel forward: returns residual + (in w^T summed over tp), [rows of residual, cols];
 // `in` [M, K] in the compute dtype, M every row.
@@ -73,7 +73,7 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
 // Row-parallel backward: dy is the gradient w.r.t. the output (this rank's rows with SP, f32);
 // dW += dy^T in (every row), din = dy w written.
 void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in, const Tensor& w,
-                           Tensor& dw, Tensor& din, DType compute);
+                           const ops::WeightGrad& dw, Tensor& din, DType compute);
 
 // A norm's weight gradient when every tp rank normed different rows (SP): `fn(g)` writes the
 // rank's part into a zeroed buffer, whose sum over tp is added to `grad` (so a gradient

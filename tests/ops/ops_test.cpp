@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
+#include <span>
 #include <vector>
 
 #include "core/allocator.hpp"
@@ -106,4 +108,57 @@ TEST(Ops, MetaComputesNothingAndBooksMemory) {
   EXPECT_EQ(ops::linear_cross_entropy({x, w, dx, dw, nullptr, 48, 1.0f, 0}), 0.0);
   EXPECT_FALSE(ops::computes(Device::meta));
   EXPECT_TRUE(ops::computes(Device::cpu));
+}
+
+// A weight gradient marked unwritten is written, never read (it may hold anything, NaN here),
+// once; the flags of a fused matrix clear together and later GEMMs add. Deferred, the first GEMM
+// to run writes. The fused loss writes its dW on its first group of rows the same way.
+TEST(Ops, UnwrittenWeightGradientIsWrittenOnceThenAddedTo) {
+  const int64_t M = 33, K = 24, N = 40;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Tensor x = ops::to_compute(random({M, K}, 1), dt),
+                 w = ops::to_compute(random({N, K}, 2), dt),
+                 dy = ops::to_compute(random({M, N}, 3), dt);
+    Tensor dx = Tensor::empty({M, K}, DType::f32);
+    Tensor want = Tensor::zeros({N, K}, DType::f32);
+    ops::linear_backward(dy, x, w, want, dx);
+    Tensor dw = Tensor::empty({N, K}, DType::f32);
+    ops::fill(dw, nan);
+    uint8_t flags[2] = {1, 1};
+    ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+    EXPECT_EQ(values(dw), values(want)) << dtype_name(dt);
+    EXPECT_EQ(flags[0] + flags[1], 0);
+    ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+    ops::linear_backward(dy, x, w, want, dx);
+    EXPECT_EQ(values(dw), values(want)) << dtype_name(dt);
+
+    // Deferred: the flags are read when the GEMM runs, not when it is deferred.
+    ops::fill(dw, nan);
+    flags[0] = flags[1] = 1;
+    std::vector<ops::DeferredWeightGrad> later;
+    {
+      ops::DeferWeightGrads defer(later);
+      ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+      ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+    }
+    EXPECT_EQ(flags[0], 1);
+    ops::run_weight_grads(later);
+    EXPECT_EQ(values(dw), values(want)) << dtype_name(dt);
+
+    // The fused loss over several groups of rows (chunk 8, gradient rows 16).
+    const int64_t V = 40;
+    std::vector<int32_t> targets(static_cast<size_t>(M));
+    for (int64_t i = 0; i < M; ++i) targets[size_t(i)] = int32_t((i * 7) % V);
+    ops::LinearCrossEntropy ce{x,    w, dx, Tensor::zeros({V, K}, DType::f32), targets.data(), V,
+                               0.5f, 8, 16};
+    const double loss = ops::linear_cross_entropy(ce);
+    const std::vector<float> want_ce = values(ce.dw);
+    ops::fill(ce.dw, nan);
+    ce.dw_unwritten = std::span<uint8_t>(flags, 1);
+    flags[0] = 1;
+    EXPECT_EQ(ops::linear_cross_entropy(ce), loss);
+    EXPECT_EQ(values(ce.dw), want_ce) << dtype_name(dt);
+    EXPECT_EQ(flags[0], 0);
+  }
 }
