@@ -110,7 +110,10 @@ void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs&
   const Dims g = dims(ctx);
   const Device dev = qkv.device();
   const bool ring = par_->cp.size() > 1, bf16 = ctx.compute == DType::bf16;
-  Tensor attn = f32({g.M, g.Hq * g.hd}, dev);
+  // The bf16 kernels write the attention output rounded, what is saved; ring attention's merge
+  // needs it in f32 (rounded after).
+  Tensor attn = bf16 && !ring ? Tensor::empty({g.M, g.Hq * g.hd}, DType::bf16, dev)
+                              : f32({g.M, g.Hq * g.hd}, dev);
   {
     if (bf16 && !ring) {
       // The bf16 kernels read only the rounded copy: q and k rotated as they are rounded.
@@ -134,7 +137,7 @@ void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs&
                              attn, a.lse);
   }
   qkv = Tensor();  // the f32 copy goes before the rounded output is made
-  a.attn = ops::to_compute(attn, ctx.compute);
+  a.attn = attn.dtype() == ctx.compute ? attn : ops::to_compute(attn, ctx.compute);
 }
 
 // In bf16 without cp, dq and dk come out not yet rotated back: the caller rotates them as it rounds

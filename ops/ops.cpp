@@ -539,7 +539,10 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   on(
       "attention_forward", q.device(),
       [&] {
-        if (q.dtype() == DType::bf16)
+        if (q.dtype() == DType::bf16 && out.dtype() == DType::bf16)
+          cpu::attention_forward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
+                                      k.data<bf16>(), v.data<bf16>(), out.data<bf16>(), f(lse));
+        else if (q.dtype() == DType::bf16)
           cpu::attention_forward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
                                       k.data<bf16>(), v.data<bf16>(), f(out), f(lse));
         else

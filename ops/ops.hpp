@@ -164,7 +164,8 @@ void embedding_backward_range(const int32_t* tokens, const Tensor& dout, int64_t
 // Causal grouped-query attention; q [B*T, Hq*D], k and v [B*T, Hkv*D] (strided views allowed),
 // out [B*T, Hq*D] and lse [B, Hq, T] written (f32). q, k, v (and in the backward out) are all f32,
 // or all bf16: then the bf16 kernels run (bf16 products, P and dS rounded to bf16,
-// kernels/cpu/attention_bf16.hpp); dout, dq, dk, dv are f32 either way.
+// kernels/cpu/attention_bf16.hpp), and out may be bf16 (rounded as written); dout, dq, dk, dv are
+// f32 either way.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
                        int64_t Hkv, Tensor& out, Tensor& lse);
 // dq, dk, dv (views with the strides of q, k, v) overwritten.

@@ -378,14 +378,32 @@ struct Words {
 };
 
 // ---- forward -----------------------------------------------------------------------------------
+// finish_query_tile with the output rounded to bf16 (round_bf16: the bits ops::cast gives the f32
+// output; the outputs are finite), for the caller that would only round the f32 rows.
+inline void finish_query_tile_rounded(const float* o, int64_t ldo, const float* m, const float* l,
+                                      int64_t nq, int64_t D, uint16_t* out, int64_t out_stride,
+                                      float* lse) {
+  for (int64_t i = 0; i < nq; ++i) {
+    uint16_t* orow = out + i * out_stride;
+    if (l[i] == 0) {
+      std::fill_n(orow, D, uint16_t{0});
+      lse[i] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const float inv = 1.0f / l[i];
+    for (int64_t d = 0; d < D; ++d) orow[d] = round_bf16(o[i * ldo + d] * inv);
+    lse[i] = (m[i] + std::log2(l[i])) * kLn2;
+  }
+}
+
 // Per tile pair, as the f32 kernel: S^T = K Q^T with keys as rows (A: K rows, B: Q^T in pairs over
 // the head dim, packed once per query tile), so the online softmax runs down the columns,
 // vectorized over queries; P is rounded into pairs over keys, [kBk/2][kBq] words, which is the A
 // operand of O += P V (B: V in pairs over keys, packed once per tile pair).
 template <bool Native>
 void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                  const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
-                  const std::function<void()>* progress) {
+                  const int64_t* q_pos, const int64_t* k_pos, float* out, uint16_t* out16,
+                  float* lse, const std::function<void()>* progress) {
   const int64_t Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, D = s.D, G = s.Hq / s.Hkv;
   const int64_t qs = s.q_stride, kvs = s.kv_stride;
   const Widths wd(D);
@@ -541,8 +559,12 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
             });
         first = false;
       }
-      finish_query_tile(o, Dc, m, l, nq, D, out + ((b * Tq + q0) * Hq + h) * D, Hq * D,
-                        lse + (b * Hq + h) * Tq + q0);
+      const int64_t at = ((b * Tq + q0) * Hq + h) * D;
+      if (out16)
+        finish_query_tile_rounded(o, Dc, m, l, nq, D, out16 + at, Hq * D,
+                                  lse + (b * Hq + h) * Tq + q0);
+      else
+        finish_query_tile(o, Dc, m, l, nq, D, out + at, Hq * D, lse + (b * Hq + h) * Tq + q0);
       report_progress(progress);
     }
   }
@@ -854,13 +876,16 @@ void backward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, co
 }  // namespace
 
 void attention_bf16_forward_impl(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
-                                 const int64_t* q_pos, const int64_t* k_pos, float* out, float* lse,
-                                 const std::function<void()>* progress, bool native) {
+                                 const int64_t* q_pos, const int64_t* k_pos, float* out,
+                                 bf16* out16, float* lse, const std::function<void()>* progress,
+                                 bool native) {
+  uint16_t* o16 = reinterpret_cast<uint16_t*>(out16);
   if constexpr (kMayBeNative)
     if (native)
-      return forward_impl<true>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, lse, progress);
+      return forward_impl<true>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, o16, lse,
+                                progress);
   (void)native;
-  forward_impl<false>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, lse, progress);
+  forward_impl<false>(s, bits(q), bits(k), bits(v), q_pos, k_pos, out, o16, lse, progress);
 }
 
 void attention_bf16_backward_impl(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
@@ -967,7 +992,7 @@ void attention_block_forward_bf16(const BlockShape& s, const bf16* q, const bf16
   if (progress) progress();  // as in attention_block_forward
   const bool native = attention_bf16_native();
   LOOM_DISPATCH(attention_bf16_forward_impl)
-  (s, q, k, v, q_pos, k_pos, out, lse, &progress, native);
+  (s, q, k, v, q_pos, k_pos, out, nullptr, lse, &progress, native);
 }
 
 void attention_block_backward_bf16(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
@@ -993,6 +1018,18 @@ void attention_forward_bf16(const AttentionShape& s, const bf16* q, const bf16* 
                             float* out, float* lse) {
   const std::vector<int64_t> pos = iota_positions(std::max<int64_t>(s.T, 0));
   attention_block_forward_bf16(block_shape(s), q, k, v, pos.data(), pos.data(), out, lse);
+}
+
+void attention_forward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,
+                            bf16* out, float* lse) {
+  const BlockShape bs = block_shape(s);
+  check(bs, "attention_forward_bf16");
+  LOOM_CHECK(q && k && v && out && lse,
+             "attention_forward_bf16: null pointer among q, k, v, out, lse");
+  const std::vector<int64_t> pos = iota_positions(std::max<int64_t>(s.T, 0));
+  const std::function<void()> no_progress;
+  LOOM_DISPATCH(attention_bf16_forward_impl)
+  (bs, q, k, v, pos.data(), pos.data(), nullptr, out, lse, &no_progress, attention_bf16_native());
 }
 
 void attention_backward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,

@@ -28,6 +28,9 @@ namespace loom::cpu {
 // Layouts and shapes as in attention.hpp / attention_block.hpp; strides count bf16 elements.
 void attention_forward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,
                             float* out, float* lse);
+// The same with the output rounded to bf16 as it is written (the bits of the f32 output cast).
+void attention_forward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,
+                            bf16* out, float* lse);
 
 // out is the forward's output rounded to bf16 (what the model saves); dq, dk, dv are overwritten.
 void attention_backward_bf16(const AttentionShape& s, const bf16* q, const bf16* k, const bf16* v,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -143,6 +144,14 @@ Result run_bf16(const Case& c, bool backward = true) {
   r.lse.assign(size_t(d.B * d.Hq * d.T), NAN);
   cpu::attention_forward_bf16(s, buf.data(), buf.data() + koff, buf.data() + voff, r.out.data(),
                               r.lse.data());
+  // The variant that writes the output rounded: the bits of the f32 output cast, the same lse.
+  std::vector<bf16> out_rounded(c.dout.size(), float_to_bf16(7.0f));
+  std::vector<float> lse_rounded(r.lse.size(), NAN);
+  cpu::attention_forward_bf16(s, buf.data(), buf.data() + koff, buf.data() + voff,
+                              out_rounded.data(), lse_rounded.data());
+  const std::vector<bf16> cast = round_all(r.out);
+  EXPECT_EQ(std::memcmp(out_rounded.data(), cast.data(), cast.size() * sizeof(bf16)), 0);
+  EXPECT_EQ(lse_rounded, r.lse);
   if (!backward) return r;
   constexpr float kSentinel = 12345.0f;
   std::vector<float> grad(size_t(rows * stride), kSentinel);
