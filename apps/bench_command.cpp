@@ -223,14 +223,6 @@ int bench_command(const Args& args) {
   const SystemInfo sys = collect_system_info(mesh ? 0 : 0.5);
   const std::string load_before = sys.load_average;
   const double peak_flops = compute == DType::bf16 ? sys.peak_bf16 : sys.peak_f32;
-  // The speed of a probe GEMM just after the peak, and (below) after each timed step: the peak
-  // scaled by their ratio is the peak of the moment each step ran.
-  std::optional<cpu::GemmProbe> probe;
-  double probe_at_peak = 0;
-  if (peak_flops > 0) {
-    probe.emplace(compute);
-    probe_at_peak = probe->flops();
-  }
 
   auto& alloc = Allocator::get(Device::cpu);
   auto& host = Allocator::get(Device::cpu, Pool::host);  // CPU offload's states
@@ -265,7 +257,7 @@ int bench_command(const Args& args) {
     const int world = mesh ? mesh->world_size() : 1;
     profile.emplace(hw, std::max(1.0, double(world) / std::max(1, hw.ranks_per_node)));
   }
-  std::vector<double> times, losses, drift;
+  std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
       alloc.reset_peak();
@@ -279,10 +271,7 @@ int bench_command(const Args& args) {
     const StepResult r = train_step.run(
         G, [&](int64_t) -> const MicroBatch& { return batch; }, job.optimizer.lr);
     auto t1 = std::chrono::steady_clock::now();
-    if (s >= warmup) {
-      times.push_back(std::chrono::duration<double>(t1 - t0).count());
-      if (probe) drift.push_back(probe->flops() / probe_at_peak);
-    }
+    if (s >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     losses.push_back(r.loss);
   }
   profiling.reset();
@@ -301,14 +290,6 @@ int bench_command(const Args& args) {
   const double tokens_per_s = double(G * B * T) / step_s;  // this rank's tokens
   const double flops = mc.flops_per_token(T) * tokens_per_s;
   const double mfu = peak_flops > 0 ? flops / peak_flops : 0;
-  // Each step's MFU against the peak scaled to its moment, the median of them, and the median
-  // scale.
-  std::vector<double> step_mfu;
-  for (size_t i = 0; i < drift.size(); ++i)
-    step_mfu.push_back(mc.flops_per_token(T) * double(G * B * T) / times[i] /
-                       (peak_flops * drift[i]));
-  const double mfu_now = step_mfu.empty() ? 0 : median(step_mfu);
-  const double drift_now = drift.empty() ? 0 : median(drift);
 
   const MemoryCost mm = memory_cost(par, B, T);
   const size_t n = size_t(model.num_params());
@@ -412,16 +393,14 @@ int bench_command(const Args& args) {
     std::printf(
         "{\"config\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, \"seq_len\": %ld, "
         "\"params\": %zu, \"step_s\": %.6f, \"tokens_per_s\": %.1f, \"tflops\": %.4f, "
-        "\"gemm_peak_tflops\": %.4f, \"mfu\": %.4f, \"probe_drift\": %.4f, "
-        "\"mfu_drift_corrected\": %.4f, \"peak_allocated_bytes\": %zu, "
+        "\"gemm_peak_tflops\": %.4f, \"mfu\": %.4f, \"peak_allocated_bytes\": %zu, "
         "\"peak_reserved_bytes\": %zu, \"expected_bytes\": %zu, \"param_bytes\": %zu, "
         "\"grad_bytes\": %zu, \"optimizer_bytes\": %zu, \"mirror_bytes\": %zu, "
         "\"activation_bytes\": %zu, \"loss_first\": %.5f, \"loss_last\": %.5f, "
         "\"load_before\": \"%s\", \"load_after\": \"%s\", \"precision\": %s, "
         "\"system\": %s}\n",
         config_path.c_str(), std::string(dtype_name(compute)).c_str(), long(B), long(T), n, step_s,
-        tokens_per_s, flops / 1e12, peak_flops / 1e12, mfu, drift_now, mfu_now, st.peak_allocated,
-        st.peak_reserved,
+        tokens_per_s, flops / 1e12, peak_flops / 1e12, mfu, st.peak_allocated, st.peak_reserved,
         mm.total(), mm.params, mm.grads, mm.optimizer, mm.mirror, mm.activations, losses.front(),
         losses.back(), load_before.c_str(), load_after.c_str(),
         nlohmann::json(describe_precision(job)).dump().c_str(),
@@ -444,11 +423,6 @@ int bench_command(const Args& args) {
   std::printf("  GEMM peak measured  %.1f GFLOP/s (%s)\n", peak_flops / 1e9,
               std::string(dtype_name(compute)).c_str());
   std::printf("  MFU                 %.1f%% of the measured GEMM peak\n", 100 * mfu);
-  if (mfu_now > 0)
-    std::printf(
-        "  MFU, drift-corrected %.1f%% (median over the steps of each against the peak x a probe "
-        "GEMM's speed after it / at the peak: median %.3f)\n",
-        100 * mfu_now, drift_now);
   std::printf("  peak allocated      %.1f MiB (reserved %.1f MiB)\n", st.peak_allocated / MiB,
               st.peak_reserved / MiB);
   std::printf(

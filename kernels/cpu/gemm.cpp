@@ -515,28 +515,6 @@ void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M,
         .accumulate = accumulate});
 }
 
-namespace {
-
-// n elements of dtype ab with small non-zero values, so nothing denormal or infinite slows a
-// timing.
-std::vector<char> timing_operand(int64_t n, DType ab) {
-  std::vector<char> v(size_t(n) * dtype_size(ab));
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = 0.01f * static_cast<float>(static_cast<int>(i % 17) - 8);
-    if (ab == DType::bf16) {
-      const bf16 b = float_to_bf16(f);
-      std::memcpy(&v[size_t(i) * 2], &b, 2);
-    } else {
-      std::memcpy(&v[size_t(i) * 4], &f, 4);
-    }
-  }
-  return v;
-}
-
-using clock = std::chrono::steady_clock;
-
-}  // namespace
-
 double measure_gemm_peak(DType ab, double seconds) {
   // Linear layers of the model sizes this framework targets, in their three forms; the best
   // is what a well-shaped GEMM reaches here.
@@ -544,9 +522,24 @@ double measure_gemm_peak(DType ab, double seconds) {
   const std::pair<int64_t, int64_t> nk[] = {{1376, 512}, {512, 1376}, {1024, 512}};
   int64_t max_elems = 0;
   for (auto [n, k] : nk) max_elems = std::max({max_elems, M * n, M * k, n * k});
-  const std::vector<char> x = timing_operand(max_elems, ab), w = timing_operand(max_elems, ab),
-                          dy = timing_operand(max_elems, ab);
+  const size_t esz = dtype_size(ab);
+  std::vector<char> x(max_elems * esz), w(max_elems * esz), dy(max_elems * esz);
   std::vector<float> out(max_elems);
+  // Small non-zero values so nothing denormal or infinite slows the timing.
+  for (size_t i = 0; i < static_cast<size_t>(max_elems); ++i) {
+    const float v = 0.01f * static_cast<float>(static_cast<int>(i % 17) - 8);
+    if (ab == DType::bf16) {
+      const bf16 b = float_to_bf16(v);
+      std::memcpy(&x[i * 2], &b, 2);
+      std::memcpy(&w[i * 2], &b, 2);
+      std::memcpy(&dy[i * 2], &b, 2);
+    } else {
+      std::memcpy(&x[i * 4], &v, 4);
+      std::memcpy(&w[i * 4], &v, 4);
+      std::memcpy(&dy[i * 4], &v, 4);
+    }
+  }
+  using clock = std::chrono::steady_clock;
   const double per_case = seconds / (3.0 * std::size(nk));
   double best = 0;
   for (auto [n, k] : nk) {
@@ -571,30 +564,6 @@ double measure_gemm_peak(DType ab, double seconds) {
     }
   }
   return best;
-}
-
-namespace {
-constexpr int64_t kProbeM = 2048, kProbeN = 1024, kProbeK = 512;
-}  // namespace
-
-GemmProbe::GemmProbe(DType ab)
-    : ab_(ab),
-      x_(timing_operand(kProbeM * kProbeK, ab)),
-      w_(timing_operand(kProbeN * kProbeK, ab)),
-      y_(size_t(kProbeM * kProbeN)) {}
-
-double GemmProbe::flops(int calls) {
-  LOOM_CHECK(calls > 0, "GemmProbe::flops: calls must be > 0, got ", calls);
-  // One call first, untimed: the step before has evicted the operands.
-  linear_forward(x_.data(), w_.data(), y_.data(), kProbeM, kProbeN, kProbeK, ab_);
-  std::vector<double> t(static_cast<size_t>(calls));
-  for (double& dt : t) {
-    const auto t0 = clock::now();
-    linear_forward(x_.data(), w_.data(), y_.data(), kProbeM, kProbeN, kProbeK, ab_);
-    dt = std::chrono::duration<double>(clock::now() - t0).count();
-  }
-  std::nth_element(t.begin(), t.begin() + calls / 2, t.end());
-  return 2.0 * kProbeM * kProbeN * kProbeK / t[size_t(calls / 2)];
 }
 
 }  // namespace loom::cpu

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "core/dtype.hpp"
 
@@ -91,21 +90,6 @@ void linear_forward(const void* x, const void* w, const PackedB& packed, float* 
 // Measures this machine's GEMM throughput (FLOP/s) for the dtype on square-ish transformer shapes;
 // the denominator of MFU in `loom bench`.
 double measure_gemm_peak(DType ab, double seconds = 0.5);
-
-// The speed of one well-shaped GEMM at this moment: the median FLOP/s of a few calls of the
-// forward form at M 2048, N 1024, K 512 (one of measure_gemm_peak's shapes). A shared host's
-// speed drifts by 10-20% within a minute, so `loom bench step` probes it next to the peak and
-// between timed steps, to scale the peak to the moments the steps ran.
-class GemmProbe {
- public:
-  explicit GemmProbe(DType ab);
-  double flops(int calls = 7);
-
- private:
-  DType ab_;
-  std::vector<char> x_, w_;
-  std::vector<float> y_;
-};
 
 // True when bf16 GEMMs run as oneDNN bf16 matmuls, false when they are widened to f32.
 bool gemm_bf16_native();
