@@ -1,23 +1,29 @@
 // LlamaModel's per-micro-batch forward/backward over unit ranges (what a pipeline stage runs):
 // split at any unit, the pieces give forward_backward's bits and its hook calls in its order; the
-// activation store lives between the calls, so micro-batches can interleave; and the meta device
-// runs a whole step computing nothing while booking memory.
+// activation store lives between the calls, so micro-batches can interleave; the meta device
+// runs a whole step computing nothing while booking memory; and gradients that zero_grad leaves
+// unwritten (ParamUnit::zero_grad) come out of two micro-batches as from zeros.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "core/allocator.hpp"
+#include "core/error.hpp"
 #include "core/philox.hpp"
 #include "model/llama.hpp"
+#include "ops/ops.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
 
 namespace {
 
-LlamaConfig config() {
+LlamaConfig config(bool tied = false) {
   LlamaConfig c;
+  c.tie_word_embeddings = tied;
   c.hidden_size = 64;
   c.intermediate_size = 136;
   c.num_hidden_layers = 3;
@@ -116,4 +122,55 @@ TEST(MicroBatch, UnitRangeOutsideTheModelIsAnError) {
   ActivationStore s = m.micro_batch(in.data(), in.data(), 1, 16, 1.0f);
   test::expect_error([&] { m.forward(s, 2, m.num_units() + 1); }, {"forward", "units"});
   test::expect_error([&] { m.backward(s, 3, 2); }, {"backward", "units"});
+}
+
+// zero_grad leaves the gradients that only dW GEMMs write (the block projections, an untied
+// output head) as they are, marked unwritten; the first GEMM of the step writes them. Filled with
+// NaN before zero_grad, the gradients after two micro-batches are those of a model whose
+// gradients started at zero, and one never written is an error naming it, not a stale value.
+TEST(MicroBatch, UnwrittenGradientsAreOverwrittenNotRead) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t B = 2, T = 16;
+  const auto two_micro_batches = [&](LlamaModel& m) {
+    for (uint64_t s : {1, 2}) {
+      const auto in = tokens(B * T, 10 * s), tg = tokens(B * T, 10 * s + 1);
+      m.forward_backward(in.data(), tg.data(), B, T, 0.25f);
+    }
+  };
+  for (DType dt : {DType::f32, DType::bf16})
+    for (bool tied : {false, true}) {
+      const std::string what = std::string(dtype_name(dt)) + (tied ? " tied" : " untied");
+      LlamaModel fresh(config(tied), dt), stale(config(tied), dt);
+      fresh.init_weights(3);
+      stale.init_weights(3);
+      two_micro_batches(fresh);  // gradients start at zero (construction)
+
+      for (ParamUnit* u : stale.units()) ops::fill(u->grad_flat(), nan);
+      stale.zero_grad();
+      // The pass skipped exactly the gemm_grad parameters: they still hold the NaNs.
+      size_t skipped = 0;
+      for (ParamUnit* u : stale.units())
+        for (const Param& p : u->params()) {
+          const float* g = p.grad.data<float>();
+          for (int64_t i = 0; i < p.grad.numel(); ++i)
+            ASSERT_EQ(std::isnan(g[i]), p.spec.gemm_grad) << what << " " << p.spec.name;
+          skipped += p.spec.gemm_grad;
+        }
+      EXPECT_EQ(skipped, 3 * 7 + (tied ? 0 : 1)) << what;
+      try {
+        stale.check_grads_written();
+        ADD_FAILURE() << what << ": expected an error";
+      } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("model.layers.0.self_attn.q_proj.weight"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("never written after zero_grad"), std::string::npos) << msg;
+      }
+      two_micro_batches(stale);
+      EXPECT_NO_THROW(stale.check_grads_written()) << what;
+      // Written is what adding to zeros gives (the GEMM's sum is the same; 0 + s = s).
+      EXPECT_EQ(grads(stale), grads(fresh)) << what;
+      // A fused gradient is all gemm_grad parameters or none: q, k, v, o and the norm after them
+      // are not one.
+      EXPECT_THROW(stale.units()[1]->weight_grad(1, 5), Error) << what;
+    }
 }
