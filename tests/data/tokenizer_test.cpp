@@ -637,6 +637,9 @@ TEST(TokenizerEdge, MalformedGpt2FilesNameFileAndEntry) {
   enc["x"] = "seven";
   write_file(e, enc.dump());
   expect_error([&] { Tokenizer::load(e); }, {e, "entry \"x\"", "integer id"});
+  // Valid syntax, but a number past a double's range (nlohmann's out_of_range, not parse_error).
+  write_file(e, "{\"a\": 4e4444}");
+  expect_error([&] { Tokenizer::load(e); }, {e, "malformed JSON", "number overflow"});
 }
 
 TEST(TokenizerEdge, MalformedTokenizerJsonNamesFileAndEntry) {
