@@ -121,11 +121,18 @@ void ParamUnit::refresh_bf16() {
 
 void ParamUnit::zero_grad() {
   if (sharded()) {
+    // The shard receives sums (reduce-scatters), not GEMM writes; a full gradient still held is
+    // zeroed whole.
     grad_shard().zero_();
     if (grad_flat_.defined()) grad_flat_.zero_();
+    std::fill(unwritten_.begin(), unwritten_.end(), uint8_t{0});
     return;
   }
-  // Zeros between the gemm_grad parameters, which are marked instead.
+  mark_grads_unwritten();
+}
+
+void ParamUnit::mark_grads_unwritten() {
+  // Zeros between the gemm_grad parameters (and over the padding), which are marked instead.
   int64_t zero_from = 0;
   const auto zero_to = [&](int64_t end) {
     if (end > zero_from) grad_flat_.narrow(0, zero_from, end - zero_from).zero_();
@@ -137,7 +144,7 @@ void ParamUnit::zero_grad() {
     zero_from = p.offset + shape_numel(p.spec.shape);
     unwritten_[i] = 1;
   }
-  zero_to(numel_);
+  zero_to(grad_flat_.numel());
 }
 
 ops::WeightGrad ParamUnit::weight_grad(size_t first, size_t count) {
@@ -195,8 +202,9 @@ void ParamUnit::release_weights() {
 void ParamUnit::materialize_grads() {
   if (!sharded() || grad_flat_.defined()) return;
   const MemoryUseScope use(device_, MemoryUse::gathered);
-  grad_flat_ = Tensor::zeros({padded_}, DType::f32, device_);
+  grad_flat_ = Tensor::empty({padded_}, DType::f32, device_);
   bind_views();
+  mark_grads_unwritten();
 }
 
 void ParamUnit::release_grads() {

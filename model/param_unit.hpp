@@ -175,7 +175,8 @@ class ParamUnit {
   // The gradient shard (and full gradient if materialized) to zero. An unsharded unit leaves
   // the gradients of gemm_grad parameters as they are, marked unwritten: their first GEMM writes
   // instead of adding, so neither this pass nor the GEMM touches the stale values (a cold read of
-  // every weight gradient: 2% of a bench-tiny bf16 step).
+  // every weight gradient: 2% of a bench-tiny bf16 step). A sharded unit's full gradient gets the
+  // same treatment each time it is materialized.
   void zero_grad();
   // Parameters [first, first + count)'s gradient for a dW GEMM (count: a fused matrix).
   ops::WeightGrad weight_grad(size_t first, size_t count = 1);
@@ -198,7 +199,9 @@ class ParamUnit {
   bool grads_materialized() const { return !sharded() || grad_flat_.defined(); }
   void materialize_weights();  // allocates the full buffers (contents undefined until gathered)
   void release_weights();
-  void materialize_grads();  // allocates the full f32 gradient, zeroed
+  // Allocates the full f32 gradient, zeroed but for the gemm_grad parameters, marked unwritten
+  // as zero_grad marks them (check_grads_written before it is reduced).
+  void materialize_grads();
   void release_grads();
 
   // The gather of a materialized sharded unit (see the top of the file).
@@ -215,6 +218,7 @@ class ParamUnit {
 
  private:
   void bind_views();
+  void mark_grads_unwritten();  // zeros grad_flat_ but for the gemm_grad parameters, marked
 
   std::string name_;
   Device device_;

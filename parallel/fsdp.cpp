@@ -146,6 +146,7 @@ void Fsdp::reduce(size_t i) {
   marked_[i] = false;
   LOOM_CHECK(u.grads_materialized(), "FSDP: unit ", u.name(),
              " is to be reduce-scattered but holds no full gradient");
+  u.check_grads_written();
   // A unit reduces once per micro-batch (per step under pp's step mode); the previous reduction
   // finished in finish_backward() or complete_pending(), but its buffers must not be overwritten
   // while MPI may still read them.

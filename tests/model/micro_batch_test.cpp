@@ -174,3 +174,27 @@ TEST(MicroBatch, UnwrittenGradientsAreOverwrittenNotRead) {
       EXPECT_THROW(stale.units()[1]->weight_grad(1, 5), Error) << what;
     }
 }
+
+// An FSDP unit's full gradient, materialized for a backward, is marked as zero_grad marks an
+// unsharded one: zeros but for the gemm_grad parameters (and the padding zeroed), which the first
+// GEMM writes; reduce-scattering it before that is an error (Fsdp::reduce checks).
+TEST(MicroBatch, MaterializedFullGradientsAreMarkedUnwritten) {
+  std::vector<ParamSpec> specs(2);
+  specs[0] = {"norm.weight", {5}, Init::ones, 0, false, true};
+  specs[1] = {"proj.weight", {3, 4}, Init::normal, 0.02f, true, false};
+  specs[1].gemm_grad = true;
+  ParamUnit u("u", specs, false, Device::cpu, ShardLayout{0, 2});
+  ASSERT_EQ(u.padded_numel(), 18);
+  u.materialize_grads();
+  EXPECT_THROW(u.check_grads_written(), Error);
+  const float* g = u.grad_flat().data<float>();
+  for (int64_t i : {0, 4, 17}) EXPECT_EQ(g[i], 0.0f) << i;  // the norm and the padding
+  Tensor x = Tensor::empty({2, 4}, DType::f32), dy = Tensor::empty({2, 3}, DType::f32),
+         w = Tensor::empty({3, 4}, DType::f32), dx = Tensor::empty({2, 4}, DType::f32);
+  ops::fill(x, 1.0f);
+  ops::fill(dy, 0.5f);
+  ops::fill(w, 1.0f);
+  ops::linear_backward(dy, x, w, u.weight_grad(1), dx);
+  EXPECT_NO_THROW(u.check_grads_written());
+  for (int64_t i = 5; i < 17; ++i) EXPECT_EQ(g[i], 1.0f) << i;  // 2 rows of 0.5 * 1
+}
