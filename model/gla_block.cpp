@@ -70,6 +70,10 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
   add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false, R});
   add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false, R});
   add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false, C});
+  // What only dW GEMMs write (ParamUnit::zero_grad): the fused projection q, k, v, (g,) gk_proj.0,
+  // gk_proj.1, o, gate/up, down.
+  for (int i = ix.q; i <= ix.gk1; ++i) specs[size_t(i)].gemm_grad = true;
+  for (int i : {ix.o, ix.gate, ix.gate + 1, ix.down}) specs[size_t(i)].gemm_grad = true;
   return specs;
 }
 
@@ -249,12 +253,13 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     Tensor dgu = a.gu;
     a.gu = Tensor();
     Tensor dact = f32({g.M, g.F}, dev);
-    row_parallel_backward(tp, dy, a.act, weight(ix_.down), P[size_t(ix_.down)].grad, dact, dt);
+    row_parallel_backward(tp, dy, a.act, weight(ix_.down), unit_.weight_grad(size_t(ix_.down)),
+                          dact, dt);
     a.act = Tensor();
     ops::swiglu_backward(dact, dgu, dgu);
     Tensor dxn2 =
         column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, ix_.norm2),
-                                 weight(ix_.gate), P[size_t(ix_.gate)].grad);
+                                 weight(ix_.gate), unit_.weight_grad(size_t(ix_.gate), 2));
     tp_summed_norm_grad(tp, P[size_t(ix_.norm2)].grad, [&](Tensor& gw) {
       ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy, gw);
     });
@@ -273,7 +278,7 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
         a.y = ops::to_compute(y, dt);
       }
       Tensor dY = f32({g.M, g.Vd}, dev);
-      row_parallel_backward(tp, dy, a.y, weight(ix_.o), P[size_t(ix_.o)].grad, dY, dt);
+      row_parallel_backward(tp, dy, a.y, weight(ix_.o), unit_.weight_grad(size_t(ix_.o)), dY, dt);
       a.y = Tensor();
       Tensor dgate = c_.use_output_gate ? dproj.narrow(1, og, g.Vd) : none;
       // The head norm's weight is replicated while each rank holds its heads: its gradient is a
@@ -329,15 +334,19 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
                              P[size_t(ix_.gb1)].grad);
       Tensor dr = f32({g.M, g.rank}, dev);
       ops::linear_backward(ops::to_compute(dgk, dt), ops::to_compute(a.r, dt), weight(ix_.gk1),
-                           P[size_t(ix_.gk1)].grad, dr);
+                           unit_.weight_grad(size_t(ix_.gk1)), dr);
       Tensor dr_view = dproj.narrow(1, g.nproj - g.rank, g.rank);
       ops::copy_rows(dr, dr_view);
       a.z = a.r = Tensor();
     }
     // gk_proj.0 is replicated but reads this rank's partial dr: its gradient rows of the fused
-    // GEMM are a partial sum over tp. They go to zeroed rows, are summed, then added back.
+    // GEMM are a partial sum over tp. They go to zeroed rows, are summed, then added back; on
+    // the step's first write (unwritten, ParamUnit::zero_grad) the GEMM writes them and there is
+    // nothing to add back.
+    const ops::WeightGrad proj_grad = unit_.weight_grad(size_t(ix_.q), size_t(ix_.gk0 - ix_.q + 1));
+    const bool add_back = tp.on() && (proj_grad.unwritten.empty() || !proj_grad.unwritten[0]);
     Tensor gk0_grad = P[size_t(ix_.gk0)].grad, gk0_before;
-    if (tp.on()) {
+    if (add_back) {
       gk0_before = f32(gk0_grad.shape(), dev);
       ops::copy_rows(gk0_grad, gk0_before);
       gk0_grad.zero_();
@@ -345,12 +354,11 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     // The saved input as the forward read it (widened from bf16, exactly).
     const Tensor x = ops::to_f32(a.x);
     a.x = Tensor();
-    Tensor dxn1 =
-        column_parallel_backward(tp, ops::to_compute(dproj, dt), norm_output(a.xn1, x, ix_.norm1),
-                                 weight(ix_.q), P[size_t(ix_.q)].grad);
+    Tensor dxn1 = column_parallel_backward(
+        tp, ops::to_compute(dproj, dt), norm_output(a.xn1, x, ix_.norm1), weight(ix_.q), proj_grad);
     if (tp.on()) {
       tp_all_reduce(tp, gk0_grad);
-      ops::add_inplace(gk0_grad, gk0_before);
+      if (add_back) ops::add_inplace(gk0_grad, gk0_before);
     }
     tp_summed_norm_grad(tp, P[size_t(ix_.norm1)].grad, [&](Tensor& gw) {
       ops::rmsnorm_backward(dxn1, x, P[size_t(ix_.norm1)].value, a.rstd1, dy, gw);
