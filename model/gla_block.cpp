@@ -1,6 +1,7 @@
 #include "model/gla_block.hpp"
 
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -354,8 +355,15 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     // The saved input as the forward read it (widened from bf16, exactly).
     const Tensor x = ops::to_f32(a.x);
     a.x = Tensor();
-    Tensor dxn1 = column_parallel_backward(
-        tp, ops::to_compute(dproj, dt), norm_output(a.xn1, x, ix_.norm1), weight(ix_.q), proj_grad);
+    Tensor dxn1;
+    {
+      // The tp sum of gk_proj.0's rows needs the GEMM's partial sums now: not deferred to a
+      // zero-bubble schedule's W (it was, and pp2 x tp2 zb1p ended 0.7% off one process).
+      std::optional<ops::WeightGradsNow> now;
+      if (tp.on()) now.emplace();
+      dxn1 = column_parallel_backward(tp, ops::to_compute(dproj, dt),
+                                      norm_output(a.xn1, x, ix_.norm1), weight(ix_.q), proj_grad);
+    }
     if (tp.on()) {
       tp_all_reduce(tp, gk0_grad);
       if (add_back) ops::add_inplace(gk0_grad, gk0_before);

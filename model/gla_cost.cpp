@@ -86,8 +86,9 @@ Model::UnitActivations GlaModel::unit_activation_bytes(size_t unit, int64_t B, i
     u.backward += u.forward;
   }
   if (mode == ActivationCheckpoint::Mode::op) u.backward += M * F * cs;
-  // Output gradient and input of each GEMM: down, gate/up, o, the gate's low-rank, proj.
-  u.deferred = M * cs * (d + F + 2 * F + d + d + Vd + Kg + rank + nproj + d);
+  // Output gradient and input of each GEMM: down, gate/up, o, the gate's low-rank, proj (not
+  // deferred under tp: GlaBlock::backward sums its gk_proj.0 rows right after it).
+  u.deferred = M * cs * (d + F + 2 * F + d + d + Vd + Kg + rank + (n > 1 ? 0 : nproj + d));
   // In I the copies pile up: the MLP's as for Llama.
   u.backward_input = u.backward - M * F * 4 + M * (d * cs + 2 * F * cs * (cs == 2 ? 2 : 1) + d * 4);
   u.backward_input = std::max(u.backward_input, u.backward + M * d * cs);

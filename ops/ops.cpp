@@ -289,6 +289,14 @@ DeferWeightGrads::~DeferWeightGrads() {
   g_copy_inputs = false;
 }
 
+WeightGradsNow::WeightGradsNow() : deferred_(g_deferred), copy_inputs_(g_copy_inputs) {
+  g_deferred = nullptr;
+}
+WeightGradsNow::~WeightGradsNow() {
+  g_deferred = deferred_;
+  g_copy_inputs = copy_inputs_;
+}
+
 namespace {
 // dw [N, K] += dy [M, N]^T x [M, K] (= on dw's first write).
 void weight_grad(const Tensor& dy, const Tensor& x, const WeightGrad& g) {

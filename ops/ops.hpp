@@ -121,6 +121,20 @@ class DeferWeightGrads {
   DeferWeightGrads(const DeferWeightGrads&) = delete;
   DeferWeightGrads& operator=(const DeferWeightGrads&) = delete;
 };
+// While one lives on this thread, linear_backward computes its weight gradient at once even inside
+// a DeferWeightGrads: for a caller that works on the gradient right after the GEMM (GLA's
+// gk_proj.0 rows, summed over tp). Restores the deferral when it goes.
+class WeightGradsNow {
+ public:
+  WeightGradsNow();
+  ~WeightGradsNow();
+  WeightGradsNow(const WeightGradsNow&) = delete;
+  WeightGradsNow& operator=(const WeightGradsNow&) = delete;
+
+ private:
+  std::vector<DeferredWeightGrad>* deferred_;
+  bool copy_inputs_;
+};
 // Runs the deferred weight gradients in the order they were deferred, then clears the list: each
 // dw gets the same additions, in the same order, as linear_backward would have given it.
 void run_weight_grads(std::vector<DeferredWeightGrad>& list);

@@ -123,6 +123,7 @@ TEST(Ops, UnwrittenWeightGradientIsWrittenOnceThenAddedTo) {
     Tensor dx = Tensor::empty({M, K}, DType::f32);
     Tensor want = Tensor::zeros({N, K}, DType::f32);
     ops::linear_backward(dy, x, w, want, dx);
+    const std::vector<float> once = values(want);
     Tensor dw = Tensor::empty({N, K}, DType::f32);
     ops::fill(dw, nan);
     uint8_t flags[2] = {1, 1};
@@ -145,6 +146,22 @@ TEST(Ops, UnwrittenWeightGradientIsWrittenOnceThenAddedTo) {
     EXPECT_EQ(flags[0], 1);
     ops::run_weight_grads(later);
     EXPECT_EQ(values(dw), values(want)) << dtype_name(dt);
+    // WeightGradsNow inside the deferral: that GEMM runs at once, the deferral resumes after it.
+    ops::fill(dw, nan);
+    flags[0] = flags[1] = 1;
+    {
+      ops::DeferWeightGrads defer(later);
+      {
+        const ops::WeightGradsNow now;
+        ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+      }
+      EXPECT_TRUE(later.empty());
+      EXPECT_EQ(values(dw), once) << dtype_name(dt);
+      ops::linear_backward(dy, x, w, ops::WeightGrad(dw, flags), dx);
+      EXPECT_EQ(later.size(), 1u);
+    }
+    ops::run_weight_grads(later);
+    EXPECT_EQ(values(dw), values(want)) << dtype_name(dt);  // twice
 
     // The fused loss over several groups of rows (chunk 8, gradient rows 16).
     const int64_t V = 40;
