@@ -37,7 +37,10 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, ShardL
     block_units.push_back(&blocks_.back()->unit());
   }
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
-  if (!config_.tie_word_embeddings) head.push_back({"lm_head.weight", {V, d}, Init::normal, s});
+  if (!config_.tie_word_embeddings) {
+    head.push_back({"lm_head.weight", {V, d}, Init::normal, s});
+    head.back().gemm_grad = true;  // only the loss's dW GEMMs write it (ParamUnit::zero_grad)
+  }
   set_units(std::move(embed), std::move(block_units),
             std::make_unique<ParamUnit>("head", head, bf,
                                         unit_device(size_t(config_.num_hidden_layers) + 1), shard));
@@ -133,7 +136,7 @@ Tensor GlaModel::head_forward_backward(ActivationStore& s) {
   if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
   ce.w = out_unit.gemm_weight(out_index);
   ce.dx = dxf;
-  ce.dw = out_unit.params()[out_index].grad;
+  ce.dw = out_unit.weight_grad(out_index);
   ce.targets = s.targets;
   ce.V = config_.vocab_size;
   ce.grad_scale = s.grad_scale;

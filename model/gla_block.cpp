@@ -345,7 +345,7 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
     // the step's first write (unwritten, ParamUnit::zero_grad) the GEMM writes them and there is
     // nothing to add back.
     const ops::WeightGrad proj_grad = unit_.weight_grad(size_t(ix_.q), size_t(ix_.gk0 - ix_.q + 1));
-    const bool add_back = tp.on() && (proj_grad.unwritten.empty() || !proj_grad.unwritten[0]);
+    const bool add_back = tp.on() && !proj_grad.first_write();
     Tensor gk0_grad = P[size_t(ix_.gk0)].grad, gk0_before;
     if (add_back) {
       gk0_before = f32(gk0_grad.shape(), dev);

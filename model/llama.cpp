@@ -142,8 +142,7 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
     const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
     ce.w = out_unit.gemm_weight(out_index);
     ce.dx = dxf;
-    ce.dw = out_unit.params()[out_index].grad;
-    ce.dw_unwritten = out_unit.weight_grad(out_index).unwritten;
+    ce.dw = out_unit.weight_grad(out_index);
     ce.targets = s.targets;
     ce.V = vocab_rows();
     ce.grad_scale = s.grad_scale;

@@ -311,7 +311,7 @@ void weight_grad(const Tensor& dy, const Tensor& x, const WeightGrad& g) {
 }  // namespace
 
 bool WeightGrad::take_first_write() const {
-  if (unwritten.empty() || !unwritten.front()) return false;
+  if (!first_write()) return false;
   std::fill(unwritten.begin(), unwritten.end(), uint8_t{0});
   return true;
 }
@@ -893,7 +893,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch, alive for the call (the real run's allocator counts it): one chunk of
     // logits and gradients, and the packed head weight.
-    const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.defined());
+    const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.t.defined());
     const cpu::LinearCrossEntropyChunks ch =
         cpu::linear_cross_entropy_chunks(rows(a.x), a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
     const MemoryUseScope use(Device::meta, MemoryUse::loss);
@@ -908,7 +908,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
   }
   double loss = 0;
   // Taken on every device, so that a meta run marks the gradient written as a real one does.
-  const bool dw_overwrite = a.dw.defined() && WeightGrad(a.dw, a.dw_unwritten).take_first_write();
+  const bool dw_overwrite = a.dw.t.defined() && a.dw.take_first_write();
   on(
       "linear_cross_entropy", a.x.device(),
       [&] {
@@ -922,7 +922,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         ce.V = a.V;
         ce.grad_scale = a.grad_scale;
         ce.dx = a.dx.defined() ? a.dx.data<float>() : nullptr;
-        ce.dw = a.dw.defined() ? a.dw.data<float>() : nullptr;
+        ce.dw = a.dw.t.defined() ? a.dw.t.data<float>() : nullptr;
         ce.dw_overwrite = dw_overwrite;
         ce.chunk_rows = a.chunk_rows;
         ce.grad_rows = a.grad_rows;
@@ -937,7 +937,7 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         Works w{gemm(op, dt, N, a.V, D, false),
                 streaming(DType::f32, 3.0 * double(N * a.V) * 4.0, double(N * a.V), 5)};
         if (a.dx.defined()) w.push_back(gemm(op, dt, N, D, a.V, false));
-        if (a.dw.defined()) w.push_back(gemm(op, dt, a.V, D, N, true));
+        if (a.dw.t.defined()) w.push_back(gemm(op, dt, a.V, D, N, !dw_overwrite));
         return w;
       });
   return loss;

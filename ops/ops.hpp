@@ -93,9 +93,12 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false
 // yet, not even zeros (ParamUnit::zero_grad leaves such gradients as they are), and the GEMM
 // writes instead of adding, then clears them. All are set or none.
 struct WeightGrad {
+  WeightGrad() = default;
   WeightGrad(const Tensor& grad) : t(grad) {}  // NOLINT(google-explicit-constructor): plain add
   WeightGrad(const Tensor& grad, std::span<uint8_t> flags) : t(grad), unwritten(flags) {}
-  // Whether the next write overwrites; clears the flags (the caller then writes).
+  // Whether the next write overwrites (the gradient holds nothing yet).
+  bool first_write() const { return !unwritten.empty() && unwritten.front(); }
+  // first_write(), clearing the flags (the caller then writes).
   bool take_first_write() const;
   Tensor t;
   std::span<uint8_t> unwritten;
@@ -254,14 +257,13 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
 // w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
 // summed loss (0 on meta).
 struct LinearCrossEntropy {
-  Tensor x, w, dx, dw;
+  Tensor x, w, dx;
+  WeightGrad dw;  // its first write (WeightGrad::unwritten) is the first group of rows' dW
   const int32_t* targets = nullptr;
   int64_t V = 0;
   float grad_scale = 1;
   int64_t chunk_rows = 0;
   int64_t grad_rows = 0;  // cpu::LinearCrossEntropyArgs::grad_rows
-  std::span<uint8_t> dw_unwritten =
-      {};  // as WeightGrad::unwritten: set, the first dW GEMM writes dw
 };
 double linear_cross_entropy(const LinearCrossEntropy& a);
 // The kernel's scratch for N rows of x (D wide, dtype ab) with these chunk settings: one chunk of

@@ -378,24 +378,6 @@ struct Words {
 };
 
 // ---- forward -----------------------------------------------------------------------------------
-// finish_query_tile with the output rounded to bf16 (round_bf16: the bits ops::cast gives the f32
-// output; the outputs are finite), for the caller that would only round the f32 rows.
-inline void finish_query_tile_rounded(const float* o, int64_t ldo, const float* m, const float* l,
-                                      int64_t nq, int64_t D, uint16_t* out, int64_t out_stride,
-                                      float* lse) {
-  for (int64_t i = 0; i < nq; ++i) {
-    uint16_t* orow = out + i * out_stride;
-    if (l[i] == 0) {
-      std::fill_n(orow, D, uint16_t{0});
-      lse[i] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    const float inv = 1.0f / l[i];
-    for (int64_t d = 0; d < D; ++d) orow[d] = round_bf16(o[i * ldo + d] * inv);
-    lse[i] = (m[i] + std::log2(l[i])) * kLn2;
-  }
-}
-
 // Per tile pair, as the f32 kernel: S^T = K Q^T with keys as rows (A: K rows, B: Q^T in pairs over
 // the head dim, packed once per query tile), so the online softmax runs down the columns,
 // vectorized over queries; P is rounded into pairs over keys, [kBk/2][kBq] words, which is the A
@@ -560,9 +542,9 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
         first = false;
       }
       const int64_t at = ((b * Tq + q0) * Hq + h) * D;
-      if (out16)
-        finish_query_tile_rounded(o, Dc, m, l, nq, D, out16 + at, Hq * D,
-                                  lse + (b * Hq + h) * Tq + q0);
+      if (out16)  // rounded as ops::cast rounds the f32 output (the outputs are finite)
+        finish_query_tile(o, Dc, m, l, nq, D, out16 + at, Hq * D, lse + (b * Hq + h) * Tq + q0,
+                          [](float x) { return round_bf16(x); });
       else
         finish_query_tile(o, Dc, m, l, nq, D, out + at, Hq * D, lse + (b * Hq + h) * Tq + q0);
       report_progress(progress);

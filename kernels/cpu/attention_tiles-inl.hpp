@@ -467,18 +467,24 @@ inline void report_progress(const std::function<void()>* progress) {
 // The forward's last step for a query tile: its output rows (stride out_stride), the
 // unnormalized rows o (stride ldo) over their running sums l, and their log-sum-exps (natural
 // log) from the running maxima m (base 2). A row that saw no key (l = 0; otherwise the max alone
-// gives 1) gets out = 0 and lse = -inf, which attention_merge treats as no contribution.
+// gives 1) gets out = 0 and lse = -inf, which attention_merge treats as no contribution. `put`
+// turns each f32 output into the type of out (the bf16 kernels: bf16 bits, rounded).
+struct AsIs {
+  float operator()(float x) const { return x; }
+};
+template <class Out = float, class Put = AsIs>
 inline void finish_query_tile(const float* o, int64_t ldo, const float* m, const float* l,
-                              int64_t nq, int64_t D, float* out, int64_t out_stride, float* lse) {
+                              int64_t nq, int64_t D, Out* out, int64_t out_stride, float* lse,
+                              Put put = {}) {
   for (int64_t i = 0; i < nq; ++i) {
-    float* orow = out + i * out_stride;
+    Out* orow = out + i * out_stride;
     if (l[i] == 0) {
-      std::fill_n(orow, D, 0.0f);
+      std::fill_n(orow, D, Out{});
       lse[i] = -std::numeric_limits<float>::infinity();
       continue;
     }
     const float inv = 1.0f / l[i];
-    for (int64_t d = 0; d < D; ++d) orow[d] = o[i * ldo + d] * inv;
+    for (int64_t d = 0; d < D; ++d) orow[d] = put(o[i * ldo + d] * inv);
     lse[i] = (m[i] + std::log2(l[i])) * kLn2;
   }
 }

@@ -216,7 +216,7 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
     ops::vocab_shard_dlogits(l, Vr, a.targets + r0, v0, glse.narrow(0, r0, nr), a.grad_scale);
     if (a.x.dtype() == DType::bf16) ops::cast(l, dl);
     Tensor dx = a.dx.narrow(0, r0, nr);
-    ops::linear_backward(dl, x, a.w, ops::WeightGrad(a.dw, a.dw_unwritten), dx);
+    ops::linear_backward(dl, x, a.w, a.dw, dx);
   }
   return loss;
 }
