@@ -28,14 +28,27 @@ namespace {
 // instead of the row.
 inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bool need_grad,
                                bf16* out16) {
+  // The maximum in explicit vectors, four chains: `omp simd reduction(max)` over std::max stayed
+  // a scalar vmaxss chain (60% of this function's time at V 4096). Whichever maximum a NaN logit
+  // leaves, the exp below carries the NaN into the sum and the loss.
   float m = row[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < V; ++j) m = std::max(m, row[j]);
+  int64_t j0 = 0;
+  if (V >= 4 * kW) {
+    vf m4[4] = {load(row), load(row + kW), load(row + 2 * kW), load(row + 3 * kW)};
+    for (j0 = 4 * kW; j0 + 4 * kW <= V; j0 += 4 * kW)
+      for (int u = 0; u < 4; ++u) {
+        const vf x = load(row + j0 + u * kW);
+        m4[u] = x > m4[u] ? x : m4[u];
+      }
+    for (int u = 1; u < 4; ++u) m4[0] = m4[u] > m4[0] ? m4[u] : m4[0];
+    for (int l = 0; l < kW; ++l) m = std::max(m, m4[0][l]);
+  }
+  for (int64_t j = j0; j < V; ++j) m = std::max(m, row[j]);
   const float logit_t = row[t];
   float s = 0;
   // Explicit vectors of kW lanes (see vexp(vf)), the scalar vexp for the tail.
   vf sv{};
-  int64_t j0 = 0;
+  j0 = 0;
   if (!need_grad) {
     for (; j0 + kW <= V; j0 += kW) sv += vexp(load(row + j0) - m);
     s = reduce_add(sv);
@@ -56,8 +69,9 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
   const float k = scale / s;
   const float g_t = row[t] * k - scale;
   if (out16) {
-#pragma omp simd
-    for (int64_t j = 0; j < V; ++j) out16[j] = float_to_bf16(row[j] * k);
+    int64_t j = 0;
+    for (; j + kW <= V; j += kW) store_bf16(out16 + j, load(row + j) * k);
+    for (; j < V; ++j) out16[j] = float_to_bf16(row[j] * k);
     out16[t] = float_to_bf16(g_t);
   } else {
 #pragma omp simd

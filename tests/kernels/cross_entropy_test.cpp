@@ -264,6 +264,34 @@ TEST_ALL_ISAS(LinearCrossEntropy, SoftmaxAccurateAcrossExpRange) {
   }
 }
 
+// The row maximum, which every exp is taken against, wherever it lies in a row: first, in the
+// vector body, among the last vector's lanes, in the scalar tail. The logits span hundreds, so a
+// maximum short of the true one overflows the exp's clamp and one past it underflows the sum:
+// either moves the loss far from the fp64 reference. D = 1 and x = 1 make w the logits.
+TEST_ALL_ISAS(LinearCrossEntropy, RowMaximumFoundAnywhere) {
+  const int64_t V = 1001;  // past four vectors of any tier, with a scalar tail
+  for (int64_t at : {int64_t{0}, int64_t{5}, int64_t{70}, int64_t{192}, int64_t{511}, int64_t{959},
+                     int64_t{991}, V - 1}) {
+    std::vector<float> w(V);
+    for (int64_t j = 0; j < V; ++j) w[j] = -0.5f * static_cast<float>((j * 37) % V);
+    w[at] = 150.0f;  // every other logit is <= 0
+    const float x = 1.0f;
+    std::vector<double> wd(w.begin(), w.end());
+    for (int32_t t : {static_cast<int32_t>(at), static_cast<int32_t>((at + 500) % V)}) {
+      float dx = 0;
+      const double loss = linear_cross_entropy(
+          {.x = &x, .w = w.data(), .targets = &t, .N = 1, .D = 1, .V = V, .dx = &dx});
+      const double want = ref_loss({1.0}, wd, {t}, 1, 1, V);
+      EXPECT_NEAR(loss, want, 1e-5 * std::max(1.0, want))
+          << "maximum at " << at << ", target " << t;
+      std::vector<double> rdx, rdw;
+      ref_grads({1.0}, wd, {t}, 1, 1, V, 1.0, rdx, rdw);
+      EXPECT_NEAR(dx, rdx[0], 1e-5 * std::max(1.0, std::abs(rdx[0])))
+          << "maximum at " << at << ", target " << t;
+    }
+  }
+}
+
 TEST(LinearCrossEntropy, TargetOutOfRangeNamesTheRow) {
   Problem p(8, 4, 17, 6);
   p.t[5] = 17;
