@@ -79,6 +79,11 @@ PackedB pack_b(const GemmArgs& a);
 // stay valid: a call whose M gets another layout from oneDNN (a short last chunk may) runs the
 // plain GEMM on it. The products are those of gemm(a); the order of their sums may differ.
 void gemm_packed(const GemmArgs& a, const PackedB& b);
+// How many blocks of rows of C gemm(a) runs as, one single-threaded matmul per OpenMP thread
+// (gemm.cpp says when and why); 1: one matmul on oneDNN's threads. Each element of C is one
+// matmul's dot product either way. The widening path's f32 matmuls split the same way (a chunk of
+// fewer rows than M, past kGemmWidenChunkBytes, into fewer blocks).
+int gemm_parts(const GemmArgs& a);
 // The bytes pack_b(a) takes (the layout oneDNN picks may pad), 0 where it would not pack.
 size_t packed_b_bytes(const GemmArgs& a);
 // linear_forward's W packed for x of M rows (its bytes), and linear_forward with it.

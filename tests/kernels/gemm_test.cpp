@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemm.hpp"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <thread>
@@ -184,6 +185,45 @@ TEST(Gemm, CacheDistinguishesKeys) {
   check({Trans::N, Trans::N, 37, 29, 53, 0, 0, 1}, DType::f32, true, 72);
   check({Trans::N, Trans::N, 37, 29, 53}, DType::bf16, true, 73);
   check({Trans::N, Trans::N, 37, 29, 53}, DType::f32, false, 74);
+}
+
+// With rows enough, a call runs as one single-threaded matmul per block of rows of C, the blocks
+// uneven where the rows do not divide: every transpose, dtype, accumulate and padding against the
+// fp64 reference, at 2 and 3 blocks, and the rounded bf16 output.
+TEST(Gemm, RowBlocksPerThreadMatchTheReference) {
+  struct Threads {
+    int saved = omp_get_max_threads();
+    ~Threads() { omp_set_num_threads(saved); }
+  } restore;
+  omp_set_num_threads(3);
+  uint64_t seed = 200;
+  for (int64_t M : {301, 401}) {
+    GemmArgs shape{.M = M, .N = 37, .K = 75, .lda = 75, .ldb = 75, .ldc = 37};
+    ASSERT_EQ(gemm_parts(shape), M == 301 ? 2 : 3) << "M=" << M;
+    for (DType dt : {DType::f32, DType::bf16})
+      for (Trans ta : kTrans)
+        for (Trans tb : kTrans)
+          for (bool acc : {false, true}) check({ta, tb, M, 37, 75, 2, 1, 3}, dt, acc, ++seed);
+  }
+  // The rounded output, split: the bf16 rounding of the f32 product (GemmArgs::C16).
+  Problem p({Trans::N, Trans::T, 401, 37, 75}, 300);
+  Operands ops(p, DType::bf16);
+  std::vector<float> c(size_t(401 * p.ldc));
+  ops.args.C = c.data();
+  gemm(ops.args);
+  std::vector<bf16> c16(c.size());
+  ops.args.C = nullptr;
+  ops.args.C16 = c16.data();
+  ASSERT_EQ(gemm_parts(ops.args), 3);
+  gemm(ops.args);
+  for (size_t i = 0; i < c.size(); ++i)
+    ASSERT_EQ(c16[i].bits, float_to_bf16(c[i]).bits) << "element " << i;
+  // One thread, or too few rows: one matmul.
+  omp_set_num_threads(1);
+  EXPECT_EQ(gemm_parts(ops.args), 1);
+  omp_set_num_threads(3);
+  ops.args.M = 255;
+  EXPECT_EQ(gemm_parts(ops.args), 1);
 }
 
 TEST(Gemm, LinearForms) {
