@@ -268,6 +268,20 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
       [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), accumulate); });
 }
 
+void linear(const Tensor& x, const Tensor& w, const Tensor& r, Tensor& y) {
+  LOOM_CHECK(y.dtype() == DType::f32 && r.dtype() == DType::f32 && r.numel() == y.numel(),
+             "linear: the residual and the output must be float32 of one shape, got ",
+             shape_str(r.shape()), " ", dtype_name(r.dtype()), " and ", shape_str(y.shape()), " ",
+             dtype_name(y.dtype()));
+  on(
+      "linear", y.device(),
+      [&] {
+        cpu::linear_forward_residual(x.raw(), w.raw(), f(r), f(y), rows(x), cols(y), cols(x),
+                                     x.dtype());
+      },
+      [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), true); });
+}
+
 namespace {
 thread_local std::vector<DeferredWeightGrad>* g_deferred = nullptr;
 thread_local bool g_copy_inputs = false;

@@ -88,6 +88,9 @@ void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
 // y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation). A
 // bf16 y receives the f32 product rounded (no accumulate): the rounded copy without the f32 one.
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate = false);
+// y [M, N] = r [M, N] + x w^T, y and r f32 (a residual branch's output projection): each thread
+// copies its rows of r into y as it multiplies them, no pass of its own.
+void linear(const Tensor& x, const Tensor& w, const Tensor& r, Tensor& y);
 // A weight gradient the dW GEMM adds to. `unwritten`, where given, holds the flags of the
 // parameters the GEMM writes (a fused matrix: several): set, they say the gradient holds nothing
 // yet, not even zeros (ParamUnit::zero_grad leaves such gradients as they are), and the GEMM

@@ -263,6 +263,10 @@ void check_shape(const GemmArgs& a) {
              " is less than the width N=", a.N, " of C");
   LOOM_CHECK(!(a.C && a.C16), "gemm: both C and C16 are set; the product goes to one of them");
   LOOM_CHECK(!(a.C16 && a.accumulate), "gemm: C16 (a rounded bf16 product) cannot accumulate");
+  LOOM_CHECK(!a.R || (!a.C16 && !a.accumulate), "gemm: a residual R goes with a plain f32 C (",
+             a.C16 ? "C16 is set" : "accumulate is set", ")");
+  LOOM_CHECK(!a.R || a.ldr >= std::max<int64_t>(a.N, 1), "gemm: ldr=", a.ldr,
+             " is less than the width N=", a.N, " of R");
 }
 
 void check_args(const GemmArgs& a) {
@@ -270,6 +274,11 @@ void check_args(const GemmArgs& a) {
   if (a.M > 0 && a.N > 0) {
     LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
                " product");
+    if (a.R) {
+      const float *r0 = a.R, *r1 = a.R + (a.M - 1) * a.ldr + a.N;
+      const float *c0 = a.C, *c1 = a.C + (a.M - 1) * a.ldc + a.N;
+      LOOM_CHECK(r1 <= c0 || c1 <= r0, "gemm: the residual R overlaps C");
+    }
     LOOM_CHECK(a.K == 0 || (a.A != nullptr && a.B != nullptr), "gemm: A or B is null with K=", a.K);
   }
 }
@@ -332,6 +341,16 @@ void* c_of(const GemmArgs& a) {
   return a.C16 ? static_cast<void*>(a.C16) : static_cast<void*>(a.C);
 }
 
+// a with its residual copied into C: the same product, accumulating.
+GemmArgs residual_copied(const GemmArgs& a) {
+  if (!a.R) return a;
+  for (int64_t i = 0; i < a.M; ++i) std::memcpy(a.C + i * a.ldc, a.R + i * a.ldr, a.N * 4);
+  GemmArgs b = a;
+  b.R = nullptr;
+  b.accumulate = true;
+  return b;
+}
+
 // Rows of C of each part of a split call: parts of fewer rows lose more to their own copy of
 // B's blocks than the split saves.
 constexpr int64_t kSplitMinRows = 128;
@@ -363,6 +382,7 @@ GemmArgs part_of(const GemmArgs& a, int p, int parts) {
     q.C16 = a.C16 + r0 * a.ldc;
   else
     q.C = a.C + r0 * a.ldc;
+  if (a.R) q.R = a.R + r0 * a.ldr;
   return q;
 }
 
@@ -375,7 +395,7 @@ void run_split(const GemmArgs& a, int parts) {
     omp_set_num_threads(1);
     for (int p = omp_get_thread_num(); p < parts; p += omp_get_num_threads()) {
       try {
-        const GemmArgs q = part_of(a, p, parts);
+        const GemmArgs q = residual_copied(part_of(a, p, parts));
         Key k = key_of(q, false);
         k.part = p + 1;
         Entry& e = entry(k);
@@ -394,8 +414,9 @@ void run_split(const GemmArgs& a, int parts) {
 
 // The oneDNN matmul of arguments already checked, M, N, K > 0, split by rows of C where that
 // pays (split_parts). A bf16 shape oneDNN refuses (after the probe passed) is widened.
-void run_matmul(const GemmArgs& a) {
-  if (const int parts = split_parts(a); parts > 1) return run_split(a, parts);
+void run_matmul(const GemmArgs& in) {
+  if (const int parts = split_parts(in); parts > 1) return run_split(in, parts);
+  const GemmArgs a = residual_copied(in);
   Entry& e = entry(key_of(a, false));
   if (e.widen) return gemm_widened(a);
   execute(e, a.A, a.B, c_of(a), a);
@@ -415,15 +436,17 @@ bool runs_matmul(const GemmArgs& a) {
 void gemm(const GemmArgs& a) {
   check_args(a);
   if (a.M == 0 || a.N == 0) return;
-  if (a.K == 0) {  // an empty sum: C = 0, or C unchanged when accumulating
-    if (a.C16)
+  if (a.K == 0) {  // an empty sum: C = 0 (or R), or C unchanged when accumulating
+    if (a.R)
+      residual_copied(a);
+    else if (a.C16)
       for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C16 + i * a.ldc, a.N, bf16{});
     else if (!a.accumulate)
       for (int64_t i = 0; i < a.M; ++i) std::fill_n(a.C + i * a.ldc, a.N, 0.0f);
     return;
   }
   if (a.ab == DType::bf16 && (g_force_widen.load(std::memory_order_relaxed) || !bf16_path().native))
-    return gemm_widened(a);
+    return gemm_widened(residual_copied(a));
   if (a.C16 && a.ab == DType::f32) return gemm_rounded_f32(a);
   run_matmul(a);
 }
@@ -471,6 +494,7 @@ PackedB pack_b(const GemmArgs& a) {
 void gemm_packed(const GemmArgs& a, const PackedB& b) {
   check_args(a);
   if (!b) return gemm(a);
+  if (a.R) return gemm_packed(residual_copied(a), b);
   const PackedB::Impl& p = *b.impl_;
   LOOM_CHECK(a.N == p.N && a.K == p.K && a.ab == p.ab, "gemm_packed: B was packed for N=", p.N,
              " K=", p.K, " ", dtype_name(p.ab), ", used for N=", a.N, " K=", a.K, " ",
@@ -530,6 +554,15 @@ void linear_forward(const void* x, const void* w, float* y, int64_t M, int64_t N
   GemmArgs a = linear_forward_args(x, w, M, N, K, ab);
   a.C = y;
   a.accumulate = accumulate;
+  gemm(a);
+}
+
+void linear_forward_residual(const void* x, const void* w, const float* r, float* y, int64_t M,
+                             int64_t N, int64_t K, DType ab) {
+  GemmArgs a = linear_forward_args(x, w, M, N, K, ab);
+  a.C = y;
+  a.R = r;
+  a.ldr = N;
   gemm(a);
 }
 

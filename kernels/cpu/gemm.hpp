@@ -35,6 +35,11 @@ struct GemmArgs {
   // here with leading dimension ldc; not with accumulate. The rounded copy of an f32 GEMM output
   // without the f32 one: oneDNN rounds in its kernel, the widening path through a scratch chunk.
   bf16* C16 = nullptr;
+  // C = R + op(A) op(B), R [M, N] f32 with leading dimension ldr (not with accumulate or C16; R
+  // must not overlap C). R's rows are copied into C by the thread that then multiplies them, so a
+  // residual branch's sum costs no pass of its own.
+  const float* R = nullptr;
+  int64_t ldr = 0;
 };
 
 void gemm(const GemmArgs& a);
@@ -49,6 +54,9 @@ void linear_backward_input(const void* dy, const void* w, float* dx, int64_t M, 
                            int64_t K, DType ab, bool accumulate);
 void linear_backward_weight(const void* dy, const void* x, float* dw, int64_t M, int64_t N,
                             int64_t K, DType ab, bool accumulate = true);
+// y[M,N] = r[M,N] + x[M,K] * W[N,K]^T (GemmArgs::R): a residual branch's output projection.
+void linear_forward_residual(const void* x, const void* w, const float* r, float* y, int64_t M,
+                             int64_t N, int64_t K, DType ab);
 // y[M,N] = bf16(x[M,K] * W[N,K]^T): linear_forward rounded to bf16 (GemmArgs::C16).
 void linear_forward_rounded(const void* x, const void* w, bf16* y, int64_t M, int64_t N, int64_t K,
                             DType ab);

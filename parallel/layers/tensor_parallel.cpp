@@ -112,11 +112,11 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
                             const Tensor& residual) {
   const Device dev = residual.device();
   Tensor out = Tensor::empty(residual.shape(), DType::f32, dev);
-  out.copy_from(residual);
   if (!tp.on()) {
-    ops::linear(in, w, out, true);
+    ops::linear(in, w, residual, out);
     return out;
   }
+  out.copy_from(residual);
   Tensor part = tp_pooled(tp, "row_out", {in.size(0), residual.size(1)}, DType::f32, dev);
   ops::linear(in, w, part);
   Tensor sum = part;

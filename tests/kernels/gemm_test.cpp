@@ -226,6 +226,67 @@ TEST(Gemm, RowBlocksPerThreadMatchTheReference) {
   EXPECT_EQ(gemm_parts(ops.args), 1);
 }
 
+// C = R + op(A) op(B): C's prior contents (NaN here) never read, R's padding never read, in one
+// matmul and split into row blocks, every transpose and dtype, and the empty sum (C = R).
+TEST(Gemm, ResidualIsCopiedIntoC) {
+  struct Threads {
+    int saved = omp_get_max_threads();
+    ~Threads() { omp_set_num_threads(saved); }
+  } restore;
+  omp_set_num_threads(2);
+  uint64_t seed = 400;
+  for (int64_t M : {37, 301})
+    for (int64_t K : {75, 0})
+      for (DType dt : {DType::f32, DType::bf16})
+        for (Trans ta : kTrans)
+          for (Trans tb : kTrans) {
+            SCOPED_TRACE(testing::Message() << "M=" << M << " K=" << K << " ta=" << int(ta)
+                                            << " tb=" << int(tb) << " " << dtype_name(dt));
+            Problem p({ta, tb, M, 37, K, 1, 2, 3}, ++seed);
+            Operands ops(p, dt);
+            const int64_t ldr = 37 + 5;
+            std::vector<float> r = randn(M * ldr, ++seed);
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t n = 37; n < ldr; ++n) r[m * ldr + n] = NAN;
+            std::vector<float> c(size_t(M * p.ldc), NAN);
+            ops.args.C = c.data();
+            ops.args.R = r.data();
+            ops.args.ldr = ldr;
+            if (K > 0) {
+              EXPECT_EQ(gemm_parts(ops.args), M == 301 ? 2 : 1);
+            }
+            gemm(ops.args);
+            const auto ref = p.reference(false);
+            int bad = 0;
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t n = 0; n < 37; ++n) {
+                const double want = ref[m * p.ldc + n] + r[m * ldr + n];
+                const double tol = 1e-5 * (p.magnitude(m, n, false) + std::abs(r[m * ldr + n]));
+                if (!(std::abs(c[m * p.ldc + n] - want) <= tol) && ++bad < 5)
+                  ADD_FAILURE() << "C[" << m << "," << n << "] = " << c[m * p.ldc + n]
+                                << ", expected " << want;
+              }
+            EXPECT_EQ(bad, 0);
+          }
+  // Misuse: with accumulate or a rounded output, a short ldr, R overlapping C.
+  std::vector<float> a = randn(16, 1), c(16), r(16);
+  GemmArgs g{.M = 4, .N = 4, .K = 4, .A = a.data(), .lda = 4, .B = a.data(), .ldb = 4};
+  g.C = c.data();
+  g.ldc = 4;
+  g.R = r.data();
+  g.ldr = 4;
+  EXPECT_NO_THROW(gemm(g));
+  GemmArgs bad = g;
+  bad.accumulate = true;
+  EXPECT_THROW(gemm(bad), Error);
+  bad = g;
+  bad.ldr = 3;
+  EXPECT_THROW(gemm(bad), Error);
+  bad = g;
+  bad.R = c.data() + 2;
+  EXPECT_THROW(gemm(bad), Error);
+}
+
 TEST(Gemm, LinearForms) {
   const int64_t M = 23, N = 19, K = 31;
   auto x = randn(M * K, 1), w = randn(N * K, 2), dy = randn(M * N, 3);
