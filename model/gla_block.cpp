@@ -352,8 +352,9 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       ops::copy_rows(gk0_grad, gk0_before);
       gk0_grad.zero_();
     }
-    // The saved input as the forward read it (widened from bf16, exactly).
-    const Tensor x = ops::to_f32(a.x);
+    // The saved input as the forward read it: the bf16 copy, read widened (exactly) by the norm's
+    // backward; widened here only where the norm output must be recomputed from it.
+    const Tensor x = a.xn1.defined() ? a.x : ops::to_f32(a.x);
     a.x = Tensor();
     Tensor dxn1;
     {

@@ -275,8 +275,9 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       attention_backward(ctx, a, dattn, dqkv);
       a.lse = Tensor();
     }
-    // The saved input as the forward read it (widened from bf16, exactly).
-    const Tensor x = ops::to_f32(a.x);
+    // The saved input as the forward read it: the bf16 copy, read widened (exactly) by the norm's
+    // backward; widened here only where the norm output must be recomputed from it.
+    const Tensor x = a.xn1.defined() ? a.x : ops::to_f32(a.x);
     a.x = Tensor();
     Tensor dqkv_c;
     if (unrotated_dqkv(ctx)) {

@@ -367,7 +367,13 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
                       Tensor& dx, Tensor& dw) {
   on(
       "rmsnorm_backward", x.device(),
-      [&] { cpu::rmsnorm_backward(f(dy), f(x), f(w), f(rstd), rows(x), w.numel(), f(dx), f(dw)); },
+      [&] {
+        if (x.dtype() == DType::bf16)
+          cpu::rmsnorm_backward(f(dy), x.data<bf16>(), f(w), f(rstd), rows(x), w.numel(), f(dx),
+                                f(dw));
+        else
+          cpu::rmsnorm_backward(f(dy), f(x), f(w), f(rstd), rows(x), w.numel(), f(dx), f(dw));
+      },
       [&] {
         return streaming(DType::f32, bytes(dy) + bytes(x) + bytes(rstd) + bytes(dx), x.numel(), 8);
       });

@@ -149,7 +149,7 @@ void run_weight_grads(std::vector<DeferredWeightGrad>& list);
 // y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward. y is f32, or bf16 (rounded in
 // the kernel: the bits of the f32 result cast to bf16).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
-// dx [rows, d] overwritten, dw [d] accumulated.
+// dx [rows, d] and dw [d] accumulated; x f32, or bf16 (a saved block input, read widened).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
 // act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up]. act is f32, or bf16 (rounded in the

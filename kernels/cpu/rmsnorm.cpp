@@ -13,6 +13,11 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
+#include "kernels/cpu/vec_math-inl.hpp"
+
+// Vectors passed by value: see vec_math-inl.hpp.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 HWY_BEFORE_NAMESPACE();
 namespace loom::cpu::HWY_NAMESPACE {
 namespace {
@@ -69,10 +74,32 @@ void rmsnorm_forward_bf16_impl(const float* x, const float* w, int64_t rows, int
   rmsnorm_forward_t(x, w, rows, dim, eps, y, rstd);
 }
 
+namespace {
+
+// x as float, or bf16 widened (exactly) where it is read: the same values. The backward's loops
+// are written in explicit vectors so that both kinds of x run the same arithmetic in the same
+// order (under `omp simd` GCC vectorized the bf16 loads at another width, and dx differed in the
+// last bits from the f32 kernel on the widened copy).
+inline float value(float v) {
+  return v;
+}
+inline float value(bf16 v) {
+  return bf16_to_float(v);
+}
+inline vf load_x(const float* p) {
+  return load(p);
+}
+inline vf load_x(const bf16* p) {
+  return load_bf16(p);
+}
+
+}  // namespace
+
 // With xhat = x * rstd and g = dy * w:
 //   dx = rstd * (g - xhat * mean(g * xhat)),  dw = sum over rows of dy * xhat.
-void rmsnorm_backward_impl(const float* dy, const float* x, const float* w, const float* rstd,
-                           int64_t rows, int64_t dim, float* dx, float* dw) {
+template <class X>
+void rmsnorm_backward_t(const float* dy, const X* x, const float* w, const float* rstd,
+                        int64_t rows, int64_t dim, float* dx, float* dw) {
   const int64_t chunk_rows = (rows + kMaxChunks - 1) / kMaxChunks;
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   std::vector<float> partial(size_t(chunks * dim));
@@ -86,25 +113,26 @@ void rmsnorm_backward_impl(const float* dy, const float* x, const float* w, cons
     const int64_t r_end = std::min(rows, (c + 1) * chunk_rows);
     for (int64_t r = c * chunk_rows; r < r_end; ++r) {
       const float* __restrict dyr = dy + r * dim;
-      const float* __restrict xr = x + r * dim;
+      const X* __restrict xr = x + r * dim;
       float* __restrict dxr = dx + r * dim;
       const float rs = rstd[r];
-      float dot = 0;  // sum(g * x); times rstd it is sum(g * xhat)
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < dim; ++i) dot += dyr[i] * wr[i] * xr[i];
+      const int64_t vend = dim / kW * kW;
+      vf dotv{};  // sum(g * x); times rstd it is sum(g * xhat)
+      for (int64_t i = 0; i < vend; i += kW) dotv += load(dyr + i) * load(wr + i) * load_x(xr + i);
+      float dot = reduce_add(dotv);
+      for (int64_t i = vend; i < dim; ++i) dot += dyr[i] * wr[i] * value(xr[i]);
       const float k = dot * rs * rs * inv_dim;
-      if (r == c * chunk_rows) {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-          dxr[i] += rs * (dyr[i] * wr[i] - xr[i] * k);
-          pw[i] = dyr[i] * xr[i] * rs;
-        }
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-          dxr[i] += rs * (dyr[i] * wr[i] - xr[i] * k);
-          pw[i] += dyr[i] * xr[i] * rs;
-        }
+      const bool first = r == c * chunk_rows;
+      for (int64_t i = 0; i < vend; i += kW) {
+        const vf xi = load_x(xr + i), dyi = load(dyr + i);
+        store(dxr + i, load(dxr + i) + rs * (dyi * load(wr + i) - xi * k));
+        const vf p = dyi * xi * rs;
+        store(pw + i, first ? p : load(pw + i) + p);
+      }
+      for (int64_t i = vend; i < dim; ++i) {
+        const float xi = value(xr[i]);
+        dxr[i] += rs * (dyr[i] * wr[i] - xi * k);
+        pw[i] = first ? dyr[i] * xi * rs : pw[i] + dyr[i] * xi * rs;
       }
     }
   }
@@ -127,6 +155,15 @@ void rmsnorm_backward_impl(const float* dy, const float* x, const float* w, cons
   }
 }
 
+void rmsnorm_backward_impl(const float* dy, const float* x, const float* w, const float* rstd,
+                           int64_t rows, int64_t dim, float* dx, float* dw) {
+  rmsnorm_backward_t(dy, x, w, rstd, rows, dim, dx, dw);
+}
+void rmsnorm_backward_bf16_impl(const float* dy, const bf16* x, const float* w, const float* rstd,
+                                int64_t rows, int64_t dim, float* dx, float* dw) {
+  rmsnorm_backward_t(dy, x, w, rstd, rows, dim, dx, dw);
+}
+
 }  // namespace loom::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -144,6 +181,7 @@ void check_args(const char* what, int64_t rows, int64_t dim) {
 HWY_EXPORT(rmsnorm_forward_impl);
 HWY_EXPORT(rmsnorm_backward_impl);
 HWY_EXPORT(rmsnorm_forward_bf16_impl);
+HWY_EXPORT(rmsnorm_backward_bf16_impl);
 
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
                      float* rstd) {
@@ -164,6 +202,13 @@ void rmsnorm_backward(const float* dy, const float* x, const float* w, const flo
   check_args("rmsnorm_backward", rows, dim);
   if (rows == 0) return;
   LOOM_DISPATCH(rmsnorm_backward_impl)(dy, x, w, rstd, rows, dim, dx, dw);
+}
+
+void rmsnorm_backward(const float* dy, const bf16* x, const float* w, const float* rstd,
+                      int64_t rows, int64_t dim, float* dx, float* dw) {
+  check_args("rmsnorm_backward", rows, dim);
+  if (rows == 0) return;
+  LOOM_DISPATCH(rmsnorm_backward_bf16_impl)(dy, x, w, rstd, rows, dim, dx, dw);
 }
 
 }  // namespace loom::cpu

@@ -16,5 +16,9 @@ void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, 
 // dx += d/dx, dw += d/dw (both accumulate; dw deterministic for a given thread count).
 void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
                       int64_t rows, int64_t dim, float* dx, float* dw);
+// x saved in bf16 (mixed precision's block input), read as the f32 kernel reads its widened copy:
+// the same bits, without the copy.
+void rmsnorm_backward(const float* dy, const bf16* x, const float* w, const float* rstd,
+                      int64_t rows, int64_t dim, float* dx, float* dw);
 
 }  // namespace loom::cpu

@@ -163,6 +163,39 @@ TEST_ALL_ISAS(RMSNorm, Bf16OutputIsTheRoundedF32Result) {
   }
 }
 
+// x saved in bf16 (a mixed-precision block input): the backward reading it is bit for bit the f32
+// backward on its widened copy (dx and dw accumulating onto random starts), on every tier and
+// for any thread count.
+TEST_ALL_ISAS(RMSNorm, BackwardOfBf16InputIsTheF32OneOnItsWidenedCopy) {
+  for (auto [rows, dim] : std::vector<Shape>{{37, 288}, {130, 512}, {5, 37}, {1, 1}}) {
+    const auto x = make_x(rows, dim, 21);
+    const auto w = make_w(dim, 22);
+    std::vector<bf16> x16(x.size());
+    cpu::cast_f32_to_bf16(x.data(), x16.data(), int64_t(x.size()));
+    std::vector<float> xw(x.size());
+    cpu::cast_bf16_to_f32(x16.data(), xw.data(), int64_t(x.size()));
+    const auto dy = test::randn(x.size(), 23);
+    std::vector<float> y(x.size()), rstd(static_cast<size_t>(rows));
+    cpu::rmsnorm_forward(xw.data(), w.data(), rows, dim, kEps, y.data(), rstd.data());
+    auto dx = test::randn(x.size(), 24), dw = test::randn(size_t(dim), 25);
+    const auto dx0 = dx, dw0 = dw;
+    cpu::rmsnorm_backward(dy.data(), xw.data(), w.data(), rstd.data(), rows, dim, dx.data(),
+                          dw.data());
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      auto dx16 = dx0, dw16 = dw0;
+      cpu::rmsnorm_backward(dy.data(), x16.data(), w.data(), rstd.data(), rows, dim, dx16.data(),
+                            dw16.data());
+      EXPECT_EQ(std::memcmp(dx16.data(), dx.data(), dx.size() * sizeof(float)), 0)
+          << rows << "x" << dim << " threads " << threads;
+      EXPECT_EQ(std::memcmp(dw16.data(), dw.data(), dw.size() * sizeof(float)), 0)
+          << rows << "x" << dim << " threads " << threads;
+    }
+    omp_set_num_threads(saved);
+  }
+}
+
 TEST(RMSNorm, RejectsBadShapes) {
   float f = 1, g = 1;
   EXPECT_THROW(cpu::rmsnorm_forward(&f, &f, 1, 0, kEps, &g, &g), Error);
