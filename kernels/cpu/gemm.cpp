@@ -363,9 +363,13 @@ constexpr int64_t kSplitMinRows = 128;
 // forward and its backward): bf16 weight gradients (A transposed, K the tokens) 7-15% faster,
 // the other forms 0-7%; f32 weight gradients 4-16% (oneDNN sums two halves of K there: its
 // results differ from one thread's in the last bits), the others within 1%; warm operands
-// 1-4% (bf16). Each element of C is still one matmul's dot product over all of K.
+// 1-4% (bf16). Only where oneDNN runs at AVX-512 or AMX (its brgemm matmuls): at AVX2 the split
+// left bench-tiny's f32 step as it was and ran bench-small's 3.8% slower. Each element of C is
+// still one matmul's dot product over all of K.
 int split_parts(const GemmArgs& a) {
-  if (omp_in_parallel()) return 1;
+  static const bool brgemm_isa =
+      cpu_isa().onednn.rfind("avx512", 0) == 0 || cpu_isa().onednn.rfind("amx", 0) == 0;
+  if (!brgemm_isa || omp_in_parallel()) return 1;
   return int(std::clamp<int64_t>(a.M / kSplitMinRows, 1, omp_get_max_threads()));
 }
 
