@@ -914,20 +914,6 @@ HWY_AFTER_NAMESPACE();
 namespace loom::cpu {
 namespace {
 
-std::atomic<bool> native_allowed{true};
-
-bool cpu_has_avx512_bf16() {
-  static const bool has = [] {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
-#else
-    return false;
-#endif
-  }();
-  return has;
-}
-
 void check(const BlockShape& s, const char* who) {
   LOOM_CHECK(s.B > 0 && s.Tq > 0 && s.Tk > 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, who,
              ": B, Tq, Tk, Hq, Hkv, D must be positive, got B=", s.B, " Tq=", s.Tq, " Tk=", s.Tk,
@@ -957,12 +943,11 @@ HWY_EXPORT(attention_bf16_delta_impl);
 HWY_EXPORT(attention_bf16_tier_native);
 
 bool attention_bf16_native() {
-  return native_allowed.load() && LOOM_DISPATCH(attention_bf16_tier_native)() &&
-         cpu_has_avx512_bf16();
+  return avx512_bf16_native() && LOOM_DISPATCH(attention_bf16_tier_native)();
 }
 
 void set_attention_bf16_native_allowed(bool allowed) {
-  native_allowed.store(allowed);
+  set_avx512_bf16_native_allowed(allowed);
 }
 
 void attention_block_forward_bf16(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,

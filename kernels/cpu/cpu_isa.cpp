@@ -2,6 +2,7 @@
 
 #include <hwy/targets.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
@@ -165,6 +166,27 @@ Isa parse_cpu_isa(std::string_view value, const std::vector<Isa>& available) {
 Isa active_kernel_isa() {
   cpu_isa();
   return isa_of_target(HWY_DYNAMIC_DISPATCH(compiled_target_probe)());
+}
+
+namespace {
+std::atomic<bool> g_bf16_native_allowed{true};
+}  // namespace
+
+bool avx512_bf16_native() {
+  static const bool cpu_has = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    return false;
+#endif
+  }();
+  return cpu_has && g_bf16_native_allowed.load(std::memory_order_relaxed) &&
+         active_kernel_isa() == Isa::avx512;
+}
+
+void set_avx512_bf16_native_allowed(bool allowed) {
+  g_bf16_native_allowed.store(allowed);
 }
 
 const char* isa_name(Isa isa) {

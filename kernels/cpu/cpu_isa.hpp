@@ -44,6 +44,13 @@ Isa parse_cpu_isa(std::string_view value, const std::vector<Isa>& available);
 // kernels are), so it reports the code path that actually runs.
 Isa active_kernel_isa();
 
+// Whether loom's kernels run AVX512_BF16 instructions now (vdpbf16ps, the vcvtne*2bf16 roundings):
+// the avx512 tier is in use, the CPU has AVX512_BF16 (Skylake-X and Ice Lake have AVX-512
+// without it) and the tests have not turned them off. Kernels ask per call and pass it down.
+bool avx512_bf16_native();
+// Tests: false makes the avx512 tier run what the lower tiers run instead (default true).
+void set_avx512_bf16_native_allowed(bool allowed);
+
 // The CPU's model name and the instruction-set flags that matter to loom ("avx2 fma avx512f ...").
 std::string cpu_model_name();
 std::string cpu_flags_summary();

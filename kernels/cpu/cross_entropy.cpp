@@ -27,7 +27,7 @@ namespace {
 // scale; returns the row's loss lse - logit[t]. `out16` (bf16 mode) receives the gradient
 // instead of the row.
 inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bool need_grad,
-                               bf16* out16) {
+                               bf16* out16, bool native) {
   // The maximum in explicit vectors, four chains: `omp simd reduction(max)` over std::max stayed
   // a scalar vmaxss chain (60% of this function's time at V 4096). Whichever maximum a NaN logit
   // leaves, the exp below carries the NaN into the sum and the loss.
@@ -70,9 +70,9 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
   const float g_t = row[t] * k - scale;
   if (out16) {
     int64_t j = 0;
-    for (; j + kW <= V; j += kW) store_bf16(out16 + j, load(row + j) * k);
-    for (; j < V; ++j) out16[j] = float_to_bf16(row[j] * k);
-    out16[t] = float_to_bf16(g_t);
+    for (; j + kW <= V; j += kW) store_bf16_operand(out16 + j, load(row + j) * k, native);
+    for (; j < V; ++j) out16[j] = to_bf16_operand(row[j] * k, native);
+    out16[t] = to_bf16_operand(g_t, native);
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) row[j] *= k;
@@ -85,7 +85,7 @@ inline double softmax_grad_row(float* row, int64_t V, int32_t t, float scale, bo
 
 // The loss of rows [0, c) of a chunk of logits L (V per row), turned into their gradients.
 double softmax_rows_impl(float* L, bf16* G16, int64_t c, int64_t V, const int32_t* tg, float scale,
-                         bool need_grad) {
+                         bool need_grad, bool native) {
   double loss = 0;
 #pragma omp parallel for schedule(static) reduction(+ : loss)
   for (int64_t i = 0; i < c; ++i) {
@@ -98,7 +98,7 @@ double softmax_rows_impl(float* L, bf16* G16, int64_t c, int64_t V, const int32_
         std::fill_n(row, V, 0.0f);
       continue;
     }
-    loss += softmax_grad_row(row, V, tg[i], scale, need_grad, row16);
+    loss += softmax_grad_row(row, V, tg[i], scale, need_grad, row16, native);
   }
   return loss;
 }
@@ -160,6 +160,7 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
   const bool need_grad = a.dx || a.dw;
   const bool bf16_mode = a.ab == DType::bf16;
   const bool grad16 = bf16_mode && need_grad;
+  const bool native = avx512_bf16_native();  // the bf16 gradients' rounding (vec_math-inl.hpp)
   const LinearCrossEntropyChunks ch =
       linear_cross_entropy_chunks(a.N, a.V, a.chunk_rows, grad16 ? a.grad_rows : 0);
   const size_t esz = dtype_size(a.ab);
@@ -185,8 +186,8 @@ double linear_cross_entropy(const LinearCrossEntropyArgs& a) {
       const void* xc = static_cast<const char*>(a.x) + r0 * a.D * esz;
       linear_forward(xc, a.w, w_fwd, L, c, a.V, a.D, a.ab);
       bf16* g = G16 ? G16 + (r0 - g0) * a.V : nullptr;
-      loss +=
-          LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale, need_grad);
+      loss += LOOM_DISPATCH(softmax_rows_impl)(L, g, c, a.V, a.targets + r0, a.grad_scale,
+                                               need_grad, native);
     }
     const void* xg = static_cast<const char*>(a.x) + g0 * a.D * esz;
     if (a.dx) linear_backward_input(dlogits, a.w, a.dx + g0 * a.D, gn, a.V, a.D, a.ab, false);

@@ -54,10 +54,11 @@ void rotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_st
                  });
 }
 
-// Vectors of the target's width (store_bf16 rounds them), and on AVX-512 of 8 floats too (the
-// rest of a half head: D 48 is 16 + 8 pairs); vector_size cannot depend on a template parameter.
-inline void put(bf16* p, vf x) {
-  store_bf16(p, x);
+// Vectors of the target's width (store_bf16_operand rounds them: the output is an operand of the
+// bf16 attention or GEMM), and on AVX-512 of 8 floats too (the rest of a half head: D 48 is 16 + 8
+// pairs); vector_size cannot depend on a template parameter.
+inline void put(bf16* p, vf x, bool native) {
+  store_bf16_operand(p, x, native);
 }
 inline vf load_n(const float* p, vf) {
   return load(p);
@@ -69,7 +70,13 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint16_t v8hu __attribute__((vector_size(16), aligned(2), may_alias));
-inline void put(bf16* p, v8f x) {
+inline void put(bf16* p, v8f x, bool native) {
+  if (native) {  // vcvtneps2bf16 on 8 lanes, as store_bf16_operand on 16
+    __m128i r;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(x));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), r);
+    return;
+  }
   *reinterpret_cast<v8hu*>(p) = __builtin_convertvector(bf16_bits(__builtin_bit_cast(v8u, x)), v8h);
 }
 inline v8f load_n(const float* p, v8f) {
@@ -80,13 +87,13 @@ inline v8f load_n(const float* p, v8f) {
 // Pairs i .. n of a head with vectors V while they last; returns where they stopped.
 template <int Sign, class V>
 int64_t rotate_lanes(const float* x1, const float* x2, const float* c, const float* s, bf16* o1,
-                     bf16* o2, int64_t i, int64_t n) {
+                     bf16* o2, int64_t i, int64_t n, bool native) {
   constexpr int64_t N = sizeof(V) / 4;
   for (; i + N <= n; i += N) {
     const V a = load_n(x1 + i, V{}), b = load_n(x2 + i, V{}), ci = load_n(c + i, V{});
     const V si = float(Sign) * load_n(s + i, V{});
-    put(o1 + i, a * ci - b * si);
-    put(o2 + i, b * ci + a * si);
+    put(o1 + i, a * ci - b * si, native);
+    put(o2 + i, b * ci + a * si, native);
   }
   return i;
 }
@@ -95,7 +102,7 @@ int64_t rotate_lanes(const float* x1, const float* x2, const float* c, const flo
 template <int Sign>
 void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
                     int64_t x_stride, const int32_t* positions, const RopeTable& table, bf16* out,
-                    int64_t out_stride) {
+                    int64_t out_stride, bool native) {
   const int64_t half = D / 2;
   for_each_token(B, T, positions, table, [&](int64_t bt, const float* c, const float* s) {
     const float* row = x + bt * x_stride;
@@ -105,22 +112,22 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
       const float* x2 = x1 + half;
       bf16* o1 = orow + h * D;
       bf16* o2 = o1 + half;
-      int64_t i = rotate_lanes<Sign, vf>(x1, x2, c, s, o1, o2, 0, half);
+      int64_t i = rotate_lanes<Sign, vf>(x1, x2, c, s, o1, o2, 0, half, native);
 #ifdef LOOM_ROPE_HALF_LANES
-      i = rotate_lanes<Sign, v8f>(x1, x2, c, s, o1, o2, i, half);
+      i = rotate_lanes<Sign, v8f>(x1, x2, c, s, o1, o2, i, half, native);
 #endif
       for (; i < half; ++i) {
         const float a = x1[i], b = x2[i], si = Sign * s[i];
-        o1[i] = float_to_bf16(a * c[i] - b * si);
-        o2[i] = float_to_bf16(b * c[i] + a * si);
+        o1[i] = to_bf16_operand(a * c[i] - b * si, native);
+        o2[i] = to_bf16_operand(b * c[i] + a * si, native);
       }
     }
     const float* rest = row + H * D;
     bf16* orest = orow + H * D;
     const int64_t n = Hc * D;
     int64_t j = 0;
-    for (; j + kW <= n; j += kW) store_bf16(orest + j, load(rest + j));
-    for (; j < n; ++j) orest[j] = float_to_bf16(rest[j]);
+    for (; j + kW <= n; j += kW) store_bf16_operand(orest + j, load(rest + j), native);
+    for (; j < n; ++j) orest[j] = to_bf16_operand(rest[j], native);
   });
 }
 
@@ -130,11 +137,11 @@ void rotate_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc,
 
 void rope_rounded_impl(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
                        int64_t x_stride, const int32_t* positions, const RopeTable& table,
-                       bool backward, bf16* out, int64_t out_stride) {
+                       bool backward, bf16* out, int64_t out_stride, bool native) {
   if (backward)
-    rotate_rounded<-1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+    rotate_rounded<-1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride, native);
   else
-    rotate_rounded<1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride);
+    rotate_rounded<1>(x, B, T, H, Hc, D, x_stride, positions, table, out, out_stride, native);
 }
 
 void rope_forward_impl(float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row_stride,
@@ -259,7 +266,7 @@ void rope_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, i
   check_rounded(backward ? "rope_rounded (backward)" : "rope_rounded", B, T, H, Hc, D, x_stride,
                 positions, table, out_stride);
   LOOM_DISPATCH(rope_rounded_impl)
-  (x, B, T, H, Hc, D, x_stride, positions, table, backward, out, out_stride);
+  (x, B, T, H, Hc, D, x_stride, positions, table, backward, out, out_stride, avx512_bf16_native());
 }
 
 }  // namespace loom::cpu

@@ -33,17 +33,17 @@ inline vf sigmoid(vf x) {
 // The forward's output is f32, or bf16 for mixed precision (only a bf16 GEMM reads it). bf16 is
 // rounded in registers exactly as float_to_bf16 rounds (store_bf16), so the bits equal the f32
 // result cast afterwards, and the f32 values never go to memory.
-inline void put(float* p, vf x) {
+inline void put(float* p, vf x, bool) {
   store(p, x);
 }
-inline void put(bf16* p, vf x) {
-  store_bf16(p, x);
+inline void put(bf16* p, vf x, bool native) {
+  store_bf16_operand(p, x, native);
 }
-inline void put(float& dst, float v) {
+inline void put(float& dst, float v, bool) {
   dst = v;
 }
-inline void put(bf16& dst, float v) {
-  dst = float_to_bf16(v);
+inline void put(bf16& dst, float v, bool native) {
+  dst = to_bf16_operand(v, native);
 }
 // A bf16 input widens exactly.
 using HWY_NAMESPACE::load;
@@ -58,7 +58,7 @@ inline float get(bf16 v) {
 }
 
 template <class In, class T>
-void swiglu_forward_t(const In* gu, int64_t rows, int64_t F, T* h) {
+void swiglu_forward_t(const In* gu, int64_t rows, int64_t F, T* h, bool native = false) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const In* __restrict g = gu + r * 2 * F;
@@ -67,11 +67,11 @@ void swiglu_forward_t(const In* gu, int64_t rows, int64_t F, T* h) {
     int64_t j = 0;
     for (; j + kW <= F; j += kW) {
       const vf gj = load(g + j);
-      put(hr + j, gj * sigmoid(gj) * load(u + j));
+      put(hr + j, gj * sigmoid(gj) * load(u + j), native);
     }
     for (; j < F; ++j) {
       const float gj = get(g[j]);
-      put(hr[j], gj * sigmoid(gj) * get(u[j]));
+      put(hr[j], gj * sigmoid(gj) * get(u[j]), native);
     }
   }
 }
@@ -81,18 +81,19 @@ void swiglu_forward_t(const In* gu, int64_t rows, int64_t F, T* h) {
 void swiglu_forward_impl(const float* gu, int64_t rows, int64_t F, float* h) {
   swiglu_forward_t(gu, rows, F, h);
 }
-void swiglu_forward_bf16_impl(const float* gu, int64_t rows, int64_t F, bf16* h) {
-  swiglu_forward_t(gu, rows, F, h);
+void swiglu_forward_bf16_impl(const float* gu, int64_t rows, int64_t F, bf16* h, bool native) {
+  swiglu_forward_t(gu, rows, F, h, native);
 }
-void swiglu_forward_bf16_in_impl(const bf16* gu, int64_t rows, int64_t F, bf16* h) {
-  swiglu_forward_t(gu, rows, F, h);
+void swiglu_forward_bf16_in_impl(const bf16* gu, int64_t rows, int64_t F, bf16* h, bool native) {
+  swiglu_forward_t(gu, rows, F, h, native);
 }
 
 // With s = sigmoid(g): d silu(g)/dg = s + g s (1 - s) = s (1 + g (1 - s)). In bf16 the gate and up
 // come in as the forward saved them and their gradients go out rounded for the GEMM that reads
 // them, in one pass.
 template <class T>
-void swiglu_backward_t(const float* dh, const T* gu, int64_t rows, int64_t F, T* dgu) {
+void swiglu_backward_t(const float* dh, const T* gu, int64_t rows, int64_t F, T* dgu,
+                       bool native = false) {
 #pragma omp parallel for schedule(static) if (rows * F >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     // No __restrict here: dgu may be gu itself (the model overwrites the saved gate/up in place).
@@ -106,14 +107,14 @@ void swiglu_backward_t(const float* dh, const T* gu, int64_t rows, int64_t F, T*
     for (; j + kW <= F; j += kW) {
       const vf gj = load(g + j), uj = load(u + j), dj = load(d + j);
       const vf s = sigmoid(gj);
-      put(dg + j, dj * uj * s * (1.0f + gj * (1.0f - s)));
-      put(du + j, dj * gj * s);
+      put(dg + j, dj * uj * s * (1.0f + gj * (1.0f - s)), native);
+      put(du + j, dj * gj * s, native);
     }
     for (; j < F; ++j) {
       const float gj = get(g[j]), uj = get(u[j]), dj = d[j];
       const float s = sigmoid(gj);
-      put(dg[j], dj * uj * s * (1.0f + gj * (1.0f - s)));
-      put(du[j], dj * gj * s);
+      put(dg[j], dj * uj * s * (1.0f + gj * (1.0f - s)), native);
+      put(du[j], dj * gj * s, native);
     }
   }
 }
@@ -121,9 +122,9 @@ void swiglu_backward_t(const float* dh, const T* gu, int64_t rows, int64_t F, T*
 void swiglu_backward_impl(const float* dh, const float* gu, int64_t rows, int64_t F, float* dgu) {
   swiglu_backward_t(dh, gu, rows, F, dgu);
 }
-void swiglu_backward_bf16_impl(const float* dh, const bf16* gu, int64_t rows, int64_t F,
-                               bf16* dgu) {
-  swiglu_backward_t(dh, gu, rows, F, dgu);
+void swiglu_backward_bf16_impl(const float* dh, const bf16* gu, int64_t rows, int64_t F, bf16* dgu,
+                               bool native) {
+  swiglu_backward_t(dh, gu, rows, F, dgu, native);
 }
 
 }  // namespace loom::cpu::HWY_NAMESPACE
@@ -158,17 +159,17 @@ void swiglu_backward(const float* dh, const float* gu, int64_t rows, int64_t F, 
 
 void swiglu_forward(const float* gu, int64_t rows, int64_t F, bf16* h) {
   check_args("swiglu_forward", rows, F);
-  LOOM_DISPATCH(swiglu_forward_bf16_impl)(gu, rows, F, h);
+  LOOM_DISPATCH(swiglu_forward_bf16_impl)(gu, rows, F, h, avx512_bf16_native());
 }
 
 void swiglu_forward(const bf16* gu, int64_t rows, int64_t F, bf16* h) {
   check_args("swiglu_forward", rows, F);
-  LOOM_DISPATCH(swiglu_forward_bf16_in_impl)(gu, rows, F, h);
+  LOOM_DISPATCH(swiglu_forward_bf16_in_impl)(gu, rows, F, h, avx512_bf16_native());
 }
 
 void swiglu_backward(const float* dh, const bf16* gu, int64_t rows, int64_t F, bf16* dgu) {
   check_args("swiglu_backward", rows, F);
-  LOOM_DISPATCH(swiglu_backward_bf16_impl)(dh, gu, rows, F, dgu);
+  LOOM_DISPATCH(swiglu_backward_bf16_impl)(dh, gu, rows, F, dgu, avx512_bf16_native());
 }
 
 }  // namespace loom::cpu

@@ -21,6 +21,7 @@
 
 #include <hwy/highway.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -79,6 +80,29 @@ inline void store_bf16(bf16* p, vf x) {
 #else
   *reinterpret_cast<vhu*>(p) = __builtin_convertvector(bits, vh);
 #endif
+}
+// x rounded to bf16 at p where only a bf16 GEMM reads it (a kernel's rounded output). With
+// `native` (avx512_bf16_native(), asked by the kernel per call) one vcvtneps2bf16, as oneDNN
+// rounds its own bf16 outputs: to nearest even, NaNs kept quiet, as store_bf16, except that the
+// instruction flushes f32 denormals (below 2^-126) to zero. The software rounding costs about a
+// third of the bf16 SwiGLU's time. Inline asm: it runs only where `native` holds, and the code
+// around it needs no other target.
+inline void store_bf16_operand(bf16* p, vf x, bool native) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if (native) {
+    __m256i r;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
+    return;
+  }
+#endif
+  (void)native;
+  store_bf16(p, x);
+}
+// One element as store_bf16_operand rounds a lane (the scalar tails of rows), so that a tensor
+// never mixes the two roundings of a denormal.
+inline bf16 to_bf16_operand(float v, bool native) {
+  return float_to_bf16(native && std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v);
 }
 // kW bf16 at p, widened (exactly: their bits are the high half of the f32's).
 inline vf load_bf16(const bf16* p) {

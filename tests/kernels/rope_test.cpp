@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -223,6 +224,35 @@ TEST_ALL_ISAS(Rope, RoundedEqualsRotatingThenCasting) {
   EXPECT_THROW(
       cpu::rope_rounded(x.data(), 1, 2, 2, 1, 8, 16, pos.data(), table, true, out.data(), 24),
       Error);  // x stride
+}
+
+// Outputs below f32's normal range: flushed to zero where vcvtneps2bf16 rounds them
+// (avx512_bf16_native), in every kind of lane (whole vectors at D 64, 8-lane halves at D 48, the
+// scalar tail at D 6, the copied heads); kept as the cast keeps them by the software rounding.
+TEST_ALL_ISAS(Rope, RoundedDenormalOutputs) {
+  for (const int64_t D : {64, 48, 6}) {
+    const int64_t B = 1, T = 4, H = 2, Hc = 1, W = (H + Hc) * D;
+    const auto table = cpu::rope_table(D, 100, 500000.0, llama31());
+    const std::vector<int32_t> pos = {0, 1, 7, 99};
+    std::vector<float> x = test::randn(size_t(B * T * W), 22);
+    for (float& v : x) v = v * 1e-40f + (v < 0 ? -1e-41f : 1e-41f);  // subnormal, never zero
+    std::vector<float> rotated = x;
+    cpu::rope_forward(rotated.data(), B, T, H, D, W, pos.data(), table);
+    for (bool allowed : {true, false}) {
+      cpu::set_avx512_bf16_native_allowed(allowed);
+      const bool flush = cpu::avx512_bf16_native();
+      std::vector<bf16> got(x.size());
+      cpu::rope_rounded(x.data(), B, T, H, Hc, D, W, pos.data(), table, false, got.data(), W);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const float v = rotated[i];
+        const bf16 want = flush && std::fpclassify(v) == FP_SUBNORMAL
+                              ? float_to_bf16(std::copysign(0.0f, v))
+                              : float_to_bf16(v);
+        ASSERT_EQ(got[i].bits, want.bits) << "D " << D << " element " << i << " flush " << flush;
+      }
+    }
+    cpu::set_avx512_bf16_native_allowed(true);
+  }
 }
 
 TEST(Rope, RejectsBadInput) {
