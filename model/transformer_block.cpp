@@ -85,13 +85,11 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   // In bf16 the residual stream enters each block rounded to bf16, as torch's bf16 mixed
   // precision keeps it, and the block saves that bf16 copy: the saved inputs (all that `full`
   // keeps) take half the memory. The input is rounded in place, so that the forward and its
-  // recomputation read the same values; its gradient passes the rounding straight through.
-  a.x = ops::to_compute(x, ctx.compute);
-  if (ctx.compute != DType::f32) {
-    Tensor rounded = x;
-    ops::cast(a.x, rounded);
-  }
-  Tensor out = run_forward(ctx, x, a, ac_, true);
+  // recomputation read the same values; its gradient passes the rounding straight through. The
+  // first norm does the rounding in its pass over x.
+  const bool round = ctx.compute != DType::f32;
+  a.x = round ? Tensor::empty(x.shape(), ctx.compute, x.device()) : x;
+  Tensor out = run_forward(ctx, x, a, ac_, true, round);
   if (ac_ == ActivationCheckpoint::Mode::full) {
     // Only the input stays; backward recomputes the rest from it.
     Tensor input = a.x;
@@ -177,7 +175,8 @@ void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, 
 }
 
 Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, BlockActs& a,
-                                     ActivationCheckpoint::Mode mode, bool output) const {
+                                     ActivationCheckpoint::Mode mode, bool output,
+                                     bool round_input) const {
   const TpRuntime& tp = par_->tp;
   const Dims g = dims(ctx);
   const auto& P = unit_.params();
@@ -194,7 +193,12 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
   {
     // In bf16 the norm rounds its output itself: the GEMM reads only the bf16 copy.
     Tensor xn1 = Tensor::empty({g.Mx, g.d}, dt, dev);
-    ops::rmsnorm_forward(x, P[kNorm1].value, g.eps, xn1, a.rstd1);
+    if (round_input) {
+      Tensor rounded = x;
+      ops::rmsnorm_forward_rounding_input(rounded, a.x, P[kNorm1].value, g.eps, xn1, a.rstd1);
+    } else {
+      ops::rmsnorm_forward(x, P[kNorm1].value, g.eps, xn1, a.rstd1);
+    }
     Tensor qkv = f32({g.M, g.nqkv}, dev);
     column_parallel_forward(tp, xn1, weight(kQ), keep_gathered, a.xn1, qkv);
     if (op) a.xn1 = Tensor();

@@ -78,9 +78,10 @@ class TransformerBlock {
   Dims dims(const StepContext& ctx) const;
   // `mode` says what to keep in `acts`; without `output` the down projection is skipped (the
   // recomputation of a `full` block needs everything but the output) and an empty tensor
-  // returned.
+  // returned. With `round_input` (bf16's forward) the first norm also rounds x in place and into
+  // acts.x, allocated by the caller.
   Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
-                     ActivationCheckpoint::Mode mode, bool output) const;
+                     ActivationCheckpoint::Mode mode, bool output, bool round_input = false) const;
   void attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const;
   void attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
                           Tensor& dqkv) const;

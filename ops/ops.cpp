@@ -363,6 +363,23 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
       [&] { return streaming(DType::f32, bytes(x) + bytes(y) + bytes(rstd), x.numel(), 4); });
 }
 
+void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, float eps, Tensor& y,
+                                    Tensor& rstd) {
+  LOOM_CHECK(x.dtype() == DType::f32 && x16.dtype() == DType::bf16 && y.dtype() == DType::bf16 &&
+                 x16.numel() == x.numel(),
+             "rmsnorm_forward_rounding_input: expected f32 x, and bf16 x16 and y of its size");
+  on(
+      "rmsnorm_forward", x.device(),
+      [&] {
+        cpu::rmsnorm_forward_rounding_input(f(x), x16.data<bf16>(), f(w), rows(x), w.numel(), eps,
+                                            y.data<bf16>(), f(rstd));
+      },
+      [&] {
+        return streaming(DType::f32, 2 * bytes(x) + bytes(x16) + bytes(y) + bytes(rstd), x.numel(),
+                         4);
+      });
+}
+
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw) {
   on(

@@ -149,6 +149,10 @@ void run_weight_grads(std::vector<DeferredWeightGrad>& list);
 // y [rows, d] = x / rms(x) * w, rstd [rows] saved for backward. y is f32, or bf16 (rounded in
 // the kernel: the bits of the f32 result cast to bf16).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+// Mixed precision's block input: f32 x rounded to bf16 into x16 and in place, then the norm of the
+// rounded x into bf16 y; the bits of ops::cast twice and rmsnorm_forward, in one pass.
+void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, float eps, Tensor& y,
+                                    Tensor& rstd);
 // dx [rows, d] and dw [d] accumulated; x f32, or bf16 (a saved block input, read widened).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);

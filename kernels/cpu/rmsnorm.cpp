@@ -44,23 +44,26 @@ inline void put(bf16& dst, float v) {
   dst = float_to_bf16(v);
 }
 
+// One row: y = x * rstd * w; returns rstd.
+template <class T>
+inline float norm_row(const float* __restrict xr, const float* __restrict wr, int64_t dim,
+                      float inv_dim, float eps, T* __restrict yr) {
+  float ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+  const float rs = 1.0f / std::sqrt(ss * inv_dim + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) put(yr[i], xr[i] * rs * wr[i]);
+  return rs;
+}
+
 template <class T>
 void rmsnorm_forward_t(const float* x, const float* w, int64_t rows, int64_t dim, float eps, T* y,
                        float* rstd) {
   const float inv_dim = 1.0f / float(dim);
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict xr = x + r * dim;
-    const float* __restrict wr = w;
-    T* __restrict yr = y + r * dim;
-    float ss = 0;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
-    const float rs = 1.0f / std::sqrt(ss * inv_dim + eps);
-    rstd[r] = rs;
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) put(yr[i], xr[i] * rs * wr[i]);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    rstd[r] = norm_row(x + r * dim, w, dim, inv_dim, eps, y + r * dim);
 }
 
 }  // namespace
@@ -72,6 +75,28 @@ void rmsnorm_forward_impl(const float* x, const float* w, int64_t rows, int64_t 
 void rmsnorm_forward_bf16_impl(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
                                bf16* y, float* rstd) {
   rmsnorm_forward_t(x, w, rows, dim, eps, y, rstd);
+}
+
+// Each row rounded first (in place and into x16, while it is in L1), then normed by the same
+// row code as rmsnorm_forward_t.
+void rmsnorm_forward_rounding_input_impl(float* x, bf16* x16, const float* w, int64_t rows,
+                                         int64_t dim, float eps, bf16* y, float* rstd) {
+  const float inv_dim = 1.0f / float(dim);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict xr = x + r * dim;
+    bf16* __restrict hr = x16 + r * dim;
+    int64_t i = 0;
+    for (; i + kW <= dim; i += kW) {
+      store_bf16(hr + i, load(xr + i));
+      store(xr + i, load_bf16(hr + i));
+    }
+    for (; i < dim; ++i) {
+      hr[i] = float_to_bf16(xr[i]);
+      xr[i] = bf16_to_float(hr[i]);
+    }
+    rstd[r] = norm_row(xr, w, dim, inv_dim, eps, y + r * dim);
+  }
 }
 
 namespace {
@@ -182,6 +207,7 @@ HWY_EXPORT(rmsnorm_forward_impl);
 HWY_EXPORT(rmsnorm_backward_impl);
 HWY_EXPORT(rmsnorm_forward_bf16_impl);
 HWY_EXPORT(rmsnorm_backward_bf16_impl);
+HWY_EXPORT(rmsnorm_forward_rounding_input_impl);
 
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
                      float* rstd) {
@@ -195,6 +221,13 @@ void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, 
   check_args("rmsnorm_forward", rows, dim);
   LOOM_CHECK(eps >= 0, "rmsnorm_forward: eps must be >= 0, got ", eps);
   LOOM_DISPATCH(rmsnorm_forward_bf16_impl)(x, w, rows, dim, eps, y, rstd);
+}
+
+void rmsnorm_forward_rounding_input(float* x, bf16* x16, const float* w, int64_t rows, int64_t dim,
+                                    float eps, bf16* y, float* rstd) {
+  check_args("rmsnorm_forward_rounding_input", rows, dim);
+  LOOM_CHECK(eps >= 0, "rmsnorm_forward_rounding_input: eps must be >= 0, got ", eps);
+  LOOM_DISPATCH(rmsnorm_forward_rounding_input_impl)(x, x16, w, rows, dim, eps, y, rstd);
 }
 
 void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,

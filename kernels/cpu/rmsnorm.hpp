@@ -13,6 +13,11 @@ void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, 
 // precision, where the norm's output only feeds a bf16 GEMM.
 void rmsnorm_forward(const float* x, const float* w, int64_t rows, int64_t dim, float eps, bf16* y,
                      float* rstd);
+// Mixed precision's block input in one pass: x rounded to bf16 into x16 and in place (x keeps the
+// widened values), then the bf16-output norm of the rounded x. The bits of cast_f32_to_bf16(x ->
+// x16), cast_bf16_to_f32(x16 -> x) and rmsnorm_forward(x, ..., bf16 y), without the two passes.
+void rmsnorm_forward_rounding_input(float* x, bf16* x16, const float* w, int64_t rows, int64_t dim,
+                                    float eps, bf16* y, float* rstd);
 // dx += d/dx, dw += d/dw (both accumulate; dw deterministic for a given thread count).
 void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
                       int64_t rows, int64_t dim, float* dx, float* dw);

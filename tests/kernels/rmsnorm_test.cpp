@@ -163,6 +163,42 @@ TEST_ALL_ISAS(RMSNorm, Bf16OutputIsTheRoundedF32Result) {
   }
 }
 
+// The block input's rounding fused into the norm: bit for bit the two casts and the bf16-output
+// norm, on every tier and for any thread count (dim 288 and 512 in whole vectors, 37 and 1 with
+// scalar tails; NaN and values that round up a binade among the inputs).
+TEST_ALL_ISAS(RMSNorm, RoundingInputIsTheCastsThenTheNorm) {
+  for (auto [rows, dim] : std::vector<Shape>{{37, 288}, {130, 512}, {5, 37}, {1, 1}}) {
+    auto x = make_x(rows, dim, 31);
+    if (x.size() > 20) {
+      x[3] = 1.99999988f;  // rounds up to 2
+      x[17] = -3.3e38f;    // rounds to -inf's neighbour
+    }
+    const auto w = make_w(dim, 32);
+    std::vector<bf16> want_x16(x.size()), want_y(x.size());
+    std::vector<float> want_x(x.size()), want_rstd(static_cast<size_t>(rows));
+    cpu::cast_f32_to_bf16(x.data(), want_x16.data(), int64_t(x.size()));
+    cpu::cast_bf16_to_f32(want_x16.data(), want_x.data(), int64_t(x.size()));
+    cpu::rmsnorm_forward(want_x.data(), w.data(), rows, dim, kEps, want_y.data(), want_rstd.data());
+    const int saved = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      auto xr = x;
+      std::vector<bf16> x16(x.size()), y(x.size());
+      std::vector<float> rstd(want_rstd.size());
+      cpu::rmsnorm_forward_rounding_input(xr.data(), x16.data(), w.data(), rows, dim, kEps,
+                                          y.data(), rstd.data());
+      EXPECT_EQ(std::memcmp(xr.data(), want_x.data(), xr.size() * sizeof(float)), 0)
+          << rows << "x" << dim << " threads " << threads;
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_EQ(x16[i].bits, want_x16[i].bits) << rows << "x" << dim << " " << i;
+        ASSERT_EQ(y[i].bits, want_y[i].bits) << rows << "x" << dim << " " << i;
+      }
+      EXPECT_EQ(std::memcmp(rstd.data(), want_rstd.data(), rstd.size() * sizeof(float)), 0);
+    }
+    omp_set_num_threads(saved);
+  }
+}
+
 // x saved in bf16 (a mixed-precision block input): the backward reading it is bit for bit the f32
 // backward on its widened copy (dx and dw accumulating onto random starts), on every tier and
 // for any thread count.
