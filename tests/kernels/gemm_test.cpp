@@ -188,6 +188,13 @@ TEST(Gemm, CacheDistinguishesKeys) {
   check({Trans::N, Trans::N, 37, 29, 53}, DType::f32, false, 74);
 }
 
+// OpenMP's thread count for a test's scope.
+struct ScopedThreads {
+  explicit ScopedThreads(int n) { omp_set_num_threads(n); }
+  ~ScopedThreads() { omp_set_num_threads(saved); }
+  int saved = omp_get_max_threads();
+};
+
 // Whether gemm splits calls by rows here: where oneDNN runs at AVX-512 or AMX.
 bool splits_rows() {
   return cpu_isa().onednn.rfind("avx512", 0) == 0 || cpu_isa().onednn.rfind("amx", 0) == 0;
@@ -197,11 +204,7 @@ bool splits_rows() {
 // uneven where the rows do not divide: every transpose, dtype, accumulate and padding against the
 // fp64 reference, at 2 and 3 blocks, and the rounded bf16 output.
 TEST(Gemm, RowBlocksPerThreadMatchTheReference) {
-  struct Threads {
-    int saved = omp_get_max_threads();
-    ~Threads() { omp_set_num_threads(saved); }
-  } restore;
-  omp_set_num_threads(3);
+  ScopedThreads threads(3);
   uint64_t seed = 200;
   for (int64_t M : {301, 401}) {
     GemmArgs shape{.M = M, .N = 37, .K = 75, .lda = 75, .ldb = 75, .ldc = 37};
@@ -238,11 +241,7 @@ TEST(Gemm, RowBlocksPerThreadMatchTheReference) {
 // C = R + op(A) op(B): C's prior contents (NaN here) never read, R's padding never read, in one
 // matmul and split into row blocks, every transpose and dtype, and the empty sum (C = R).
 TEST(Gemm, ResidualIsCopiedIntoC) {
-  struct Threads {
-    int saved = omp_get_max_threads();
-    ~Threads() { omp_set_num_threads(saved); }
-  } restore;
-  omp_set_num_threads(2);
+  ScopedThreads threads(2);
   uint64_t seed = 400;
   for (int64_t M : {37, 301})
     for (int64_t K : {75, 0})
