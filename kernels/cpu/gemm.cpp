@@ -355,22 +355,24 @@ GemmArgs residual_copied(const GemmArgs& a) {
 // B's blocks than the split saves.
 constexpr int64_t kSplitMinRows = 128;
 
-// How many parts gemm(a) splits into (1: oneDNN's own threading). A call that M rows fill splits
-// into one block of contiguous rows of C per OpenMP thread, each a single-threaded matmul, the
-// blocks those `omp for schedule(static)` gives the threads, as loom's own kernels do: a thread
-// reads the rows it wrote. Measured at the bench-tiny shapes on two threads against oneDNN's
-// own two-thread matmul, operands evicted from the caches between calls (as between a layer's
-// forward and its backward): bf16 weight gradients (A transposed, K the tokens) 7-15% faster,
-// the other forms 0-7%; f32 weight gradients 4-16% (oneDNN sums two halves of K there: its
-// results differ from one thread's in the last bits), the others within 1%; warm operands
-// 1-4% (bf16). Only where oneDNN runs at AVX-512 or AMX (its brgemm matmuls): at AVX2 the split
-// left bench-tiny's f32 step as it was and ran bench-small's 3.8% slower. Each element of C is
-// still one matmul's dot product over all of K.
+// How many parts gemm(a) splits into (1: oneDNN's own threading). A call whose rows give every
+// OpenMP thread kSplitMinRows or more (with fewer some threads would idle, where oneDNN would
+// split the columns too) runs as one single-threaded matmul per thread, each on the block of
+// contiguous rows of C that `omp for schedule(static)` gives it, as loom's own kernels partition
+// rows: a thread reads the rows it wrote. Measured at the bench-tiny shapes on two threads
+// against oneDNN's own two-thread matmul, operands evicted from the caches between calls (as
+// between a layer's forward and its backward): bf16 weight gradients (A transposed, K the
+// tokens) 7-15% faster, the other forms 0-7%; f32 weight gradients 4-16% (oneDNN sums two halves
+// of K there: its results differ from one thread's in the last bits), the others within 1%;
+// warm operands 1-4% (bf16). Only where oneDNN runs at AVX-512 or AMX (its brgemm matmuls): at
+// AVX2 the split left bench-tiny's f32 step as it was and ran bench-small's 3.8% slower. Each
+// element of C is still one matmul's dot product over all of K.
 int split_parts(const GemmArgs& a) {
   static const bool brgemm_isa =
       cpu_isa().onednn.rfind("avx512", 0) == 0 || cpu_isa().onednn.rfind("amx", 0) == 0;
   if (!brgemm_isa || omp_in_parallel()) return 1;
-  return int(std::clamp<int64_t>(a.M / kSplitMinRows, 1, omp_get_max_threads()));
+  const int threads = omp_get_max_threads();
+  return a.M / kSplitMinRows >= threads ? threads : 1;
 }
 
 // Rows [r0, r1) of C of part `p` of `parts`: what `omp for schedule(static)` gives thread p
