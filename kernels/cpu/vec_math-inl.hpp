@@ -81,7 +81,7 @@ inline void store_bf16(bf16* p, vf x) {
   *reinterpret_cast<vhu*>(p) = __builtin_convertvector(bits, vh);
 #endif
 }
-// x rounded to bf16 at p where only a bf16 GEMM reads it (a kernel's rounded output). With
+// x rounded to bf16 at p where only a bf16 GEMM or the bf16 attention reads it. With
 // `native` (avx512_bf16_native(), asked by the kernel per call) one vcvtneps2bf16, as oneDNN
 // rounds its own bf16 outputs: to nearest even, NaNs kept quiet, as store_bf16, except that the
 // instruction flushes f32 denormals (below 2^-126) to zero. The software rounding costs about a
