@@ -96,6 +96,17 @@ inline std::vector<cpu::Isa> kernel_isas() {
   return out;
 }
 
+// The AVX512_BF16 instructions turned on or off for a scope (cpu::set_avx512_bf16_native_allowed),
+// back to the default (on) at every exit of the scope, a failed fatal assertion's included, so
+// that no later test runs with them off.
+class ScopedBf16Native {
+ public:
+  explicit ScopedBf16Native(bool allowed) { cpu::set_avx512_bf16_native_allowed(allowed); }
+  ~ScopedBf16Native() { cpu::set_avx512_bf16_native_allowed(true); }
+  ScopedBf16Native(const ScopedBf16Native&) = delete;
+  ScopedBf16Native& operator=(const ScopedBf16Native&) = delete;
+};
+
 // Runs body(isa) once per kernel tier with the kernels dispatched to that tier and a trace naming
 // it on every failure. A fatal assertion in body ends that tier's run; the next tier still runs.
 template <class Body>

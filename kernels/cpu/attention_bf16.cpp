@@ -946,10 +946,6 @@ bool attention_bf16_native() {
   return avx512_bf16_native() && LOOM_DISPATCH(attention_bf16_tier_native)();
 }
 
-void set_attention_bf16_native_allowed(bool allowed) {
-  set_avx512_bf16_native_allowed(allowed);
-}
-
 void attention_block_forward_bf16(const BlockShape& s, const bf16* q, const bf16* k, const bf16* v,
                                   const int64_t* q_pos, const int64_t* k_pos, float* out,
                                   float* lse, const std::function<void()>& progress) {

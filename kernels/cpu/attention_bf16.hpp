@@ -51,9 +51,7 @@ void attention_delta_bf16(int64_t B, int64_t Tq, int64_t Hq, int64_t D, const bf
                           const float* dout, float* delta);
 
 // Whether the bf16 kernels run vdpbf16ps now: the avx512 tier is in use, the CPU has AVX512_BF16
-// and the tests have not turned it off.
+// and the tests have not turned it off (set_avx512_bf16_native_allowed, cpu_isa.hpp).
 bool attention_bf16_native();
-// Tests: false makes the avx512 tier emulate vdpbf16ps as the lower tiers do (default true).
-void set_attention_bf16_native_allowed(bool allowed);
 
 }  // namespace loom::cpu

@@ -182,9 +182,8 @@ void for_each_variant(Body&& body) {
     }
     if (native) {
       SCOPED_TRACE("emulated on a vdpbf16ps tier");
-      cpu::set_attention_bf16_native_allowed(false);
+      const test::ScopedBf16Native emulated(false);
       body();
-      cpu::set_attention_bf16_native_allowed(true);
     }
   });
 }

@@ -239,7 +239,7 @@ TEST_ALL_ISAS(Rope, RoundedDenormalOutputs) {
     std::vector<float> rotated = x;
     cpu::rope_forward(rotated.data(), B, T, H, D, W, pos.data(), table);
     for (bool allowed : {true, false}) {
-      cpu::set_avx512_bf16_native_allowed(allowed);
+      const test::ScopedBf16Native scope(allowed);
       const bool flush = cpu::avx512_bf16_native();
       std::vector<bf16> got(x.size());
       cpu::rope_rounded(x.data(), B, T, H, Hc, D, W, pos.data(), table, false, got.data(), W);
@@ -251,7 +251,6 @@ TEST_ALL_ISAS(Rope, RoundedDenormalOutputs) {
         ASSERT_EQ(got[i].bits, want.bits) << "D " << D << " element " << i << " flush " << flush;
       }
     }
-    cpu::set_avx512_bf16_native_allowed(true);
   }
 }
 

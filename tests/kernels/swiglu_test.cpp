@@ -183,7 +183,8 @@ TEST_ALL_ISAS(SwiGLU, Bf16InputsAreTheF32KernelsOnTheWidenedValues) {
 // Outputs below f32's normal range: where the CPU rounds with vcvtneps2bf16 (avx512_bf16_native)
 // they flush to zero, in vector lanes and the tail alike; the software rounding (the lower tiers,
 // or with the instructions turned off) keeps them as the cast does. Every normal output is the
-// cast's bits either way (the tests above).
+// cast's bits either way (the tests above). Both inputs: f32 gate/up, and bf16 (whose subnormal
+// up values bf16 keeps) against the f32 kernel on their widened values.
 TEST_ALL_ISAS(SwiGLU, Bf16RoundingOfDenormalOutputs) {
   const int64_t rows = 3, F = 37;  // two vectors and a tail on AVX-512
   std::vector<float> gu(static_cast<size_t>(rows * 2 * F));
@@ -192,21 +193,29 @@ TEST_ALL_ISAS(SwiGLU, Bf16RoundingOfDenormalOutputs) {
       gu[size_t(r * 2 * F + j)] = 1.0f + 0.01f * float(j);                             // gate
       gu[size_t(r * 2 * F + F + j)] = (j % 2 ? -1.0f : 1.0f) * 1e-40f * float(j + 1);  // up
     }
-  std::vector<float> h(static_cast<size_t>(rows * F));
-  cpu::swiglu_forward(gu.data(), rows, F, h.data());
-  std::vector<bf16> gu16(gu.size()), h16(h.size());
+  std::vector<bf16> gu16(gu.size());
   cpu::cast_f32_to_bf16(gu.data(), gu16.data(), int64_t(gu.size()));
-  for (bool allowed : {true, false}) {
-    cpu::set_avx512_bf16_native_allowed(allowed);
-    const bool flush = cpu::avx512_bf16_native();
-    cpu::swiglu_forward(gu.data(), rows, F, h16.data());
-    for (size_t i = 0; i < h.size(); ++i) {
-      ASSERT_EQ(std::fpclassify(h[i]), FP_SUBNORMAL) << i;
-      const bf16 want = flush ? float_to_bf16(std::copysign(0.0f, h[i])) : float_to_bf16(h[i]);
-      ASSERT_EQ(h16[i].bits, want.bits) << "element " << i << " flush " << flush;
+  std::vector<float> gu_w(gu.size());
+  cpu::cast_bf16_to_f32(gu16.data(), gu_w.data(), int64_t(gu.size()));
+  for (const bool bf16_in : {false, true}) {
+    std::vector<float> h(static_cast<size_t>(rows * F));
+    cpu::swiglu_forward(bf16_in ? gu_w.data() : gu.data(), rows, F, h.data());
+    for (const bool allowed : {true, false}) {
+      const test::ScopedBf16Native scope(allowed);
+      const bool flush = cpu::avx512_bf16_native();
+      std::vector<bf16> h16(h.size());
+      if (bf16_in)
+        cpu::swiglu_forward(gu16.data(), rows, F, h16.data());
+      else
+        cpu::swiglu_forward(gu.data(), rows, F, h16.data());
+      for (size_t i = 0; i < h.size(); ++i) {
+        ASSERT_EQ(std::fpclassify(h[i]), FP_SUBNORMAL) << i;
+        const bf16 want = flush ? float_to_bf16(std::copysign(0.0f, h[i])) : float_to_bf16(h[i]);
+        ASSERT_EQ(h16[i].bits, want.bits)
+            << "element " << i << " flush " << flush << " bf16 input " << bf16_in;
+      }
     }
   }
-  cpu::set_avx512_bf16_native_allowed(true);
 }
 
 TEST(SwiGLU, RejectsBadShapes) {
