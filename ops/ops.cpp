@@ -366,7 +366,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, float eps, Tensor& y,
                                     Tensor& rstd) {
   LOOM_CHECK(x.dtype() == DType::f32 && x16.dtype() == DType::bf16 && y.dtype() == DType::bf16 &&
-                 x16.numel() == x.numel(),
+                 x16.numel() == x.numel() && y.numel() == x.numel(),
              "rmsnorm_forward_rounding_input: expected f32 x, and bf16 x16 and y of its size");
   on(
       "rmsnorm_forward", x.device(),

@@ -157,7 +157,8 @@ void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, flo
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw);
 // act [M, F] = silu(gate) * up, gu [M, 2F] = [gate | up]. act is f32, or bf16 (rounded in the
-// kernel: the bits of the f32 result cast to bf16). A bf16 gu (mixed precision's saved gate/up)
+// kernel: the bits of the f32 result cast to bf16, an f32 denormal flushed to zero where
+// cpu::avx512_bf16_native() holds). A bf16 gu (mixed precision's saved gate/up)
 // needs a bf16 act, and its gradient dgu is bf16 too (rounded in the kernel).
 void swiglu_forward(const Tensor& gu, Tensor& act);
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);  // dgu may be gu
@@ -168,7 +169,8 @@ void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>&
                    const RopeTable& table);
 // out [B*T, (H+Hc)*D] (bf16, contiguous) = x [B*T, (H+Hc)*D] (f32, a strided view allowed) with
 // its first H heads rotated (by the negative angle when `backward`) and the next Hc heads as they
-// are, rounded: rope_forward (rope_backward) and a cast in one pass, the same bits; x unchanged.
+// are, rounded: rope_forward (rope_backward) and a cast in one pass, the same bits (an f32 denormal
+// flushed to zero where cpu::avx512_bf16_native() holds); x unchanged.
 void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
                   const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
                   Tensor& out);

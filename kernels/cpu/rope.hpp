@@ -48,7 +48,8 @@ void rope_backward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, int64_
 // `out` (bf16, `out_stride` apart) with its first H heads rotated (by the negative angle when
 // `backward`) and the next Hc heads copied, every element rounded to bf16: the bits of
 // rope_forward (rope_backward) in place followed by a cast, without writing x back or reading it
-// twice.
+// twice; only an f32 denormal differs where avx512_bf16_native() holds (vcvtneps2bf16 flushes it
+// to zero, as oneDNN's bf16 outputs; `out` is an operand of the attention or a GEMM).
 void rope_rounded(const float* x, int64_t B, int64_t T, int64_t H, int64_t Hc, int64_t D,
                   int64_t x_stride, const int32_t* positions, const RopeTable& table, bool backward,
                   bf16* out, int64_t out_stride);

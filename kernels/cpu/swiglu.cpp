@@ -31,8 +31,9 @@ inline vf sigmoid(vf x) {
 }
 
 // The forward's output is f32, or bf16 for mixed precision (only a bf16 GEMM reads it). bf16 is
-// rounded in registers exactly as float_to_bf16 rounds (store_bf16), so the bits equal the f32
-// result cast afterwards, and the f32 values never go to memory.
+// rounded in registers as a GEMM operand (store_bf16_operand): the bits of the f32 result cast
+// afterwards, except that vcvtneps2bf16 flushes an f32 denormal to zero where it runs; the f32
+// values never go to memory.
 inline void put(float* p, vf x, bool) {
   store(p, x);
 }
