@@ -47,6 +47,7 @@ SystemInfo collect_system_info(double peak_seconds) {
     s.peak_bf16 = cpu::measure_gemm_peak(DType::bf16, peak_seconds);
   }
   s.load_average = load_average();
+  s.gpu = collect_gpu_info(peak_seconds);
   return s;
 }
 
@@ -65,7 +66,8 @@ std::string format_system_info(const SystemInfo& s) {
                  "  MPI           ", s.mpi, "\n",                                     //
                  "  threads       ", s.threads, " (OpenMP)\n",                        //
                  "  GEMM peak     ", peaks, "\n",                                     //
-                 "  load average  ", s.load_average.empty() ? "unknown" : s.load_average, "\n");
+                 "  load average  ", s.load_average.empty() ? "unknown" : s.load_average, "\n",
+                 format_gpu_info(s.gpu));
 }
 
 nlohmann::json system_info_json(const SystemInfo& s) {
@@ -83,7 +85,8 @@ nlohmann::json system_info_json(const SystemInfo& s) {
           {"threads", s.threads},
           {"gemm_peak_f32_flops", s.peak_f32},
           {"gemm_peak_bf16_flops", s.peak_bf16},
-          {"load_average", s.load_average}};
+          {"load_average", s.load_average},
+          {"gpu", gpu_info_json(s.gpu)}};
 }
 
 }  // namespace loom

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/gpu_info.hpp"
+
 namespace loom {
 
 struct SystemInfo {
@@ -23,10 +25,11 @@ struct SystemInfo {
   double peak_f32 = 0;         // measured GEMM FLOP/s (0: not measured)
   double peak_bf16 = 0;
   std::string load_average;  // /proc/loadavg's three figures
+  GpuSystemInfo gpu;         // the CUDA backend and its GPUs (apps/gpu_info.hpp)
 };
 
-// Everything but the GEMM peaks, which take about `peak_seconds` each to measure (0: skipped,
-// e.g. when several ranks share the cores).
+// Everything but the GEMM peaks (and the GPU's two ceilings), which take about `peak_seconds` each
+// to measure (0: skipped, e.g. when several ranks share the cores).
 SystemInfo collect_system_info(double peak_seconds);
 
 // The header lines ("loom 0.1.0 (commit ...)\n  cpu ...\n"), each line prefixed by `indent`

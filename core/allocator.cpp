@@ -5,6 +5,7 @@
 
 #include <sys/mman.h>
 
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 
 namespace loom {
@@ -55,6 +56,7 @@ Allocator& Allocator::get(Device device, Pool pool) {
   static Allocator cpu(Device::cpu), cpu_host(Device::cpu, Pool::host);
   static Allocator meta(Device::meta), meta_host(Device::meta, Pool::host);
   static Allocator elsewhere(Device::elsewhere);
+  static Allocator cuda(Device::cuda), cuda_host(Device::cuda, Pool::host);
   const bool host = pool == Pool::host;
   switch (device) {
     case Device::cpu:
@@ -65,9 +67,11 @@ Allocator& Allocator::get(Device device, Pool pool) {
       // Another rank's tensor: no memory here, whichever pool it lives in there.
       return elsewhere;
     case Device::cuda:
-      break;
+      LOOM_CHECK(device_memory(device), "no memory for device cuda: ",
+                 "this loom has no CUDA backend, or its runtime was not started (no GPU in use)");
+      return host ? cuda_host : cuda;
   }
-  fail("no allocator for device ", device_name(device), " in this build");
+  fail("no allocator for device ", device_name(device));
 }
 
 Allocator::~Allocator() {
@@ -84,6 +88,8 @@ size_t Allocator::round_size(size_t bytes) {
 }
 
 void* Allocator::os_alloc(size_t bytes) {
+  if (const DeviceMemory* m = device_memory(device_); m && device_ != Device::cpu)
+    return m->reserve(bytes, pool_ == Pool::host);
   if (!holds_data(device_)) {
     void* p = reinterpret_cast<void*>(next_meta_);
     next_meta_ += bytes;
@@ -103,6 +109,8 @@ void* Allocator::os_alloc(size_t bytes) {
 }
 
 void Allocator::os_free(void* ptr, size_t) {
+  if (const DeviceMemory* m = device_memory(device_); m && device_ != Device::cpu)
+    return m->release(ptr, pool_ == Pool::host);
   if (holds_data(device_)) std::free(ptr);
 }
 
@@ -120,12 +128,7 @@ Allocator::Block Allocator::allocate(size_t bytes) {
   } else {
     if (limit_ && stats_.reserved + size > limit_) {
       // Give back the cache before declaring out-of-memory.
-      stats_.num_cache_flushes++;
-      for (auto& [s, q] : cache_) {
-        os_free(q, s);
-        stats_.reserved -= s;
-      }
-      cache_.clear();
+      flush_cache_locked();
       if (stats_.reserved + size > limit_)
         fail("out of memory on ", device_name(device_),
              pool_ == Pool::host ? " (host pool of offloaded states)" : "", ": allocating ", size,
@@ -133,6 +136,12 @@ Allocator::Block Allocator::allocate(size_t bytes) {
              " reserved exceeds the limit of ", limit_, " bytes");
     }
     p = os_alloc(size);
+    if (!p && !cache_.empty()) {
+      // A device runtime out of memory: the cached blocks may be what it lacks.
+      flush_cache_locked();
+      p = os_alloc(size);
+    }
+    if (!p) out_of_device_memory(size);
     stats_.num_os_allocs++;
     stats_.reserved += size;
     if (stats_.reserved > stats_.peak_reserved) stats_.peak_reserved = stats_.reserved;
@@ -173,6 +182,24 @@ void Allocator::empty_cache() {
     stats_.reserved -= s;
   }
   cache_.clear();
+}
+
+void Allocator::flush_cache_locked() {
+  stats_.num_cache_flushes++;
+  for (auto& [s, q] : cache_) {
+    os_free(q, s);
+    stats_.reserved -= s;
+  }
+  cache_.clear();
+}
+
+void Allocator::out_of_device_memory(size_t size) const {
+  size_t free = 0, total = 0;
+  if (const DeviceMemory* m = device_memory(device_)) m->mem_info(&free, &total);
+  fail("out of memory on ", device_name(device_),
+       pool_ == Pool::host ? " (pinned host memory of offloaded states)" : "", ": allocating ",
+       size, " bytes for ", memory_use_name(use_), " with ", stats_.allocated, " allocated and ",
+       stats_.reserved, " reserved by loom; the device has ", free, " of ", total, " bytes free");
 }
 
 void Allocator::set_limit(size_t bytes) {

@@ -77,8 +77,12 @@ class Allocator {
   MemoryUse set_use(MemoryUse use);
 
  private:
+  // nullptr where a device runtime has no memory left (host memory failing is an error at once).
   void* os_alloc(size_t bytes);
   void os_free(void* ptr, size_t bytes);
+  // Gives every cached block back (mu_ held).
+  void flush_cache_locked();
+  [[noreturn]] void out_of_device_memory(size_t size) const;
 
   Device device_;
   Pool pool_;

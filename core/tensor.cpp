@@ -1,5 +1,7 @@
 #include "core/tensor.hpp"
 
+#include "core/device_memory.hpp"
+
 #include <cstring>
 #include <sstream>
 
@@ -107,19 +109,27 @@ Tensor Tensor::squeeze0() const {
 void Tensor::zero_() {
   LOOM_CHECK(is_contiguous(), "zero_ of a non-contiguous tensor");
   if (!holds_data(device()) || numel() == 0) return;
-  std::memset(raw(), 0, nbytes());
+  if (device() == Device::cpu) return void(std::memset(raw(), 0, nbytes()));
+  device_memory(device())->zero(raw(), nbytes());
 }
 
 void Tensor::copy_from(const Tensor& src) {
   LOOM_CHECK(shape_ == src.shape_ && dtype_ == src.dtype_, "copy_from: ", shape_str(src.shape_),
              " ", dtype_name(src.dtype_), " into ", shape_str(shape_), " ", dtype_name(dtype_));
   LOOM_CHECK(is_contiguous() && src.is_contiguous(), "copy_from needs contiguous tensors");
-  if (!holds_data(device()) || numel() == 0) return;
-  std::memcpy(raw(), src.raw(), nbytes());
+  if (!holds_data(device()) || !holds_data(src.device()) || numel() == 0) return;
+  if (device() == Device::cpu && src.device() == Device::cpu)
+    return void(std::memcpy(raw(), src.raw(), nbytes()));
+  // Between host and device, or on one device: its runtime copies (in stream order).
+  const bool to_device = device() != Device::cpu, from_device = src.device() != Device::cpu;
+  device_memory(to_device ? device() : src.device())
+      ->copy(raw(), src.raw(), nbytes(), to_device, from_device);
 }
 
 Tensor Tensor::to(DType dtype) const {
   LOOM_CHECK(is_contiguous(), "to() of a non-contiguous tensor");
+  LOOM_CHECK(device() != Device::cuda || dtype == dtype_,
+             "to(): a dtype conversion on the GPU is ops::cast, not Tensor::to");
   Tensor out = empty(shape_, dtype, device());
   if (!holds_data(device())) return out;
   int64_t n = numel();

@@ -70,6 +70,34 @@ TEST_F(InfoCommand, JsonHasEveryFieldAndMatchesText) {
   EXPECT_NE(t.out.find("GEMM peak     not measured"), std::string::npos) << t.out;
 }
 
+// The GPU lines: a loom with the CUDA backend names its runtime and either lists its GPUs or says
+// why none can be used (no driver, an old driver); one without the backend says it was built
+// without it. Both in the text and the JSON.
+TEST_F(InfoCommand, GpuLinesSayWhatThereIs) {
+  Result r = run("", "--json --peak-seconds 0");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const nlohmann::json g = nlohmann::json::parse(r.out)["gpu"];
+  Result t = run("", "--peak-seconds 0");
+  ASSERT_EQ(t.rc, 0) << t.err;
+  if (!g["cuda_backend"].get<bool>()) {
+    EXPECT_NE(g["none"].get<std::string>().find("built without the CUDA backend"),
+              std::string::npos);
+    EXPECT_NE(t.out.find("gpu           none: this loom was built without the CUDA backend"),
+              std::string::npos)
+        << t.out;
+    return;
+  }
+  EXPECT_NE(g["backend"].get<std::string>().find("CUDA runtime 13."), std::string::npos) << g;
+  EXPECT_NE(t.out.find("  gpu backend   CUDA runtime"), std::string::npos) << t.out;
+  if (g["gpus"].empty()) {
+    ASSERT_FALSE(g["none"].get<std::string>().empty()) << g;
+    EXPECT_NE(t.out.find("gpu           none: " + g["none"].get<std::string>()), std::string::npos)
+        << t.out;
+  } else {
+    EXPECT_NE(t.out.find("gpu           0: "), std::string::npos) << t.out;
+  }
+}
+
 // AVX2 is the tier every x86-64 CPU loom targets has (below it only the baseline): capped there,
 // the kernels and oneDNN say so, and bf16 GEMMs are widened (oneDNN 2.6 has no AVX2 bf16 matmul).
 TEST_F(InfoCommand, FollowsLoomCpuIsa) {

@@ -1,0 +1,23 @@
+#pragma once
+// Casts and the small element-wise passes of the optimizer and the gradient norm, on the device
+// (the counterparts of kernels/cpu/cast.hpp). Pointers are device memory; the work is queued on
+// the compute stream (kernels/cuda/runtime.hpp) and nothing waits for it.
+#include <cstdint>
+
+#include "core/dtype.hpp"
+
+namespace loom::cuda {
+
+// The bits of cpu::cast_f32_to_bf16's software rounding (round to nearest even; denormals kept).
+void cast_f32_to_bf16(const float* in, bf16* out, int64_t n);
+void cast_bf16_to_f32(const bf16* in, float* out, int64_t n);
+void fill(float* x, int64_t n, float value);
+void scale_inplace(float* x, int64_t n, float s);
+void add_inplace(float* y, const float* x, int64_t n);  // y += x
+// *out (device memory, one double) = the sum of x[i]^2 in double, in a fixed order: the same bits
+// for the same n whatever the GPU (blocks of a fixed size, partials summed by one block).
+// `scratch` holds sum_squares_scratch(n) doubles.
+void sum_squares(const float* x, int64_t n, double* scratch, double* out);
+int64_t sum_squares_scratch(int64_t n);
+
+}  // namespace loom::cuda
