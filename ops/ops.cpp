@@ -8,22 +8,10 @@
 #include <utility>
 
 #include "core/error.hpp"
-#include "core/philox.hpp"
-#include "kernels/cpu/attention.hpp"
-#include "kernels/cpu/attention_bf16.hpp"
-#include "kernels/cpu/attention_block.hpp"
-#include "kernels/cpu/attention_decode.hpp"
-#include "kernels/cpu/cast.hpp"
-#include "kernels/cpu/cross_entropy.hpp"
-#include "kernels/cpu/embedding.hpp"
-#include "kernels/cpu/gated_rmsnorm.hpp"
-#include "kernels/cpu/gemm.hpp"
-#include "kernels/cpu/gla.hpp"
-#include "kernels/cpu/gla_gate.hpp"
-#include "kernels/cpu/rmsnorm.hpp"
-#include "kernels/cpu/sharded.hpp"
-#include "kernels/cpu/short_conv.hpp"
-#include "kernels/cpu/swiglu.hpp"
+#include "kernels/cpu/attention_block.hpp"  // tiled_entries: the tiles the attention computes
+#include "kernels/cpu/cross_entropy.hpp"    // the loss's chunks, booked on meta
+#include "ops/backend.hpp"
+#include "ops/shape.hpp"
 
 namespace loom::ops {
 
@@ -45,9 +33,6 @@ void report(const char* op, const Works& ws) {
   for (const KernelWork& w : ws) report(op, w);
 }
 
-// Runs the cpu kernel `fn` on the cpu device; meta books memory only (nothing to compute) and
-// reports `work()` (a KernelWork or Works) to the recorder, if any: it is evaluated only then, so
-// the cpu path pays nothing for the time model.
 Works as_works(const KernelWork& w) {
   return {w};
 }
@@ -55,33 +40,30 @@ Works as_works(Works w) {
   return w;
 }
 
-template <class Fn, class Work>
-void on(const char* op, Device device, Fn&& fn, Work&& work) {
-  switch (device) {
-    case Device::cpu: {
-      if (!g_profile || g_timing) return fn();
-      double s = 0;
-      {
-        struct Timing {
-          Timing() { g_timing = true; }
-          ~Timing() { g_timing = false; }
-        } timing;
-        const auto t0 = std::chrono::steady_clock::now();
-        fn();
-        s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      }
-      Works ws = as_works(work());
-      for (KernelWork& w : ws)
-        if (!*w.op) w.op = op;
-      g_profile(op, ws, s);
-      return;
-    }
-    case Device::meta:
-      if (g_sink) report(op, work());
-      return;
-    default:
-      fail(op, ": no kernel for device ", device_name(device));
+// Meta books memory only (nothing to compute) and reports `work()` (a KernelWork or Works) to the
+// recorder, if any: it is evaluated only then, so a real device pays nothing for the time model.
+// Every other device runs `call` on its Backend (ops/backend.hpp), timed for the op profile when
+// one is alive.
+template <class Work, class Call>
+void on(const char* op, Device device, Work&& work, Call&& call) {
+  if (device == Device::meta) {
+    if (g_sink) report(op, work());
+    return;
   }
+  Backend& b = backend(op, device);
+  if (!g_profile || g_timing) return call(b);
+  double s = 0;
+  {
+    struct Timing {
+      Timing() { g_timing = true; }
+      ~Timing() { g_timing = false; }
+    } timing;
+    s = b.timed([&] { call(b); });
+  }
+  Works ws = as_works(work());
+  for (KernelWork& w : ws)
+    if (!*w.op) w.op = op;
+  g_profile(op, ws, s);
 }
 
 double bytes(const Tensor& t) {
@@ -105,25 +87,6 @@ KernelWork gemm(const char* op, DType dt, int64_t M, int64_t N, int64_t K, bool 
       double(M * K + N * K) * double(dtype_size(dt)) + double(M * N) * 4.0 * (accumulate ? 2 : 1);
   w.m = M, w.n = N, w.k = K;
   return w;
-}
-
-const float* f(const Tensor& t) {
-  return t.data<float>();
-}
-float* f(Tensor& t) {
-  return t.data<float>();
-}
-int64_t rows(const Tensor& t) {
-  return t.size(0);
-}
-int64_t cols(const Tensor& t) {
-  return t.numel() / t.size(0);
-}
-int64_t stride(const Tensor& t) {
-  return t.ndim() > 1 ? t.strides()[0] : t.numel();
-}
-float scale(int64_t D) {
-  return 1.0f / std::sqrt(float(D));
 }
 
 }  // namespace
@@ -181,17 +144,13 @@ void cast_as(const char* op, const Tensor& src, Tensor& dst) {
       dtype_name(dst.dtype()));
   on(
       op, src.device(),
-      [&] {
-        if (widen)
-          cpu::cast_bf16_to_f32(src.data<bf16>(), f(dst), src.numel());
-        else
-          cpu::cast_f32_to_bf16(f(src), dst.data<bf16>(), src.numel());
-      },
+
       [&] {
         KernelWork w = streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 1);
         if (transfer_name(src, dst)) w.link_bytes = std::min(bytes(src), bytes(dst));
         return w;
-      });
+      },
+      [&](Backend& b) { b.cast(src, dst); });
 }
 
 }  // namespace
@@ -207,12 +166,14 @@ void copy(const Tensor& src, Tensor& dst) {
              "copy: ", shape_str(src.shape()), " into ", shape_str(dst.shape()),
              " (the same number of elements, both contiguous)");
   on(
-      transfer ? transfer : "copy", src.device(), [&] { dst.view(src.shape()).copy_from(src); },
+      transfer ? transfer : "copy", src.device(),
       [&] {
         KernelWork w = streaming(src.dtype(), 2 * bytes(src), 0, 0);
         if (transfer) w.link_bytes = bytes(src);
         return w;
-      });
+      },
+      // Every device's memory copies through Tensor (its runtime's copy, core/device_memory.hpp).
+      [&](Backend&) { dst.view(src.shape()).copy_from(src); });
 }
 
 void add_inplace(Tensor& y, const Tensor& x) {
@@ -220,18 +181,18 @@ void add_inplace(Tensor& y, const Tensor& x) {
   const char* transfer = transfer_name(x, y);
   on(
       transfer ? transfer : "add_inplace", y.device(),
-      [&] { cpu::add_inplace(f(y), f(x), y.numel()); },
       [&] {
         KernelWork w = streaming(DType::f32, 2 * bytes(y) + bytes(x), y.numel(), 1);
         if (transfer) w.link_bytes = bytes(x);
         return w;
-      });
+      },
+      [&](Backend& b) { b.add_inplace(y, x); });
 }
 
 void fill(Tensor& x, float value) {
   on(
-      "fill", x.device(), [&] { cpu::fill(f(x), x.numel(), value); },
-      [&] { return streaming(DType::f32, bytes(x), x.numel(), 0); });
+      "fill", x.device(), [&] { return streaming(DType::f32, bytes(x), x.numel(), 0); },
+      [&](Backend& b) { b.fill(x, value); });
 }
 
 void copy_rows(const Tensor& src, Tensor& dst) {
@@ -239,33 +200,25 @@ void copy_rows(const Tensor& src, Tensor& dst) {
              "copy_rows: ", shape_str(src.shape()), " into ", shape_str(dst.shape()));
   on(
       "copy_rows", src.device(),
-      [&] { cpu::copy_rows(f(src), stride(src), f(dst), stride(dst), rows(src), src.size(1)); },
-      [&] { return streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 0); });
+      [&] { return streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 0); },
+      [&](Backend& b) { b.copy_rows(src, dst); });
 }
 
 void philox_normal(Tensor& x, uint64_t key, int64_t first, float std) {
   on(
       "philox_normal", x.device(),
-      [&] { loom::philox_normal(key, first, x.numel(), 0.0f, std, f(x)); },
       // Philox rounds and Box-Muller: tens of integer and float operations per sample.
-      [&] { return streaming(DType::f32, bytes(x), x.numel(), 40); });
+      [&] { return streaming(DType::f32, bytes(x), x.numel(), 40); },
+      [&](Backend& b) { b.philox_normal(x, key, first, std); });
 }
 
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
+  LOOM_CHECK(y.dtype() != DType::bf16 || !accumulate,
+             "linear: a bfloat16 output (the product rounded) cannot accumulate");
   on(
       "linear", y.device(),
-      [&] {
-        if (y.dtype() == DType::bf16) {
-          LOOM_CHECK(!accumulate, "linear: a bfloat16 output (the product rounded) cannot ",
-                     "accumulate");
-          cpu::linear_forward_rounded(x.raw(), w.raw(), y.data<bf16>(), rows(x), cols(y), cols(x),
-                                      x.dtype());
-        } else {
-          cpu::linear_forward(x.raw(), w.raw(), f(y), rows(x), cols(y), cols(x), x.dtype(),
-                              accumulate);
-        }
-      },
-      [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), accumulate); });
+      [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), accumulate); },
+      [&](Backend& b) { b.linear(x, w, y, accumulate); });
 }
 
 void linear(const Tensor& x, const Tensor& w, const Tensor& r, Tensor& y) {
@@ -275,11 +228,8 @@ void linear(const Tensor& x, const Tensor& w, const Tensor& r, Tensor& y) {
              dtype_name(y.dtype()));
   on(
       "linear", y.device(),
-      [&] {
-        cpu::linear_forward_residual(x.raw(), w.raw(), f(r), f(y), rows(x), cols(y), cols(x),
-                                     x.dtype());
-      },
-      [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), true); });
+      [&] { return gemm("linear", x.dtype(), rows(x), cols(y), cols(x), true); },
+      [&](Backend& b) { b.linear_residual(x, w, r, y); });
 }
 
 namespace {
@@ -319,8 +269,8 @@ void weight_grad(const Tensor& dy, const Tensor& x, const WeightGrad& g) {
   Tensor dw = g.t;
   on(
       "linear_backward_weight", dy.device(),
-      [&] { cpu::linear_backward_weight(dy.raw(), x.raw(), f(dw), M, N, K, dy.dtype(), add); },
-      [&] { return gemm("linear_backward_weight", dy.dtype(), N, K, M, add); });
+      [&] { return gemm("linear_backward_weight", dy.dtype(), N, K, M, add); },
+      [&](Backend& b) { b.linear_backward_weight(dy, x, dw, add); });
 }
 }  // namespace
 
@@ -335,8 +285,8 @@ void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const W
   const int64_t M = rows(dy), N = cols(dy), K = cols(x);
   on(
       "linear_backward", dy.device(),
-      [&] { cpu::linear_backward_input(dy.raw(), w.raw(), f(dx), M, N, K, dy.dtype(), false); },
-      [&] { return gemm("linear_backward", dy.dtype(), M, K, N, false); });
+      [&] { return gemm("linear_backward", dy.dtype(), M, K, N, false); },
+      [&](Backend& b) { b.linear_backward_input(dy, w, dx); });
   // Deferred on meta too: the copies are booked as a real run holds them, and run_weight_grads
   // reports the weight GEMMs where the schedule runs them.
   if (g_deferred) {
@@ -354,13 +304,8 @@ void run_weight_grads(std::vector<DeferredWeightGrad>& list) {
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
   on(
       "rmsnorm_forward", x.device(),
-      [&] {
-        if (y.dtype() == DType::bf16)
-          cpu::rmsnorm_forward(f(x), f(w), rows(x), w.numel(), eps, y.data<bf16>(), f(rstd));
-        else
-          cpu::rmsnorm_forward(f(x), f(w), rows(x), w.numel(), eps, f(y), f(rstd));
-      },
-      [&] { return streaming(DType::f32, bytes(x) + bytes(y) + bytes(rstd), x.numel(), 4); });
+      [&] { return streaming(DType::f32, bytes(x) + bytes(y) + bytes(rstd), x.numel(), 4); },
+      [&](Backend& b) { b.rmsnorm_forward(x, w, eps, y, rstd); });
 }
 
 void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, float eps, Tensor& y,
@@ -371,13 +316,10 @@ void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, flo
   on(
       "rmsnorm_forward", x.device(),
       [&] {
-        cpu::rmsnorm_forward_rounding_input(f(x), x16.data<bf16>(), f(w), rows(x), w.numel(), eps,
-                                            y.data<bf16>(), f(rstd));
-      },
-      [&] {
         return streaming(DType::f32, 2 * bytes(x) + bytes(x16) + bytes(y) + bytes(rstd), x.numel(),
                          4);
-      });
+      },
+      [&](Backend& b) { b.rmsnorm_forward_rounding_input(x, x16, w, eps, y, rstd); });
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -385,74 +327,47 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   on(
       "rmsnorm_backward", x.device(),
       [&] {
-        if (x.dtype() == DType::bf16)
-          cpu::rmsnorm_backward(f(dy), x.data<bf16>(), f(w), f(rstd), rows(x), w.numel(), f(dx),
-                                f(dw));
-        else
-          cpu::rmsnorm_backward(f(dy), f(x), f(w), f(rstd), rows(x), w.numel(), f(dx), f(dw));
-      },
-      [&] {
         return streaming(DType::f32, bytes(dy) + bytes(x) + bytes(rstd) + bytes(dx), x.numel(), 8);
-      });
+      },
+      [&](Backend& b) { b.rmsnorm_backward(dy, x, w, rstd, dx, dw); });
 }
 
 void swiglu_forward(const Tensor& gu, Tensor& act) {
+  LOOM_CHECK(gu.dtype() != DType::bf16 || act.dtype() == DType::bf16,
+             "swiglu_forward: a bf16 gate/up needs a bf16 act");
   on(
       "swiglu_forward", gu.device(),
-      [&] {
-        if (gu.dtype() == DType::bf16) {
-          LOOM_CHECK(act.dtype() == DType::bf16, "swiglu_forward: a bf16 gate/up needs a bf16 act");
-          cpu::swiglu_forward(gu.data<bf16>(), rows(gu), cols(act), act.data<bf16>());
-        } else if (act.dtype() == DType::bf16) {
-          cpu::swiglu_forward(f(gu), rows(gu), cols(act), act.data<bf16>());
-        } else {
-          cpu::swiglu_forward(f(gu), rows(gu), cols(act), f(act));
-        }
-      },
-      [&] { return streaming(DType::f32, bytes(gu) + bytes(act), act.numel(), 8); });
+      [&] { return streaming(DType::f32, bytes(gu) + bytes(act), act.numel(), 8); },
+      [&](Backend& b) { b.swiglu_forward(gu, act); });
 }
 
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu) {
+  LOOM_CHECK(gu.dtype() != DType::bf16 || dgu.dtype() == DType::bf16,
+             "swiglu_backward: a bf16 gate/up needs a bf16 dgu");
   on(
       "swiglu_backward", gu.device(),
-      [&] {
-        if (gu.dtype() == DType::bf16) {
-          LOOM_CHECK(dgu.dtype() == DType::bf16,
-                     "swiglu_backward: a bf16 gate/up needs a bf16 dgu");
-          cpu::swiglu_backward(f(dact), gu.data<bf16>(), rows(gu), cols(dact), dgu.data<bf16>());
-        } else {
-          cpu::swiglu_backward(f(dact), f(gu), rows(gu), cols(dact), f(dgu));
-        }
-      },
-      [&] {
-        return streaming(DType::f32, bytes(dact) + bytes(gu) + bytes(dgu), dact.numel(), 16);
-      });
+      [&] { return streaming(DType::f32, bytes(dact) + bytes(gu) + bytes(dgu), dact.numel(), 16); },
+      [&](Backend& b) { b.swiglu_backward(dact, gu, dgu); });
 }
 
 void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
                   const RopeTable& table) {
   on(
       "rope_forward", x.device(),
-      [&] {
-        const int64_t T = rows(x) / B;
-        cpu::rope_forward(f(x), B, T, H, x.size(1) / H, stride(x), positions.data(), table);
-      },
       // x read and written, and each token's row of cos and sin (shared by the heads); a pair
       // of elements rotates in 6 flops.
-      [&] { return streaming(DType::f32, 2 * bytes(x) + bytes(x) / double(H), x.numel(), 3); });
+      [&] { return streaming(DType::f32, 2 * bytes(x) + bytes(x) / double(H), x.numel(), 3); },
+      [&](Backend& b) { b.rope(x, B, H, positions, table, false); });
 }
 
 void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>& positions,
                    const RopeTable& table) {
   on(
       "rope_backward", dx.device(),
-      [&] {
-        const int64_t T = rows(dx) / B;
-        cpu::rope_backward(f(dx), B, T, H, dx.size(1) / H, stride(dx), positions.data(), table);
-      },
       // x read and written, and each token's row of cos and sin (shared by the heads); a pair
       // of elements rotates in 6 flops.
-      [&] { return streaming(DType::f32, 2 * bytes(dx) + bytes(dx) / double(H), dx.numel(), 3); });
+      [&] { return streaming(DType::f32, 2 * bytes(dx) + bytes(dx) / double(H), dx.numel(), 3); },
+      [&](Backend& b) { b.rope(dx, B, H, positions, table, true); });
 }
 
 void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
@@ -468,18 +383,15 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
              " columns are not ", H, " + ", Hc, " heads");
   on(
       backward ? "rope_backward" : "rope_forward", x.device(),
-      [&] {
-        const int64_t T = rows(x) / B, D = x.size(1) / (H + Hc);
-        cpu::rope_rounded(f(x), B, T, H, Hc, D, stride(x), positions.data(), table, backward,
-                          out.data<bf16>(), out.size(1));
-      },
+
       // x read, out written, each token's row of cos and sin; the rotated pairs take 6 flops.
       [&] {
         const double rotated = bytes(x) * double(H) / double(H + Hc);
         return streaming(DType::f32,
                          bytes(x) + bytes(out) + rotated / double(std::max<int64_t>(H, 1)),
                          x.numel() * double(H) / double(H + Hc), 3);
-      });
+      },
+      [&](Backend& b) { b.rope_rounded(x, B, H, Hc, positions, table, backward, out); });
 }
 
 RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s) {
@@ -490,63 +402,33 @@ RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, cons
 void embedding_forward(const int32_t* tokens, const Tensor& table, Tensor& out) {
   on(
       "embedding_forward", out.device(),
-      [&] {
-        cpu::embedding_forward(tokens, rows(out), f(table), rows(table), table.size(1), f(out));
-      },
-      [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); });
+      [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); },
+      [&](Backend& b) { b.embedding_forward(tokens, table, -1, out); });
 }
 
 void embedding_backward(const int32_t* tokens, const Tensor& dout, Tensor& dtable) {
   on(
       "embedding_backward", dout.device(),
-      [&] {
-        cpu::embedding_backward(tokens, rows(dout), f(dout), rows(dtable), dtable.size(1),
-                                f(dtable));
-      },
-      [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); });
+      [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
+      [&](Backend& b) { b.embedding_backward(tokens, dout, -1, dtable); });
 }
 
 void embedding_forward_range(const int32_t* tokens, const Tensor& table, int64_t v0, Tensor& out) {
   on(
       "embedding_forward_range", out.device(),
-      [&] {
-        cpu::embedding_forward_range(tokens, rows(out), f(table), v0, rows(table), table.size(1),
-                                     f(out));
-      },
-      [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); });
+      [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); },
+      [&](Backend& b) { b.embedding_forward(tokens, table, v0, out); });
 }
 
 void embedding_backward_range(const int32_t* tokens, const Tensor& dout, int64_t v0,
                               Tensor& dtable) {
   on(
       "embedding_backward_range", dout.device(),
-      [&] {
-        cpu::embedding_backward_range(tokens, rows(dout), f(dout), v0, rows(dtable), dtable.size(1),
-                                      f(dtable));
-      },
-      [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); });
+      [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
+      [&](Backend& b) { b.embedding_backward(tokens, dout, v0, dtable); });
 }
 
 namespace {
-
-cpu::AttentionShape attention_shape(const Tensor& q, const Tensor& k, int64_t B, int64_t Hq,
-                                    int64_t Hkv) {
-  const int64_t D = q.size(1) / Hq;
-  return {B, rows(q) / B, Hq, Hkv, D, stride(q), stride(k), scale(D)};
-}
-
-cpu::BlockShape block_shape(const AttentionBlock& s, const Tensor& q, const Tensor& k) {
-  const int64_t D = q.size(1) / s.Hq;
-  return {s.B,
-          int64_t(s.q_pos->size()),
-          int64_t(s.k_pos->size()),
-          s.Hq,
-          s.Hkv,
-          D,
-          stride(q),
-          stride(k),
-          scale(D)};
-}
 
 // Attention over `entries` (query, key) score entries per sample and head, each costing
 // `products` products of length D (2D flops each), moving `moved` bytes. The forward computes
@@ -584,21 +466,11 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   on(
       "attention_forward", q.device(),
       [&] {
-        if (q.dtype() == DType::bf16 && out.dtype() == DType::bf16)
-          cpu::attention_forward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
-                                      k.data<bf16>(), v.data<bf16>(), out.data<bf16>(), f(lse));
-        else if (q.dtype() == DType::bf16)
-          cpu::attention_forward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
-                                      k.data<bf16>(), v.data<bf16>(), f(out), f(lse));
-        else
-          cpu::attention_forward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out),
-                                 f(lse));
-      },
-      [&] {
         return attention_work(causal_tiled_entries(rows(q) / B), B, Hq, q.size(1) / Hq,
                               kForwardProducts,
                               bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(lse), q.dtype());
-      });
+      },
+      [&](Backend& b) { b.attention_forward(q, k, v, B, Hq, Hkv, out, lse); });
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -607,21 +479,13 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   on(
       "attention_backward", q.device(),
       [&] {
-        if (q.dtype() == DType::bf16)
-          cpu::attention_backward_bf16(attention_shape(q, k, B, Hq, Hkv), q.data<bf16>(),
-                                       k.data<bf16>(), v.data<bf16>(), out.data<bf16>(), f(lse),
-                                       f(dout), f(dq), f(dk), f(dv));
-        else
-          cpu::attention_backward(attention_shape(q, k, B, Hq, Hkv), f(q), f(k), f(v), f(out),
-                                  f(lse), f(dout), f(dq), f(dk), f(dv));
-      },
-      [&] {
         // delta = rowsum(dO * O) is read and written once more.
         const double moved = bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(dout) +
                              3 * bytes(lse) + bytes(dq) + bytes(dk) + bytes(dv);
         return attention_work(causal_tiled_entries(rows(q) / B), B, Hq, q.size(1) / Hq,
                               kBackwardProducts, moved, q.dtype());
-      });
+      },
+      [&](Backend& b) { b.attention_backward(q, k, v, out, lse, dout, B, Hq, Hkv, dq, dk, dv); });
 }
 
 void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t L, int64_t Hq,
@@ -630,14 +494,10 @@ void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
       "attention_decode", q.device(),
       [&] {
         const int64_t D = q.size(1) / Hq;
-        cpu::DecodeShape s{rows(q), L, Hq, Hkv, D, stride(q), stride(k), scale(D)};
-        cpu::attention_decode(s, f(q), f(k), f(v), f(out));
-      },
-      [&] {
-        const int64_t D = q.size(1) / Hq;
         const double moved = bytes(q) + bytes(out) + 2.0 * double(L * Hkv * D) * 4.0;
         return attention_work(double(rows(q) * L), 1, Hq, D, kForwardProducts, moved);
-      });
+      },
+      [&](Backend& b) { b.attention_decode(q, k, v, L, Hq, Hkv, out); });
 }
 
 void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
@@ -646,13 +506,10 @@ void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Ten
   on(
       "attention_block_forward", q.device(),
       [&] {
-        cpu::attention_block_forward(block_shape(s, q, k), f(q), f(k), f(v), s.q_pos->data(),
-                                     s.k_pos->data(), f(out), f(lse), progress);
-      },
-      [&] {
         return attention_work(block_entries(s), s.B, s.Hq, q.size(1) / s.Hq, kForwardProducts,
                               bytes(q) + bytes(k) + bytes(v) + bytes(out) + bytes(lse));
-      });
+      },
+      [&](Backend& b) { b.attention_block_forward(s, q, k, v, out, lse, progress); });
 }
 
 void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
@@ -662,15 +519,13 @@ void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Te
   on(
       "attention_block_backward", q.device(),
       [&] {
-        cpu::attention_block_backward(block_shape(s, q, k), f(q), f(k), f(v), s.q_pos->data(),
-                                      s.k_pos->data(), f(lse), f(delta), f(dout), f(dq), f(dk),
-                                      f(dv), progress);
-      },
-      [&] {
         const double moved = bytes(q) + bytes(k) + bytes(v) + bytes(lse) + bytes(delta) +
                              bytes(dout) + 2 * (bytes(dq) + bytes(dk) + bytes(dv));
         return attention_work(block_entries(s), s.B, s.Hq, q.size(1) / s.Hq, kBackwardProducts,
                               moved);
+      },
+      [&](Backend& b) {
+        b.attention_block_backward(s, q, k, v, lse, delta, dout, dq, dk, dv, progress);
       });
 }
 
@@ -679,48 +534,22 @@ void attention_merge(int64_t B, int64_t Hq, Tensor& out, Tensor& lse, const Tens
   on(
       "attention_merge", out.device(),
       [&] {
-        const int64_t T = rows(out) / B;
-        cpu::attention_merge(B, T, Hq, out.size(1) / Hq, f(out), f(lse), f(out_b), f(lse_b));
-      },
-      [&] {
         return streaming(DType::f32, 2 * (bytes(out) + bytes(lse)) + bytes(out_b) + bytes(lse_b),
                          out.numel(), 3);
-      });
+      },
+      [&](Backend& b) { b.attention_merge(B, Hq, out, lse, out_b, lse_b); });
 }
 
 void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dout, Tensor& delta) {
   on(
       "attention_delta", out.device(),
       [&] {
-        const int64_t T = rows(out) / B;
-        cpu::attention_delta(B, T, Hq, out.size(1) / Hq, f(out), f(dout), f(delta));
-      },
-      [&] {
         return streaming(DType::f32, bytes(out) + bytes(dout) + bytes(delta), out.numel(), 2);
-      });
+      },
+      [&](Backend& b) { b.attention_delta(B, Hq, out, dout, delta); });
 }
 
 namespace {
-
-cpu::GlaCore gla_core(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
-                      const Tensor& gk, const Tensor& h0) {
-  cpu::GlaCore a;
-  a.B = s.B, a.T = rows(q) / s.B, a.H = s.H, a.Hkv = s.Hkv;
-  a.K = q.size(1) / s.H, a.V = v.size(1) / s.Hkv;
-  a.scale = scale(a.K);
-  a.chunk = s.chunk, a.sub_chunk = s.sub_chunk;
-  a.q = {f(q), stride(q)}, a.k = {f(k), stride(k)}, a.v = {f(v), stride(v)};
-  a.gk = {f(gk), stride(gk)};
-  a.h0 = h0.defined() ? f(h0) : nullptr;
-  return a;
-}
-
-float* f_or_null(Tensor& t) {
-  return t.defined() ? f(t) : nullptr;
-}
-const float* f_or_null(const Tensor& t) {
-  return t.defined() ? f(t) : nullptr;
-}
 
 void check_gla(const char* op, const Gla& s, const Tensor& q) {
   LOOM_CHECK(s.B > 0 && s.H > 0 && rows(q) % s.B == 0 && q.size(1) % s.H == 0, op, ": q ",
@@ -764,13 +593,11 @@ void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v
   on(
       "gla_forward", q.device(),
       [&] {
-        cpu::gla_forward(gla_core(s, q, k, v, gk, h0), {f(o), stride(o)}, f_or_null(ht));
-      },
-      [&] {
         const double moved =
             bytes(q) + bytes(k) + bytes(v) + bytes(gk) + bytes(h0) + bytes(o) + bytes(ht);
         return gla_work(s, q, v, moved, false);
-      });
+      },
+      [&](Backend& b) { b.gla_forward(s, q, k, v, gk, h0, o, ht); });
 }
 
 void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
@@ -780,18 +607,11 @@ void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& 
   on(
       "gla_backward", q.device(),
       [&] {
-        cpu::GlaCoreGrads g{{f(dq), stride(dq)},
-                            {f(dk), stride(dk)},
-                            {f(dv), stride(dv)},
-                            {f(dgk), stride(dgk)},
-                            f_or_null(dh0)};
-        cpu::gla_backward(gla_core(s, q, k, v, gk, h0), {f(dout), stride(dout)}, f_or_null(dht), g);
-      },
-      [&] {
         const double moved =
             2 * (bytes(q) + bytes(k) + bytes(v) + bytes(gk) + bytes(h0)) + bytes(dout) + bytes(dht);
         return gla_work(s, q, v, moved, true);
-      });
+      },
+      [&](Backend& b) { b.gla_backward(s, q, k, v, gk, h0, dout, dht, dq, dk, dv, dgk, dh0); });
 }
 
 void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) {
@@ -800,10 +620,8 @@ void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) {
              " must hold B * its columns");
   on(
       "gla_decay_total", gk.device(),
-      [&] {
-        cpu::gla_decay_total(s.B, rows(gk) / s.B, s.Hkv, gk.size(1) / s.Hkv, f(gk), f(decay));
-      },
-      [&] { return streaming(DType::f32, bytes(gk) + bytes(decay), gk.numel(), 1); });
+      [&] { return streaming(DType::f32, bytes(gk) + bytes(decay), gk.numel(), 1); },
+      [&](Backend& b) { b.gla_decay_total(s, gk, decay); });
 }
 
 void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S) {
@@ -812,8 +630,8 @@ void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& 
              " must be contiguous [B, H, K, V]");
   on(
       "gla_state_fold", S.device(),
-      [&] { cpu::gla_state_fold(s.B, s.H, s.Hkv, S.size(2), S.size(3), f(decay), f(E), f(S)); },
-      [&] { return streaming(DType::f32, 2 * bytes(S) + bytes(E) + bytes(decay), S.numel(), 2); });
+      [&] { return streaming(DType::f32, 2 * bytes(S) + bytes(E) + bytes(decay), S.numel(), 2); },
+      [&](Backend& b) { b.gla_state_fold(s, decay, E, S); });
 }
 
 void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
@@ -823,11 +641,8 @@ void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, flo
              " must be contiguous and the same size");
   on(
       "gla_gate_forward", z.device(),
-      [&] {
-        cpu::gla_gate_forward(f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min,
-                              f(gk));
-      },
-      [&] { return streaming(DType::f32, bytes(z) + bytes(gk) + bytes(bias), z.numel(), 10); });
+      [&] { return streaming(DType::f32, bytes(z) + bytes(gk) + bytes(bias), z.numel(), 10); },
+      [&](Backend& b) { b.gla_gate_forward(z, bias, normalizer, clamp_min, gk); });
 }
 
 void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
@@ -838,11 +653,8 @@ void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, f
              shape_str(z.shape()), ", ", shape_str(dgk.shape()), ", ", shape_str(dz.shape()));
   on(
       "gla_gate_backward", z.device(),
-      [&] {
-        cpu::gla_gate_backward(f(dgk), f(z), f_or_null(bias), rows(z), cols(z), normalizer,
-                               clamp_min, f(dz), bias.defined() ? f(dbias) : nullptr);
-      },
-      [&] { return streaming(DType::f32, bytes(dgk) + bytes(z) + bytes(dz), z.numel(), 12); });
+      [&] { return streaming(DType::f32, bytes(dgk) + bytes(z) + bytes(dz), z.numel(), 12); },
+      [&](Backend& b) { b.gla_gate_backward(dgk, z, bias, normalizer, clamp_min, dz, dbias); });
 }
 
 void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,
@@ -853,13 +665,9 @@ void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, in
   on(
       "gated_rmsnorm_forward", x.device(),
       [&] {
-        const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, eps};
-        cpu::gated_rmsnorm_forward(s, f(x), f_or_null(g), g.defined() ? stride(g) : 0, f_or_null(w),
-                                   f(y), f(rstd));
-      },
-      [&] {
         return streaming(DType::f32, bytes(x) + bytes(g) + bytes(y) + bytes(rstd), x.numel(), 8);
-      });
+      },
+      [&](Backend& b) { b.gated_rmsnorm_forward(x, g, w, heads, eps, y, rstd); });
 }
 
 void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& w,
@@ -871,15 +679,10 @@ void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, 
   on(
       "gated_rmsnorm_backward", x.device(),
       [&] {
-        const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, 0.0f};  // eps is in rstd
-        cpu::gated_rmsnorm_backward(s, f(dy), f(x), f_or_null(g), g.defined() ? stride(g) : 0,
-                                    f_or_null(w), f(rstd), f(dx), g.defined() ? f(dg) : nullptr,
-                                    g.defined() ? stride(dg) : 0, w.defined() ? f(dw) : nullptr);
-      },
-      [&] {
         return streaming(DType::f32, bytes(dy) + bytes(x) + 2 * bytes(g) + bytes(rstd) + bytes(dx),
                          x.numel(), 16);
-      });
+      },
+      [&](Backend& b) { b.gated_rmsnorm_backward(dy, x, g, w, rstd, heads, dx, dg, dw); });
 }
 
 void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y) {
@@ -888,14 +691,10 @@ void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y) 
   on(
       "short_conv_forward", x.device(),
       [&] {
-        const int64_t C = x.size(1);
-        const cpu::ShortConv s{B, rows(x) / B, C, w.numel() / C};
-        cpu::short_conv_forward(s, f(x), stride(x), f(w), f(y), stride(y));
-      },
-      [&] {
         const double width = double(w.numel() / x.size(1));
         return streaming(DType::f32, bytes(x) + bytes(y), x.numel(), 2 * width + 4);
-      });
+      },
+      [&](Backend& b) { b.short_conv_forward(x, w, B, y); });
 }
 
 void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B, Tensor& dx,
@@ -905,15 +704,10 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
   on(
       "short_conv_backward", x.device(),
       [&] {
-        const int64_t C = x.size(1);
-        const cpu::ShortConv s{B, rows(x) / B, C, w.numel() / C};
-        cpu::short_conv_backward(s, f(dy), stride(dy), f(x), stride(x), f(w), f(dx), stride(dx),
-                                 f(dw));
-      },
-      [&] {
         const double width = double(w.numel() / x.size(1));
         return streaming(DType::f32, bytes(dy) + bytes(x) + bytes(dx), x.numel(), 4 * width + 8);
-      });
+      },
+      [&](Backend& b) { b.short_conv_backward(dy, x, w, B, dx, dw); });
 }
 
 size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab,
@@ -949,23 +743,6 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
   on(
       "linear_cross_entropy", a.x.device(),
       [&] {
-        cpu::LinearCrossEntropyArgs ce;
-        ce.x = a.x.raw();
-        ce.w = a.w.raw();
-        ce.ab = a.x.dtype();
-        ce.targets = a.targets;
-        ce.N = rows(a.x);
-        ce.D = cols(a.x);
-        ce.V = a.V;
-        ce.grad_scale = a.grad_scale;
-        ce.dx = a.dx.defined() ? a.dx.data<float>() : nullptr;
-        ce.dw = a.dw.t.defined() ? a.dw.t.data<float>() : nullptr;
-        ce.dw_overwrite = dw_overwrite;
-        ce.chunk_rows = a.chunk_rows;
-        ce.grad_rows = a.grad_rows;
-        loss = cpu::linear_cross_entropy(ce);
-      },
-      [&] {
         // The logits GEMM, the softmax over its chunk of logits (written, read, and dlogits
         // written), then the backward GEMMs into dx and dw.
         const char* op = "linear_cross_entropy";
@@ -976,7 +753,8 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         if (a.dx.defined()) w.push_back(gemm(op, dt, N, D, a.V, false));
         if (a.dw.t.defined()) w.push_back(gemm(op, dt, a.V, D, N, !dw_overwrite));
         return w;
-      });
+      },
+      [&](Backend& b) { loss = b.linear_cross_entropy(a, dw_overwrite); });
   return loss;
 }
 
@@ -984,11 +762,8 @@ void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, i
                      Tensor& lse, Tensor& target_logit) {
   on(
       "vocab_shard_lse", logits.device(),
-      [&] {
-        cpu::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, targets, v0, f(lse),
-                             f(target_logit));
-      },
-      [&] { return streaming(DType::f32, bytes(logits), logits.numel(), 4); });
+      [&] { return streaming(DType::f32, bytes(logits), logits.numel(), 4); },
+      [&](Backend& b) { b.vocab_shard_lse(logits, Vr, targets, v0, lse, target_logit); });
 }
 
 double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
@@ -996,11 +771,8 @@ double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
   double loss = 0;
   on(
       "vocab_shard_combine", lse_all.device(),
-      [&] {
-        loss = cpu::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all), targets,
-                                        f(target_logit), f(glse));
-      },
-      [&] { return streaming(DType::f32, bytes(lse_all) + 2 * bytes(glse), lse_all.numel(), 4); });
+      [&] { return streaming(DType::f32, bytes(lse_all) + 2 * bytes(glse), lse_all.numel(), 4); },
+      [&](Backend& b) { loss = b.vocab_shard_combine(lse_all, targets, target_logit, glse); });
   return loss;
 }
 
@@ -1008,11 +780,8 @@ void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int
                          const Tensor& glse, float grad_scale) {
   on(
       "vocab_shard_dlogits", logits.device(),
-      [&] {
-        cpu::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, targets, v0, f(glse),
-                                 grad_scale);
-      },
-      [&] { return streaming(DType::f32, 2 * bytes(logits), logits.numel(), 4); });
+      [&] { return streaming(DType::f32, 2 * bytes(logits), logits.numel(), 4); },
+      [&](Backend& b) { b.vocab_shard_dlogits(logits, Vr, targets, v0, glse, grad_scale); });
 }
 
 }  // namespace loom::ops
