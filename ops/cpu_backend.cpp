@@ -33,29 +33,6 @@ float* f_or_null(Tensor& t) {
 const float* f_or_null(const Tensor& t) {
   return t.defined() ? f(t) : nullptr;
 }
-float scale(int64_t D) {
-  return 1.0f / std::sqrt(float(D));
-}
-
-cpu::AttentionShape attention_shape(const Tensor& q, const Tensor& k, int64_t B, int64_t Hq,
-                                    int64_t Hkv) {
-  const int64_t D = q.size(1) / Hq;
-  return {B, rows(q) / B, Hq, Hkv, D, stride(q), stride(k), scale(D)};
-}
-
-cpu::BlockShape block_shape(const AttentionBlock& s, const Tensor& q, const Tensor& k) {
-  const int64_t D = q.size(1) / s.Hq;
-  return {s.B,
-          int64_t(s.q_pos->size()),
-          int64_t(s.k_pos->size()),
-          s.Hq,
-          s.Hkv,
-          D,
-          stride(q),
-          stride(k),
-          scale(D)};
-}
-
 cpu::GlaCore gla_core(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
                       const Tensor& gk, const Tensor& h0) {
   cpu::GlaCore a;

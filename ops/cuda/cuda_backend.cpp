@@ -1,6 +1,6 @@
 // The GPU's backend: each op on kernels/cuda (ops/backend.hpp), on the process's compute stream.
 // Built only with the CUDA backend (cmake/cuda.cmake). An op without a CUDA kernel yet is the
-// Backend's error naming it (the exact attention, the fused loss and GLA are next).
+// Backend's error naming it (the decode attention and GLA are next).
 //
 // Host data in the op signatures (tokens, positions, the RoPE table) is copied to the device per
 // call until the ops take device tensors for them: the tokens of the call, and the RoPE table's
@@ -8,7 +8,9 @@
 #include <cstring>
 
 #include "core/error.hpp"
+#include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/cast.hpp"
+#include "kernels/cuda/cross_entropy.hpp"
 #include "kernels/cuda/embedding.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "kernels/cuda/rmsnorm.hpp"
@@ -22,12 +24,12 @@ namespace loom::ops {
 
 namespace {
 
-// A device tensor holding n host values of `dt` (queued on the stream: the host buffer may be
-// reused once this returns, as cudaMemcpyAsync from pageable memory stages it first).
-Tensor upload(const void* host, int64_t n, DType dt) {
-  Tensor h = Tensor::empty({n}, dt);
-  std::memcpy(h.raw(), host, size_t(n) * dtype_size(dt));
-  Tensor d = Tensor::empty({n}, dt, Device::cuda);
+// A device tensor holding n host values of `dt` (`per` elements of it each: int64 positions as
+// two 4-byte elements), queued on the stream: the staging copy may go once this returns.
+Tensor upload(const void* host, int64_t n, DType dt, int64_t per = 1) {
+  Tensor h = Tensor::empty({n * per}, dt);
+  std::memcpy(h.raw(), host, h.nbytes());
+  Tensor d = Tensor::empty({n * per}, dt, Device::cuda);
   d.copy_from(h);
   return d;
 }
@@ -200,6 +202,114 @@ class CudaBackend final : public Backend {
     else
       cuda::embedding_backward_range(t.data<int32_t>(), rows(dout), f(dout), v0, rows(dtable),
                                      dtable.size(1), f(dtable));
+  }
+
+  void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
+                         int64_t Hkv, Tensor& out, Tensor& lse) override {
+    const cpu::AttentionShape s = attention_shape(q, k, B, Hq, Hkv);
+    if (q.dtype() == DType::bf16 && out.dtype() == DType::bf16)
+      cuda::attention_forward_bf16(s, q.data<bf16>(), k.data<bf16>(), v.data<bf16>(),
+                                   out.data<bf16>(), f(lse));
+    else if (q.dtype() == DType::bf16)
+      cuda::attention_forward_bf16(s, q.data<bf16>(), k.data<bf16>(), v.data<bf16>(), f(out),
+                                   f(lse));
+    else
+      cuda::attention_forward(s, f(q), f(k), f(v), f(out), f(lse));
+  }
+  void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& lse, const Tensor& dout, int64_t B, int64_t Hq, int64_t Hkv,
+                          Tensor& dq, Tensor& dk, Tensor& dv) override {
+    const cpu::AttentionShape s = attention_shape(q, k, B, Hq, Hkv);
+    if (q.dtype() == DType::bf16)
+      cuda::attention_backward_bf16(s, q.data<bf16>(), k.data<bf16>(), v.data<bf16>(),
+                                    out.data<bf16>(), f(lse), f(dout), f(dq), f(dk), f(dv));
+    else
+      cuda::attention_backward(s, f(q), f(k), f(v), f(out), f(lse), f(dout), f(dq), f(dk), f(dv));
+  }
+  // Ring attention's blocks: the positions copied per call; `progress` (the CPU kernel's calls
+  // between work units, which drive the ring's messages) has nothing to interleave with here, as
+  // the GPU runs the block asynchronously.
+  void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
+                               const Tensor& v, Tensor& out, Tensor& lse,
+                               const std::function<void()>& /*progress*/) override {
+    const Tensor qp = upload(s.q_pos->data(), int64_t(s.q_pos->size()), DType::f32, 2);
+    const Tensor kp = upload(s.k_pos->data(), int64_t(s.k_pos->size()), DType::f32, 2);
+    cuda::attention_block_forward(block_shape(s, q, k), f(q), f(k), f(v),
+                                  static_cast<const int64_t*>(qp.raw()),
+                                  static_cast<const int64_t*>(kp.raw()), f(out), f(lse));
+  }
+  void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
+                                const Tensor& v, const Tensor& lse, const Tensor& delta,
+                                const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                                const std::function<void()>& /*progress*/) override {
+    const Tensor qp = upload(s.q_pos->data(), int64_t(s.q_pos->size()), DType::f32, 2);
+    const Tensor kp = upload(s.k_pos->data(), int64_t(s.k_pos->size()), DType::f32, 2);
+    cuda::attention_block_backward(
+        block_shape(s, q, k), f(q), f(k), f(v), static_cast<const int64_t*>(qp.raw()),
+        static_cast<const int64_t*>(kp.raw()), f(lse), f(delta), f(dout), f(dq), f(dk), f(dv));
+  }
+  void attention_merge(int64_t B, int64_t Hq, Tensor& out, Tensor& lse, const Tensor& out_b,
+                       const Tensor& lse_b) override {
+    cuda::attention_merge(B, rows(out) / B, Hq, out.size(1) / Hq, f(out), f(lse), f(out_b),
+                          f(lse_b));
+  }
+  void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dout,
+                       Tensor& delta) override {
+    cuda::attention_delta(B, rows(out) / B, Hq, out.size(1) / Hq, f(out), f(dout), f(delta));
+  }
+
+  // The summed loss comes back to the host: one synchronization per call until the op returns a
+  // device scalar (read once per step).
+  double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {
+    const Tensor targets = upload(a.targets, rows(a.x), DType::i32);
+    Tensor loss64 = Tensor::empty({2}, DType::f32, Device::cuda);  // one double
+    cuda::LinearCrossEntropyArgs ce;
+    ce.x = a.x.raw();
+    ce.w = a.w.raw();
+    ce.ab = a.x.dtype();
+    ce.targets = targets.data<int32_t>();
+    ce.N = rows(a.x);
+    ce.D = cols(a.x);
+    ce.V = a.V;
+    ce.grad_scale = a.grad_scale;
+    ce.dx = a.dx.defined() ? a.dx.data<float>() : nullptr;
+    ce.dw = a.dw.t.defined() ? a.dw.t.data<float>() : nullptr;
+    ce.dw_overwrite = dw_overwrite;
+    ce.chunk_rows = a.chunk_rows;
+    ce.grad_rows = a.grad_rows;
+    // No record: the targets are checked before anything is written, as on the CPU.
+    cuda::linear_cross_entropy(ce, static_cast<double*>(loss64.raw()), nullptr);
+    return read_double(loss64);
+  }
+  void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+                       Tensor& lse, Tensor& target_logit) override {
+    const Tensor t = upload(targets, rows(logits), DType::i32);
+    cuda::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, t.data<int32_t>(), v0, f(lse),
+                          f(target_logit));
+  }
+  double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
+                             const Tensor& target_logit, Tensor& glse) override {
+    const Tensor t = upload(targets, cols(lse_all), DType::i32);
+    Tensor loss64 = Tensor::empty({2}, DType::f32, Device::cuda);
+    cuda::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all), t.data<int32_t>(),
+                              f(target_logit), f(glse), static_cast<double*>(loss64.raw()));
+    return read_double(loss64);
+  }
+  void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+                           const Tensor& glse, float grad_scale) override {
+    const Tensor t = upload(targets, rows(logits), DType::i32);
+    cuda::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, t.data<int32_t>(), v0,
+                              f(glse), grad_scale);
+  }
+
+ private:
+  // The double a kernel wrote into `d` (two f32 elements' bytes), after the stream reaches it.
+  static double read_double(const Tensor& d) {
+    Tensor h = Tensor::empty({2}, DType::f32);
+    h.copy_from(d);
+    double v = 0;
+    std::memcpy(&v, h.raw(), sizeof v);
+    return v;
   }
 };
 

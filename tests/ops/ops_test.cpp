@@ -179,3 +179,16 @@ TEST(Ops, UnwrittenWeightGradientIsWrittenOnceThenAddedTo) {
     EXPECT_EQ(flags[0], 0);
   }
 }
+
+TEST(Ops, ADeviceWithoutKernelsIsAnErrorNamingTheOp) {
+  Tensor x = Tensor::empty({4, 4}, DType::f32, Device::elsewhere);
+  Tensor y = Tensor::empty({4, 4}, DType::f32, Device::elsewhere);
+  try {
+    ops::linear(x, x, y);
+    FAIL() << "a GEMM ran on another rank's tensors";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("linear: no kernel for device elsewhere"),
+              std::string::npos)
+        << e.what();
+  }
+}
