@@ -222,10 +222,14 @@ int bench_command(const Args& args) {
   // would measure each other). Its load average is the one before the steps.
   const SystemInfo sys = collect_system_info(mesh ? 0 : 0.5);
   const std::string load_before = sys.load_average;
-  const double peak_flops = compute == DType::bf16 ? sys.peak_bf16 : sys.peak_f32;
+  const Device device = parallelize_options(job).device;
+  // On a GPU the bf16 tensor-core rate, whatever the dtype (as published GPU runs count MFU).
+  const double peak_flops = device == Device::cuda   ? sys.gpu.peak_bf16
+                            : compute == DType::bf16 ? sys.peak_bf16
+                                                     : sys.peak_f32;
 
-  auto& alloc = Allocator::get(Device::cpu);
-  auto& host = Allocator::get(Device::cpu, Pool::host);  // CPU offload's states
+  auto& alloc = Allocator::get(device);
+  auto& host = Allocator::get(device, Pool::host);  // CPU offload's states
   ParallelModel par = parallelize(mc, compute, parallel_groups(mesh), parallelize_options(job));
   Model& model = *par.model;
   model.init_weights(uint64_t(job.model.seed));

@@ -126,6 +126,13 @@ void Tensor::copy_from(const Tensor& src) {
       ->copy(raw(), src.raw(), nbytes(), to_device, from_device);
 }
 
+Tensor Tensor::on_host() const {
+  if (device() == Device::cpu) return *this;
+  Tensor h = empty(shape_, dtype_, Device::cpu);
+  h.copy_from(*this);
+  return h;
+}
+
 Tensor Tensor::to(DType dtype) const {
   LOOM_CHECK(is_contiguous(), "to() of a non-contiguous tensor");
   LOOM_CHECK(device() != Device::cuda || dtype == dtype_,

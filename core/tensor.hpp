@@ -71,6 +71,9 @@ class Tensor {
   void zero_();
   void copy_from(const Tensor& src);  // same shape and dtype, both contiguous
   Tensor to(DType dtype) const;       // converting copy (f32 <-> bf16)
+  // This tensor where its memory is the host's (cpu), else a contiguous host copy of it (what a
+  // checkpoint writes from a GPU, or reads into before copy_from puts it back).
+  Tensor on_host() const;
 
  private:
   Tensor squeeze0() const;

@@ -55,22 +55,25 @@ void Model::load_units(const SafetensorsDir& dir) {
   for (size_t i = 0; i < all.size(); ++i) {
     if (!uses(i)) continue;
     ParamUnit* u = all[i];
+    // The reads go to host memory: the unit's own on the CPU, a copy of a GPU's put back after.
+    Tensor& buffer = u->master_shard();
+    Tensor h = buffer.on_host();
+    float* base = h.data<float>();
     if (!u->sharded()) {
       for (auto& p : u->params()) {
         if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
-          dir.read_f32(p.spec.name, p.spec.shape, p.value.data<float>());
+          dir.read_f32(p.spec.name, p.spec.shape, base + p.offset);
         else
-          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape),
-                           p.value.data<float>());
+          read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape), base + p.offset);
       }
-      u->refresh_bf16();
-      continue;
+    } else {
+      for (const ShardSlice& s : u->shard_slices()) {
+        const ParamSpec& spec = u->params()[s.param].spec;
+        read_param_slice(dir, spec.name, spec, s.begin, s.count, base + s.shard_offset);
+      }
     }
-    float* shard = u->master_shard().data<float>();
-    for (const ShardSlice& s : u->shard_slices()) {
-      const ParamSpec& spec = u->params()[s.param].spec;
-      read_param_slice(dir, spec.name, spec, s.begin, s.count, shard + s.shard_offset);
-    }
+    if (buffer.device() != Device::cpu) buffer.copy_from(h);
+    if (!u->sharded()) u->refresh_bf16();
   }
 }
 

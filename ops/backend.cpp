@@ -37,6 +37,19 @@ void Backend::philox_normal(Tensor& /*x*/, uint64_t /*key*/, int64_t /*first*/, 
   missing("philox_normal");
 }
 
+void Backend::adamw_step(const AdamWStep& /*a*/, Tensor& /*p*/, const Tensor& /*g*/, Tensor& /*m*/,
+                         Tensor& /*v*/, Tensor* /*mirror*/) {
+  missing("adamw_step");
+}
+
+double Backend::sum_squares(const Tensor& /*x*/) {
+  missing("sum_squares");
+}
+
+void Backend::scale_inplace(Tensor& /*x*/, float /*s*/) {
+  missing("scale_inplace");
+}
+
 void Backend::linear(const Tensor& /*x*/, const Tensor& /*w*/, Tensor& /*y*/, bool /*accumulate*/) {
   missing("linear");
 }

@@ -36,6 +36,12 @@ class Backend {
   virtual void copy_rows(const Tensor& src, Tensor& dst);
   virtual void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
 
+  // ---- optimizer and gradient norm
+  virtual void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
+                          Tensor* mirror);
+  virtual double sum_squares(const Tensor& x);
+  virtual void scale_inplace(Tensor& x, float s);
+
   // ---- GEMMs (a bf16 y is the product rounded; r: the residual form)
   virtual void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate);
   virtual void linear_residual(const Tensor& x, const Tensor& w, const Tensor& r, Tensor& y);

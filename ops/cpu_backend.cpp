@@ -4,6 +4,7 @@
 
 #include "core/error.hpp"
 #include "core/philox.hpp"
+#include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/attention_bf16.hpp"
 #include "kernels/cpu/attention_block.hpp"
@@ -64,6 +65,15 @@ class CpuBackend final : public Backend {
   void philox_normal(Tensor& x, uint64_t key, int64_t first, float std) override {
     loom::philox_normal(key, first, x.numel(), 0.0f, std, f(x));
   }
+
+  void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
+                  Tensor* mirror) override {
+    const cpu::AdamWArgs args{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step, a.grad_scale};
+    cpu::adamw_step(args, f(p), f(g), f(m), f(v), p.numel(),
+                    mirror ? mirror->data<bf16>() : nullptr);
+  }
+  double sum_squares(const Tensor& x) override { return cpu::sum_squares(f(x), x.numel()); }
+  void scale_inplace(Tensor& x, float s) override { cpu::scale_inplace(f(x), x.numel(), s); }
 
   void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) override {
     if (y.dtype() == DType::bf16)

@@ -212,6 +212,38 @@ void philox_normal(Tensor& x, uint64_t key, int64_t first, float std) {
       [&](Backend& b) { b.philox_normal(x, key, first, std); });
 }
 
+void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
+                Tensor* mirror) {
+  const int64_t n = p.numel();
+  LOOM_CHECK(
+      g.numel() == n && m.numel() == n && v.numel() == n && (!mirror || mirror->numel() == n),
+      "adamw_step: the weights, gradients, moments and mirror must have one size, got ", n, ", ",
+      g.numel(), ", ", m.numel(), ", ", v.numel(), mirror ? ", " : "",
+      mirror ? std::to_string(mirror->numel()) : "");
+  on(
+      "adamw_step", p.device(),
+      // Five f32 streams (p, m, v read and written, g read) and the bf16 mirror written.
+      [&] {
+        return streaming(DType::f32, 7 * bytes(p) + (mirror ? bytes(*mirror) : 0.0), double(n), 12);
+      },
+      [&](Backend& b) { b.adamw_step(a, p, g, m, v, mirror); });
+}
+
+double sum_squares(const Tensor& x) {
+  double s = 0;
+  on(
+      "sum_squares", x.device(), [&] { return streaming(DType::f32, bytes(x), x.numel(), 2); },
+      [&](Backend& b) { s = b.sum_squares(x); });
+  return s;
+}
+
+void scale_inplace(Tensor& x, float s) {
+  on(
+      "scale_inplace", x.device(),
+      [&] { return streaming(DType::f32, 2 * bytes(x), x.numel(), 1); },
+      [&](Backend& b) { b.scale_inplace(x, s); });
+}
+
 void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   LOOM_CHECK(y.dtype() != DType::bf16 || !accumulate,
              "linear: a bfloat16 output (the product rounded) cannot accumulate");

@@ -84,6 +84,21 @@ void copy_rows(const Tensor& src, Tensor& dst);
 // Standard normal samples (Philox stream `key`, samples [first, first + x.numel())) * std.
 void philox_normal(Tensor& x, uint64_t key, int64_t first, float std);
 
+// ---- optimizer and gradient norm (train/optimizer.cpp) ---------------------------------------
+// AdamW on fp32 master weights p, gradients g and moments m, v (the same number of elements, 1-D
+// views of a unit's flat buffers), the bf16 mirror rounded from the new weights where given
+// (cpu::AdamWArgs: PyTorch's formula; grad_scale multiplies each gradient as it is read).
+struct AdamWStep {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  int64_t step = 1;
+  float grad_scale = 1;
+};
+void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
+                Tensor* mirror = nullptr);
+// The sum of x's squares in double, in an order fixed by x's size (the same bits on every run).
+double sum_squares(const Tensor& x);
+void scale_inplace(Tensor& x, float s);
+
 // ---- linear layers -----------------------------------------------------------------------------
 // y [M, N] (+)= x [M, K] w^T, w [N, K] in x's dtype (f32, or bf16 with f32 accumulation). A
 // bf16 y receives the f32 product rounded (no accumulate): the rounded copy without the f32 one.

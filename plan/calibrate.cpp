@@ -18,7 +18,6 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "kernels/cpu/adamw.hpp"
 #include "ops/ops.hpp"
 #include "plan/planner.hpp"
 
@@ -405,11 +404,11 @@ double adamw_bandwidth(Bench& b) {
          m = b.random({n}, Device::cpu), v = b.random({n}, Device::cpu);
   float* vp = v.data<float>();
   for (int64_t i = 0; i < n; ++i) vp[i] *= vp[i];  // a second moment is not negative
-  cpu::AdamWArgs a;
+  ops::AdamWStep a;
   a.lr = 1e-4f;
   a.weight_decay = 0.1f;
   const double s = b.seconds([&] {
-    cpu::adamw_step(a, p.data<float>(), g.data<float>(), m.data<float>(), vp, n);
+    ops::adamw_step(a, p, g, m, v);
     ++a.step;
   });
   return 28.0 * double(n) / s;

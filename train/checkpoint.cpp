@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "core/error.hpp"
@@ -109,6 +110,7 @@ bool tp_split(const ParamSpec& spec) {
 // views of the shard buffers: nothing is copied), and their place in the global tensors.
 struct RankSlices {
   std::vector<NamedTensor> tensors;
+  std::vector<Tensor> host;  // the host copies of a GPU's buffers that `tensors` view
   nlohmann::ordered_json slices = nlohmann::ordered_json::object();
 };
 
@@ -122,10 +124,14 @@ RankSlices rank_slices(Model& model, AdamW& opt, bool split, bool unsplit,
   for (size_t i = 0; i < units.size(); ++i) {
     if (!holds(held, i)) continue;
     ParamUnit& u = *units[i];
-    const Tensor* buffers[3] = {&u.master_shard(), &opt.exp_avg()[i], &opt.exp_avg_sq()[i]};
-    for (const Tensor* t : buffers)
-      LOOM_CHECK(t->device() == Device::cpu && t->dtype() == DType::f32, "save_checkpoint: unit ",
-                 u.name(), ": expected f32 shards in cpu memory");
+    // A GPU's buffers are copied to the host first (the writes read host memory).
+    for (const Tensor* t : {&u.master_shard(), &opt.exp_avg()[i], &opt.exp_avg_sq()[i]}) {
+      LOOM_CHECK(holds_data(t->device()) && t->dtype() == DType::f32, "save_checkpoint: unit ",
+                 u.name(), ": expected f32 shards in memory");
+      out.host.push_back(t->on_host());
+    }
+    const Tensor* buffers[3] = {&out.host[out.host.size() - 3], &out.host[out.host.size() - 2],
+                                &out.host.back()};
     for (size_t k = 0; k < u.params().size(); ++k) {
       const Param& p = u.params()[k];
       if (!(tp_split(p.spec) ? split : unsplit)) continue;
@@ -232,6 +238,19 @@ std::string catch_error(Fn&& fn) {
 
 // Reads this rank's part of a parameter (or a moment shaped like it) from a reader of global
 // tensors: only the rows that hold each slice.
+template <class Reader>
+void read_shard(const Reader& f, const std::string& name, ParamUnit& u, size_t param,
+                float* shard_buffer);
+
+// Runs `read(float* memory)` on a unit's shard buffer: its own memory on the CPU, a host copy of
+// a GPU's, copied back after.
+template <class Fn>
+void read_into(Tensor& buffer, Fn&& read) {
+  Tensor h = buffer.on_host();
+  read(h.data<float>());
+  if (buffer.device() != Device::cpu) buffer.copy_from(h);
+}
+
 template <class Reader>
 void read_shard(const Reader& f, const std::string& name, ParamUnit& u, size_t param,
                 float* shard_buffer) {
@@ -758,10 +777,12 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
       if (!model.uses(i)) continue;
       if (!holds(held, i)) {
         for (Tensor* t : {&u.master_shard(), &optimizer.exp_avg()[i], &optimizer.exp_avg_sq()[i]})
-          std::fill_n(t->data<float>(), t->numel(), 0.0f);
+          t->zero_();
       } else {
-        for (size_t k = 0; k < u.params().size(); ++k)
-          read_shard(ckpt, u.params()[k].spec.name, u, k, u.master_shard().data<float>());
+        read_into(u.master_shard(), [&](float* b) {
+          for (size_t k = 0; k < u.params().size(); ++k)
+            read_shard(ckpt, u.params()[k].spec.name, u, k, b);
+        });
       }
       if (!u.sharded()) u.refresh_bf16();
     }
@@ -778,15 +799,19 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
       LOOM_CHECK(st.step == 0, dir, ": has no optimizer moments but is at step ", st.step);
       for (auto* moments : {&optimizer.exp_avg(), &optimizer.exp_avg_sq()})
         for (size_t i = 0; i < moments->size(); ++i)
-          if (model.uses(i)) std::fill_n((*moments)[i].data<float>(), (*moments)[i].numel(), 0.0f);
+          if (model.uses(i)) (*moments)[i].zero_();
     } else {
-      for (size_t i = 0; i < units.size(); ++i)
-        for (size_t k = 0; holds(held, i) && k < units[i]->params().size(); ++k) {
-          const std::string& n = units[i]->params()[k].spec.name;
-          read_shard(ckpt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
-          read_shard(ckpt, n + ".exp_avg_sq", *units[i], k,
-                     optimizer.exp_avg_sq()[i].data<float>());
+      for (size_t i = 0; i < units.size(); ++i) {
+        if (!holds(held, i)) continue;
+        for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+          Tensor& buffer = std::string_view(moment) == ".exp_avg_sq" ? optimizer.exp_avg_sq()[i]
+                                                                     : optimizer.exp_avg()[i];
+          read_into(buffer, [&](float* b) {
+            for (size_t k = 0; k < units[i]->params().size(); ++k)
+              read_shard(ckpt, units[i]->params()[k].spec.name + moment, *units[i], k, b);
+          });
         }
+      }
     }
     optimizer.set_steps_taken(st.step);
     return st;
@@ -807,12 +832,17 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
   }
   LOOM_CHECK(opt_step == st.step, opt_path, ": optimizer step ", opt_step, " but ", state_path,
              " says step ", st.step);
-  for (size_t i = 0; i < units.size(); ++i)
-    for (size_t k = 0; model.uses(i) && k < units[i]->params().size(); ++k) {
-      const std::string& n = units[i]->params()[k].spec.name;
-      read_shard(opt, n + ".exp_avg", *units[i], k, optimizer.exp_avg()[i].data<float>());
-      read_shard(opt, n + ".exp_avg_sq", *units[i], k, optimizer.exp_avg_sq()[i].data<float>());
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (!model.uses(i)) continue;
+    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+      Tensor& buffer = std::string_view(moment) == ".exp_avg_sq" ? optimizer.exp_avg_sq()[i]
+                                                                 : optimizer.exp_avg()[i];
+      read_into(buffer, [&](float* b) {
+        for (size_t k = 0; k < units[i]->params().size(); ++k)
+          read_shard(opt, units[i]->params()[k].spec.name + moment, *units[i], k, b);
+      });
     }
+  }
   for (const auto& e : opt.entries())
     LOOM_CHECK(mnames.count(e.name), opt_path, ": tensor '", e.name,
                "' is not a moment of the model being trained (a model of another shape?)");

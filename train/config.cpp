@@ -15,6 +15,7 @@
 #include "core/error.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
+#include "ops/devices.hpp"
 #include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/stage_split.hpp"
 
@@ -49,6 +50,8 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"data", "path", &c.data.path},
       {"data", "tokenizer", &c.data.tokenizer},
       {"data", "shuffle", &c.data.shuffle},
+      {"training", "device", &c.training.device, {"cpu", "cuda", "auto"}},
+      {"training", "allow_tf32", &c.training.allow_tf32},
       {"training", "steps", &c.training.steps},
       {"training", "local_batch_size", &c.training.local_batch_size},
       {"training", "seq_len", &c.training.seq_len},
@@ -437,8 +440,33 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
   }
 
   validate(c, keys, origin);
+  resolve_auto_device(c);
   resolve_auto_precision(c);
   return c;
+}
+
+void resolve_auto_device(JobConfig& c) {
+  std::string& d = c.training.device;
+  if (d == "auto") {
+    const ops::GpuAvailability g = ops::gpu_availability();
+    d = g.usable ? "cuda" : "cpu";
+    c.device_reason = g.usable ? str_cat("auto: GPU 0 ", g.name, g.count > 1 ? " and " : "",
+                                         g.count > 1 ? std::to_string(g.count - 1) : "",
+                                         g.count > 1 ? " more" : "")
+                               : str_cat("auto: no GPU (", g.why_not, ")");
+  }
+  std::string& p = c.training.mixed_precision_param;
+  if (d == "cuda" && p == "auto") {
+    p = "bfloat16";
+    c.precision_reason = "auto: bf16 GEMMs run on the GPU's tensor cores";
+  }
+}
+
+void check_device_usable(const JobConfig& c) {
+  if (c.training.device != "cuda") return;
+  const ops::GpuAvailability g = ops::gpu_availability();
+  LOOM_CHECK(g.usable, "training.device = \"cuda\", but ", g.built ? "no GPU is usable: " : "",
+             g.why_not);
 }
 
 void resolve_auto_precision(JobConfig& c) {
@@ -521,6 +549,8 @@ std::string to_toml(const JobConfig& c) {
     os << k.name << " = " << toml_value(k.ptr);
     if (k.ptr == Ptr(&copy.training.mixed_precision_param) && !c.precision_reason.empty())
       os << "  # " << c.precision_reason;
+    if (k.ptr == Ptr(&copy.training.device) && !c.device_reason.empty())
+      os << "  # " << c.device_reason;
     os << "\n";
   }
   return os.str();

@@ -35,6 +35,14 @@ struct JobConfig {
     bool operator==(const Data&) const = default;
   } data;
   struct Training {
+    // cpu | cuda | auto: where the step runs. auto takes the GPU where this loom has the CUDA
+    // backend and a GPU is usable, else the CPU, and is resolved when parsed (--print-config and
+    // checkpoints show the device; device_reason says why). cuda with no usable GPU is an error
+    // naming this key when the run starts. Rank r uses GPU (local rank mod GPUs).
+    std::string device = "cpu";
+    // float32 GEMMs on a GPU in TF32 (about 8x the float32 rate, ~1e-3 relative error); false:
+    // exact float32.
+    bool allow_tf32 = false;
     int64_t steps = 100;
     int64_t local_batch_size = 8;
     int64_t seq_len = 256;
@@ -140,6 +148,9 @@ struct JobConfig {
   // Not a key: why training.mixed_precision_param has its value when it was "auto" (for the
   // startup lines), e.g. "auto: oneDNN avx512_core_bf16 has native bf16 matmuls"; "" when set.
   std::string precision_reason;
+  // Not a key: why training.device has its value when it was "auto", e.g. "auto: GPU 0 NVIDIA
+  // H100 80GB HBM3" or "auto: no GPU (no NVIDIA driver ...)"; "" when set.
+  std::string device_reason;
 
   // Compares the keys (base_dir is where the file was, not part of the configuration).
   bool operator==(const JobConfig& o) const;
@@ -154,6 +165,12 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
 // (bfloat16 where cpu::cpu_isa().onednn_native_bf16 and the bf16 GEMMs run natively, else
 // float32) and sets precision_reason. parse_job_config calls it; a no-op when already concrete.
 void resolve_auto_precision(JobConfig& c);
+// Replaces training.device = "auto" by "cuda" where a GPU is usable (ops::gpu_availability), else
+// "cpu", and sets device_reason; on cuda, mixed_precision_param = "auto" becomes bfloat16 (the
+// GPU's tensor cores). parse_job_config calls it before resolve_auto_precision.
+void resolve_auto_device(JobConfig& c);
+// Where the run's device is cuda, checks that a GPU is usable, naming the key and what was found.
+void check_device_usable(const JobConfig& c);
 // One line for the startup output: the compute precision, why, and how its GEMMs run, e.g.
 // "bfloat16 (auto: oneDNN avx512_core_bf16 has native bf16 matmuls); bf16 GEMMs native (...)".
 std::string describe_precision(const JobConfig& c);

@@ -1,11 +1,13 @@
 #include "train/launch.hpp"
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string_view>
 #include <vector>
 
 #include "core/error.hpp"
+#include "ops/devices.hpp"
 #include "parallel/pipeline/schedule_csv.hpp"
 
 namespace loom {
@@ -92,8 +94,18 @@ void check_ranks_agree(dist::ProcessGroup& world, const JobConfig& job) {
 
 }  // namespace
 
+int local_rank() {
+  // Open MPI's, Slurm's and torchrun's names for the rank's index on its node.
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
 DistRuntime start_distributed(const JobConfig& job, const std::string& command) {
   const ParallelDims dims = parallel_dims(job);
+  // Before any collective: a rank without a usable GPU fails here, naming the key.
+  check_device_usable(job);
+  if (job.training.device == "cuda") ops::start_gpu(local_rank(), job.training.allow_tf32);
   DistRuntime rt;
   if (dist::launched_under_mpi()) {
     rt.mpi = std::make_unique<dist::MpiRuntime>();
@@ -130,7 +142,7 @@ ParallelizeOptions parallelize_options(const JobConfig& job) {
                                             job.activation_checkpoint.selective_option),
           .fsdp = {parallel::reshard_policy_from_name(p.fsdp_reshard_after_forward),
                    dtype_from_name(job.training.mixed_precision_reduce)},
-          .device = Device::cpu,
+          .device = job.training.device == "cuda" ? Device::cuda : Device::cpu,
           .cpu_offload = job.training.enable_cpu_offload,
           .pp_schedule = p.pp_schedule,
           .pp_schedule_csv = p.pp_schedule_csv,

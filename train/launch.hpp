@@ -23,7 +23,10 @@ struct DistRuntime {
 // loom::Error on every rank when the world does not fit [parallelism], or when the config asks
 // for several ranks and this process was not started by an MPI launcher (`command` names the
 // command in that message, e.g. "train").
+// With training.device = "cuda", first checks that a GPU is usable and starts GPU local_rank().
 DistRuntime start_distributed(const JobConfig& job, const std::string& command);
+// The rank's index on its node: Open MPI's, Slurm's or torchrun's variable, 0 without any.
+int local_rank();
 
 // [parallelism] and [activation_checkpoint] as the parallel layer's values (parallel/ does not
 // read the job config).

@@ -5,8 +5,7 @@
 #include "core/error.hpp"
 #include "distributed/group_sum.hpp"
 #include "distributed/process_group.hpp"
-#include "kernels/cpu/adamw.hpp"
-#include "kernels/cpu/cast.hpp"
+#include "ops/ops.hpp"
 
 namespace loom {
 
@@ -37,20 +36,22 @@ void AdamW::step(float lr, float grad_scale) {
     // contiguous range. Offsets are within the shard (the whole flat buffer when unsharded).
     const auto& ps = u.params();
     const auto slices = u.shard_slices();
-    float* w = u.master_shard().data<float>();
-    float* g = u.grad_shard().data<float>();
-    bf16* mirror = !u.sharded() && u.has_bf16() ? u.flat_bf16().data<bf16>() : nullptr;
+    Tensor w = u.master_shard(), g = u.grad_shard();
+    const bool mirrored = !u.sharded() && u.has_bf16();
+    Tensor mirror = mirrored ? u.flat_bf16() : Tensor();
     for (size_t first = 0; first < slices.size();) {
       const bool decay = ps[slices[first].param].spec.decay;
       size_t last = first + 1;
       while (last < slices.size() && ps[slices[last].param].spec.decay == decay) ++last;
       const int64_t begin = slices[first].shard_offset;
       const int64_t n = slices[last - 1].shard_offset + slices[last - 1].count - begin;
-      cpu::AdamWArgs a{
+      const ops::AdamWStep a{
           lr,    config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.0f,
           step_, grad_scale};
-      cpu::adamw_step(a, w + begin, g + begin, m_[i].data<float>() + begin,
-                      v_[i].data<float>() + begin, n, mirror ? mirror + begin : nullptr);
+      Tensor wr = w.narrow(0, begin, n), mr = m_[i].narrow(0, begin, n),
+             vr = v_[i].narrow(0, begin, n);
+      Tensor mirror_r = mirrored ? mirror.narrow(0, begin, n) : Tensor();
+      ops::adamw_step(a, wr, g.narrow(0, begin, n), mr, vr, mirrored ? &mirror_r : nullptr);
       first = last;
     }
   }
@@ -69,16 +70,16 @@ double grad_norm(const std::vector<ParamUnit*>& units, dist::ProcessGroup* shard
   for (size_t i = 0; i < units.size(); ++i) {
     ParamUnit* u = units[i];
     if (!holds_data(u->device()) || (!counted.empty() && !counted[i])) continue;
-    const float* g = u->grad_shard().data<float>();
+    const Tensor g = u->grad_shard();
     if (tp == 1) {
-      per_unit[i] = cpu::sum_squares(g, u->shard_numel());
+      per_unit[i] = ops::sum_squares(g.narrow(0, 0, u->shard_numel()));
       continue;
     }
     // Parameters that tensor parallelism does not split (norms) hold the same gradient on every
     // tp rank: each rank counts 1/tp of them (exact for tp a power of two), so the sum over tp
     // counts them once.
     for (const ShardSlice& s : u->shard_slices()) {
-      const double part = cpu::sum_squares(g + s.shard_offset, s.count);
+      const double part = ops::sum_squares(g.narrow(0, s.shard_offset, s.count));
       per_unit[i] += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
     }
   }
@@ -100,8 +101,10 @@ double clip_grad_norm(const std::vector<ParamUnit*>& units, double max_norm,
   const float s = clip_grad_scale(norm, max_norm);
   if (s != 1.0f)
     for (ParamUnit* u : units)
-      if (holds_data(u->device()))
-        cpu::scale_inplace(u->grad_shard().data<float>(), u->shard_numel(), s);
+      if (holds_data(u->device())) {
+        Tensor g = u->grad_shard().narrow(0, 0, u->shard_numel());
+        ops::scale_inplace(g, s);
+      }
   return norm;
 }
 

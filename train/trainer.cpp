@@ -19,9 +19,9 @@
 #include "data/token_shard.hpp"
 #include "distributed/group_sum.hpp"
 #include "distributed/mesh.hpp"
-#include "kernels/cpu/gemm.hpp"
 #include "model/model.hpp"
 #include "model/safetensors.hpp"
+#include "ops/devices.hpp"
 #include "parallel/cost_model.hpp"
 #include "train/checkpoint.hpp"
 #include "train/checkpoint_convert.hpp"
@@ -277,7 +277,9 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
     : s_(std::make_unique<State>()) {
   State& s = *s_;
   s.job = config;
-  resolve_auto_precision(s.job);  // parsing did it already, unless the caller built the struct
+  // Parsing did these already, unless the caller built the struct.
+  resolve_auto_device(s.job);
+  resolve_auto_precision(s.job);
   s.opt = options;
   s.mesh = options.mesh;
   s.build_mesh();
@@ -470,7 +472,8 @@ void Trainer::State::find_checkpoint() {
 
 void Trainer::State::build_model() {
   if (job.memory.limit_gb > 0)
-    Allocator::get(Device::cpu).set_limit(size_t(job.memory.limit_gb * double(size_t(1) << 30)));
+    Allocator::get(parallelize_options(job).device)
+        .set_limit(size_t(job.memory.limit_gb * double(size_t(1) << 30)));
   par = parallelize(mc(), compute, groups, parallelize_options(job));
 }
 
@@ -482,7 +485,7 @@ void Trainer::State::build_optimizer() {
 
 void Trainer::State::load_or_init() {
   if (!resume_dir.empty()) {
-    auto& alloc = Allocator::get(Device::cpu);
+    auto& alloc = Allocator::get(parallelize_options(job).device);
     peak_before_load = alloc.stats().peak_allocated;
     const size_t held = alloc.stats().allocated;
     alloc.reset_peak();
@@ -553,6 +556,9 @@ TrainResult Trainer::run() {
        << s.par.model->describe() << "), " << dtype_name(s.compute) << " GEMMs";
     log.message(os.str());
     log.message("  precision " + describe_precision(j));
+    if (j.training.device != "cpu" || !j.device_reason.empty())
+      log.message(str_cat("  device ", j.training.device,
+                          j.device_reason.empty() ? "" : " (" + j.device_reason + ")"));
     os.str("");
     os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
     if (s.val) os << ", " << s.val->size() << " val tokens";
@@ -583,7 +589,8 @@ TrainResult Trainer::run() {
   }
   double peak = 0;
   if (s.opt.gemm_peak_seconds > 0) {
-    peak = cpu::measure_gemm_peak(s.compute, s.opt.gemm_peak_seconds);
+    peak = ops::measure_gemm_peak(parallelize_options(s.job).device, s.compute,
+                                  s.opt.gemm_peak_seconds);
     log.message(str_cat("  GEMM peak ", std::llround(peak / 1e9), " GFLOP/s (",
                         dtype_name(s.compute), ", measured for MFU)"));
   }
@@ -592,7 +599,7 @@ TrainResult Trainer::run() {
     return result;
   }
 
-  auto& alloc = Allocator::get(Device::cpu);
+  auto& alloc = Allocator::get(parallelize_options(s.job).device);
   // A save (and the load) resets the allocator's peak to measure itself: the run's peak is kept
   // here.
   size_t run_peak = s.peak_before_load;

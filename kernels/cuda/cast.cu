@@ -143,6 +143,15 @@ void fill(float* x, int64_t n, float value) {
   check_launch("fill");
 }
 
+void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+               int64_t cols) {
+  if (rows <= 0 || cols <= 0) return;
+  LOOM_CUDA_CHECK(
+      cudaMemcpy2DAsync(dst, size_t(dst_stride) * 4, src, size_t(src_stride) * 4, size_t(cols) * 4,
+                        size_t(rows), cudaMemcpyDeviceToDevice, stream()),
+      "copy_rows");
+}
+
 void scale_inplace(float* x, int64_t n, float s) {
   if (n <= 0) return;
   scale_kernel<<<grid_for(n), kThreads, 0, stream()>>>(x, n, s);

@@ -12,6 +12,9 @@ namespace loom::cuda {
 void cast_f32_to_bf16(const float* in, bf16* out, int64_t n);
 void cast_bf16_to_f32(const bf16* in, float* out, int64_t n);
 void fill(float* x, int64_t n, float value);
+// dst[r, :cols] = src[r, :cols] for `rows` rows of the given strides (floats).
+void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+               int64_t cols);
 void scale_inplace(float* x, int64_t n, float s);
 void add_inplace(float* y, const float* x, int64_t n);  // y += x
 // *out (device memory, one double) = the sum of x[i]^2 in double, in a fixed order: the same bits

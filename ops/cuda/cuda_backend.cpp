@@ -8,6 +8,8 @@
 #include <cstring>
 
 #include "core/error.hpp"
+#include "core/philox.hpp"
+#include "kernels/cuda/adamw.hpp"
 #include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/cast.hpp"
 #include "kernels/cuda/cross_entropy.hpp"
@@ -93,6 +95,34 @@ class CudaBackend final : public Backend {
     cuda::add_inplace(f(y), f(x), y.numel());
   }
   void fill(Tensor& x, float value) override { cuda::fill(f(x), x.numel(), value); }
+  void copy_rows(const Tensor& src, Tensor& dst) override {
+    cuda::copy_rows(f(src), stride(src), f(dst), stride(dst), rows(src), src.size(1));
+  }
+  // Drawn on the host by the CPU's Philox and copied: the GPU's initial weights are the CPU's to
+  // the bit (a device Philox kernel would spare the copy for very large models).
+  void philox_normal(Tensor& x, uint64_t key, int64_t first, float std) override {
+    Tensor h = Tensor::empty({x.numel()}, DType::f32);
+    loom::philox_normal(key, first, x.numel(), 0.0f, std, f(h));
+    x.view({x.numel()}).copy_from(h);
+  }
+
+  void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
+                  Tensor* mirror) override {
+    const cuda::AdamWArgs args{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.step, a.grad_scale};
+    cuda::adamw_step(args, f(p), f(g), f(m), f(v), p.numel(),
+                     mirror ? mirror->data<bf16>() : nullptr);
+  }
+  // Read back at once: one synchronization per call, until the gradient norm is summed on the
+  // device and read once per step.
+  double sum_squares(const Tensor& x) override {
+    Tensor scratch =
+        Tensor::empty({2 * cuda::sum_squares_scratch(x.numel())}, DType::f32, Device::cuda);
+    Tensor out = Tensor::empty({2}, DType::f32, Device::cuda);
+    cuda::sum_squares(f(x), x.numel(), static_cast<double*>(scratch.raw()),
+                      static_cast<double*>(out.raw()));
+    return read_double(out);
+  }
+  void scale_inplace(Tensor& x, float s) override { cuda::scale_inplace(f(x), x.numel(), s); }
 
   // y [M, N] (+)= x [M, K] w [N, K]^T; a bf16 y is the product rounded.
   void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) override {

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama_config.hpp"
+#include "ops/devices.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -433,4 +434,35 @@ TEST(JobConfig, ProfilingTraceKey) {
   expect_error([&] { parse("", {"--profiling.trace=" + file}); },
                {"profiling.trace", "a directory", "an existing file"});
   expect_error([] { parse("[profiling]\ntrace = 3\n"); }, {"profiling.trace", "string"});
+}
+
+// training.device: "auto" is resolved when parsed (with its reason in the TOML), "cuda" parses
+// anywhere (a plan can be made for a GPU job) and fails at the start of a run where no GPU is
+// usable, naming the key and what was found.
+TEST(JobConfig, DeviceAutoResolvesAndCudaNeedsAGpu) {
+  const loom::ops::GpuAvailability g = loom::ops::gpu_availability();
+  loom::JobConfig c =
+      parse("", {"--training.device=auto", "--training.mixed_precision_param=auto"});
+  EXPECT_EQ(c.training.device, g.usable ? "cuda" : "cpu");
+  EXPECT_NE(c.device_reason.find(g.usable ? "auto: GPU 0" : "auto: no GPU"), std::string::npos)
+      << c.device_reason;
+  EXPECT_NE(loom::to_toml(c).find("device = \"" + c.training.device + "\"  # auto:"),
+            std::string::npos);
+  if (g.usable) EXPECT_EQ(c.training.mixed_precision_param, "bfloat16");
+  loom::JobConfig cuda = parse("[training]\ndevice = \"cuda\"\nallow_tf32 = true\n");
+  EXPECT_EQ(cuda.training.device, "cuda");
+  EXPECT_TRUE(cuda.training.allow_tf32);
+  if (g.usable) {
+    EXPECT_NO_THROW(loom::check_device_usable(cuda));
+  } else {
+    try {
+      loom::check_device_usable(cuda);
+      FAIL() << "device = cuda accepted without a GPU";
+    } catch (const loom::Error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("training.device = \"cuda\""), std::string::npos) << w;
+      EXPECT_NE(w.find(g.why_not), std::string::npos) << w;
+    }
+  }
+  EXPECT_THROW(parse("[training]\ndevice = \"tpu\"\n"), loom::Error);
 }

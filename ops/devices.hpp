@@ -1,0 +1,30 @@
+#pragma once
+// What the layers above ops/ may ask of the devices (train/, apps/): whether this loom has the
+// CUDA backend and a GPU it can use, and starting the process's GPU. The one place outside the
+// backends that knows a device runtime exists; nothing here runs a kernel.
+#include <string>
+
+#include "core/device.hpp"
+#include "core/dtype.hpp"
+
+namespace loom::ops {
+
+struct GpuAvailability {
+  bool built = false;   // this loom has the CUDA backend
+  bool usable = false;  // ... and a driver and a GPU it can use
+  int count = 0;        // GPUs found
+  std::string name;     // GPU 0's name
+  std::string why_not;  // when not usable: what was found
+};
+GpuAvailability gpu_availability();
+// Makes GPU `index` this process's device (the rank's local rank, modulo the GPUs there are:
+// several ranks may share one GPU), its float32 GEMMs exact or, with `allow_tf32`, in TF32.
+// Throws naming what is missing.
+void start_gpu(int index, bool allow_tf32);
+
+// The GEMM rate (FLOP/s) of `device` measured now for about `seconds`: the CPU's for `dtype`
+// (cpu::measure_gemm_peak), a GPU's bf16 tensor-core rate whatever `dtype` (the denominator of MFU
+// there, as in published GPU runs).
+double measure_gemm_peak(Device device, DType dtype, double seconds);
+
+}  // namespace loom::ops
