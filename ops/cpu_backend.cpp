@@ -28,25 +28,6 @@ namespace loom::ops {
 
 namespace {
 
-float* f_or_null(Tensor& t) {
-  return t.defined() ? f(t) : nullptr;
-}
-const float* f_or_null(const Tensor& t) {
-  return t.defined() ? f(t) : nullptr;
-}
-cpu::GlaCore gla_core(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
-                      const Tensor& gk, const Tensor& h0) {
-  cpu::GlaCore a;
-  a.B = s.B, a.T = rows(q) / s.B, a.H = s.H, a.Hkv = s.Hkv;
-  a.K = q.size(1) / s.H, a.V = v.size(1) / s.Hkv;
-  a.scale = scale(a.K);
-  a.chunk = s.chunk, a.sub_chunk = s.sub_chunk;
-  a.q = {f(q), stride(q)}, a.k = {f(k), stride(k)}, a.v = {f(v), stride(v)};
-  a.gk = {f(gk), stride(gk)};
-  a.h0 = h0.defined() ? f(h0) : nullptr;
-  return a;
-}
-
 class CpuBackend final : public Backend {
  public:
   CpuBackend() : Backend(Device::cpu) {}
@@ -221,12 +202,8 @@ class CpuBackend final : public Backend {
   void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& gk, const Tensor& h0, const Tensor& dout, const Tensor& dht,
                     Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dgk, Tensor& dh0) override {
-    cpu::GlaCoreGrads g{{f(dq), stride(dq)},
-                        {f(dk), stride(dk)},
-                        {f(dv), stride(dv)},
-                        {f(dgk), stride(dgk)},
-                        f_or_null(dh0)};
-    cpu::gla_backward(gla_core(s, q, k, v, gk, h0), {f(dout), stride(dout)}, f_or_null(dht), g);
+    cpu::gla_backward(gla_core(s, q, k, v, gk, h0), {f(dout), stride(dout)}, f_or_null(dht),
+                      gla_grads(dq, dk, dv, dgk, dh0));
   }
   void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) override {
     cpu::gla_decay_total(s.B, rows(gk) / s.B, s.Hkv, gk.size(1) / s.Hkv, f(gk), f(decay));

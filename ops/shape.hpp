@@ -7,6 +7,7 @@
 #include "core/tensor.hpp"
 #include "kernels/cpu/attention.hpp"        // AttentionShape: a plain struct, every backend's
 #include "kernels/cpu/attention_block.hpp"  // BlockShape, likewise
+#include "kernels/cpu/gla.hpp"              // GlaCore, GlaCoreGrads, likewise
 #include "ops/ops.hpp"
 
 namespace loom::ops {
@@ -26,6 +27,13 @@ inline const float* f(const Tensor& t) {
 }
 inline float* f(Tensor& t) {
   return t.data<float>();
+}
+
+inline float* f_or_null(Tensor& t) {
+  return t.defined() ? f(t) : nullptr;
+}
+inline const float* f_or_null(const Tensor& t) {
+  return t.defined() ? f(t) : nullptr;
 }
 
 // The attention's softmax scale, 1/sqrt(head dim).
@@ -49,6 +57,27 @@ inline cpu::BlockShape block_shape(const AttentionBlock& s, const Tensor& q, con
           stride(q),
           stride(k),
           scale(D)};
+}
+
+// The GLA core's arguments from the tensors (strided views).
+inline cpu::GlaCore gla_core(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& gk, const Tensor& h0) {
+  cpu::GlaCore a;
+  a.B = s.B, a.T = rows(q) / s.B, a.H = s.H, a.Hkv = s.Hkv;
+  a.K = q.size(1) / s.H, a.V = v.size(1) / s.Hkv;
+  a.scale = scale(a.K);
+  a.chunk = s.chunk, a.sub_chunk = s.sub_chunk;
+  a.q = {f(q), stride(q)}, a.k = {f(k), stride(k)}, a.v = {f(v), stride(v)};
+  a.gk = {f(gk), stride(gk)};
+  a.h0 = h0.defined() ? f(h0) : nullptr;
+  return a;
+}
+inline cpu::GlaCoreGrads gla_grads(Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dgk, Tensor& dh0) {
+  return {{f(dq), stride(dq)},
+          {f(dk), stride(dk)},
+          {f(dv), stride(dv)},
+          {f(dgk), stride(dgk)},
+          f_or_null(dh0)};
 }
 
 }  // namespace loom::ops

@@ -1,6 +1,6 @@
 // The GPU's backend: each op on kernels/cuda (ops/backend.hpp), on the process's compute stream.
 // Built only with the CUDA backend (cmake/cuda.cmake). An op without a CUDA kernel yet is the
-// Backend's error naming it (the decode attention and GLA are next).
+// Backend's error naming it (the decode attention is next).
 //
 // Host data in the op signatures (tokens, positions, the RoPE table) is copied to the device per
 // call until the ops take device tensors for them: the tokens of the call, and the RoPE table's
@@ -15,6 +15,8 @@
 #include "kernels/cuda/cross_entropy.hpp"
 #include "kernels/cuda/embedding.hpp"
 #include "kernels/cuda/gemm.hpp"
+#include "kernels/cuda/gla.hpp"
+#include "kernels/cuda/gla_ops.hpp"
 #include "kernels/cuda/rmsnorm.hpp"
 #include "kernels/cuda/rope.hpp"
 #include "kernels/cuda/runtime.hpp"
@@ -286,6 +288,56 @@ class CudaBackend final : public Backend {
   void attention_delta(int64_t B, int64_t Hq, const Tensor& out, const Tensor& dout,
                        Tensor& delta) override {
     cuda::attention_delta(B, rows(out) / B, Hq, out.size(1) / Hq, f(out), f(dout), f(delta));
+  }
+
+  void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& gk, const Tensor& h0, Tensor& o, Tensor& ht) override {
+    cuda::gla_forward(gla_core(s, q, k, v, gk, h0), {f(o), stride(o)}, f_or_null(ht));
+  }
+  void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& gk, const Tensor& h0, const Tensor& dout, const Tensor& dht,
+                    Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dgk, Tensor& dh0) override {
+    cuda::gla_backward(gla_core(s, q, k, v, gk, h0), {f(dout), stride(dout)}, f_or_null(dht),
+                       gla_grads(dq, dk, dv, dgk, dh0));
+  }
+  void gla_decay_total(const Gla& s, const Tensor& gk, Tensor& decay) override {
+    cuda::gla_decay_total(s.B, rows(gk) / s.B, s.Hkv, gk.size(1) / s.Hkv, f(gk), f(decay));
+  }
+  void gla_state_fold(const Gla& s, const Tensor& decay, const Tensor& E, Tensor& S) override {
+    cuda::gla_state_fold(s.B, s.H, s.Hkv, S.size(2), S.size(3), f(decay), f(E), f(S));
+  }
+  void gla_gate_forward(const Tensor& z, const Tensor& bias, float normalizer, float clamp_min,
+                        Tensor& gk) override {
+    cuda::gla_gate_forward(f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min, f(gk));
+  }
+  void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, float normalizer,
+                         float clamp_min, Tensor& dz, Tensor& dbias) override {
+    cuda::gla_gate_backward(f(dgk), f(z), f_or_null(bias), rows(z), cols(z), normalizer, clamp_min,
+                            f(dz), bias.defined() ? f(dbias) : nullptr);
+  }
+  void gated_rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& w, int64_t heads,
+                             float eps, Tensor& y, Tensor& rstd) override {
+    const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, eps};
+    cuda::gated_rmsnorm_forward(s, f(x), f_or_null(g), g.defined() ? stride(g) : 0, f_or_null(w),
+                                f(y), f(rstd));
+  }
+  void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& w,
+                              const Tensor& rstd, int64_t heads, Tensor& dx, Tensor& dg,
+                              Tensor& dw) override {
+    const cpu::GatedRmsNorm s{rows(x), heads, cols(x) / heads, 0.0f};  // eps is in rstd
+    cuda::gated_rmsnorm_backward(s, f(dy), f(x), f_or_null(g), g.defined() ? stride(g) : 0,
+                                 f_or_null(w), f(rstd), f(dx), g.defined() ? f(dg) : nullptr,
+                                 g.defined() ? stride(dg) : 0, w.defined() ? f(dw) : nullptr);
+  }
+  void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y) override {
+    const cpu::ShortConv s{B, rows(x) / B, x.size(1), w.numel() / x.size(1)};
+    cuda::short_conv_forward(s, f(x), stride(x), f(w), f(y), stride(y));
+  }
+  void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B,
+                           Tensor& dx, Tensor& dw) override {
+    const cpu::ShortConv s{B, rows(x) / B, x.size(1), w.numel() / x.size(1)};
+    cuda::short_conv_backward(s, f(dy), stride(dy), f(x), stride(x), f(w), f(dx), stride(dx),
+                              f(dw));
   }
 
   // The summed loss comes back to the host: one synchronization per call until the op returns a

@@ -448,7 +448,9 @@ TEST(JobConfig, DeviceAutoResolvesAndCudaNeedsAGpu) {
       << c.device_reason;
   EXPECT_NE(loom::to_toml(c).find("device = \"" + c.training.device + "\"  # auto:"),
             std::string::npos);
-  if (g.usable) EXPECT_EQ(c.training.mixed_precision_param, "bfloat16");
+  if (g.usable) {
+    EXPECT_EQ(c.training.mixed_precision_param, "bfloat16");
+  }
   loom::JobConfig cuda = parse("[training]\ndevice = \"cuda\"\nallow_tf32 = true\n");
   EXPECT_EQ(cuda.training.device, "cuda");
   EXPECT_TRUE(cuda.training.allow_tf32);

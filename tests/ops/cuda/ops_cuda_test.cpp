@@ -200,12 +200,11 @@ TEST_F(OpsCuda, ProfileTimesGpuOpsAndAMissingKernelIsNamed) {
     ops::linear(x, w, y);
   }
   EXPECT_EQ(seen, std::vector<std::string>{"linear"});
-  Tensor lse = Tensor::empty({1, 1, 64}, DType::f32, Device::cuda);
   try {
-    ops::short_conv_forward(x, w, 1, y);
-    FAIL() << "short_conv_forward ran on cuda without a kernel";
+    ops::attention_decode(x, w, w, 64, 1, 1, y);
+    FAIL() << "attention_decode ran on cuda without a kernel";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("short_conv_forward: no kernel on device cuda"),
+    EXPECT_NE(std::string(e.what()).find("attention_decode: no kernel on device cuda"),
               std::string::npos)
         << e.what();
   }
