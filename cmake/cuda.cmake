@@ -40,7 +40,11 @@ if(LOOM_HAVE_CUDA)
        ${CMAKE_SOURCE_DIR}/kernels/cuda/*.cpp)
   add_library(loom_kernels_cuda STATIC ${cuda_srcs})
   target_include_directories(loom_kernels_cuda PUBLIC ${CMAKE_SOURCE_DIR})
-  target_link_libraries(loom_kernels_cuda PUBLIC loom_core CUDA::cudart_static CUDA::cublasLt)
+  # kernels/cpu: the argument structs and checks the two backends share (GemmArgs, AdamWArgs, ...);
+  # linked only, since its usage requirements (an -isystem /usr/include among them) break nvcc's
+  # #include_next <math.h>, and the headers need nothing but the source root.
+  target_link_libraries(loom_kernels_cuda PUBLIC loom_core $<LINK_ONLY:loom_kernels_cpu>
+                                                 CUDA::cudart_static CUDA::cublasLt)
   # The programs that link it are linked as C++, yet CMake adds nvcc's implicit libraries
   # (-lcudadevrt -lcudart_static) by name: their folder must be searched.
   target_link_directories(loom_kernels_cuda PUBLIC ${CUDAToolkit_LIBRARY_DIR})

@@ -104,8 +104,7 @@ namespace loom::cpu {
 
 HWY_EXPORT(adamw_loop_impl);
 
-void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
-                bf16* param_bf16) {
+void check_adamw_args(const AdamWArgs& a, int64_t n) {
   LOOM_CHECK(n >= 0, "adamw_step: element count must be >= 0, got ", n);
   LOOM_CHECK(a.step >= 1, "adamw_step: step must be >= 1 (1-based for bias correction), got ",
              a.step);
@@ -117,6 +116,11 @@ void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, f
              a.weight_decay);
   LOOM_CHECK(std::isfinite(a.grad_scale) && a.grad_scale > 0,
              "adamw_step: grad_scale must be finite and > 0, got ", a.grad_scale);
+}
+
+void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
+                bf16* param_bf16) {
+  check_adamw_args(a, n);
   const double lr = a.lr, wd = a.weight_decay, b1 = a.beta1, b2 = a.beta2;
   const double bc1 = 1.0 - std::pow(b1, double(a.step));
   const double bc2 = 1.0 - std::pow(b2, double(a.step));

@@ -17,6 +17,9 @@ struct AdamWArgs {
 
 // Fused AdamW (decoupled weight decay, PyTorch's formula) on fp32 master weights and moments.
 // If param_bf16 is not null, also writes the updated weights rounded to bf16 there.
+// The checks of adamw_step's arguments (every backend's AdamW runs them): a loom::Error naming the
+// argument and its value.
+void check_adamw_args(const AdamWArgs& a, int64_t n);
 void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
                 bf16* param_bf16 = nullptr);
 

@@ -269,20 +269,6 @@ void check_shape(const GemmArgs& a) {
              " is less than the width N=", a.N, " of R");
 }
 
-void check_args(const GemmArgs& a) {
-  check_shape(a);
-  if (a.M > 0 && a.N > 0) {
-    LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
-               " product");
-    if (a.R) {
-      const float *r0 = a.R, *r1 = a.R + (a.M - 1) * a.ldr + a.N;
-      const float *c0 = a.C, *c1 = a.C + (a.M - 1) * a.ldc + a.N;
-      LOOM_CHECK(r1 <= c0 || c1 <= r0, "gemm: the residual R overlaps C");
-    }
-    LOOM_CHECK(a.K == 0 || (a.A != nullptr && a.B != nullptr), "gemm: A or B is null with K=", a.K);
-  }
-}
-
 Key key_of(const GemmArgs& a, bool packed) {
   return {a.M,
           a.N,
@@ -439,8 +425,22 @@ bool runs_matmul(const GemmArgs& a) {
 
 }  // namespace
 
+void check_gemm_args(const GemmArgs& a) {
+  check_shape(a);
+  if (a.M > 0 && a.N > 0) {
+    LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
+               " product");
+    if (a.R) {
+      const float *r0 = a.R, *r1 = a.R + (a.M - 1) * a.ldr + a.N;
+      const float *c0 = a.C, *c1 = a.C + (a.M - 1) * a.ldc + a.N;
+      LOOM_CHECK(r1 <= c0 || c1 <= r0, "gemm: the residual R overlaps C");
+    }
+    LOOM_CHECK(a.K == 0 || (a.A != nullptr && a.B != nullptr), "gemm: A or B is null with K=", a.K);
+  }
+}
+
 void gemm(const GemmArgs& a) {
-  check_args(a);
+  check_gemm_args(a);
   if (a.M == 0 || a.N == 0) return;
   if (a.K == 0) {  // an empty sum: C = 0 (or R), or C unchanged when accumulating
     if (a.R)
@@ -498,7 +498,7 @@ PackedB pack_b(const GemmArgs& a) {
 }
 
 void gemm_packed(const GemmArgs& a, const PackedB& b) {
-  check_args(a);
+  check_gemm_args(a);
   if (!b) return gemm(a);
   if (a.R) return gemm_packed(residual_copied(a), b);
   const PackedB::Impl& p = *b.impl_;

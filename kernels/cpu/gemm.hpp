@@ -43,6 +43,10 @@ struct GemmArgs {
 };
 
 void gemm(const GemmArgs& a);
+// The checks of gemm's arguments (shapes, leading dimensions, the exclusive options, the
+// pointers, a residual overlapping C): a loom::Error naming what is wrong. Every backend's GEMM
+// runs them.
+void check_gemm_args(const GemmArgs& a);
 
 // The common linear-layer forms (W stored [out, in] as in Hugging Face):
 //   y[M,N] (+)= x[M,K] * W[N,K]^T        linear_forward

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "core/error.hpp"
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/runtime.hpp"
 #include "kernels/cuda/vec.cuh"
@@ -72,17 +71,7 @@ unsigned grid_for(int64_t n) {
 void adamw_step(const AdamWArgs& a, float* param, const float* grad, float* m, float* v, int64_t n,
                 bf16* param_bf16) {
   // The same argument checks and scalars as cpu::adamw_step (formed in double, rounded once).
-  LOOM_CHECK(n >= 0, "adamw_step: element count must be >= 0, got ", n);
-  LOOM_CHECK(a.step >= 1, "adamw_step: step must be >= 1 (1-based for bias correction), got ",
-             a.step);
-  LOOM_CHECK(a.beta1 >= 0 && a.beta1 < 1, "adamw_step: beta1 must be in [0, 1), got ", a.beta1);
-  LOOM_CHECK(a.beta2 >= 0 && a.beta2 < 1, "adamw_step: beta2 must be in [0, 1), got ", a.beta2);
-  LOOM_CHECK(a.eps > 0, "adamw_step: eps must be > 0, got ", a.eps);
-  LOOM_CHECK(a.lr >= 0 && a.weight_decay >= 0,
-             "adamw_step: lr and weight_decay must be >= 0, got lr ", a.lr, " and weight_decay ",
-             a.weight_decay);
-  LOOM_CHECK(std::isfinite(a.grad_scale) && a.grad_scale > 0,
-             "adamw_step: grad_scale must be finite and > 0, got ", a.grad_scale);
+  cpu::check_adamw_args(a, n);
   if (n == 0) return;
   const double lr = a.lr, wd = a.weight_decay, b1 = a.beta1, b2 = a.beta2;
   const double bc1 = 1.0 - std::pow(b1, double(a.step));

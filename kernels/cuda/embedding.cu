@@ -21,36 +21,6 @@ constexpr int kThreads = 256;
 // position is below it, as n <= INT_MAX).
 constexpr uint32_t kNone = 0xffffffffu;
 
-// N consecutive floats at p: N = 1 (any alignment), or a multiple of 4 (p 16-byte aligned).
-template <int N>
-__device__ __forceinline__ void load(const float* p, float (&v)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < N / 4; ++k) {
-      const float4 q = reinterpret_cast<const float4*>(p)[k];
-      v[4 * k] = q.x;
-      v[4 * k + 1] = q.y;
-      v[4 * k + 2] = q.z;
-      v[4 * k + 3] = q.w;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = p[k];
-  }
-}
-template <int N>
-__device__ __forceinline__ void store(float* p, const float (&v)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < N / 4; ++k)
-      reinterpret_cast<float4*>(p)[k] =
-          make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) p[k] = v[k];
-  }
-}
-
 // Token i = blockIdx.x: its table row t = tokens[i] - v0 copied to out row i when t is in
 // [0, vocab). Otherwise: zeros (kRange: another rank holds the row), or (!kRange) nothing written
 // and i recorded in *bad, the smallest such i kept (atomicMin), for the host to throw.

@@ -183,34 +183,8 @@ LtProblem lt_problem(const GemmArgs& a) {
   return p;
 }
 
-void check_gemm_args(const GemmArgs& a) {
-  LOOM_CHECK(a.M >= 0 && a.N >= 0 && a.K >= 0, "gemm: negative size M=", a.M, " N=", a.N,
-             " K=", a.K);
-  LOOM_CHECK(a.ab == DType::f32 || a.ab == DType::bf16, "gemm: A and B must be float32 or ",
-             "bfloat16, got ", dtype_name(a.ab));
-  const bool ta = a.ta == Trans::T, tb = a.tb == Trans::T;
-  const int64_t wa = ta ? a.M : a.K, wb = tb ? a.K : a.N;
-  LOOM_CHECK(a.lda >= std::max<int64_t>(wa, 1), "gemm: lda=", a.lda, " is less than the width ", wa,
-             " of A as stored (", ta ? "transposed" : "not transposed", ")");
-  LOOM_CHECK(a.ldb >= std::max<int64_t>(wb, 1), "gemm: ldb=", a.ldb, " is less than the width ", wb,
-             " of B as stored (", tb ? "transposed" : "not transposed", ")");
-  LOOM_CHECK(a.ldc >= std::max<int64_t>(a.N, 1), "gemm: ldc=", a.ldc,
-             " is less than the width N=", a.N, " of C");
-  LOOM_CHECK(!(a.C && a.C16), "gemm: both C and C16 are set; the product goes to one of them");
-  LOOM_CHECK(!(a.C16 && a.accumulate), "gemm: C16 (a rounded bf16 product) cannot accumulate");
-  LOOM_CHECK(!a.R || (!a.C16 && !a.accumulate), "gemm: a residual R goes with a plain f32 C (",
-             a.C16 ? "C16 is set" : "accumulate is set", ")");
-  LOOM_CHECK(!a.R || a.ldr >= std::max<int64_t>(a.N, 1), "gemm: ldr=", a.ldr,
-             " is less than the width N=", a.N, " of R");
-  if (a.M > 0 && a.N > 0) {
-    LOOM_CHECK(a.C != nullptr || a.C16 != nullptr, "gemm: C is null for a ", a.M, "x", a.N,
-               " product");
-    LOOM_CHECK(a.K == 0 || (a.A != nullptr && a.B != nullptr), "gemm: A or B is null with K=", a.K);
-  }
-}
-
 void gemm(const GemmArgs& a) {
-  check_gemm_args(a);
+  cpu::check_gemm_args(a);
   if (a.M == 0 || a.N == 0) return;
   if (a.K == 0) return empty_product(a);
   State& s = state();

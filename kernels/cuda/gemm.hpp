@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cpu/gemm.hpp"  // GemmArgs, Trans: plain structs, no backend
+#include "kernels/cpu/gemm.hpp"  // GemmArgs, Trans, check_gemm_args: no kernel of the CPU's
 
 namespace loom::cuda {
 
@@ -36,9 +36,6 @@ struct LtProblem {
   int64_t ldc = 0;
 };
 LtProblem lt_problem(const GemmArgs& a);
-// Checks a GemmArgs as cpu::gemm does (shapes, leading dimensions, the exclusive options) and
-// throws a loom::Error naming what is wrong.
-void check_gemm_args(const GemmArgs& a);
 // The largest power of two up to 16 that divides the address (cuBLASLt's alignment preference).
 unsigned pointer_alignment(const void* p);
 

@@ -64,7 +64,7 @@ TEST(CudaGemmHost, BadArgumentsThrowNamingThem) {
   a.lda = 3, a.ldb = 3, a.ldc = 3;  // lda < K
   a.C = &c;
   try {
-    check_gemm_args(a);
+    cpu::check_gemm_args(a);
     FAIL() << "lda below the width of A was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("lda=3"), std::string::npos) << e.what();
@@ -73,7 +73,7 @@ TEST(CudaGemmHost, BadArgumentsThrowNamingThem) {
   a.accumulate = true;
   a.C16 = reinterpret_cast<bf16*>(&c);
   a.C = nullptr;
-  EXPECT_THROW(check_gemm_args(a), Error);
+  EXPECT_THROW(cpu::check_gemm_args(a), Error);
 }
 
 struct Case {
