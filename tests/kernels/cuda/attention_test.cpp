@@ -40,6 +40,9 @@ using cpu::BlockShape;
 
 namespace {
 
+using test::same_bits;
+using test::widen;
+
 // f32 exact (TF32 off) for the whole test, whatever another test left.
 class AttentionCuda : public test::CudaTest {
  protected:
@@ -89,20 +92,9 @@ std::vector<bf16> to_bf16(const std::vector<float>& v) {
   for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
   return out;
 }
-std::vector<float> widen(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
-  return out;
-}
 // The values rounded to bf16 (so that the f32 and bf16 kernels see the same inputs).
 std::vector<float> rounded(const std::vector<float>& v) {
   return widen(to_bf16(v));
-}
-bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].bits != b[i].bits) return false;
-  return true;
 }
 
 // Columns [off, off + width) of every row of a [rows, stride] buffer.

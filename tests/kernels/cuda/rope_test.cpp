@@ -21,6 +21,10 @@ using namespace loom;
 
 namespace {
 
+using test::ordered;
+using test::round_bf16;
+using test::same_bits;
+
 class RopeCuda : public test::CudaTest {};
 
 constexpr double kTol = 1e-5;  // relative L2 of f32 outputs against the CPU
@@ -76,24 +80,6 @@ DeviceTable upload(const RopeTable& t) {
   DeviceTable d{test::to_device(t.cos), test::to_device(t.sin), {}};
   d.view = {d.cos.data<float>(), d.sin.data<float>(), t.head_dim, t.num_positions};
   return d;
-}
-
-std::vector<bf16> round_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
-  return out;
-}
-
-bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].bits != b[i].bits) return false;
-  return true;
-}
-
-// bf16 bits as a position on the number line: neighbours differ by one (+0 and -0 both 0).
-int ordered(bf16 v) {
-  return (v.bits & 0x8000) ? -int(v.bits & 0x7fff) : int(v.bits);
 }
 
 // GPU bf16 against the CPU's bf16, each its own f32 result rounded: at most one bf16 ulp apart,

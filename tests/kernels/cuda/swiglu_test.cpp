@@ -19,6 +19,14 @@ using namespace loom;
 
 namespace {
 
+using test::Dev;
+using test::dev;
+using test::nan_dev;
+using test::ordered;
+using test::round_bf16;
+using test::same_bits;
+using test::widen;
+
 class SwiGluCuda : public test::CudaTest {};
 
 struct Rows {
@@ -39,54 +47,6 @@ std::string name(const Rows& s) {
 // Gate and up of a few units' scale: the sigmoid's saturated ends and its middle.
 std::vector<float> make_gu(const Rows& s, uint64_t seed) {
   return test::randn(size_t(s.rows * 2 * s.F), seed, 2.0f);
-}
-
-std::vector<bf16> round_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
-  return out;
-}
-std::vector<float> widen(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
-  return out;
-}
-
-// A device array holding v `off` elements into its buffer (off > 0: not 16-byte aligned), and its
-// contents read back past the offset.
-struct Dev {
-  Tensor t;
-  int64_t off = 0;
-  float* f() const { return t.data<float>() + off; }
-  bf16* h() const { return t.data<bf16>() + off; }
-  std::vector<float> host() const {
-    auto v = test::to_host(t);
-    return std::vector<float>(v.begin() + off, v.end());
-  }
-  std::vector<bf16> host_bf16() const {
-    auto v = test::to_host_bf16(t);
-    return std::vector<bf16>(v.begin() + off, v.end());
-  }
-};
-Dev dev(const std::vector<float>& v, int64_t off = 0, DType dt = DType::f32) {
-  std::vector<float> padded(size_t(off), 1.0f);
-  padded.insert(padded.end(), v.begin(), v.end());
-  return {test::to_device(padded, dt), off};
-}
-Dev nan_dev(int64_t n, int64_t off = 0, DType dt = DType::f32) {
-  return {test::nan_device(n + off, dt), off};
-}
-
-bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].bits != b[i].bits) return false;
-  return true;
-}
-
-// bf16 bits as a position on the number line: neighbours differ by one (+0 and -0 both 0).
-int ordered(bf16 v) {
-  return (v.bits & 0x8000) ? -int(v.bits & 0x7fff) : int(v.bits);
 }
 
 // GPU bf16 against the CPU's bf16, each its own f32 result rounded (another exp, other FMAs): at
