@@ -109,6 +109,12 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command) 
   DistRuntime rt;
   if (dist::launched_under_mpi()) {
     rt.mpi = std::make_unique<dist::MpiRuntime>();
+    // The process groups move host memory only (Debian's Open MPI is not CUDA-aware; NCCL and
+    // pinned staging are issue "loom on NVIDIA GPUs (2 of 2)").
+    LOOM_CHECK(rt.mpi->world_size() == 1 || job.training.device != "cuda",
+               "training.device = \"cuda\" with ", rt.mpi->world_size(),
+               " ranks: this loom trains on one GPU per job so far (several GPUs need the NCCL ",
+               "process group); run one process, or --training.device=cpu");
     if (rt.mpi->world_size() > 1) {
       std::shared_ptr<dist::ProcessGroup> world = dist::make_mpi_world_group();
       world->set_timeout_seconds(job.job.collective_timeout_s);
