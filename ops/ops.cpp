@@ -1,7 +1,6 @@
 #include "ops/ops.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -144,7 +143,6 @@ void cast_as(const char* op, const Tensor& src, Tensor& dst) {
       dtype_name(dst.dtype()));
   on(
       op, src.device(),
-
       [&] {
         KernelWork w = streaming(DType::f32, bytes(src) + bytes(dst), src.numel(), 1);
         if (transfer_name(src, dst)) w.link_bytes = std::min(bytes(src), bytes(dst));
@@ -415,7 +413,6 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
              " columns are not ", H, " + ", Hc, " heads");
   on(
       backward ? "rope_backward" : "rope_forward", x.device(),
-
       // x read, out written, each token's row of cos and sin; the rotated pairs take 6 flops.
       [&] {
         const double rotated = bytes(x) * double(H) / double(H + Hc);

@@ -236,12 +236,6 @@ std::string catch_error(Fn&& fn) {
   return "";
 }
 
-// Reads this rank's part of a parameter (or a moment shaped like it) from a reader of global
-// tensors: only the rows that hold each slice.
-template <class Reader>
-void read_shard(const Reader& f, const std::string& name, ParamUnit& u, size_t param,
-                float* shard_buffer);
-
 // Runs `read(float* memory)` on a unit's shard buffer: its own memory on the CPU, a host copy of
 // a GPU's, copied back after.
 template <class Fn>
@@ -251,6 +245,8 @@ void read_into(Tensor& buffer, Fn&& read) {
   if (buffer.device() != Device::cpu) buffer.copy_from(h);
 }
 
+// Reads this rank's part of a parameter (or a moment shaped like it) from a reader of global
+// tensors: only the rows that hold each slice.
 template <class Reader>
 void read_shard(const Reader& f, const std::string& name, ParamUnit& u, size_t param,
                 float* shard_buffer) {
