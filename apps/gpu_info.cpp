@@ -12,6 +12,7 @@
 
 namespace loom {
 
+#ifdef LOOM_CUDA_BACKEND
 namespace {
 
 // The kernel module's own version ("580.159.04"), which the CUDA runtime does not report.
@@ -28,6 +29,7 @@ std::string nvidia_driver_version() {
 }
 
 }  // namespace
+#endif
 
 GpuSystemInfo collect_gpu_info([[maybe_unused]] double peak_seconds) {
   GpuSystemInfo g;
