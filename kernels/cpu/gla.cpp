@@ -435,7 +435,9 @@ void check_ld(const char* what, const char* name, int64_t ld, int64_t width) {
              ", expected 0 (contiguous) or >= ", width);
 }
 
-void check_args(const char* what, const GlaCore& a) {
+}  // namespace
+
+void check_gla_args(const char* what, const GlaCore& a) {
   LOOM_CHECK(a.B >= 0 && a.T >= 0, what, ": B and T must be >= 0, got B ", a.B, " T ", a.T);
   LOOM_CHECK(a.H > 0 && a.Hkv > 0 && a.H % a.Hkv == 0, what,
              ": num_heads must be a positive multiple of num_kv_heads, got ", a.H, " and ", a.Hkv);
@@ -447,8 +449,6 @@ void check_args(const char* what, const GlaCore& a) {
   check_ld(what, "v", a.v.ld, a.Hkv * a.V);
   check_ld(what, "gk", a.gk.ld, a.Hkv * a.K);
 }
-
-}  // namespace
 
 HWY_EXPORT(gla_forward_impl);
 HWY_EXPORT(gla_backward_impl);
@@ -469,13 +469,13 @@ void gla_state_fold(int64_t B, int64_t H, int64_t Hkv, int64_t K, int64_t V, con
 }
 
 void gla_forward(const GlaCore& a, GlaOut o, float* ht) {
-  check_args("gla_forward", a);
+  check_gla_args("gla_forward", a);
   check_ld("gla_forward", "o", o.ld, a.H * a.V);
   LOOM_DISPATCH(gla_forward_impl)(a, o, ht);
 }
 
 void gla_backward(const GlaCore& a, GlaIn dout, const float* dht, const GlaCoreGrads& g) {
-  check_args("gla_backward", a);
+  check_gla_args("gla_backward", a);
   check_ld("gla_backward", "dout", dout.ld, a.H * a.V);
   check_ld("gla_backward", "dq", g.dq.ld, a.H * a.K);
   check_ld("gla_backward", "dk", g.dk.ld, a.Hkv * a.K);

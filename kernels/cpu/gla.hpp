@@ -36,6 +36,9 @@ struct GlaCore {
 };
 
 // o [B*T, H*V] written; ht [B, H, K, V] (the final state) written unless null.
+// The checks of the GLA core's arguments (sizes, heads, chunking, row strides), every backend's:
+// a loom::Error naming `what` and the argument.
+void check_gla_args(const char* what, const GlaCore& a);
 void gla_forward(const GlaCore& a, GlaOut o, float* ht);
 
 // Gradients of L(o, ht) given dout = dL/do and dht = dL/dht (null: zero). dq, dk, dv and dgk

@@ -608,16 +608,7 @@ void check_ld(const char* what, const char* name, int64_t ld, int64_t width) {
 // The CPU's checks (kernels/cpu/gla.cpp), then what the kernels need: pointers, K within the
 // shared memory of a sweep block, launch sizes.
 void check_args(const char* what, const GlaCore& a) {
-  LOOM_CHECK(a.B >= 0 && a.T >= 0, what, ": B and T must be >= 0, got B ", a.B, " T ", a.T);
-  LOOM_CHECK(a.H > 0 && a.Hkv > 0 && a.H % a.Hkv == 0, what,
-             ": num_heads must be a positive multiple of num_kv_heads, got ", a.H, " and ", a.Hkv);
-  LOOM_CHECK(a.K > 0 && a.V > 0, what, ": head dims must be > 0, got K ", a.K, " V ", a.V);
-  LOOM_CHECK(a.chunk > 0 && a.sub_chunk > 0 && a.sub_chunk <= a.chunk, what,
-             ": need 0 < sub_chunk <= chunk, got chunk ", a.chunk, " sub_chunk ", a.sub_chunk);
-  check_ld(what, "q", a.q.ld, a.H * a.K);
-  check_ld(what, "k", a.k.ld, a.Hkv * a.K);
-  check_ld(what, "v", a.v.ld, a.Hkv * a.V);
-  check_ld(what, "gk", a.gk.ld, a.Hkv * a.K);
+  cpu::check_gla_args(what, a);
   if (a.B == 0) return;
   const size_t need = sweep_smem(a.K), have = max_smem(what);
   LOOM_CHECK(need <= have, what, ": head dim K ", a.K, " needs ", need,
