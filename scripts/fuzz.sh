@@ -27,7 +27,7 @@ fi
 CCACHE_BASEDIR=$PWD cmake --build build -j "$jobs" --target loom_kernels_cpu > /dev/null
 mkdir -p "$bdir"
 CCACHE_BASEDIR=$PWD cmake -S . -B "$bdir" -DLOOM_FUZZ=ON -DLOOM_FUZZ_KERNELS_LIB="$kernels" -DCMAKE_BUILD_TYPE=San \
-  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${launcher[@]}" \
+  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DLOOM_CUDA=OFF "${launcher[@]}" \
   "-DCMAKE_CXX_FLAGS_SAN=-O1 -g1" "-DCMAKE_C_FLAGS_SAN=-O1 -g1" \
   "-DCMAKE_CXX_FLAGS=$san -fsanitize=fuzzer-no-link" "-DCMAKE_C_FLAGS=$san" \
   "-DCMAKE_EXE_LINKER_FLAGS=$san" > "$bdir/configure.log" 2>&1 ||
