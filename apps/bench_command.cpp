@@ -212,7 +212,9 @@ int bench_command(const Args& args) {
   const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
   const int warmup = int(job.bench.warmup_steps), steps = int(job.bench.steps);
 
-  const int64_t G = job.training.grad_accum_steps;
+  // The trainer's step, whatever the layout: grad_accum_steps runs of the pipeline's micro-batches
+  // (1 without pp).
+  const int64_t G = job.training.grad_accum_steps * pipeline_microbatches(job);
   // Before the mesh's groups: MPI is finalized after every group is gone.
   const DistRuntime dist = start_distributed(job, "bench step");
   dist::Mesh* mesh = dist.mesh.get();

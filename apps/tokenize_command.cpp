@@ -178,7 +178,12 @@ std::vector<Input> scan_inputs(const std::vector<std::string>& paths) {
       // the first one is written.
       std::string line;
       while (std::getline(f, line)) in.documents += !is_blank(line);
+      LOOM_CHECK(in.documents > 0, "input '", p, "' holds no documents (",
+                 in.bytes == 0 ? "it is empty" : "every line is blank",
+                 "): expected one JSON object with a \"text\" field per line");
     } else {
+      // An empty file would still become a document: a dataset of end-of-text tokens alone.
+      LOOM_CHECK(in.bytes > 0, "input '", p, "' is empty: expected text to tokenize");
       in.documents = 1;
     }
     inputs.push_back(in);

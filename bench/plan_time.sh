@@ -37,9 +37,7 @@ for c in "${cases[@]}"; do
   plan=$("$loom" plan --config "$config" --world "$np" $args --ranks 0 --json \
     $([ "$np" -gt 2 ] && echo --oversubscribed))
   pred=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ranks"][0]["time"]["step_s"])' "$plan")
-  mb=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["micro_batches"])' "$plan")
-  bench=("$loom" bench step --config "$config" --bench.warmup_steps=1 --bench.steps=3
-    --training.grad_accum_steps="$mb")
+  bench=("$loom" bench step --config "$config" --bench.warmup_steps=1 --bench.steps=3)
   # shellcheck disable=SC2086
   if [ "$np" -gt 1 ]; then
     out=$(mpirun --oversubscribe --allow-run-as-root -np "$np" "${bench[@]}" $args --json </dev/null 2>&1)

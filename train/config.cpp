@@ -121,6 +121,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "async", &c.checkpoint.async},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
+      {"metrics", "overwrite", &c.metrics.overwrite},
       {"profiling", "trace", &c.profiling.trace},
       {"bench", "warmup_steps", &c.bench.warmup_steps},
       {"bench", "steps", &c.bench.steps},

@@ -124,6 +124,9 @@ struct JobConfig {
   struct Metrics {
     std::string jsonl;  // "" = no JSONL file
     int64_t log_every = 1;
+    // A fresh run (nothing resumed) refuses a non-empty `jsonl` of another run unless this is true;
+    // a resumed run appends after its checkpoint's step either way.
+    bool overwrite = false;
     bool operator==(const Metrics&) const = default;
   } metrics;
   struct Profiling {

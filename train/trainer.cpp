@@ -17,6 +17,7 @@
 #include "core/trace.hpp"
 #include "data/data_loader.hpp"
 #include "data/token_shard.hpp"
+#include "data/tokenizer.hpp"
 #include "distributed/group_sum.hpp"
 #include "distributed/mesh.hpp"
 #include "model/model.hpp"
@@ -29,6 +30,7 @@
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
+#include "train/run_claim.hpp"
 #include "train/step.hpp"
 
 namespace loom {
@@ -255,6 +257,8 @@ struct Trainer::State {
   std::string resumed_from;
   std::string config_note;           // the keys a resume changed (checkpoint.allow_config_change)
   std::vector<std::string> cleaned;  // what clean_checkpoint_dir did
+  CheckpointDirLock dir_lock;        // world rank 0's, on checkpoint.dir, for the whole run
+  std::vector<std::string> claim_notes;  // a stale lock taken over, little free space
   double last_loss = 0, last_lr = 0;
   std::string load_stats;       // checkpoint_stats of the resume's load ("" when not resuming)
   size_t peak_before_load = 0;  // the allocator's peak before the load reset it
@@ -265,6 +269,7 @@ struct Trainer::State {
   // before preflight() has passed and anything large is allocated.
   void build_mesh();       // the layout checked, the ranks' precision agreed, the groups
   void read_config();      // checkpoint keys, the model config, the step's shape
+  void claim_outputs();    // checkpoint.dir locked, written to and its free space checked
   void preflight();        // the memory this rank needs against what it may use
   void build_data();       // shards, loaders, validation batches, tokenizer
   void find_checkpoint();  // what to resume from (or initialize from), checked against the job
@@ -284,6 +289,7 @@ Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
   s.mesh = options.mesh;
   s.build_mesh();
   s.read_config();
+  s.claim_outputs();
   s.preflight();
   s.build_data();
   s.find_checkpoint();
@@ -343,6 +349,20 @@ void Trainer::State::read_config() {
   // With pp a step runs the schedule's micro-batches grad_accum_steps times.
   G = j.training.grad_accum_steps * pipeline_microbatches(j);
   schedule = LrSchedule::from_config(j);
+}
+
+void Trainer::State::claim_outputs() {
+  // World rank 0 alone: it writes the directory's shared files and prunes; an error here ends
+  // every rank. Before anything reads or cleans the directory, so a second run changes nothing.
+  if (!writer || job.checkpoint.dir.empty()) return;
+  std::string note;
+  dir_lock = CheckpointDirLock::acquire(job.checkpoint.dir, &note);
+  if (!note.empty()) claim_notes.push_back(note);
+  note.clear();
+  // A checkpoint holds f32 weights and both AdamW moments of every parameter.
+  check_checkpoint_dir_writable(job.checkpoint.dir, uint64_t(mc().num_params()) * 12,
+                                job.checkpoint.keep, &note);
+  if (!note.empty()) claim_notes.push_back(note);
 }
 
 void Trainer::State::preflight() {
@@ -433,6 +453,20 @@ void Trainer::State::build_data() {
   } else if (fs::is_regular_file(fs::path(j.data.path) / "tokenizer.json")) {
     tokenizer_json = (fs::path(j.data.path) / "tokenizer.json").string();
   }
+  // It is copied into every checkpoint for `loom generate`: a broken file must stop the run now,
+  // not fail the first generate after the training.
+  if (writer && !tokenizer_json.empty() && !j.checkpoint.dir.empty()) {
+    try {
+      (void)Tokenizer::load(tokenizer_json);
+    } catch (const Error& e) {
+      fail(
+          "the tokenizer '", tokenizer_json, "' (",
+          j.data.tokenizer.empty() ? "found in data.path" : "data.tokenizer",
+          "), which every checkpoint carries for `loom generate`, cannot be read: ", e.what(),
+          "\n(expected the tokenizer.json that `loom tokenize` wrote; set data.tokenizer to a good "
+          "copy)");
+    }
+  }
 }
 
 void Trainer::State::find_checkpoint() {
@@ -466,6 +500,8 @@ void Trainer::State::find_checkpoint() {
                "to continue with the new ones");
     if (!diff.empty()) config_note = "  note: continuing with a changed configuration:" + list;
   }
+  // A fresh run would truncate the history another run wrote there (a resume appends to it).
+  if (writer && resume_dir.empty()) check_metrics_file_free(j.metrics.jsonl, j.metrics.overwrite);
   if (resume_dir.empty() && !j.model.init_from.empty())
     init = std::make_unique<SafetensorsDir>(j.model.init_from);
 }
@@ -585,6 +621,7 @@ TrainResult Trainer::run() {
       log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
     if (!s.config_note.empty()) log.message(s.config_note);
     for (const std::string& c : s.cleaned) log.message(str_cat("  checkpoint.dir: ", c));
+    for (const std::string& n : s.claim_notes) log.message(n);
     if (!s.load_stats.empty()) log.message("  " + s.load_stats);
   }
   double peak = 0;

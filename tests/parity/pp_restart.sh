@@ -62,7 +62,7 @@ done
 # zeroed table (a loss near ln(vocab)).
 common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/pp_tied.json")
-rm -rf "$work/ck"
+rm -rf "$work/ck" "$work/full.jsonl"  # a fresh run: its history starts anew
 "${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=1 \
   --parallelism.pp=2 --parallelism.pp_microbatches=4 \
   --checkpoint.dir="$work/ck" --checkpoint.interval=10 --checkpoint.keep=0 \

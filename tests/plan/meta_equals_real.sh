@@ -29,10 +29,9 @@ common=(--config "$src/configs/debug.toml" --training.local_batch_size=4 "${args
 for c in early late; do
   "$loom" plan "${common[@]}" --world "$np" --ranks all --json --completion "$c" >"$work/$c.json"
 done
-# `loom bench step` runs grad_accum_steps micro-batches a step; `loom train` (and the plan) run
-# grad_accum_steps x the pipeline's micro-batches: the bench is given the plan's count.
-mb=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["micro_batches"])' "$work/plan.json")
-bench=("$loom" bench step "${common[@]}" --training.grad_accum_steps="$mb" --json
+# `loom bench step`, `loom train` and the plan run the same step: grad_accum_steps x the
+# pipeline's micro-batches.
+bench=("$loom" bench step "${common[@]}" --json
   --bench.warmup_steps=1 --bench.steps=1)
 # A real rank's peak depends on when MPI completes a non-blocking collective or send (a test may
 # find one done earlier than the plan's rule, or a descheduled peer later: a few % of these small

@@ -231,6 +231,17 @@ TEST_F(TokenizeTest, ErrorsSayWhatIsWrong) {
   const std::string number = write("number.jsonl", "{\"text\": 5}\n");
   expect_failure({"--input", number, "--output", out, "--tokenizer", tok_path},
                  {"number.jsonl' line 1", "not a string"});
+  // Empty input: no dataset of end-of-text tokens alone, and no shard written.
+  const std::string empty = write("empty.txt", "");
+  expect_failure({"--input", good, empty, "--output", out, "--tokenizer", tok_path},
+                 {"empty.txt' is empty"});
+  const std::string empty_jsonl = write("empty.jsonl", "");
+  expect_failure({"--input", empty_jsonl, "--output", out, "--tokenizer", tok_path},
+                 {"empty.jsonl' holds no documents", "it is empty"});
+  const std::string blank_jsonl = write("blank.jsonl", "\n  \n");
+  expect_failure({"--input", blank_jsonl, "--output", out, "--train-vocab", "260",
+                  "--save-tokenizer", path("t3.json")},
+                 {"blank.jsonl' holds no documents", "every line is blank"});
   // Under a regular file no directory can be made, whoever runs the test (even root).
   expect_failure({"--input", good, "--output", good + "/sub", "--tokenizer", tok_path},
                  {"cannot create the output directory", good + "/sub"});
