@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
-# Installs the Debian packages loom builds and tests with (idempotent, non-interactive).
+# Installs the Debian packages loom needs (idempotent, non-interactive), printing what is missing
+# and why:
+#   scripts/deps.sh build   what building the loom binary and training need (the quick start)
+#   scripts/deps.sh [test]  that and what the test suite needs (scripts/test.sh, CI)
 set -euo pipefail
-pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
-      libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
-      libopenblas0-pthread ocl-icd-opencl-dev libhwy-dev
-      libopenmpi-dev openmpi-bin
-      # scripts/fuzz.sh (libFuzzer, ASan, UBSan with clang's OpenMP) and the multi-host drill
-      # (tests/drill/: network namespaces, veth, tc, nftables, unshare)
-      clang libclang-rt-14-dev libomp-dev iproute2 nftables util-linux)
+set_name=${1:-test}
+case "$set_name" in
+  build | test) ;;
+  *) echo "usage: scripts/deps.sh [build|test]" >&2; exit 2 ;;
+esac
+# "package: why", one per line.
+build_pkgs=(
+  "build-essential: the C++20 compiler (g++ 12) and make"
+  "cmake: the build"
+  "pkg-config: finds PCRE2"
+  "libdnnl-dev: oneDNN, the CPU GEMMs"
+  "ocl-icd-opencl-dev: oneDNN's CMake config asks for OpenCL (libdnnl-dev only recommends it)"
+  "libhwy-dev: Highway, the vectorized kernels of each CPU tier"
+  "libtomlplusplus-dev: the TOML job configs"
+  "nlohmann-json3-dev: model configs, safetensors headers, tokenizer.json"
+  "libpcre2-dev: the tokenizers' split patterns"
+  "libopenmpi-dev: several processes (mpirun) and their collectives"
+  "openmpi-bin: mpirun"
+  "bible-kjv: the quick start's corpus (the King James Bible)"
+)
+test_pkgs=(
+  "libgtest-dev: the unit tests (GoogleTest)"
+  "python3-torch: the PyTorch parity tests and benchmarks"
+  "python3-numpy: PyTorch's parity scripts"
+  "libopenblas0-pthread: an optimized BLAS for PyTorch (Debian's default is the reference BLAS)"
+  "clang: scripts/fuzz.sh (libFuzzer, ASan, UBSan)"
+  "libclang-rt-14-dev: clang's sanitizer and fuzzer runtimes"
+  "libomp-dev: OpenMP for the clang build of scripts/fuzz.sh"
+  "iproute2: the multi-host drill's network namespaces and links (tests/drill/)"
+  "nftables: the multi-host drill's cut links"
+  "util-linux: unshare and setpriv for the drill and the permission tests"
+)
+# Node (the tokenizer parity tests against the npm tokenizers) may come from NodeSource with npm
+# bundled; only Debian's is installed when there is none.
+command -v node > /dev/null ||
+  test_pkgs+=("nodejs: the tokenizer parity tests (npm's reference tokenizers)" "npm: the same")
+wanted=("${build_pkgs[@]}")
+[ "$set_name" = test ] && wanted+=("${test_pkgs[@]}")
 missing=()
-# Node (for the tokenizer parity tests) may come from NodeSource with npm bundled; only install
-# Debian's when there is none.
-command -v node > /dev/null || pkgs+=(nodejs npm)
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+for entry in "${wanted[@]}"; do
+  p=${entry%%:*}
+  if ! dpkg-query -W -f='${Status}' "$p" 2> /dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+    echo "deps.sh: installing $entry"
+  fi
 done
 if [ ${#missing[@]} -gt 0 ]; then
   sudo_cmd=""
   [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  echo "installing: ${missing[*]}"
   $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get update -q
   $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
