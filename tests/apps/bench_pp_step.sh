@@ -7,7 +7,8 @@ loom=$1 mpiexec=$2 src=$3
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_bench_pp.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-keys=(--parallelism.pp=2 --parallelism.pp_microbatches=4 --training.grad_accum_steps=2)
+keys=(--parallelism.pp=2 --parallelism.pp_microbatches=4 --training.grad_accum_steps=2
+  --training.local_batch_size=1 --training.seq_len=64)
 "$mpiexec" --oversubscribe --allow-run-as-root -np 2 "$loom" bench step \
   --config "$src/configs/bench-tiny.toml" --bench.warmup_steps=1 --bench.steps=1 "${keys[@]}" \
   >"$work/bench.txt" 2>&1 || { cat "$work/bench.txt"; echo "FAIL: bench step exited non-zero"; exit 1; }
