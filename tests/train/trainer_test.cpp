@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -13,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -667,6 +670,53 @@ TEST(Metrics, WriteErrorsEndTheRun) {
   Job job;
   Trainer t(job.config({"--training.steps=2", "--metrics.jsonl=/dev/full"}), job.options());
   expect_error([&] { t.run(); }, {"metrics.jsonl", "/dev/full", "No space left"});
+}
+
+// A closed stdout (`loom train | head`, a `| tee` that Ctrl-C ended) does not end the run, as a
+// full metrics file does: the loss of the output is noted once, on stderr and in the rank log, the
+// printer stops writing to it and the JSONL file still gets every line.
+TEST(Metrics, AClosedPipeIsNotedOnceAndTheRunGoesOn) {
+  struct IgnoreSigpipe {  // as `loom train` does: EPIPE instead of death by SIGPIPE
+    struct sigaction old {};
+    IgnoreSigpipe() {
+      struct sigaction sa {};
+      sa.sa_handler = SIG_IGN;
+      sigaction(SIGPIPE, &sa, &old);
+    }
+    ~IgnoreSigpipe() { sigaction(SIGPIPE, &old, nullptr); }
+  } ignore;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ::close(fds[0]);  // the reader has gone
+  std::unique_ptr<FILE, int (*)(FILE*)> out(::fdopen(fds[1], "w"), &std::fclose);
+  std::unique_ptr<FILE, int (*)(FILE*)> rank_log(std::tmpfile(), &std::fclose);
+  ASSERT_TRUE(out && rank_log);
+  Job job;
+  MetricsLogger::Options o;
+  o.out = out.get();
+  o.jsonl = job.path("m.jsonl");
+  o.note_lost_out = rank_log.get();
+  testing::internal::CaptureStderr();
+  {
+    MetricsLogger log(o);
+    StepMetrics m;
+    m.total_steps = 3;
+    for (m.step = 1; m.step <= 3; ++m.step) log.step(m);
+    log.validation(3, 2.0);
+    log.message("saved");
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string note = "cannot write progress to its log (Broken pipe)";
+  EXPECT_NE(err.find(note), std::string::npos) << err;
+  EXPECT_EQ(err.find(note), err.rfind(note)) << "noted more than once: " << err;
+  std::rewind(rank_log.get());
+  char line[512] = {};
+  ASSERT_NE(std::fgets(line, sizeof line, rank_log.get()), nullptr);
+  EXPECT_NE(std::string(line).find(note), std::string::npos) << line;
+  EXPECT_EQ(std::fgets(line, sizeof line, rank_log.get()), nullptr) << "noted twice: " << line;
+  std::ifstream jsonl(o.jsonl);
+  std::string text((std::istreambuf_iterator<char>(jsonl)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 4) << text;
 }
 
 // A checkpoint directory that fills up: the error says that keep + 1 checkpoints must fit, and
