@@ -574,7 +574,8 @@ TEST(Trainer, RefusesAModelThatDoesNotFit) {
   EXPECT_NO_THROW(Trainer(job.config({"--training.mixed_precision_param=bfloat16"}), o));
 }
 
-// The command line: --print-config, a bad override, and SIGINT finishing the step and saving.
+// The command line: --print-config, a bad override, and a stop signal finishing the step and
+// saving.
 TEST(TrainCommand, PrintConfigErrorsAndSigint) {
   const char* bin = std::getenv("LOOM_BIN");
   if (!bin || !fs::exists(bin)) GTEST_SKIP() << "LOOM_BIN (the loom binary) not built";
@@ -593,36 +594,41 @@ TEST(TrainCommand, PrintConfigErrorsAndSigint) {
   EXPECT_NE(std::system((base + " --training.seq_len=zero 2> " + err).c_str()), 0);
   EXPECT_NE(read_text(err).find("training.seq_len"), std::string::npos) << read_text(err);
 
-  // SIGINT once the first steps are out: exit 0 with a checkpoint of the last finished step.
-  const std::string log = job.path("train.log");
+  // A stop signal once the first steps are out: exit 3 (stopped, not finished) with a checkpoint
+  // of the last finished step. SIGINT from a terminal, SIGUSR2 as mpirun forwards it.
   const std::string toml = job.path("job.toml");
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {  // the child execs loom itself, so the signal goes to loom and not to a shell
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::execl(bin, bin, "train", "--config", toml.c_str(), (char*)nullptr);
-    ::_exit(127);
+  for (const int sig : {SIGINT, SIGUSR2}) {
+    SCOPED_TRACE(strsignal(sig));
+    const std::string log = job.path(str_cat("train-", sig, ".log"));
+    const std::string ck = "--checkpoint.dir=" + job.path(str_cat("ck-", sig));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // the child execs loom itself, so the signal goes to loom and not to a shell
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::execl(bin, bin, "train", "--config", toml.c_str(), ck.c_str(), (char*)nullptr);
+      ::_exit(127);
+    }
+    bool started = false;
+    for (int i = 0; i < 1000 && !started; ++i) {
+      ::usleep(10000);
+      started = read_text(log).find("      2/1000000 | loss") != std::string::npos;
+    }
+    EXPECT_TRUE(started) << read_text(log).substr(0, 2000);
+    ::kill(pid, sig);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    const std::string tail =
+        read_text(log).substr(std::max<size_t>(read_text(log).size(), 2000) - 2000);
+    ASSERT_TRUE(WIFEXITED(status)) << tail;
+    EXPECT_EQ(WEXITSTATUS(status), 3) << tail;
+    const auto kept = list_checkpoints(job.path(str_cat("ck-", sig)));
+    ASSERT_EQ(kept.size(), 1u) << tail;
+    EXPECT_GE(kept.back().first, 2);
+    EXPECT_LT(kept.back().first, 1000000);
+    EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
   }
-  bool started = false;
-  for (int i = 0; i < 1000 && !started; ++i) {
-    ::usleep(10000);
-    started = read_text(log).find("      2/1000000 | loss") != std::string::npos;
-  }
-  EXPECT_TRUE(started) << read_text(log).substr(0, 2000);
-  ::kill(pid, SIGINT);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  const std::string tail =
-      read_text(log).substr(std::max<size_t>(read_text(log).size(), 2000) - 2000);
-  ASSERT_TRUE(WIFEXITED(status)) << tail;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << tail;
-  const auto kept = list_checkpoints(job.path("ck"));
-  ASSERT_EQ(kept.size(), 1u) << tail;
-  EXPECT_GE(kept.back().first, 2);
-  EXPECT_LT(kept.back().first, 1000000);
-  EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
 }
 
 TEST(Metrics, JsonProgressAndDurations) {
