@@ -28,11 +28,11 @@ const char* kTrainUsage =
     "usage: loom train --config FILE [--section.key=value ...] [--print-config]\n"
     "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
     "  --print-config prints the resolved configuration (TOML) and exits\n"
-    "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 (which mpirun forwards to the ranks: stop an\n"
-    "  mpirun job with `kill -USR1 <mpirun pid>`) finish the step, save a checkpoint and exit 3;\n"
-    "  a second signal ends the run at once. Exit codes: 0 finished, 1 error, 3 stopped by a "
-    "signal.\n"
-    "  A closed stdout (`| head`) does not end the run: progress goes on in the log files\n";
+    "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 finish the step, save a checkpoint and\n"
+    "  exit 3; a second signal ends the run at once. Under mpirun, `kill -USR1 <mpirun pid>`:\n"
+    "  mpirun forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them).\n"
+    "  A closed stdout (`| head`) does not end the run: the steps go on in the log files.\n"
+    "  exit codes: 0 finished, 1 error, 3 stopped by a signal (saved)\n";
 
 // A signal handler can only reach the trainer through a static: the one piece of global mutable
 // state of the command, written by the handler and read by the training loop.
