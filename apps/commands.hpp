@@ -7,6 +7,11 @@ namespace loom {
 
 using Args = std::vector<std::string>;
 
+// The exit code of a `loom train` that a signal stopped (after saving): not 0, so that Slurm's
+// afterok dependencies and requeue loops tell it from a finished run, and not 1 (an error) or 2
+// (a usage error), which main() returns.
+constexpr int kExitInterrupted = 3;
+
 int bench_command(const Args& args);
 int train_command(const Args& args);
 int tokenize_command(const Args& args);

@@ -33,7 +33,8 @@ const char* kUsage =
     "  plan calibrate [--output FILE] [--quick]\n"
     "      measure this machine (GEMMs, kernels, memory, MPI) into a hardware model file\n"
     "  info [--json] [--peak-seconds S] | info --tiers\n"
-    "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n";
+    "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n"
+    "exit codes: 0 done, 1 error, 2 usage, 3 a training run stopped by a signal (and saved)\n";
 
 // Prints the error that ends this process (with its world rank when there are several) and,
 // when it is one rank of several, ends the whole job at once: its peers may be waiting for it in

@@ -1,13 +1,15 @@
 // `loom train --config FILE [--section.key=value ...] [--print-config]`: trains on one process,
 // or on every rank of `mpirun -np N loom train ...` (or srun) with the mesh of [parallelism].
-// SIGINT/SIGTERM finish the current step, save a checkpoint (when checkpoint.dir is set) and
-// exit 0; a second signal ends the process at once.
+// SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 finish the current step, save a checkpoint (when
+// checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once.
+// SIGPIPE is ignored: a closed stdout (`| head`, a `| tee` ended by Ctrl-C) must not kill a run.
 #include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,39 +27,51 @@ namespace {
 const char* kTrainUsage =
     "usage: loom train --config FILE [--section.key=value ...] [--print-config]\n"
     "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
-    "  --print-config prints the resolved configuration (TOML) and exits\n";
+    "  --print-config prints the resolved configuration (TOML) and exits\n"
+    "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 finish the step, save a checkpoint and\n"
+    "  exit 3; a second signal ends the run at once. Under mpirun, `kill -USR1 <mpirun pid>`:\n"
+    "  mpirun forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them).\n"
+    "  A closed stdout (`| head`) does not end the run: the steps go on in the log files.\n"
+    "  exit codes: 0 finished, 1 error, 3 stopped by a signal (saved)\n";
 
 // A signal handler can only reach the trainer through a static: the one piece of global mutable
 // state of the command, written by the handler and read by the training loop.
 std::atomic<bool> g_stop{false};
 static_assert(std::atomic<bool>::is_always_lock_free, "the stop flag is set in a signal handler");
 
-extern "C" void on_stop_signal(int) {
-  g_stop.store(true, std::memory_order_relaxed);
+// The first stop signal asks for the agreed stop; a second one (of any of them) means the run does
+// not stop by itself (stuck in a collective, a save that hangs): that signal's default action ends
+// the process at once.
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop.exchange(true, std::memory_order_relaxed)) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);  // blocked until this handler returns, then delivered with the default action
+  }
 }
 
-// Installs the handlers for the lifetime of the object; SA_RESETHAND makes a second signal
-// take the default action (terminate), so a stuck run can still be stopped.
+// The signals that stop a run: SIGINT from a terminal, SIGTERM from kill and schedulers, SIGUSR1
+// and SIGUSR2 because mpirun forwards them to the ranks (its own SIGINT/SIGTERM kill the ranks
+// about a second later instead) and Slurm's --signal sends them ahead of a time limit.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+
+// Installs the handlers for the lifetime of the object.
 class StopSignals {
  public:
   StopSignals() {
     struct sigaction sa {};
     sa.sa_handler = on_stop_signal;
     sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND;
-    sigaction(SIGINT, &sa, &old_int_);
-    sigaction(SIGTERM, &sa, &old_term_);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) sigaction(kStopSignals[i], &sa, &old_[i]);
   }
   ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      sigaction(kStopSignals[i], &old_[i], nullptr);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
 
  private:
-  struct sigaction old_int_ {
-  }, old_term_{};
+  struct sigaction old_[std::size(kStopSignals)]{};
 };
 
 }  // namespace
@@ -85,6 +99,10 @@ int train_command(const Args& args) {
     }
   }
   LOOM_CHECK(!config_path.empty(), "missing --config FILE\n", kTrainUsage);
+  // For the rest of the process, not just the run: a write to a closed pipe then fails with EPIPE
+  // (the progress printer notes it once and stops printing) instead of killing the run before its
+  // save, and the exit's flush of what stdout still buffers cannot kill it after the save.
+  ::signal(SIGPIPE, SIG_IGN);
   const JobConfig job = load_job_config(config_path, overrides);
   if (print_config) {
     std::fputs(to_toml(job).c_str(), stdout);
@@ -120,9 +138,12 @@ int train_command(const Args& args) {
     const TrainResult r = trainer.run();
     if (r.interrupted) {
       if (!dist.mesh || dist.mesh->world_rank() == 0)
-        std::fprintf(stdout, "stopped by signal at step %lld\n", (long long)r.final_step);
+        std::fprintf(stdout, "stopped by signal at step %lld (exit code %d)\n",
+                     (long long)r.final_step, kExitInterrupted);
       if (rank_log)
-        std::fprintf(rank_log.get(), "stopped by signal at step %lld\n", (long long)r.final_step);
+        std::fprintf(rank_log.get(), "stopped by signal at step %lld (exit code %d)\n",
+                     (long long)r.final_step, kExitInterrupted);
+      return kExitInterrupted;
     }
   } catch (const Error& e) {
     // main() prints it to stderr; the rank's own log keeps it too.

@@ -123,7 +123,7 @@ MetricsLogger::~MetricsLogger() {
 }
 
 void MetricsLogger::clear_line() {
-  if (!line_drawn_) return;
+  if (!line_drawn_ || out_lost_) return;
   std::fputs("\r\033[K", o_.out);
   line_drawn_ = false;
 }
@@ -139,15 +139,30 @@ void MetricsLogger::write_jsonl(const std::string& line) {
              " (free space there, or set another --metrics.jsonl)");
 }
 
+// Unlike the JSONL file, a lost terminal or pipe does not end the run: a stop signal often comes
+// with it (Ctrl-C on `loom train | tee log` ends tee too), and the run must still save.
+void MetricsLogger::flush_out() {
+  errno = 0;
+  if (std::fflush(o_.out) == 0 && !std::ferror(o_.out)) return;
+  out_lost_ = true;
+  const std::string note =
+      str_cat("loom train: cannot write progress to ", o_.out == stdout ? "stdout" : "its log",
+              " (", errno ? std::strerror(errno) : "write error",
+              "); the run goes on without it, metrics.jsonl and rank logs still get every line");
+  std::fprintf(stderr, "%s\n", note.c_str());
+  if (o_.note_lost_out) std::fprintf(o_.note_lost_out, "%s\n", note.c_str());
+}
+
 void MetricsLogger::step(const StepMetrics& m) {
   write_jsonl(step_json(m));
+  if (out_lost_) return;
   if (o_.tty) {
     std::fprintf(o_.out, "\r%s\033[K", progress_text(m).c_str());
     line_drawn_ = true;
-    std::fflush(o_.out);
+    flush_out();
   } else if (m.step % o_.log_every == 0 || m.step == m.total_steps) {
     std::fprintf(o_.out, "%s\n", progress_text(m).c_str());
-    std::fflush(o_.out);
+    flush_out();
   }
 }
 
@@ -159,15 +174,16 @@ void MetricsLogger::validation(int64_t step, double val_loss) {
 }
 
 void MetricsLogger::message(const std::string& line) {
+  if (out_lost_) return;
   clear_line();
   std::fprintf(o_.out, "%s\n", line.c_str());
-  std::fflush(o_.out);
+  flush_out();
 }
 
 void MetricsLogger::finish() {
-  if (!line_drawn_) return;
+  if (!line_drawn_ || out_lost_) return;
   std::fputs("\n", o_.out);
-  std::fflush(o_.out);
+  flush_out();
   line_drawn_ = false;
 }
 

@@ -39,6 +39,10 @@ class MetricsLogger {
     // by the interrupted run after its last checkpoint, and about to be redone) are dropped.
     // -1: a fresh file.
     int64_t resume_step = -1;
+    // A failed write to `out` (a closed pipe: `loom train | head`, a `| tee` that Ctrl-C ended)
+    // is noted once on stderr and in this file (a rank log; nullptr: none), and `out` is then left
+    // alone: the run goes on, its lines still go to the JSONL file and the rank log.
+    FILE* note_lost_out = nullptr;
   };
   explicit MetricsLogger(const Options& options);
   ~MetricsLogger();
@@ -55,9 +59,11 @@ class MetricsLogger {
  private:
   void clear_line();
   void write_jsonl(const std::string& line);
+  void flush_out();
   Options o_;
   FILE* jsonl_ = nullptr;
   bool line_drawn_ = false;
+  bool out_lost_ = false;
 };
 
 }  // namespace loom

@@ -85,10 +85,11 @@ std::string checkpoint_stats(const char* what, int rank, double seconds, size_t 
   return buf;
 }
 
-// The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file.
+// The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file, where
+// a lost terminal is noted too.
 class RunLog {
  public:
-  RunLog(const MetricsLogger::Options& term, FILE* rank_log) : term_(term) {
+  RunLog(const MetricsLogger::Options& term, FILE* rank_log) : term_(noting_in(term, rank_log)) {
     if (rank_log) file_.emplace(MetricsLogger::Options{rank_log, false, term.log_every, "", -1});
   }
   void step(const StepMetrics& m) {
@@ -109,6 +110,10 @@ class RunLog {
   }
 
  private:
+  static MetricsLogger::Options noting_in(MetricsLogger::Options term, FILE* rank_log) {
+    term.note_lost_out = rank_log;
+    return term;
+  }
   MetricsLogger term_;
   std::optional<MetricsLogger> file_;
 };

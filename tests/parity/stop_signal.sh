@@ -1,6 +1,6 @@
 #!/bin/bash
 # SIGTERM to one rank of an FSDP 2 run: the ranks agree on the stop flag, so both stop after the
-# same step, save one checkpoint of that step and exit 0; each rank's own log ([job] rank_logs)
+# same step, save one checkpoint of that step and exit 3; each rank's own log ([job] rank_logs)
 # records its progress and the stop.
 #   stop_signal.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
@@ -33,7 +33,7 @@ rc=0
 wait "$launcher" || rc=$?
 cat "$work/out.log"
 for r in 0 1; do echo "== rank $r"; tail -n 3 "$work/runs/logs/rank-$r.log"; done
-[ "$rc" = 0 ] || { echo "FAIL: mpirun exit $rc"; exit 1; }
+[ "$rc" = 3 ] || { echo "FAIL: mpirun exit $rc, expected 3 (stopped by a signal)"; exit 1; }
 s0=$(grep -o 'stopped by signal at step [0-9]*' "$work/runs/logs/rank-0.log")
 s1=$(grep -o 'stopped by signal at step [0-9]*' "$work/runs/logs/rank-1.log")
 [ -n "$s0" ] && [ "$s0" = "$s1" ] || { echo "FAIL: ranks stopped at '$s0' and '$s1'"; exit 1; }

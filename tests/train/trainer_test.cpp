@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -13,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -572,7 +575,8 @@ TEST(Trainer, RefusesAModelThatDoesNotFit) {
   EXPECT_NO_THROW(Trainer(job.config({"--training.mixed_precision_param=bfloat16"}), o));
 }
 
-// The command line: --print-config, a bad override, and SIGINT finishing the step and saving.
+// The command line: --print-config, a bad override, and a stop signal finishing the step and
+// saving.
 TEST(TrainCommand, PrintConfigErrorsAndSigint) {
   const char* bin = std::getenv("LOOM_BIN");
   if (!bin || !fs::exists(bin)) GTEST_SKIP() << "LOOM_BIN (the loom binary) not built";
@@ -591,36 +595,41 @@ TEST(TrainCommand, PrintConfigErrorsAndSigint) {
   EXPECT_NE(std::system((base + " --training.seq_len=zero 2> " + err).c_str()), 0);
   EXPECT_NE(read_text(err).find("training.seq_len"), std::string::npos) << read_text(err);
 
-  // SIGINT once the first steps are out: exit 0 with a checkpoint of the last finished step.
-  const std::string log = job.path("train.log");
+  // A stop signal once the first steps are out: exit 3 (stopped, not finished) with a checkpoint
+  // of the last finished step. SIGINT from a terminal, SIGUSR2 as mpirun forwards it.
   const std::string toml = job.path("job.toml");
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {  // the child execs loom itself, so the signal goes to loom and not to a shell
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::execl(bin, bin, "train", "--config", toml.c_str(), (char*)nullptr);
-    ::_exit(127);
+  for (const int sig : {SIGINT, SIGUSR2}) {
+    SCOPED_TRACE(strsignal(sig));
+    const std::string log = job.path(str_cat("train-", sig, ".log"));
+    const std::string ck = "--checkpoint.dir=" + job.path(str_cat("ck-", sig));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // the child execs loom itself, so the signal goes to loom and not to a shell
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::execl(bin, bin, "train", "--config", toml.c_str(), ck.c_str(), (char*)nullptr);
+      ::_exit(127);
+    }
+    bool started = false;
+    for (int i = 0; i < 1000 && !started; ++i) {
+      ::usleep(10000);
+      started = read_text(log).find("      2/1000000 | loss") != std::string::npos;
+    }
+    EXPECT_TRUE(started) << read_text(log).substr(0, 2000);
+    ::kill(pid, sig);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    const std::string tail =
+        read_text(log).substr(std::max<size_t>(read_text(log).size(), 2000) - 2000);
+    ASSERT_TRUE(WIFEXITED(status)) << tail;
+    EXPECT_EQ(WEXITSTATUS(status), 3) << tail;
+    const auto kept = list_checkpoints(job.path(str_cat("ck-", sig)));
+    ASSERT_EQ(kept.size(), 1u) << tail;
+    EXPECT_GE(kept.back().first, 2);
+    EXPECT_LT(kept.back().first, 1000000);
+    EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
   }
-  bool started = false;
-  for (int i = 0; i < 1000 && !started; ++i) {
-    ::usleep(10000);
-    started = read_text(log).find("      2/1000000 | loss") != std::string::npos;
-  }
-  EXPECT_TRUE(started) << read_text(log).substr(0, 2000);
-  ::kill(pid, SIGINT);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  const std::string tail =
-      read_text(log).substr(std::max<size_t>(read_text(log).size(), 2000) - 2000);
-  ASSERT_TRUE(WIFEXITED(status)) << tail;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << tail;
-  const auto kept = list_checkpoints(job.path("ck"));
-  ASSERT_EQ(kept.size(), 1u) << tail;
-  EXPECT_GE(kept.back().first, 2);
-  EXPECT_LT(kept.back().first, 1000000);
-  EXPECT_NE(tail.find("interrupted"), std::string::npos) << tail;
 }
 
 TEST(Metrics, JsonProgressAndDurations) {
@@ -668,6 +677,53 @@ TEST(Metrics, WriteErrorsEndTheRun) {
   Job job;
   Trainer t(job.config({"--training.steps=2", "--metrics.jsonl=/dev/full"}), job.options());
   expect_error([&] { t.run(); }, {"metrics.jsonl", "/dev/full", "No space left"});
+}
+
+// A closed stdout (`loom train | head`, a `| tee` that Ctrl-C ended) does not end the run, as a
+// full metrics file does: the loss of the output is noted once, on stderr and in the rank log, the
+// printer stops writing to it and the JSONL file still gets every line.
+TEST(Metrics, AClosedPipeIsNotedOnceAndTheRunGoesOn) {
+  struct IgnoreSigpipe {  // as `loom train` does: EPIPE instead of death by SIGPIPE
+    struct sigaction old {};
+    IgnoreSigpipe() {
+      struct sigaction sa {};
+      sa.sa_handler = SIG_IGN;
+      sigaction(SIGPIPE, &sa, &old);
+    }
+    ~IgnoreSigpipe() { sigaction(SIGPIPE, &old, nullptr); }
+  } ignore;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ::close(fds[0]);  // the reader has gone
+  std::unique_ptr<FILE, int (*)(FILE*)> out(::fdopen(fds[1], "w"), &std::fclose);
+  std::unique_ptr<FILE, int (*)(FILE*)> rank_log(std::tmpfile(), &std::fclose);
+  ASSERT_TRUE(out && rank_log);
+  Job job;
+  MetricsLogger::Options o;
+  o.out = out.get();
+  o.jsonl = job.path("m.jsonl");
+  o.note_lost_out = rank_log.get();
+  testing::internal::CaptureStderr();
+  {
+    MetricsLogger log(o);
+    StepMetrics m;
+    m.total_steps = 3;
+    for (m.step = 1; m.step <= 3; ++m.step) log.step(m);
+    log.validation(3, 2.0);
+    log.message("saved");
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string note = "cannot write progress to its log (Broken pipe)";
+  EXPECT_NE(err.find(note), std::string::npos) << err;
+  EXPECT_EQ(err.find(note), err.rfind(note)) << "noted more than once: " << err;
+  std::rewind(rank_log.get());
+  char line[512] = {};
+  ASSERT_NE(std::fgets(line, sizeof line, rank_log.get()), nullptr);
+  EXPECT_NE(std::string(line).find(note), std::string::npos) << line;
+  EXPECT_EQ(std::fgets(line, sizeof line, rank_log.get()), nullptr) << "noted twice: " << line;
+  std::ifstream jsonl(o.jsonl);
+  std::string text((std::istreambuf_iterator<char>(jsonl)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 4) << text;
 }
 
 // A checkpoint directory that fills up: the error says that keep + 1 checkpoints must fit, and
