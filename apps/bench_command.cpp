@@ -174,9 +174,14 @@ nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::Proce
 }  // namespace
 
 int bench_command(const Args& args) {
-  LOOM_CHECK(!args.empty() && args[0] == "step",
-             "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
-             "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]");
+  const char* usage =
+      "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
+      "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]";
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+    std::printf("%s\n", usage);
+    return 0;
+  }
+  LOOM_CHECK(!args.empty() && args[0] == "step", usage);
   std::string config_path, profile_hw;
   bool json = false, check = false, bytes_only = false;
   double tolerance = 0.05;  // of the measured peak against the expected one

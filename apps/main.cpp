@@ -34,6 +34,8 @@ const char* kUsage =
     "      measure this machine (GEMMs, kernels, memory, MPI) into a hardware model file\n"
     "  info [--json] [--peak-seconds S] | info --tiers\n"
     "      version, CPU and ISA tiers, bf16 GEMM path, MPI, threads, measured GEMM peaks\n"
+    "  help [COMMAND]\n"
+    "      this text, or COMMAND's own (its --help)\n"
     "exit codes: 0 done, 1 error, 2 usage, 3 a training run stopped by a signal (and saved)\n";
 
 // Prints the error that ends this process (with its world rank when there are several) and,
@@ -55,8 +57,17 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  const std::string cmd = argv[1];
+  std::string cmd = argv[1];
   loom::Args args(argv + 2, argv + argc);
+  // `loom help COMMAND` is `loom COMMAND --help`, as installed tools are asked.
+  if (cmd == "help") {
+    if (args.empty()) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    cmd = args[0];
+    args = {"--help"};
+  }
   // The commands that can run on several ranks start MPI here rather than inside the command, so
   // that it outlives the command: an error thrown on one rank then unwinds the command without
   // reaching MPI_Finalize (which waits for every rank) and arrives below with MPI still up, to

@@ -151,6 +151,10 @@ int plan_command(const Args& args) {
       "usage: loom plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] "
       "[--oversubscribed] [--search] [--completion rule|early|late] [--json] "
       "[--section.key=value ...]";
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+    std::printf("%s\n", usage);
+    return 0;
+  }
   std::string config_path, ranks_arg, hardware = "cpu-local";
   int world = 0;
   bool json = false, oversubscribed = false, search = false;
