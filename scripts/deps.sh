@@ -4,6 +4,8 @@ set -euo pipefail
 pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libgtest-dev
       libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
       libopenblas0-pthread ocl-icd-opencl-dev libhwy-dev
+      # the XXH3 checksums of checkpoint files (model/checksum.cpp)
+      libxxhash-dev
       libopenmpi-dev openmpi-bin
       # scripts/fuzz.sh (libFuzzer, ASan, UBSan with clang's OpenMP) and the multi-host drill
       # (tests/drill/: network namespaces, veth, tc, nftables, unshare)
