@@ -846,26 +846,30 @@ std::string previous_checkpoint(const std::string& dir) {
   return prev;
 }
 
+// check_checkpoint's findings after a colon: on the same line when there is one (so that the
+// line a log shows for an error names the file), else one indented line each.
+std::string findings(const std::string& found, const char* indent) {
+  if (found.find('\n') == std::string::npos) return ": " + found;
+  std::string out = ":";
+  for (size_t at = 0; at <= found.size();) {
+    const size_t end = std::min(found.find('\n', at), found.size());
+    out += str_cat("\n", indent, found.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
 // The error for a corrupt checkpoint: what check_checkpoint found, and where to go instead.
 std::string corrupt_message(const std::string& dir, const std::string& found) {
   const std::string prev = previous_checkpoint(dir);
-  std::string lines;
-  for (size_t at = 0; at <= found.size();) {
-    const size_t end = std::min(found.find('\n', at), found.size());
-    lines += str_cat("\n  ", found.substr(at, end - at));
-    at = end + 1;
-  }
-  return str_cat(
-      "checkpoint ", dir,
-      " is corrupt (a file differs from the checksum recorded when it was saved, or is missing "
-      "or unreadable):",
-      lines,
-      prev.empty()
-          ? std::string("\nthere is no earlier complete checkpoint beside it")
-          : str_cat("\nthe previous complete checkpoint is ", prev,
-                    ": resume from it with --checkpoint.fallback=true (which verifies it first), "
-                    "or move ",
-                    dir, " out of the checkpoint.dir"));
+  const bool one = found.find('\n') == std::string::npos;
+  return str_cat("checkpoint ", dir, " is corrupt", findings(found, "  "), one ? "; " : "\n",
+                 prev.empty()
+                     ? std::string("there is no earlier complete checkpoint beside it")
+                     : str_cat("the previous complete checkpoint is ", prev,
+                               ": resume from it with --checkpoint.fallback=true (which verifies "
+                               "it first), or move ",
+                               dir, " out of the checkpoint.dir"));
 }
 
 std::string no_checksums_note(const std::string& dir) {
@@ -1012,20 +1016,12 @@ ResumeChoice choose_resume_checkpoint(const std::string& root, bool verify, bool
       return out;
     }
     if (!fallback) fail(corrupt_message(dir, c.error));
-    std::string why;
-    for (size_t at = 0; at <= c.error.size();) {
-      const size_t end = std::min(c.error.find('\n', at), c.error.size());
-      why += str_cat("\n    ", c.error.substr(at, end - at));
-      at = end + 1;
-    }
     out.notes.push_back(str_cat("note: skipping checkpoint ", dir,
-                                " (checkpoint.fallback = true): it is corrupt:", why));
-    skipped += str_cat("\n  ", dir, ":", why);
+                                " (checkpoint.fallback = true): it is corrupt",
+                                findings(c.error, "    ")));
+    skipped += str_cat("\n  ", dir, findings(c.error, "    "));
   }
-  fail("checkpoint.fallback = true, but every checkpoint in '", root,
-       "' is corrupt (a file differs from the checksum recorded when it was saved, or is "
-       "missing or unreadable):",
-       skipped);
+  fail("checkpoint.fallback = true, but every checkpoint in '", root, "' is corrupt:", skipped);
 }
 
 TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer,

@@ -19,8 +19,8 @@ size=$(stat -c %s "$work/ck/$f")
 byte=$(od -An -tu1 -j $((size - 4)) -N1 "$work/ck/$f" | tr -d ' ')
 printf "\\x$(printf %02x $((byte ^ 255)))" |
   dd of="$work/ck/$f" bs=1 seek=$((size - 4)) conv=notrunc status=none
-cp -r "$work/ck" "$work/ref"
-rm -rf "$work/ref/step-00000004"
+cp -r "$work/ck" "$work/ck_ref"
+rm -rf "$work/ck_ref/step-00000004"
 status=0
 
 # resume NAME DIR NP ARGS...: a copy of DIR resumed to step 6 with NP ranks; its output in
@@ -30,7 +30,8 @@ resume() {
   shift 3
   rm -rf "$work/$name" "$work/$name.ck" "$work/$name.jsonl"
   cp -r "$dir" "$work/$name.ck"
-  local layout=()
+  # One process takes both ranks' samples: the same global batch.
+  local layout=(--training.local_batch_size=4)
   [ "$np" = 1 ] || layout=(--parallelism.dp_shard="$np")
   "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" "${layout[@]}" --training.steps=6 \
     --checkpoint.dir="$work/$name.ck" --checkpoint.resume=true --job.rank_logs=true \
@@ -69,7 +70,8 @@ done
   { echo "stop: the checkpoint directory changed"; status=1; }
 echo "stop: $(grep -m1 'error:' "$work/stop/logs/rank-1.log")"
 
-resume ref "$work/ref" 2 || { cat "$work/ref.log"; exit 1; }
+resume ref "$work/ck_ref" 2 || { cat "$work/ref.log"; exit 1; }
+want ref "$work/ref/logs/rank-0.log" "resumed from $work/ref.ck/step-00000002 (step 2)"
 resume fallback "$work/ck" 2 --checkpoint.fallback=true || { cat "$work/fallback.log"; exit 1; }
 for r in 0 1; do
   want fallback "$work/fallback/logs/rank-$r.log" \
@@ -79,7 +81,8 @@ done
 same_losses fallback ref
 
 # Resharded: one process reads both ranks' files.
-resume ref1 "$work/ref" 1 || { cat "$work/ref1.log"; exit 1; }
+resume ref1 "$work/ck_ref" 1 || { cat "$work/ref1.log"; exit 1; }
+want ref1 "$work/ref1/logs/rank-0.log" "resumed from $work/ref1.ck/step-00000002 (step 2)"
 resume fallback1 "$work/ck" 1 --checkpoint.fallback=true || { cat "$work/fallback1.log"; exit 1; }
 want fallback1 "$work/fallback1/logs/rank-0.log" \
   "skipping checkpoint $work/fallback1.ck/step-00000004" \
