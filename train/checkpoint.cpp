@@ -339,9 +339,8 @@ uint64_t write_checkpoint_index(const std::string& dir, const std::vector<int>& 
   for (const auto& [file, sum] : checksums) {
     std::error_code ec;
     LOOM_CHECK(fs::is_regular_file(tmp / file, ec),
-               "write_checkpoint_index: a checksum is given "
-               "for '",
-               file, "', which ", dir, " does not hold");
+               "write_checkpoint_index: a checksum is given for '", file, "', which ", dir,
+               " does not hold");
     sums[file] = checksum_text(sum);
   }
   nlohmann::ordered_json index;
@@ -373,7 +372,7 @@ void write_checkpoint_state(const std::string& dir, const TrainState& state,
   st["tokens_per_step"] = state.tokens_per_step;
   st["index_checksum"] = checksum_text(index_checksum);
   // state.json is written after the index, so nothing else can hold its checksum: it holds its
-  // own, of its fields as dump(2) writes them (state_fields_checksum).
+  // own, of its fields as dump(2) writes them (read_state checks it).
   st["checksum"] = checksum_text(checksum_of(st.dump(2)));
   const std::string path = (fs::path(dir) / "state.json").string();
   write_file(path, st.dump(2) + "\n");
