@@ -1,4 +1,5 @@
-// `loom convert SRC DST [--dtype bfloat16|float32] [--max-shard-bytes N]`: a loom checkpoint to a
+// `loom convert SRC DST [--dtype bfloat16|float32] [--max-shard-bytes N] [--no-verify]`: a loom
+// checkpoint to a
 // Hugging Face directory, or a Hugging Face directory to a loom checkpoint (the direction is read
 // from SRC), streaming one tensor at a time.
 #include <cstdio>
@@ -18,11 +19,12 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* kConvertUsage =
-    "usage: loom convert SRC DST [--dtype bfloat16|float32] [--max-shard-bytes N]\n"
+    "usage: loom convert SRC DST [--dtype bfloat16|float32] [--max-shard-bytes N] [--no-verify]\n"
     "  SRC a loom checkpoint (a step-N directory, or a checkpoint.dir: its latest) -> DST a\n"
     "      Hugging Face directory (config.json, model.safetensors or model-0000i-of-0000n +\n"
     "      index, tokenizer files), tensors in --dtype (float32), files split beyond\n"
-    "      --max-shard-bytes (5 GiB)\n"
+    "      --max-shard-bytes (5 GiB); its files are first checked against the checksums it\n"
+    "      recorded when saved (--no-verify: not)\n"
     "  SRC a Hugging Face directory -> DST a loom checkpoint (f32 weights, no optimizer state)\n"
     "  DST must not exist; it appears only complete.\n";
 
@@ -40,6 +42,10 @@ int convert_command(const Args& args) {
     }
     if (flag.rfind("--", 0) != 0) {
       pos.push_back(flag);
+      continue;
+    }
+    if (flag == "--no-verify") {
+      opt.verify = false;
       continue;
     }
     const size_t eq = flag.find('=');
@@ -86,13 +92,15 @@ int convert_command(const Args& args) {
   if (fs::exists(fs::path(src) / kShardedIndexName)) {
     LOOM_CHECK(fs::exists(fs::path(src) / "state.json"), "convert: '", src,
                "' has no state.json: an incomplete checkpoint (a save that was interrupted)");
-    export_hugging_face(src, dst, opt);
+    const std::string note = export_hugging_face(src, dst, opt);
+    if (!note.empty()) std::printf("%s\n", note.c_str());
     std::printf("wrote Hugging Face directory %s from checkpoint %s\n", dst.c_str(), src.c_str());
   } else {
     LOOM_CHECK(!has_dtype,
                "convert: --dtype applies to checkpoint -> Hugging Face only (a loom "
                "checkpoint holds f32 weights)");
-    import_hugging_face(src, dst);
+    const std::string note = import_hugging_face(src, dst, opt.verify);
+    if (!note.empty()) std::printf("%s\n", note.c_str());
     std::printf("wrote loom checkpoint %s from Hugging Face directory %s\n", dst.c_str(),
                 src.c_str());
   }

@@ -20,6 +20,7 @@
 #include "model/llama_inference.hpp"
 #include "model/model_config.hpp"
 #include "model/safetensors.hpp"
+#include "train/checkpoint.hpp"
 
 namespace loom {
 
@@ -30,16 +31,18 @@ namespace fs = std::filesystem;
 const char* kGenerateUsage =
     "usage: loom generate --checkpoint DIR --prompt TEXT [--max-tokens N (100)]\n"
     "         [--temperature T (0.8)] [--top-p P (0.95)] [--seed S] [--tokenizer FILE]\n"
-    "         [--dtype float32|bfloat16] [--no-bos]\n"
+    "         [--dtype float32|bfloat16] [--no-bos] [--no-verify]\n"
     "  DIR: a checkpoint (config.json + model.safetensors), a directory of step-* checkpoints\n"
     "  (the latest complete one is used), or a Hugging Face model directory.\n"
     "  The prompt is preceded by <|begin_of_text|>, or by the end-of-text token that separates\n"
     "  documents when the vocabulary has no begin token (--no-bos: neither). Without --seed the\n"
-    "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n";
+    "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n"
+    "  A loom checkpoint's files are first checked against the checksums it recorded when\n"
+    "  saved (--no-verify: not).\n";
 
 struct GenerateOptions {
   std::string checkpoint, prompt, tokenizer, dtype = "float32";
-  bool has_prompt = false, bos = true, has_seed = false;
+  bool has_prompt = false, bos = true, has_seed = false, verify = true;
   int64_t max_tokens = 100;
   float temperature = 0.8f, top_p = 0.95f;
   uint64_t seed = 0;
@@ -82,6 +85,10 @@ GenerateOptions parse_args(const Args& args) {
     }
     if (flag == "--no-bos") {
       o.bos = false;
+      continue;
+    }
+    if (flag == "--no-verify") {
+      o.verify = false;
       continue;
     }
     const bool known = flag == "--checkpoint" || flag == "--prompt" || flag == "--max-tokens" ||
@@ -161,6 +168,12 @@ int generate_command(const Args& args) {
   const DType compute = dtype_from_name(o.dtype);
   const fs::path root(o.checkpoint);
   const fs::path dir = resolve_checkpoint(root);
+  // A loom checkpoint's files (weights, config, tokenizer) against the checksums it recorded
+  // when saved, before any is read; a Hugging Face directory records none.
+  if (o.verify) {
+    const std::string note = verify_checkpoint(dir.string());
+    if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+  }
 
   fs::path tok_path = o.tokenizer;
   if (tok_path.empty()) {

@@ -4,7 +4,9 @@
 # 4096: 316,720,128 parameters), float32, one sample of 16 tokens per rank and step so that the
 # compute is small. FSDP over NPS ranks (oversubscribed on a small machine: one OpenMP thread per
 # rank, passive waits):
-#   - a synchronous save at step 1, then a resume that loads it: per rank its wall time, the bytes
+#   - a synchronous save at step 1, then a resume that verifies it (each file against its
+#     checksum, the ranks sharing the reads; VERIFY=false: not) and loads it: per rank the
+#     verification's wall time apart, and the load's wall time, the bytes
 #     it held before (its shards of weights, gradients and moments and its working buffers), its
 #     shards of the checkpoint (f32 weights + 2 moments) and the allocator's peak during the save
 #     (load) over what it held before, against the bound: 64 KiB for the ranks' agreements (the
@@ -17,15 +19,17 @@
 #     allocates the staging buffer at start and a thread faults its pages in while the first
 #     steps run), and the peak over held (which includes that buffer) against the staging copy +
 #     64 KiB.
+# ASYNC_NP=0 skips the async part.
 # Exits non-zero when a rank breaks its bound, or the stall is over 10% of the synchronous save.
 # Each checkpoint is 12 bytes x 316.7M = 3.8 GB on disk, removed once measured; the ranks
 # together need about 16 bytes per parameter (5.1 GB) of memory, 8.9 GB with the async staging.
-#   [NPS="1 2 4 8"] [ASYNC_NP=4] [MODEL=config.json] [TMPDIR=DIR] bench/ckpt_bench.sh [BUILD_DIR]
+#   [NPS="1 2 4 8"] [ASYNC_NP=4] [VERIFY=true] [MODEL=config.json] [TMPDIR=DIR] \
+#     bench/ckpt_bench.sh [BUILD_DIR]
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$src/build}
 loom=$build/loom
-nps=${NPS:-1 2 4 8} async_np=${ASYNC_NP:-4}
+nps=${NPS:-1 2 4 8} async_np=${ASYNC_NP:-4} verify=${VERIFY:-true}
 model=${MODEL:-$src/bench/ckpt-316m.json}
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_ckpt_bench.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -81,16 +85,24 @@ table() {
   wall=$(awk 'NR == 1 || $2 > m {m = $2} END {print m}' <<<"$out")
 }
 
-declare -A save_s load_s
+declare -A save_s load_s verify_s
 for np in $nps; do
   echo "== FSDP $np: synchronous save of step 1 (load average $(cut -d' ' -f1 /proc/loadavg))"
   train "save$np" "$np" --training.steps=1 --checkpoint.dir="$work/ck$np"
   table "save$np" save
   save_s[$np]=$wall
   echo "== FSDP $np: resume, loading it (load average $(cut -d' ' -f1 /proc/loadavg))"
-  train "load$np" "$np" --training.steps=1 --checkpoint.dir="$work/ck$np" --checkpoint.resume=true
+  train "load$np" "$np" --training.steps=1 --checkpoint.dir="$work/ck$np" --checkpoint.resume=true \
+    --checkpoint.verify="$verify"
   grep -q "resumed from .*step-00000001" "$work/load$np.out" ||
     { echo "did not resume"; cat "$work/load$np.out"; exit 1; }
+  verify_s[$np]=0
+  if [ "$verify" = true ]; then
+    echo " verification (every file against its checksum, the ranks sharing the reads):"
+    table "load$np" verify
+    verify_s[$np]=$wall
+  fi
+  echo " load:"
   table "load$np" load
   load_s[$np]=$wall
   rm -rf "$work/ck$np"
@@ -100,7 +112,7 @@ done
 # checkpoint.async (the second async save waits for the first one's write if it is not done:
 # printed apart, "waited").
 declare -A stall sync
-for mode in sync async; do
+for mode in $([ "$async_np" = 0 ] || echo sync async); do
   echo "== FSDP $async_np: $mode saves at steps 2 and 4 (load average $(cut -d' ' -f1 /proc/loadavg))"
   train "$mode$async_np" "$async_np" --training.steps=4 --checkpoint.interval=2 \
     --checkpoint.dir="$work/ck_$mode" --checkpoint.async=$([ $mode = async ] && echo true || echo false)
@@ -118,11 +130,13 @@ for mode in sync async; do
 done
 
 echo "== summary ($((params * 12)) bytes per checkpoint; load average $(cut -d' ' -f1-3 /proc/loadavg))"
-printf "  %5s %10s %10s %12s %12s\n" ranks save_s load_s "save MB/s" "load MB/s"
+printf "  %5s %10s %10s %10s %12s %12s\n" ranks save_s verify_s load_s "save MB/s" "load MB/s"
 for np in $nps; do
-  awk -v n="$np" -v s="${save_s[$np]}" -v l="${load_s[$np]}" -v b="$((params * 12))" \
-    'BEGIN {printf "  %5d %10.2f %10.2f %12.0f %12.0f\n", n, s, l, s ? b / s / 1e6 : 0, l ? b / l / 1e6 : 0}'
+  awk -v n="$np" -v s="${save_s[$np]}" -v v="${verify_s[$np]}" -v l="${load_s[$np]}" \
+    -v b="$((params * 12))" 'BEGIN {printf "  %5d %10.2f %10.2f %10.2f %12.0f %12.0f\n", n, s, v, l,
+      s ? b / s / 1e6 : 0, l ? b / l / 1e6 : 0}'
 done
+[ "$async_np" = 0 ] && exit $status
 for st in 2 4; do
   ratio=$(awk -v a="${stall[$st]}" -v s="${sync[$st]}" 'BEGIN {printf "%.4f", s ? a / s : 99}')
   echo "  FSDP $async_np, save of step $st: async stall ${stall[$st]} s, synchronous save ${sync[$st]} s:" \

@@ -15,6 +15,7 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "model/checksum.hpp"
 #include "model/config_json.hpp"
 
 namespace loom {
@@ -98,6 +99,12 @@ void write_all(int fd, const void* p, size_t n, const std::string& path) {
     c += w;
     n -= size_t(w);
   }
+}
+
+// Hashes the bytes as they are written, so that a file's checksum costs no second read of it.
+void write_hashed(int fd, const void* p, size_t n, const std::string& path, Checksum& sum) {
+  sum.update(p, n);
+  write_all(fd, p, n, path);
 }
 
 // Writes `path` atomically: the content goes to path.tmp.<pid>, is flushed to disk, then renamed
@@ -609,8 +616,8 @@ std::string encode_header(const std::string& path, const std::vector<TensorHeade
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+uint64_t write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
   std::vector<TensorHeader> headers;
   for (const auto& nt : tensors) {
     const Tensor& t = nt.tensor;
@@ -623,44 +630,50 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   }
   const std::string h = encode_header(path, headers, metadata);
   const uint64_t hlen = h.size();
+  Checksum sum;
   atomic_write(path, [&](int fd, const std::string& tmp) {
-    write_all(fd, &hlen, 8, tmp);
-    write_all(fd, h.data(), h.size(), tmp);
+    write_hashed(fd, &hlen, 8, tmp, sum);
+    write_hashed(fd, h.data(), h.size(), tmp, sum);
     for (const auto& nt : tensors)
-      if (nt.tensor.nbytes() > 0) write_all(fd, nt.tensor.raw(), nt.tensor.nbytes(), tmp);
+      if (nt.tensor.nbytes() > 0) write_hashed(fd, nt.tensor.raw(), nt.tensor.nbytes(), tmp, sum);
   });
+  return sum.digest();
 }
 
-void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
-                                const std::map<std::string, std::string>& metadata,
-                                const std::function<void(size_t, Tensor&)>& fill) {
+uint64_t write_safetensors_streamed(const std::string& path,
+                                    const std::vector<TensorHeader>& tensors,
+                                    const std::map<std::string, std::string>& metadata,
+                                    const std::function<void(size_t, Tensor&)>& fill) {
   const std::string h = encode_header(path, tensors, metadata);
   const uint64_t hlen = h.size();
+  Checksum sum;
   atomic_write(path, [&](int fd, const std::string& tmp) {
-    write_all(fd, &hlen, 8, tmp);
-    write_all(fd, h.data(), h.size(), tmp);
+    write_hashed(fd, &hlen, 8, tmp, sum);
+    write_hashed(fd, h.data(), h.size(), tmp, sum);
     for (size_t i = 0; i < tensors.size(); ++i) {
       Tensor t = Tensor::empty(tensors[i].shape, tensors[i].dtype);
       fill(i, t);
-      if (t.nbytes() > 0) write_all(fd, t.raw(), t.nbytes(), tmp);
+      if (t.nbytes() > 0) write_hashed(fd, t.raw(), t.nbytes(), tmp, sum);
     }
   });
+  return sum.digest();
 }
 
-void write_safetensors_pieces(
+uint64_t write_safetensors_pieces(
     const std::string& path, const std::vector<TensorHeader>& tensors,
     const std::map<std::string, std::string>& metadata,
     const std::function<void(size_t, const std::function<void(const void*, size_t)>&)>& emit) {
   const std::string h = encode_header(path, tensors, metadata);
   const uint64_t hlen = h.size();
+  Checksum sum;
   atomic_write(path, [&](int fd, const std::string& tmp) {
-    write_all(fd, &hlen, 8, tmp);
-    write_all(fd, h.data(), h.size(), tmp);
+    write_hashed(fd, &hlen, 8, tmp, sum);
+    write_hashed(fd, h.data(), h.size(), tmp, sum);
     for (size_t i = 0; i < tensors.size(); ++i) {
       const size_t want = size_t(shape_numel(tensors[i].shape)) * dtype_size(tensors[i].dtype);
       size_t put = 0;
       emit(i, [&](const void* p, size_t n) {
-        write_all(fd, p, n, tmp);
+        write_hashed(fd, p, n, tmp, sum);
         put += n;
       });
       // A short tensor would shift every later one: the header would lie about the file.
@@ -668,12 +681,14 @@ void write_safetensors_pieces(
                  want, " expected");
     }
   });
+  return sum.digest();
 }
 
-void write_text_atomic(const std::string& path, const std::string& content) {
+uint64_t write_text_atomic(const std::string& path, const std::string& content) {
   atomic_write(path, [&](int fd, const std::string& tmp) {
     write_all(fd, content.data(), content.size(), tmp);
   });
+  return checksum_of(content);
 }
 
 void write_safetensors_dir(const std::string& dir, const std::vector<NamedTensor>& tensors,

@@ -101,9 +101,11 @@ struct NamedTensor {
   Tensor tensor;  // contiguous, f32/bf16/i32, cpu
 };
 
+// The writers below return the written file's checksum (model/checksum.hpp), hashed from the
+// bytes as they are written.
 // Writes one file atomically (write to a temporary name, fsync, rename).
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+uint64_t write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata = {});
 // Writes one file atomically with the tensors' bytes produced one at a time: `fill(i, t)` fills
 // tensor i (allocated by the writer with its dtype and shape), so memory holds one tensor.
 struct TensorHeader {
@@ -111,19 +113,20 @@ struct TensorHeader {
   DType dtype;
   Shape shape;
 };
-void write_safetensors_streamed(const std::string& path, const std::vector<TensorHeader>& tensors,
-                                const std::map<std::string, std::string>& metadata,
-                                const std::function<void(size_t, Tensor&)>& fill);
+uint64_t write_safetensors_streamed(const std::string& path,
+                                    const std::vector<TensorHeader>& tensors,
+                                    const std::map<std::string, std::string>& metadata,
+                                    const std::function<void(size_t, Tensor&)>& fill);
 // Writes one file atomically with each tensor's bytes handed over in pieces: `emit(i, put)` is
 // called for tensor i, in order, and calls put(bytes, n) with its bytes, in order, n summing to
 // its size; so the caller decides, piece by piece, where the bytes come from (an async save:
 // the live shards or their staged copy).
-void write_safetensors_pieces(
+uint64_t write_safetensors_pieces(
     const std::string& path, const std::vector<TensorHeader>& tensors,
     const std::map<std::string, std::string>& metadata,
     const std::function<void(size_t, const std::function<void(const void*, size_t)>&)>& emit);
 // A small file (an index, a config) written atomically: a temporary name, fsync, rename.
-void write_text_atomic(const std::string& path, const std::string& content);
+uint64_t write_text_atomic(const std::string& path, const std::string& content);
 // Writes a model directory: one model.safetensors if the total is <= max_shard_bytes, else
 // model-0000i-of-0000n.safetensors files plus model.safetensors.index.json.
 void write_safetensors_dir(const std::string& dir, const std::vector<NamedTensor>& tensors,

@@ -20,6 +20,7 @@ build_pkgs=(
   "libtomlplusplus-dev: the TOML job configs"
   "nlohmann-json3-dev: model configs, safetensors headers, tokenizer.json"
   "libpcre2-dev: the tokenizers' split patterns"
+  "libxxhash-dev: the XXH3 checksums of checkpoint files (model/checksum.cpp)"
   "libopenmpi-dev: several processes (mpirun) and their collectives"
   "openmpi-bin: mpirun"
   "bible-kjv: the quick start's corpus (the King James Bible)"

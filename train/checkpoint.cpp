@@ -23,6 +23,7 @@
 
 #include "core/error.hpp"
 #include "distributed/process_group.hpp"
+#include "model/checksum.hpp"
 #include "model/config_json.hpp"
 #include "model/model.hpp"
 #include "model/safetensors.hpp"
@@ -209,6 +210,19 @@ std::vector<std::string> gather_errors(dist::ProcessGroup* world, const std::str
   return out;
 }
 
+// Every rank's 64-bit value (a file's checksum; 0 from a rank that wrote none), gathered to every
+// rank as two 32-bit words, since the process groups move i32 and f32.
+std::vector<uint64_t> gather_checksums(dist::ProcessGroup* world, uint64_t mine) {
+  if (!world || world->size() == 1) return {mine};
+  const int n = world->size();
+  Tensor word = Tensor::empty({2}, DType::i32), all = Tensor::empty({2 * n}, DType::i32);
+  std::memcpy(word.data<int32_t>(), &mine, sizeof mine);
+  world->all_gather(word, all)->wait();
+  std::vector<uint64_t> out(static_cast<size_t>(n));
+  std::memcpy(out.data(), all.data<int32_t>(), out.size() * sizeof(uint64_t));
+  return out;
+}
+
 // After each phase of a save: every rank learns every failure, so none goes on (or marks the
 // checkpoint complete) after a rank failed. `cleanup` runs (on every rank) before the error.
 void agree(dist::ProcessGroup* world, const std::string& error, const std::string& what,
@@ -293,8 +307,9 @@ std::string latest_checkpoint(const std::string& root) {
 
 // The index from the rank files' own records of their slices (so the index can only describe
 // files that were completely written), checked by opening it as the loader will.
-void write_checkpoint_index(const std::string& dir, const std::vector<int>& writers, int64_t step,
-                            bool moments) {
+uint64_t write_checkpoint_index(const std::string& dir, const std::vector<int>& writers,
+                                int64_t step, bool moments,
+                                const std::map<std::string, uint64_t>& checksums) {
   const fs::path tmp(dir);
   nlohmann::ordered_json tensors = nlohmann::ordered_json::object(),
                          files = nlohmann::json::array();
@@ -317,19 +332,35 @@ void write_checkpoint_index(const std::string& dir, const std::vector<int>& writ
       t["slices"].push_back(piece);
     }
     files.push_back(file);
+    LOOM_CHECK(checksums.count(file), "write_checkpoint_index: no checksum given for '", file,
+               "' in ", dir, " (every rank file's is needed)");
+  }
+  nlohmann::ordered_json sums = nlohmann::ordered_json::object();
+  for (const auto& [file, sum] : checksums) {
+    std::error_code ec;
+    LOOM_CHECK(fs::is_regular_file(tmp / file, ec),
+               "write_checkpoint_index: a checksum is given for '", file, "', which ", dir,
+               " does not hold");
+    sums[file] = checksum_text(sum);
   }
   nlohmann::ordered_json index;
   index["format"] = "loom-sharded";
   index["version"] = 1;
   index["metadata"] = {{"step", std::to_string(step)}, {"optimizer", moments ? "adamw" : "none"}};
   index["files"] = files;
+  // A key of its own rather than objects in "files": a reader that predates checksums still
+  // reads the index.
+  index["checksums"] = sums;
   index["tensors"] = tensors;
-  write_file((tmp / kShardedIndexName).string(), index.dump(1) + "\n");
+  const std::string text = index.dump(1) + "\n";
+  write_file((tmp / kShardedIndexName).string(), text);
   // Opening it checks every slice against its file and that the slices add up to each tensor.
   const SafetensorsDir check(tmp.string());
+  return checksum_of(text);
 }
 
-void write_checkpoint_state(const std::string& dir, const TrainState& state) {
+void write_checkpoint_state(const std::string& dir, const TrainState& state,
+                            uint64_t index_checksum) {
   nlohmann::ordered_json st;
   st["format"] = "loom-checkpoint";
   st["version"] = kStateVersion;
@@ -339,6 +370,10 @@ void write_checkpoint_state(const std::string& dir, const TrainState& state) {
   st["loss"] = state.loss;
   st["config"] = state.config_toml;
   st["tokens_per_step"] = state.tokens_per_step;
+  st["index_checksum"] = checksum_text(index_checksum);
+  // state.json is written after the index, so nothing else can hold its checksum: it holds its
+  // own, of its fields as dump(2) writes them (read_state checks it).
+  st["checksum"] = checksum_text(checksum_of(st.dump(2)));
   const std::string path = (fs::path(dir) / "state.json").string();
   write_file(path, st.dump(2) + "\n");
   fsync_path(path, false);
@@ -355,15 +390,23 @@ namespace {
 
 // World rank 0, once every rank's file is written: the index, the config, the tokenizer and
 // state.json (the completion marker) last, then the directory takes its name.
+// `checksums`: each writer's rank file's, by world rank.
 std::string finish_checkpoint(const fs::path& root, const fs::path& tmp, const std::string& config,
                               const TrainState& state, const std::string& tokenizer_json,
-                              const std::vector<int>& writers) {
-  write_checkpoint_index(tmp.string(), writers, state.step, true);
+                              const std::vector<int>& writers,
+                              const std::vector<uint64_t>& checksums) {
+  std::map<std::string, uint64_t> sums;
+  for (int r : writers) sums[checkpoint_rank_file(r)] = checksums.at(size_t(r));
   write_file((tmp / "config.json").string(), config);
-  if (!tokenizer_json.empty())
-    write_file((tmp / "tokenizer.json").string(), read_file(tokenizer_json));
+  sums["config.json"] = checksum_of(config);
+  if (!tokenizer_json.empty()) {
+    const std::string tokenizer = read_file(tokenizer_json);
+    write_file((tmp / "tokenizer.json").string(), tokenizer);
+    sums["tokenizer.json"] = checksum_of(tokenizer);
+  }
+  const uint64_t index = write_checkpoint_index(tmp.string(), writers, state.step, true, sums);
   for (const auto& e : fs::directory_iterator(tmp)) fsync_path(e.path().string(), false);
-  write_checkpoint_state(tmp.string(), state);
+  write_checkpoint_state(tmp.string(), state, index);
 
   const fs::path final_dir = root / checkpoint_name(state.step);
   // rename() cannot replace a non-empty directory: move an existing checkpoint of this step
@@ -460,8 +503,8 @@ SavePlan begin_save(const std::string& root, Model& model, AdamW& optimizer,
   return plan;
 }
 
-void write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step) {
-  write_safetensors(
+uint64_t write_rank_file(const SavePlan& plan, const RankSlices& mine, int64_t step) {
+  return write_safetensors(
       (plan.tmp / checkpoint_rank_file(plan.rank)).string(), mine.tensors,
       {{"format", "loom-shard"}, {"step", std::to_string(step)}, {"slices", mine.slices.dump()}});
 }
@@ -472,19 +515,22 @@ std::string save_checkpoint(const std::string& root, Model& model, AdamW& optimi
                             const TrainState& state, const std::string& tokenizer_json,
                             const CheckpointComm& comm) {
   const SavePlan plan = begin_save(root, model, optimizer, state, comm);
+  uint64_t checksum = 0;
   agree(plan.world, catch_error([&] {
           if (plan.writer())
-            write_rank_file(plan,
-                            rank_slices(model, optimizer, plan.write[0], plan.write[1], plan.units),
-                            state.step);
+            checksum = write_rank_file(
+                plan, rank_slices(model, optimizer, plan.write[0], plan.write[1], plan.units),
+                state.step);
         }),
         plan.what, plan.cleanup());
+  // World rank 0 writes every file's checksum into the index.
+  const std::vector<uint64_t> checksums = gather_checksums(plan.world, checksum);
   std::string path = plan.final_dir.string();
   const std::string config = model.config_json() + "\n";
   agree(plan.world, catch_error([&] {
           if (plan.rank == 0)
-            path =
-                finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
+            path = finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json,
+                                     plan.writers, checksums);
         }),
         plan.what, plan.cleanup());
   return path;
@@ -501,12 +547,15 @@ AsyncSaveTesting& async_save_testing() {
 // every writer's file (or its error) and completes the checkpoint, so that it becomes a
 // checkpoint without waiting for the next save.
 // The ranks share checkpoint.dir, and no collective runs off the main thread: a rank says that
-// its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error.
+// its file is complete (its directory entry fsynced) or failed with rank-R.done / rank-R.error;
+// rank-R.done holds the file's checksum, for the index.
 struct PendingSave::Impl {
   SavePlan plan;
   std::string path;
   std::string write_error;            // this rank's file
   std::string finish_error;           // world rank 0: completing the checkpoint
+  uint64_t checksum = 0;              // this rank's file's, once `written`
+  std::vector<uint64_t> checksums;    // every rank's, by world rank, once `peers_ok`
   std::atomic<bool> written{false};   // this rank's file is written (or failed)
   std::atomic<bool> peers_ok{false};  // every rank said so through wait()'s collective
   std::atomic<bool> cancel{false};
@@ -524,10 +573,10 @@ struct PendingSave::Impl {
   std::vector<Tensor> staged;  // per tensor: its elements from staged_from[i] on
   std::vector<int64_t> staged_from;
 
-  void write_file(int64_t step);
+  uint64_t write_file(int64_t step);
 };
 
-void PendingSave::Impl::write_file(int64_t step) {
+uint64_t PendingSave::Impl::write_file(int64_t step) {
   std::vector<TensorHeader> headers;
   for (const NamedTensor& t : slices.tensors)
     headers.push_back({t.name, t.tensor.dtype(), t.tensor.shape()});
@@ -536,7 +585,7 @@ void PendingSave::Impl::write_file(int64_t step) {
   const int64_t piece = std::max<int64_t>(
       1, int64_t(hooks.piece_bytes ? hooks.piece_bytes : size_t(4) << 20) / int64_t(sizeof(float)));
   int64_t pieces = 0;
-  write_safetensors_pieces(
+  return write_safetensors_pieces(
       (plan.tmp / checkpoint_rank_file(plan.rank)).string(), headers,
       {{"format", "loom-shard"}, {"step", std::to_string(step)}, {"slices", slices.slices.dump()}},
       [&](size_t i, const std::function<void(const void*, size_t)>& put) {
@@ -643,6 +692,9 @@ std::string PendingSave::wait() {
     p.plan.cleanup()();
     throw;
   }
+  // After the agreement every file is written: rank 0's thread takes the checksums from here
+  // rather than from markers it may not have seen.
+  p.checksums = gather_checksums(p.plan.world, p.checksum);
   p.peers_ok = true;
   p.thread.join();
   agree(p.plan.world, p.finish_error, p.plan.what, p.plan.cleanup());
@@ -669,8 +721,11 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Mode
     const SavePlan& plan = p->plan;
     p->write_error = catch_error([&] {
       if (!plan.writer()) return;
-      p->write_file(state.step);
-      std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".done")).string());
+      p->checksum = p->write_file(state.step);
+      // Renamed into place, so that rank 0 never reads a marker without its checksum.
+      const fs::path done = plan.tmp / str_cat("rank-", plan.rank, ".done");
+      write_file(done.string() + ".tmp", checksum_text(p->checksum));
+      fs::rename(done.string() + ".tmp", done);
     });
     if (!p->write_error.empty())
       std::ofstream((plan.tmp / str_cat("rank-", plan.rank, ".error")).string()) << p->write_error;
@@ -682,6 +737,7 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Mode
     p->written.notify_all();
     if (plan.rank != 0 || !p->write_error.empty()) return;
     p->finish_error = catch_error([&] {
+      std::vector<uint64_t> checksums(size_t(plan.world ? plan.world->size() : 1), 0);
       for (int r : plan.writers) {
         const fs::path done = plan.tmp / str_cat("rank-", r, ".done");
         const fs::path e = plan.tmp / str_cat("rank-", r, ".error");
@@ -692,19 +748,40 @@ std::unique_ptr<PendingSave> save_checkpoint_async(const std::string& root, Mode
         }
         LOOM_CHECK(!fs::exists(e, ec), "rank ", r,
                    " failed to write its file (its message names the cause)");
+        if (p->peers_ok) {
+          checksums[size_t(r)] = p->checksums.at(size_t(r));
+        } else {
+          const std::string text = read_file(done.string());
+          const std::optional<uint64_t> sum = parse_checksum(text);
+          LOOM_CHECK(sum.has_value(), done.string(), ": expected rank ", r,
+                     "'s file's checksum (xxh3-64:<16 hex digits>), found '", text, "'");
+          checksums[size_t(r)] = *sum;
+        }
       }
       for (int r : plan.writers) {
         std::error_code ec;
         fs::remove(plan.tmp / str_cat("rank-", r, ".done"), ec);
       }
-      finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers);
+      finish_checkpoint(plan.root, plan.tmp, config, state, tokenizer_json, plan.writers,
+                        checksums);
       if (after) after();
     });
   });
   return std::make_unique<PendingSave>(std::move(impl));
 }
 
-TrainState read_checkpoint_state(const std::string& dir) {
+namespace {
+
+// What state.json records of checksums, as written ("" where absent: saved before checksums).
+struct StateChecksums {
+  std::string own;    // of its fields (write_checkpoint_state)
+  std::string index;  // of loom.index.json
+};
+
+// read_checkpoint_state, and what state.json records of checksums into `sums` (when given).
+// `verify`: its own checksum is checked, after the fields (so that a field of the wrong type is
+// named as such).
+TrainState read_state(const std::string& dir, bool verify, StateChecksums* sums) {
   const fs::path d(dir);
   std::error_code ec;
   LOOM_CHECK(fs::is_directory(d, ec), "checkpoint '", dir, "' is not a directory");
@@ -713,7 +790,8 @@ TrainState read_checkpoint_state(const std::string& dir) {
   const std::string state_path = (d / "state.json").string();
   TrainState st;
   try {
-    const auto j = nlohmann::json::parse(read_file(state_path));
+    const std::string text = read_file(state_path);
+    const auto j = nlohmann::json::parse(text);
     LOOM_CHECK(j.value("format", "") == "loom-checkpoint", state_path,
                ": not a loom checkpoint state (expected \"format\": \"loom-checkpoint\")");
     // Typed reads that check the JSON type and range first: nlohmann's get<int64_t>() of a
@@ -730,6 +808,22 @@ TrainState read_checkpoint_state(const std::string& dir) {
     st.tokens_per_step = j.contains("tokens_per_step")
                              ? get_int(j, "tokens_per_step", state_path, "tokens_per_step")
                              : 0;
+    for (const char* key : {"checksum", "index_checksum"})
+      LOOM_CHECK(!j.contains(key) || j[key].is_string(), state_path, ": \"", key,
+                 "\" must be a string (xxh3-64:<16 hex digits>), found ", j[key].dump());
+    const std::string own = j.value("checksum", ""), index = j.value("index_checksum", "");
+    if (sums) *sums = {own, index};
+    if (verify && !own.empty()) {
+      // The fields in their order, less the checksum, as write_checkpoint_state dumped them:
+      // dump() writes every number in its shortest round-trip form, so a parsed and re-dumped
+      // state is the bytes that were hashed.
+      auto fields = nlohmann::ordered_json::parse(text);
+      fields.erase("checksum");
+      const std::string found = checksum_text(checksum_of(fields.dump(2)));
+      LOOM_CHECK(found == own, state_path, ": checksum mismatch: expected ", own,
+                 " (recorded in it), found ", found,
+                 " (of its fields: the file changed after it was saved)");
+    }
   } catch (const nlohmann::json::exception& e) {
     fail(state_path, ": invalid checkpoint state: ", e.what());
   }
@@ -737,11 +831,204 @@ TrainState read_checkpoint_state(const std::string& dir) {
   return st;
 }
 
+// The complete checkpoint before `dir` in its checkpoint.dir ("" if none): where a resume can
+// go back to when `dir` is corrupt.
+std::string previous_checkpoint(const std::string& dir) {
+  const fs::path d = fs::path(dir).lexically_normal();
+  const fs::path name = d.has_filename() ? d.filename() : d.parent_path().filename();
+  const int64_t step = parse_step_name(name.string());
+  if (step < 0) return "";
+  std::string prev;
+  for (const auto& [s, path] :
+       list_checkpoints((d.has_filename() ? d : d.parent_path()).parent_path().string()))
+    if (s < step) prev = path;
+  return prev;
+}
+
+// check_checkpoint's findings after a colon: on the same line when there is one (so that the
+// line a log shows for an error names the file), else one indented line each.
+std::string findings(const std::string& found, const char* indent) {
+  if (found.find('\n') == std::string::npos) return ": " + found;
+  std::string out = ":";
+  for (size_t at = 0; at <= found.size();) {
+    const size_t end = std::min(found.find('\n', at), found.size());
+    out += str_cat("\n", indent, found.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
+// The error for a corrupt checkpoint: what check_checkpoint found, and where to go instead.
+std::string corrupt_message(const std::string& dir, const std::string& found) {
+  const std::string prev = previous_checkpoint(dir);
+  const bool one = found.find('\n') == std::string::npos;
+  return str_cat("checkpoint ", dir, " is corrupt", findings(found, "  "), one ? "; " : "\n",
+                 prev.empty()
+                     ? std::string("there is no earlier complete checkpoint beside it")
+                     : str_cat("the previous complete checkpoint is ", prev,
+                               ": resume from it with --checkpoint.fallback=true (which verifies "
+                               "it first), or move ",
+                               dir, " out of the checkpoint.dir"));
+}
+
+std::string no_checksums_note(const std::string& dir) {
+  return str_cat("note: checkpoint ", dir,
+                 " records no checksums (saved before loom wrote them): its files are read "
+                 "unverified");
+}
+
+}  // namespace
+
+TrainState read_checkpoint_state(const std::string& dir, bool verify) {
+  return read_state(dir, verify, nullptr);
+}
+
+CheckpointCheck check_checkpoint(const std::string& dir, dist::ProcessGroup* world) {
+  if (world && world->size() == 1) world = nullptr;
+  const int rank = world ? world->rank() : 0, size = world ? world->size() : 1;
+  const fs::path d(dir);
+  CheckpointCheck out;
+  // Every error in rank order, each once (the ranks that check the same thing find the same).
+  auto agreed = [&](const std::string& mine) {
+    std::vector<std::string> lines;
+    for (const std::string& e : gather_errors(world, mine))
+      for (size_t at = 0; at < e.size();) {
+        const size_t end = std::min(e.find('\n', at), e.size());
+        const std::string line = e.substr(at, end - at);
+        if (!line.empty() && std::find(lines.begin(), lines.end(), line) == lines.end())
+          lines.push_back(line);
+        at = end + 1;
+      }
+    std::string all;
+    for (const std::string& l : lines) all += (all.empty() ? "" : "\n") + l;
+    return all;
+  };
+
+  // The structure, on every rank (small files only): state.json and its own checksum, the
+  // index and every file it lists with their headers (the loader's own checks, so that a torn
+  // index or a missing file reads as it always has), the index against state.json's checksum.
+  std::vector<std::pair<std::string, uint64_t>> files;  // to hash: name, recorded checksum
+  StateChecksums recorded;  // set before state.json's own checksum is checked
+  out.error = agreed(catch_error([&] {
+    read_state(dir, true, &recorded);
+    const SafetensorsDir structure(dir);
+    const std::string index_path = (d / kShardedIndexName).string();
+    std::string index_text;
+    nlohmann::json index;
+    if (structure.sharded()) {
+      index_text = read_file(index_path);
+      index = nlohmann::json::parse(index_text);  // SafetensorsDir parsed it already
+    }
+    const bool index_sums = structure.sharded() && index.contains("checksums");
+    // A flipped byte can hide one of the three records, never all of them.
+    out.checksums = !recorded.own.empty() || !recorded.index.empty() || index_sums;
+    if (!out.checksums) return;
+    LOOM_CHECK(!recorded.own.empty() && !recorded.index.empty(), (d / "state.json").string(),
+               ": records ", recorded.own.empty() ? "no checksum of its own (\"checksum\")" : "",
+               recorded.own.empty() && recorded.index.empty() ? " and " : "",
+               recorded.index.empty() ? "no checksum of the index (\"index_checksum\")" : "",
+               ", but the checkpoint records others: expected both");
+    LOOM_CHECK(structure.sharded(), dir, ": state.json records the checksum of ", kShardedIndexName,
+               ", which is missing");
+    const std::string found = checksum_text(checksum_of(index_text));
+    LOOM_CHECK(found == recorded.index, index_path, ": checksum mismatch: expected ",
+               recorded.index, " (recorded in state.json), found ", found);
+    LOOM_CHECK(index_sums && index["checksums"].is_object(), index_path,
+               ": records no file checksums (expected a \"checksums\" object of file -> "
+               "xxh3-64:<16 hex digits>, since state.json records checksums)");
+    const nlohmann::json& sums = index["checksums"];
+    for (const auto& f : index.at("files"))
+      LOOM_CHECK(sums.contains(f.get<std::string>()), index_path, ": records no checksum of '",
+                 f.get<std::string>(), "'");
+    for (const auto& [file, v] : sums.items()) {
+      LOOM_CHECK(!file.empty() && fs::path(file).filename() == file && file != "." &&
+                     file != ".." && file != kShardedIndexName && file != "state.json",
+                 index_path, ": a checksum of '", file,
+                 "'; expected plain names of the checkpoint's other files");
+      const std::optional<uint64_t> sum =
+          v.is_string() ? parse_checksum(v.get<std::string>()) : std::nullopt;
+      LOOM_CHECK(sum.has_value(), index_path, ": checksum of '", file, "' is ", v.dump(),
+                 "; expected \"xxh3-64:<16 hex digits>\"");
+      files.emplace_back(file, *sum);
+    }
+  }));
+  out.checksums = out.checksums || !recorded.own.empty() || !recorded.index.empty();
+  if (!out.error.empty() || files.empty()) return out;
+
+  // The files' bytes, each read by one rank: the largest first, each to the rank with the fewest
+  // bytes so far, so that a resume reads the checkpoint once over all ranks.
+  std::vector<uintmax_t> bytes(files.size(), 0);
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::error_code ec;
+    const uintmax_t n = fs::file_size(d / files[i].first, ec);
+    bytes[i] = ec ? 0 : n;
+  }
+  std::vector<size_t> order(files.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return bytes[a] > bytes[b]; });
+  std::vector<uintmax_t> load(size_t(size), 0);
+  std::string mine;
+  for (size_t i : order) {
+    const size_t owner = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    load[owner] += bytes[i];
+    if (int(owner) != rank) continue;
+    const std::string path = (d / files[i].first).string();
+    const std::string error = catch_error([&] {
+      const std::string found = checksum_text(checksum_file(path));
+      const std::string expected = checksum_text(files[i].second);
+      LOOM_CHECK(found == expected, path, ": checksum mismatch: expected ", expected,
+                 " (recorded in ", kShardedIndexName, "), found ", found);
+    });
+    if (!error.empty()) mine += (mine.empty() ? "" : "\n") + error;
+  }
+  out.error = agreed(mine);
+  return out;
+}
+
+std::string verify_checkpoint(const std::string& dir, dist::ProcessGroup* world) {
+  std::error_code ec;
+  const fs::path d(dir);
+  // A Hugging Face directory records no checksums and is no loom checkpoint.
+  if (!fs::exists(d / "state.json", ec) && !fs::exists(d / kShardedIndexName, ec)) return "";
+  const CheckpointCheck c = check_checkpoint(dir, world);
+  if (!c.error.empty()) fail(corrupt_message(dir, c.error));
+  return c.checksums ? "" : no_checksums_note(dir);
+}
+
+ResumeChoice choose_resume_checkpoint(const std::string& root, bool verify, bool fallback,
+                                      dist::ProcessGroup* world) {
+  const auto all = list_checkpoints(root);
+  ResumeChoice out;
+  if (all.empty()) return out;
+  if (!verify) {
+    out.dir = all.back().second;
+    return out;
+  }
+  std::string skipped;
+  for (size_t i = all.size(); i-- > 0;) {
+    const std::string& dir = all[i].second;
+    const CheckpointCheck c = check_checkpoint(dir, world);
+    if (c.error.empty()) {
+      out.dir = dir;
+      if (!c.checksums) out.notes.push_back(no_checksums_note(dir));
+      return out;
+    }
+    if (!fallback) fail(corrupt_message(dir, c.error));
+    out.notes.push_back(str_cat("note: skipping checkpoint ", dir,
+                                " (checkpoint.fallback = true): it is corrupt",
+                                findings(c.error, "    ")));
+    skipped += str_cat("\n  ", dir, findings(c.error, "    "));
+  }
+  fail("checkpoint.fallback = true, but every checkpoint in '", root, "' is corrupt:", skipped);
+}
+
 TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer,
-                           const std::vector<size_t>& held) {
+                           const std::vector<size_t>& held, bool verify) {
   const fs::path d(dir);
   std::error_code ec;
-  const TrainState st = read_checkpoint_state(dir);
+  if (verify) verify_checkpoint(dir);
+  const TrainState st = read_checkpoint_state(dir, verify);
   const std::string state_path = (d / "state.json").string();
 
   // Every tensor must be a parameter or a moment of one: a checkpoint of a deeper model would

@@ -6,17 +6,21 @@
 //                           by that rank from its own shards (no rank gathers the model); ranks
 //                           that hold the same slices as a lower rank (replicas) write nothing;
 //   loom.index.json         every tensor's global shape and dtype and which slice each file holds;
+//                           every other file's checksum (model/checksum.hpp) but state.json's;
 //   config.json             the Hugging Face model config;
 //   state.json              step, data loader step, lr and loss of the last step, the resolved
-//                           job config (TOML): written last, the completion marker;
+//                           job config (TOML), the index's checksum and its own: written last,
+//                           the completion marker;
 //   tokenizer.json          copied from the data directory when there is one.
 // SafetensorsDir reads it like a Hugging Face directory (`loom generate`, `[model] init_from`).
-// Saving is atomic: every rank writes and fsyncs its file into step-00000100.tmp, then world
-// rank 0 writes the index, the config and state.json, fsyncs the directory and renames it. Only
+// Saving is atomic: every rank writes and fsyncs its file into step-00000100.tmp (hashing it as it
+// writes), then world rank 0 writes the config, the index and state.json, fsyncs the directory
+// and renames it. Only
 // names step-<digits> with a state.json are checkpoints, so a .tmp left by a crash is ignored
 // (and removed by clean_checkpoint_dir or the next save of that step).
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -121,19 +125,56 @@ AsyncSaveTesting& async_save_testing();
 // the earlier format (model.safetensors + optimizer.safetensors) load too.
 // `units` (pipeline parallelism: the rank's stages' units, ascending; empty: every unit): only
 // these are read, the others' weights and moments are zeroed (the rank never uses them).
+// `verify`: verify_checkpoint first, by this caller alone (it reads every file); the trainer
+// verifies with its ranks sharing the reads (choose_resume_checkpoint) and passes false.
 TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimizer,
-                           const std::vector<size_t>& units = {});
+                           const std::vector<size_t>& units = {}, bool verify = true);
 // Only the state.json of a checkpoint (errors name the file): what a resume checks before
-// allocating anything.
-TrainState read_checkpoint_state(const std::string& dir);
+// allocating anything. `verify`: state.json's own checksum too, where it records one.
+TrainState read_checkpoint_state(const std::string& dir, bool verify = true);
+
+// Checksums (docs/design.md, "Distributed checkpoints"): state.json records its own and the
+// index's, the index every other file's. Checks, every rank of `world` (nullptr: this caller
+// alone) calling it, a checkpoint's structure (state.json, the index, the files it lists and
+// their headers: small reads, on every rank) and then every file against its checksum, each file
+// read by one rank (the largest first, to the rank with the fewest bytes). Every rank returns the
+// same: each rank's findings are gathered.
+struct CheckpointCheck {
+  // "" when all is well; else one line per finding, each naming the file (and, for a checksum
+  // mismatch, the expected and the found checksum).
+  std::string error;
+  bool checksums = false;  // whether it records checksums (false: saved before loom wrote them)
+};
+CheckpointCheck check_checkpoint(const std::string& dir, dist::ProcessGroup* world = nullptr);
+// check_checkpoint as an error: "checkpoint DIR is corrupt", what was found, and the previous
+// complete checkpoint beside it (or that there is none). A directory that is no loom checkpoint
+// (a Hugging Face one: neither state.json nor loom.index.json) is left alone. Returns a note
+// for the user when the checkpoint records no checksums (it was not verified), else "".
+std::string verify_checkpoint(const std::string& dir, dist::ProcessGroup* world = nullptr);
+
+// The checkpoint a resume loads: the latest complete one under `root` ("" if none). `verify`:
+// checked first (check_checkpoint, collectively over `world`; every rank must call this and all
+// decide the same); a corrupt one is an error naming the previous complete checkpoint, unless
+// `fallback`: then it is skipped with a note and the one before it is checked, down to the
+// first (an error when every one is corrupt). `notes`: those, and one for a checkpoint without
+// checksums.
+struct ResumeChoice {
+  std::string dir;
+  std::vector<std::string> notes;
+};
+ResumeChoice choose_resume_checkpoint(const std::string& root, bool verify, bool fallback,
+                                      dist::ProcessGroup* world = nullptr);
 
 // The parts of a save, for tools that write a checkpoint without a model (loom convert): the
 // name of rank r's file, the index of the rank files `ranks` in `dir` (`moments`: whether they
-// hold the AdamW moments), and state.json, the completion marker (fsynced, with the directory).
+// hold the AdamW moments; `checksums`: of each file of `dir` but the index and state.json, every
+// rank file's included, as the writers returned them) returning its own checksum, and
+// state.json, the completion marker (fsynced, with the directory), recording `index_checksum`.
 std::string checkpoint_rank_file(int rank);  // "rank-00003.safetensors"
-void write_checkpoint_index(const std::string& dir, const std::vector<int>& ranks, int64_t step,
-                            bool moments);
-void write_checkpoint_state(const std::string& dir, const TrainState& state);
+uint64_t write_checkpoint_index(const std::string& dir, const std::vector<int>& ranks, int64_t step,
+                                bool moments, const std::map<std::string, uint64_t>& checksums);
+void write_checkpoint_state(const std::string& dir, const TrainState& state,
+                            uint64_t index_checksum);
 
 // Deletes all but the newest `keep` complete checkpoints (keep = 0: keeps all). Each is renamed
 // to step-N.deleting before it is deleted.

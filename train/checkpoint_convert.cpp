@@ -93,17 +93,24 @@ void write_dir_atomically(const std::string& dst, Fn&& fill) {
   }
 }
 
-void copy_tokenizer_files(const fs::path& src, const fs::path& dst) {
+// Returns each copied file's checksum, by name.
+std::map<std::string, uint64_t> copy_tokenizer_files(const fs::path& src, const fs::path& dst) {
+  std::map<std::string, uint64_t> sums;
   for (const char* f : kTokenizerFiles)
-    if (fs::is_regular_file(src / f)) write_text_atomic((dst / f).string(), read_text(src / f));
+    if (fs::is_regular_file(src / f))
+      sums[f] = write_text_atomic((dst / f).string(), read_text(src / f));
+  return sums;
 }
 
 }  // namespace
 
-void export_hugging_face(const std::string& src, const std::string& dst,
-                         const ConvertOptions& opt) {
+std::string export_hugging_face(const std::string& src, const std::string& dst,
+                                const ConvertOptions& opt) {
   LOOM_CHECK(opt.dtype == DType::f32 || opt.dtype == DType::bf16,
              "convert: --dtype must be float32 or bfloat16");
+  // A loom checkpoint's files against their checksums before anything is read (a Hugging Face
+  // source records none).
+  const std::string note = opt.verify ? verify_checkpoint(src) : "";
   const SafetensorsDir reader(src);
   const auto tensors = model_tensors(src, reader);
   nlohmann::ordered_json config =
@@ -160,9 +167,11 @@ void export_hugging_face(const std::string& src, const std::string& dst,
     // config.json last: a directory without it is no model to any reader.
     write_text_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
   });
+  return note;
 }
 
-void import_hugging_face(const std::string& src, const std::string& dst) {
+std::string import_hugging_face(const std::string& src, const std::string& dst, bool verify) {
+  const std::string note = verify ? verify_checkpoint(src) : "";
   const SafetensorsDir reader(src);
   const auto tensors = model_tensors(src, reader);
   const ModelConfig config = ModelConfig::from_file((fs::path(src) / "config.json").string());
@@ -180,17 +189,20 @@ void import_hugging_face(const std::string& src, const std::string& dst) {
       slices[name] = j;
       headers.push_back({name, DType::f32, {s.end}});
     }
-    write_safetensors_streamed((tmp / checkpoint_rank_file(0)).string(), headers,
-                               {{"format", "loom-shard"}, {"step", "0"}, {"slices", slices.dump()}},
-                               [&](size_t i, Tensor& t) {
-                                 reader.read_f32(tensors[i].first, tensors[i].second,
-                                                 t.data<float>());
-                               });
-    write_checkpoint_index(tmp.string(), {0}, 0, false);
-    write_text_atomic((tmp / "config.json").string(), config.to_json() + "\n");
-    copy_tokenizer_files(src, tmp);
-    write_checkpoint_state(tmp.string(), TrainState{});
+    std::map<std::string, uint64_t> sums = copy_tokenizer_files(src, tmp);
+    sums[checkpoint_rank_file(0)] = write_safetensors_streamed(
+        (tmp / checkpoint_rank_file(0)).string(), headers,
+        {{"format", "loom-shard"}, {"step", "0"}, {"slices", slices.dump()}},
+        [&](size_t i, Tensor& t) {
+          reader.read_f32(tensors[i].first, tensors[i].second, t.data<float>());
+        });
+    sums["config.json"] =
+        write_text_atomic((tmp / "config.json").string(), config.to_json() + "\n");
+    // The index after every file it records the checksum of.
+    const uint64_t index = write_checkpoint_index(tmp.string(), {0}, 0, false, sums);
+    write_checkpoint_state(tmp.string(), TrainState{}, index);
   });
+  return note;
 }
 
 }  // namespace loom

@@ -119,6 +119,8 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"checkpoint", "allow_config_change", &c.checkpoint.allow_config_change},
       {"checkpoint", "last_save_in_hf", &c.checkpoint.last_save_in_hf},
       {"checkpoint", "async", &c.checkpoint.async},
+      {"checkpoint", "verify", &c.checkpoint.verify},
+      {"checkpoint", "fallback", &c.checkpoint.fallback},
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
       {"metrics", "overwrite", &c.metrics.overwrite},
@@ -336,6 +338,10 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
         c.checkpoint.interval);
   check(c.checkpoint.keep >= 0, "checkpoint.keep", "a non-negative integer (0 = keep all)",
         c.checkpoint.keep);
+  // A corrupt checkpoint is found by verifying it.
+  check(!c.checkpoint.fallback || c.checkpoint.verify, "checkpoint.fallback",
+        "false when checkpoint.verify = false (a corrupt checkpoint is found by verifying it)",
+        "true");
   check(c.metrics.log_every >= 1, "metrics.log_every", "a positive integer", c.metrics.log_every);
   {
     // A directory, made if missing; an existing file there would fail only at the end of training.

@@ -119,6 +119,12 @@ struct JobConfig {
     // Saves copy the shards to a staging buffer and a background thread writes them; the next
     // save and the end of training wait for it.
     bool async = false;
+    // A resume (and an export, and init_from of a loom checkpoint) checks every file against
+    // the checksums the checkpoint recorded when it was saved; false reads them unchecked.
+    bool verify = true;
+    // A resume whose latest checkpoint is corrupt (verify) skips it, with a note, for the
+    // previous complete one; false stops with an error naming that one.
+    bool fallback = false;
     bool operator==(const Checkpoint&) const = default;
   } checkpoint;
   struct Metrics {

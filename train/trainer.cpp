@@ -263,7 +263,9 @@ struct Trainer::State {
   std::string config_note;           // the keys a resume changed (checkpoint.allow_config_change)
   std::vector<std::string> cleaned;  // what clean_checkpoint_dir did
   CheckpointDirLock dir_lock;        // world rank 0's, on checkpoint.dir, for the whole run
-  std::vector<std::string> claim_notes;  // a stale lock taken over, little free space
+  std::vector<std::string> claim_notes;       // a stale lock taken over, little free space
+  std::vector<std::string> checkpoint_notes;  // a corrupt one skipped, one without checksums
+  std::string verify_stats;  // checkpoint_stats of the resume's verification ("": none)
   double last_loss = 0, last_lr = 0;
   std::string load_stats;       // checkpoint_stats of the resume's load ("" when not resuming)
   size_t peak_before_load = 0;  // the allocator's peak before the load reset it
@@ -480,7 +482,18 @@ void Trainer::State::find_checkpoint() {
   // directory; the others wait for it so they all see the same checkpoints).
   if (writer) cleaned = clean_checkpoint_dir(j.checkpoint.dir);
   if (mesh) any_rank(mesh->world(), false);
-  if (j.checkpoint.resume) resume_dir = latest_checkpoint(j.checkpoint.dir);
+  if (j.checkpoint.resume) {
+    // Verified before anything is built, the ranks sharing the reads and taking one decision.
+    const auto t0 = Clock::now();
+    ResumeChoice c =
+        choose_resume_checkpoint(j.checkpoint.dir, j.checkpoint.verify, j.checkpoint.fallback,
+                                 mesh ? &mesh->world() : nullptr);
+    if (j.checkpoint.verify && !c.dir.empty())
+      verify_stats =
+          checkpoint_stats("verify", mesh ? mesh->world_rank() : 0, seconds_since(t0), 0, 0, 0, 0);
+    resume_dir = c.dir;
+    checkpoint_notes = std::move(c.notes);
+  }
   if (!j.checkpoint.resume && !j.checkpoint.dir.empty()) {
     // A fresh run's saves would replace those checkpoints, or be pruned at once in favour of
     // their higher steps, and a later resume would continue the other run: refused before any
@@ -507,8 +520,16 @@ void Trainer::State::find_checkpoint() {
   }
   // A fresh run would truncate the history another run wrote there (a resume appends to it).
   if (writer && resume_dir.empty()) check_metrics_file_free(j.metrics.jsonl, j.metrics.overwrite);
-  if (resume_dir.empty() && !j.model.init_from.empty())
+  if (resume_dir.empty() && !j.model.init_from.empty()) {
+    // init_from may be a loom checkpoint: verified as a resume's (a Hugging Face one has no
+    // checksums and is left alone).
+    if (j.checkpoint.verify) {
+      const std::string note =
+          verify_checkpoint(j.model.init_from, mesh ? &mesh->world() : nullptr);
+      if (!note.empty()) checkpoint_notes.push_back(note);
+    }
     init = std::make_unique<SafetensorsDir>(j.model.init_from);
+  }
 }
 
 void Trainer::State::build_model() {
@@ -531,9 +552,10 @@ void Trainer::State::load_or_init() {
     const size_t held = alloc.stats().allocated;
     alloc.reset_peak();
     const auto t0 = Clock::now();
+    // Verified already (find_checkpoint), with the reads shared among the ranks.
     const TrainState st =
         load_checkpoint(resume_dir, *par.model, *adamw,
-                        par.pipeline ? par.pipeline->used_units() : std::vector<size_t>{});
+                        par.pipeline ? par.pipeline->used_units() : std::vector<size_t>{}, false);
     load_stats = checkpoint_stats("load", mesh ? mesh->world_rank() : 0, seconds_since(t0), held,
                                   checkpoint_shard_bytes(*par.model, *adamw),
                                   alloc.stats().peak_allocated, 0);
@@ -625,8 +647,10 @@ TrainResult Trainer::run() {
     else if (j.checkpoint.resume)
       log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
     if (!s.config_note.empty()) log.message(s.config_note);
+    for (const std::string& n : s.checkpoint_notes) log.message("  " + n);
     for (const std::string& c : s.cleaned) log.message(str_cat("  checkpoint.dir: ", c));
     for (const std::string& n : s.claim_notes) log.message(n);
+    if (!s.verify_stats.empty()) log.message("  " + s.verify_stats);
     if (!s.load_stats.empty()) log.message("  " + s.load_stats);
   }
   double peak = 0;
@@ -890,7 +914,7 @@ TrainResult Trainer::run() {
       try {
         std::error_code ec;
         fs::remove_all(hf, ec);  // an export of this step by an earlier run of it
-        export_hugging_face(result.last_checkpoint, hf);
+        export_hugging_face(result.last_checkpoint, hf, {.verify = j.checkpoint.verify});
       } catch (const Error& e) {
         error = e.what();
       }

@@ -247,3 +247,32 @@ TEST_F(ConvertCommand, ExportRunsInThePyTorchReference) {
       EXPECT_LE(std::sqrt(num / den), 1e-4) << prm.spec.name;
     }
 }
+
+// A loom checkpoint whose rank file changed after it was saved (one byte of a tensor flipped) is
+// refused, naming the file and both checksums, with nothing written; --no-verify exports it as
+// it is. A Hugging Face source records no checksums and converts as before.
+TEST_F(ConvertCommand, CorruptCheckpointIsRefusedUnlessNoVerify) {
+  write_hf(dir_ / "hf");
+  ASSERT_EQ(convert(p("hf") + " " + p("ck/step-00000000")).rc, 0);
+  const std::string rank0 = p("ck/step-00000000/rank-00000.safetensors");
+  {
+    std::fstream f(rank0, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekg(-4, std::ios::end);
+    const char c = char(f.get());  // flipped: whatever it was, it changes
+    f.seekp(-4, std::ios::end);
+    f.put(char(~c));
+  }
+  Result r = convert(p("ck") + " " + p("out"));
+  EXPECT_NE(r.rc, 0);
+  for (const char* part :
+       {"rank-00000.safetensors", "checksum mismatch", "expected xxh3-64:", "found xxh3-64:"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
+  // Given as the step directory itself: the same.
+  r = convert(p("ck/step-00000000") + " " + p("out"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("checksum mismatch"), std::string::npos) << r.out;
+  r = convert(p("ck") + " " + p("out") + " --no-verify");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(fs::exists(dir_ / "out/model.safetensors"));
+}

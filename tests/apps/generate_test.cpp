@@ -208,3 +208,29 @@ TEST_F(GenerateCommand, Errors) {
                (dir_ / "m" / "tokenizer.json").string() + " --prompt x --max-tokens 3");
   EXPECT_EQ(r.rc, 0) << r.err;
 }
+
+// A loom checkpoint whose files changed after it was saved is refused before any is read (the
+// weights, or the tokenizer it carries), naming the file and both checksums; --no-verify reads it.
+TEST_F(GenerateCommand, CorruptLoomCheckpointIsRefusedUnlessNoVerify) {
+  write_model(dir_ / "m", 4);
+  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "m").string() +
+                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
+  ASSERT_EQ(std::system(convert.c_str()), 0);
+  const fs::path rank0 = dir_ / "ck/step-00000000/rank-00000.safetensors";
+  {
+    std::fstream f(rank0, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekg(-4, std::ios::end);
+    const char c = char(f.get());  // flipped: whatever it was, it changes
+    f.seekp(-4, std::ios::end);
+    f.put(char(~c));
+  }
+  const std::string args =
+      "--checkpoint " + (dir_ / "ck").string() + " --prompt 'the fox' --max-tokens 4 --seed 1";
+  const Result bad = generate(args);
+  EXPECT_NE(bad.rc, 0);
+  for (const std::string& part : {rank0.string(), std::string("checksum mismatch"),
+                                  std::string("expected xxh3-64:"), std::string("found xxh3-64:")})
+    EXPECT_NE(bad.err.find(part), std::string::npos) << part << " in " << bad.err;
+  const Result unchecked = generate(args + " --no-verify");
+  EXPECT_EQ(unchecked.rc, 0) << unchecked.err;
+}

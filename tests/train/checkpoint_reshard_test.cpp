@@ -19,6 +19,7 @@
 
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
+#include "model/checksum.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "tests/test_util.hpp"
@@ -321,6 +322,12 @@ TEST(CheckpointReshard, SavesHoldOnlyTheShardsPlusTheStagingCopy) {
       });
     for (auto& t : threads) t.join();
     for (const std::string& e : errors) ASSERT_EQ(e, "");
+    // Every rank's checksum reached the index (async: through its marker or wait()'s gather).
+    const std::string saved =
+        (root / (async ? "async" : "sync") / checkpoint_name(state().step)).string();
+    const CheckpointCheck check = check_checkpoint(saved);
+    EXPECT_EQ(check.error, "");
+    EXPECT_TRUE(check.checksums);
     int64_t staging = 0;  // f32 weights + 2 moments of every rank's shards
     for (int64_t s : shard_numel) staging += 3 * s * 4;
     const size_t small = 16 << 10;  // seen: 8 KiB (the key and error all-gathers)
@@ -436,5 +443,78 @@ TEST(CheckpointReshard, LoadsHoldOnlyTheShards) {
   for (const std::string& e : errors) ASSERT_EQ(e, "");
   // One row of scratch per rank at most (the widest row here is 48 floats).
   EXPECT_LE(peak_increase, size_t(n) * 4096) << "the model is " << model_bytes << " bytes";
+  fs::remove_all(root);
+}
+
+// Corruption under several ranks: a byte flipped in one rank's file of an FSDP 4 checkpoint is
+// found by the ranks together (each file read by one of them) with the same error on every rank;
+// a resharded load (TP 2 x FSDP 2) names it too; and the ranks' resume choice is the same on
+// every rank: an error, or with fallback the previous checkpoint.
+TEST(CheckpointReshard, CorruptFilesAreCaughtByEveryRankAndLayout) {
+  const fs::path root =
+      fs::temp_directory_path() / ("loom_reshard_corrupt_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  Reference ref;
+  const std::string first = save_checkpoint((root / "ref").string(), ref.model, ref.opt, state());
+  std::string error;
+  const std::string fsdp4 = load_and_save({4, 1, 1}, first, (root / "fsdp4").string(), error);
+  ASSERT_EQ(error, "");
+  ASSERT_EQ(rank_files(fsdp4), 4);
+  // root/ck: step 1 a good copy, step 2 the FSDP 4 checkpoint with rank 2's file changed.
+  const fs::path ck = root / "ck";
+  fs::create_directories(ck);
+  fs::copy(fsdp4, ck / "step-00000001");
+  fs::copy(fsdp4, ck / "step-00000002");
+  const std::string bad = (ck / "step-00000002").string();
+  const std::string bad_file = bad + "/rank-00002.safetensors";
+  {
+    std::fstream f(bad_file, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekg(-4, std::ios::end);
+    const char c = char(f.get());  // flipped: whatever it was, it changes
+    f.seekp(-4, std::ios::end);
+    f.put(char(~c));
+  }
+  for (int n : {1, 3, 4}) {
+    SCOPED_TRACE(str_cat(n, " ranks"));
+    test::ThreadWorld world(n);
+    std::vector<CheckpointCheck> checks(static_cast<size_t>(n));
+    std::vector<std::string> no_fallback(static_cast<size_t>(n));
+    std::vector<ResumeChoice> fallback(static_cast<size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        test::ThreadGroup wg(world, r);
+        checks[size_t(r)] = check_checkpoint(bad, &wg);
+        try {
+          choose_resume_checkpoint(ck.string(), true, false, &wg);
+        } catch (const Error& e) {
+          no_fallback[size_t(r)] = e.what();
+        }
+        fallback[size_t(r)] = choose_resume_checkpoint(ck.string(), true, true, &wg);
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(checks[size_t(r)].error, checks[0].error) << "rank " << r;
+      EXPECT_EQ(no_fallback[size_t(r)], no_fallback[0]) << "rank " << r;
+      EXPECT_EQ(fallback[size_t(r)].dir, (ck / "step-00000001").string()) << "rank " << r;
+      EXPECT_EQ(fallback[size_t(r)].notes, fallback[0].notes) << "rank " << r;
+    }
+    // One finding, once, whichever rank read the file.
+    EXPECT_EQ(checks[0].error.find('\n'), std::string::npos) << checks[0].error;
+    for (const std::string& part : {bad_file, std::string("checksum mismatch"),
+                                    "found " + checksum_text(checksum_file(bad_file))})
+      EXPECT_NE(checks[0].error.find(part), std::string::npos) << part << " in " << checks[0].error;
+    EXPECT_NE(no_fallback[0].find("the previous complete checkpoint is " +
+                                  (ck / "step-00000001").string()),
+              std::string::npos)
+        << no_fallback[0];
+    ASSERT_EQ(fallback[0].notes.size(), 1u);
+    EXPECT_NE(fallback[0].notes[0].find(bad_file), std::string::npos) << fallback[0].notes[0];
+  }
+  // A resharded load of it (each rank verifying alone, as load_checkpoint does by default).
+  error.clear();
+  load_and_save({2, 2, 1}, bad, (root / "resharded").string(), error);
+  EXPECT_NE(error.find(bad_file), std::string::npos) << error;
+  EXPECT_NE(error.find("checksum mismatch"), std::string::npos) << error;
   fs::remove_all(root);
 }

@@ -11,9 +11,11 @@
 #include <functional>
 #include <iterator>
 #include <mutex>
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "core/philox.hpp"
+#include "model/checksum.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
 #include "tests/test_util.hpp"
@@ -107,6 +109,33 @@ void truncate_file(const std::string& path, size_t keep) {
   const auto size = fs::file_size(path);
   ASSERT_GT(size, keep);
   fs::resize_file(path, keep);
+}
+
+// Flips the bits of one byte `from_end` bytes before the end of the file: in a rank file, a byte
+// of the last tensor's data, which the loader reads without complaint.
+void flip_byte(const std::string& path, size_t from_end = 4) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  ASSERT_TRUE(f.good()) << path;
+  f.seekg(0, std::ios::end);
+  const std::streamoff at = f.tellg() - std::streamoff(from_end);
+  char c = 0;
+  f.seekg(at);
+  f.read(&c, 1);
+  c = char(~c);
+  f.seekp(at);
+  f.write(&c, 1);
+  ASSERT_TRUE(f.good()) << path;
+}
+
+// Replaces the first `from` in a text file by `to`.
+void edit_text(const std::string& path, const std::string& from, const std::string& to) {
+  std::ifstream in(path);
+  std::string s((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const size_t at = s.find(from);
+  ASSERT_NE(at, std::string::npos) << from << " in " << path;
+  s.replace(at, from.size(), to);
+  std::ofstream(path, std::ios::trunc) << s;
 }
 
 }  // namespace
@@ -332,7 +361,10 @@ TEST(Checkpoint, CorruptOrTruncatedFilesAreNamed) {
     s.replace(s.find("\"step\": 1"), 9, "\"step\": 7");
     std::ofstream(d + "/state.json") << s;
   }
+  // state.json's own checksum finds the edit first; unverified, the index's step does.
   expect_error([&] { load_checkpoint(d, b.model, b.opt); },
+               {d + "/state.json", "checksum mismatch"});
+  expect_error([&] { load_checkpoint(d, b.model, b.opt, {}, false); },
                {"loom.index.json", "step 1", "step 7"});
 }
 
@@ -422,6 +454,10 @@ TEST(Checkpoint, AsyncSaveIsTheSyncSaveWhileTrainingGoesOn) {
       else
         EXPECT_TRUE(got == ref) << "the async file differs from the synchronous save's";
       Trained back(tiny(), 99);
+      // The checksum hashed while writing, whatever the writer read from, is the file's.
+      const CheckpointCheck check = check_checkpoint(path);
+      EXPECT_EQ(check.error, "");
+      EXPECT_TRUE(check.checksums);
       if (!skip) {
         load_checkpoint(path, back.model, back.opt);
         Trained t2(tiny(), 7);
@@ -442,4 +478,195 @@ TEST(Checkpoint, AsyncSaveCopiesNothingOnceWritten) {
   Trained back(tiny(), 99);
   load_checkpoint(path, back.model, back.opt);
   EXPECT_EQ(state_bits(back), state_bits(t));
+}
+
+// A byte flipped in a rank file's tensor data is caught at load, naming the file and both
+// checksums (before checksums, such a checkpoint loaded silently with the changed weight).
+TEST(Checkpoint, FlippedByteInARankFileIsCaughtAtLoad) {
+  TempDir t;
+  Trained a(tiny(), 1);
+  a.train(1, 1);
+  const std::string d = save_checkpoint(t / "ck", a.model, a.opt, state_at(1));
+  const std::string rank0 = d + "/rank-00000.safetensors";
+  flip_byte(rank0);
+  Trained b(tiny(), 2);
+  expect_error([&] { load_checkpoint(d, b.model, b.opt); },
+               {rank0, "checksum mismatch", "expected xxh3-64:", "found xxh3-64:"});
+}
+
+// Every file of a checkpoint is covered: the rank files, config.json and tokenizer.json by the
+// index, the index by state.json, state.json by itself. Each error names the file, the expected
+// checksum (the recorded one) and the found one. verify = false reads a changed tensor unchecked.
+TEST(Checkpoint, EveryFileIsCoveredAndVerifyFalseSkipsTheCheck) {
+  TempDir t;
+  Trained a(tiny(), 1);
+  a.train(1, 1);
+  std::ofstream(t / "tokenizer.json") << "{\"model\": {\"type\": \"BPE\"}}";
+  const std::string ref =
+      save_checkpoint(t / "ref", a.model, a.opt, state_at(1), t / "tokenizer.json");
+  const CheckpointCheck ok = check_checkpoint(ref);
+  EXPECT_EQ(ok.error, "");
+  EXPECT_TRUE(ok.checksums);
+  EXPECT_EQ(verify_checkpoint(ref), "");
+  // The recorded checksums are those of the files' bytes.
+  nlohmann::json index;
+  std::ifstream(ref + "/loom.index.json") >> index;
+  std::vector<std::string> covered;
+  for (const auto& [file, sum] : index.at("checksums").items()) {
+    covered.push_back(file);
+    EXPECT_EQ(sum.get<std::string>(), checksum_text(checksum_file(ref + "/" + file))) << file;
+  }
+  EXPECT_EQ(covered,
+            (std::vector<std::string>{"config.json", "rank-00000.safetensors", "tokenizer.json"}));
+  nlohmann::json state;
+  std::ifstream(ref + "/state.json") >> state;
+  EXPECT_EQ(state.at("index_checksum"), checksum_text(checksum_file(ref + "/loom.index.json")));
+
+  int n = 0;
+  auto copy = [&] {
+    const std::string d = t / str_cat("c", n++, "/step-00000001");
+    fs::create_directories(fs::path(d).parent_path());
+    fs::copy(ref, d);
+    return d;
+  };
+  // Edits that keep each file well-formed, so that only its checksum can tell.
+  const struct {
+    const char* file;
+    std::function<void(const std::string&)> edit;
+    const char* recorded_in;
+  } cases[] = {
+      {"rank-00000.safetensors", [](const std::string& p) { flip_byte(p); }, "loom.index.json"},
+      {"config.json", [](const std::string& p) { edit_text(p, "1e-05", "2e-05"); },
+       "loom.index.json"},
+      {"tokenizer.json", [](const std::string& p) { edit_text(p, "BPE", "BPF"); },
+       "loom.index.json"},
+      {"loom.index.json", [](const std::string& p) { edit_text(p, "adamw", "adamx"); },
+       "state.json"},
+      {"state.json", [](const std::string& p) { edit_text(p, "\"loss\": 3.", "\"loss\": 4."); },
+       "recorded in it"},
+  };
+  Trained b(tiny(), 2);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.file);
+    const std::string d = copy();
+    const std::string path = d + "/" + c.file;
+    std::string expected;
+    if (std::string(c.recorded_in) == "loom.index.json")
+      expected = index.at("checksums").at(c.file).get<std::string>();
+    else if (std::string(c.recorded_in) == "state.json")
+      expected = state.at("index_checksum").get<std::string>();
+    else
+      expected = state.at("checksum").get<std::string>();
+    c.edit(path);
+    std::vector<std::string> want = {"checkpoint " + d + " is corrupt",
+                                     path,
+                                     "checksum mismatch",
+                                     "expected " + expected,
+                                     c.recorded_in,
+                                     "found xxh3-64:"};
+    if (std::string(c.file) != "state.json")
+      want.push_back("found " + checksum_text(checksum_file(path)));
+    expect_error([&] { load_checkpoint(d, b.model, b.opt); }, want);
+    const CheckpointCheck bad = check_checkpoint(d);
+    EXPECT_NE(bad.error.find(path), std::string::npos) << bad.error;
+    EXPECT_TRUE(bad.checksums);
+  }
+  // Unverified, the flipped tensor byte loads: the weights are the saved ones but that one.
+  const std::string d = copy();
+  flip_byte(d + "/rank-00000.safetensors");
+  load_checkpoint(d, b.model, b.opt, {}, false);
+  const std::vector<uint32_t> want = state_bits(a), got = state_bits(b);
+  ASSERT_EQ(got.size(), want.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+  EXPECT_EQ(differ, 1u);
+  // A missing file the index records: named.
+  const std::string m = copy();
+  fs::remove(m + "/tokenizer.json");
+  expect_error([&] { load_checkpoint(m, b.model, b.opt); }, {m + "/tokenizer.json", "cannot open"});
+}
+
+// A checkpoint saved before checksums (none in state.json or the index) still loads, with a
+// note that it was not verified; one record of the three removed is an error, not an old
+// checkpoint (a flipped byte must not turn verification off).
+TEST(Checkpoint, CheckpointsWithoutChecksumsStillLoad) {
+  TempDir t;
+  Trained a(tiny(), 1);
+  a.train(1, 1);
+  const std::string d = save_checkpoint(t / "ck", a.model, a.opt, state_at(1));
+  auto drop = [](const std::string& path, const std::vector<std::string>& keys) {
+    nlohmann::ordered_json j;
+    std::ifstream(path) >> j;
+    for (const auto& k : keys) j.erase(k);
+    std::ofstream(path, std::ios::trunc) << j.dump(2) << "\n";
+  };
+  const std::string old = t / "old/step-00000001";
+  fs::create_directories(fs::path(old).parent_path());
+  fs::copy(d, old);
+  drop(old + "/state.json", {"checksum", "index_checksum"});
+  drop(old + "/loom.index.json", {"checksums"});
+  const CheckpointCheck c = check_checkpoint(old);
+  EXPECT_EQ(c.error, "");
+  EXPECT_FALSE(c.checksums);
+  const std::string note = verify_checkpoint(old);
+  EXPECT_NE(note.find(old), std::string::npos) << note;
+  EXPECT_NE(note.find("records no checksums"), std::string::npos) << note;
+  const ResumeChoice r = choose_resume_checkpoint(t / "old", true, false);
+  EXPECT_EQ(r.dir, old);
+  ASSERT_EQ(r.notes.size(), 1u);
+  EXPECT_EQ(r.notes[0], note);
+  Trained b(tiny(), 2);
+  load_checkpoint(old, b.model, b.opt);
+  EXPECT_EQ(state_bits(a), state_bits(b));
+
+  const std::string half = t / "half/step-00000001";
+  fs::create_directories(fs::path(half).parent_path());
+  fs::copy(d, half);
+  drop(half + "/state.json", {"checksum"});
+  expect_error([&] { load_checkpoint(half, b.model, b.opt); },
+               {half + "/state.json", "no checksum of its own"});
+}
+
+// A resume's choice: the latest checkpoint, verified. A corrupt one (a checksum mismatch, a
+// missing file, an index that does not parse) is an error naming the previous complete
+// checkpoint, or with fallback skipped with a note naming it and why, down to the first that
+// verifies; an error when none does. verify = false takes the latest unchecked.
+TEST(Checkpoint, ResumeChoiceFallsBackOnlyWhenAsked) {
+  TempDir t;
+  Trained a(tiny(1), 1);
+  for (int64_t s = 1; s <= 4; ++s) {
+    a.train(1, uint64_t(s));
+    save_checkpoint(t / "ck", a.model, a.opt, state_at(s));
+  }
+  const std::string root = t / "ck";
+  auto step = [&](int s) { return root + "/" + checkpoint_name(s); };
+  EXPECT_EQ(choose_resume_checkpoint(root, true, false).dir, step(4));
+  EXPECT_TRUE(choose_resume_checkpoint(root, true, false).notes.empty());
+  flip_byte(step(4) + "/rank-00000.safetensors");
+  fs::remove(step(3) + "/rank-00000.safetensors");
+  edit_text(step(2) + "/loom.index.json", "{", "[");
+
+  expect_error([&] { choose_resume_checkpoint(root, true, false); },
+               {"checkpoint " + step(4) + " is corrupt", step(4) + "/rank-00000.safetensors",
+                "checksum mismatch", "the previous complete checkpoint is " + step(3),
+                "--checkpoint.fallback=true"});
+  const ResumeChoice r = choose_resume_checkpoint(root, true, true);
+  EXPECT_EQ(r.dir, step(1));
+  ASSERT_EQ(r.notes.size(), 3u);
+  const std::pair<int, const char*> why[] = {
+      {4, "checksum mismatch"}, {3, "does not exist"}, {2, "not valid JSON"}};
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NE(r.notes[i].find("skipping checkpoint " + step(why[i].first)), std::string::npos)
+        << r.notes[i];
+    EXPECT_NE(r.notes[i].find(why[i].second), std::string::npos) << r.notes[i];
+  }
+  EXPECT_EQ(choose_resume_checkpoint(root, false, false).dir, step(4));
+  // The first one corrupt too: nothing to resume from.
+  edit_text(step(1) + "/config.json", "\"hidden_size\": 32", "\"hidden_size\": 33");
+  expect_error([&] { choose_resume_checkpoint(root, true, true); },
+               {"every checkpoint in '" + root + "' is corrupt", step(1) + "/config.json",
+                step(4) + "/rank-00000.safetensors"});
+  expect_error([&] { load_checkpoint(step(1), a.model, a.opt); },
+               {step(1) + "/config.json", "no earlier complete checkpoint"});
+  EXPECT_TRUE(choose_resume_checkpoint(t / "absent", true, true).dir.empty());
 }

@@ -468,3 +468,24 @@ TEST(JobConfig, DeviceAutoResolvesAndCudaNeedsAGpu) {
   }
   EXPECT_THROW(parse("[training]\ndevice = \"tpu\"\n"), loom::Error);
 }
+
+// [checkpoint] verify (default true) and fallback (default false): parsed, written by to_toml,
+// and fallback without verify refused (a corrupt checkpoint is found by verifying it).
+TEST(JobConfig, CheckpointVerifyAndFallback) {
+  const JobConfig d = parse("");
+  EXPECT_TRUE(d.checkpoint.verify);
+  EXPECT_FALSE(d.checkpoint.fallback);
+  const JobConfig c = parse("[checkpoint]\nverify = false\n",
+                            {"--checkpoint.verify=true", "--checkpoint.fallback=true"});
+  EXPECT_TRUE(c.checkpoint.verify);
+  EXPECT_TRUE(c.checkpoint.fallback);
+  const std::string text = loom::to_toml(c);
+  EXPECT_NE(text.find("verify = true\nfallback = true\n"), std::string::npos) << text;
+  EXPECT_EQ(parse(text), c);
+  EXPECT_FALSE(parse("", {"--checkpoint.verify=false"}).checkpoint.verify);
+  expect_error(
+      [] {
+        parse("", {"--checkpoint.verify=false", "--checkpoint.fallback=true"});
+      },
+      {"checkpoint.fallback", "checkpoint.verify = false"});
+}

@@ -844,3 +844,58 @@ TEST(Trainer, AsyncSavesWithASlowWriterWriteTheSameCheckpoints) {
       EXPECT_EQ(same, 3);
   }
 }
+
+// A corrupt latest checkpoint (a byte of its rank file flipped): the resume stops with an error
+// naming the file and the previous complete checkpoint, unless checkpoint.fallback = true: then
+// it says so and resumes from the previous one, with the losses of a resume from that one where
+// it is the latest.
+TEST(Trainer, CorruptLatestCheckpointFallsBackOnlyWhenAsked) {
+  Job job;
+  auto cfg = [&](const std::string& dir, int64_t steps, std::vector<std::string> extra) {
+    extra.insert(extra.end(),
+                 {"--lr_scheduler.decay_type=none", "--checkpoint.interval=2",
+                  str_cat("--training.steps=", steps), "--checkpoint.dir=" + job.path(dir)});
+    return job.config(extra);
+  };
+  Trainer(cfg("a", 4, {}), job.options()).run();  // saves steps 2 and 4
+  fs::copy(job.path("a"), job.path("b"), fs::copy_options::recursive);
+  fs::remove_all(job.path("b/step-00000004"));  // b: step 2 is the latest
+  const std::string rank0 = job.path("a/step-00000004/rank-00000.safetensors");
+  {
+    std::fstream f(rank0, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekg(-4, std::ios::end);
+    const char c = char(f.get());  // flipped: whatever it was, it changes
+    f.seekp(-4, std::ios::end);
+    f.put(char(~c));
+  }
+  expect_error([&] { Trainer(cfg("a", 6, {"--checkpoint.resume=true"}), job.options()); },
+               {rank0, "checksum mismatch",
+                "the previous complete checkpoint is " + job.path("a/step-00000002"),
+                "--checkpoint.fallback=true"});
+
+  const std::string log_path = job.path("fallback.log");
+  FILE* log = std::fopen(log_path.c_str(), "w");
+  ASSERT_NE(log, nullptr);
+  TrainerOptions o = job.options();
+  o.out = log;
+  Trainer fa(cfg("a", 6, {"--checkpoint.resume=true", "--checkpoint.fallback=true"}), o);
+  EXPECT_EQ(fa.step(), 2);
+  const TrainResult ra = fa.run();
+  std::fclose(log);
+  const std::string text = read_text(log_path);
+  for (const std::string& part :
+       {"skipping checkpoint " + job.path("a/step-00000004"), rank0, std::string("checksum"),
+        "resumed from " + job.path("a/step-00000002")})
+    EXPECT_NE(text.find(part), std::string::npos) << part << " in\n" << text;
+
+  Trainer fb(cfg("b", 6, {"--checkpoint.resume=true"}), job.options());
+  EXPECT_EQ(fb.step(), 2);
+  const TrainResult rb = fb.run();
+  ASSERT_EQ(ra.steps.size(), 4u);
+  ASSERT_EQ(rb.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(ra.steps[i].step, rb.steps[i].step);
+    EXPECT_EQ(ra.steps[i].loss, rb.steps[i].loss) << "step " << ra.steps[i].step;
+  }
+  EXPECT_EQ(state_bits(fa), state_bits(fb));
+}
