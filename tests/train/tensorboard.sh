@@ -16,7 +16,14 @@ py=/usr/bin/python3
   fail "$py needs python3-protobuf and python3-crc32c (scripts/deps.sh test)"
 command -v protoc >/dev/null || fail "no protoc (protobuf-compiler, scripts/deps.sh build)"
 source "$src/tests/parity/setup.sh"
-parity_setup tensorboard
+work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tensorboard.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+mpi=("$mpiexec" --oversubscribe --allow-run-as-root)
+parity_corpus "$work/corpus.txt"
+# A validation split: the validation loss is one of the figures.
+"$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
+  --val-fraction 0.05 --save-tokenizer "$work/data/tokenizer.json" >/dev/null
 mkdir "$work/pb"
 protoc -I "$src" --python_out="$work/pb" "$src/train/tensorboard_event.proto"
 read_tb() { "$py" "$src/tests/train/tensorboard_read.py" "$work/pb" "$@"; }
