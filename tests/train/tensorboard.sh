@@ -2,9 +2,10 @@
 # [metrics] tensorboard with real runs, each directory read back by an independent decoder
 # (tensorboard_read.py: Python's crc32c and protobuf, not loom's C++) and compared with the same
 # run's metrics.jsonl: one process, and the default under job.dump_dir; a fresh run refused on
-# another run's event files and --metrics.overwrite=true; an unwritable directory refused before
-# step 1; a resume after steps past its checkpoint (and a torn last record), which keeps each step
-# once; two ranks (FSDP, dp_shard=2), where world rank 0 alone writes.
+# another run's event files, and --metrics.overwrite=true; a directory under a regular file and a
+# read-only one refused before step 1; a resume after steps past its checkpoint and a torn last
+# record, which keeps each step once; two ranks (FSDP, dp_shard=2), where world rank 0 alone
+# writes.
 #   tensorboard.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -84,6 +85,20 @@ rc=0
 [ "$rc" != 0 ] || { cat "$work/e.log"; fail "a directory under a regular file was taken"; }
 expect_refused "$work/e.log" "metrics.tensorboard '$work/file/tb' cannot be created: Not a directory"
 echo "refused: $(grep -o "metrics.tensorboard '$work/file/tb'.*" "$work/e.log")"
+mkdir "$work/ro"
+chmod 555 "$work/ro"
+as_user=()
+if [ "$(id -u)" = 0 ]; then
+  # Root writes anywhere: the refusal is proven as an ordinary user (nobody).
+  command -v setpriv >/dev/null || fail "running as root needs setpriv (util-linux) to test a read-only directory"
+  chmod -R a+rX "$work"
+  as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+fi
+rc=0
+HOME=/tmp "${as_user[@]}" "${train[@]}" --metrics.tensorboard="$work/ro" >"$work/f.log" 2>&1 || rc=$?
+[ "$rc" != 0 ] || { cat "$work/f.log"; fail "a read-only directory was taken"; }
+expect_refused "$work/f.log" "metrics.tensorboard '$work/ro' is not writable" "Permission denied"
+echo "refused: $(grep -o "metrics.tensorboard '$work/ro' is not writable[^(]*" "$work/f.log")"
 
 echo "== a resume: the steps after the checkpoint dropped, a new file, each step once"
 ck=(--checkpoint.dir="$work/ck" --checkpoint.interval=3 --metrics.jsonl="$work/r.jsonl"
