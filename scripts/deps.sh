@@ -24,6 +24,9 @@ build_pkgs=(
   "libopenmpi-dev: several processes (mpirun) and their collectives"
   "openmpi-bin: mpirun"
   "bible-kjv: the quick start's corpus (the King James Bible)"
+  "libprotobuf-dev: TensorBoard's event files ([metrics] tensorboard), protobuf's C++ runtime"
+  "protobuf-compiler: protoc, which generates the C++ of train/tensorboard_event.proto"
+  "libisal-dev: ISA-L's CRC-32C, the checksums of TensorBoard's event records"
 )
 test_pkgs=(
   "libgtest-dev: the unit tests (GoogleTest)"
@@ -36,6 +39,8 @@ test_pkgs=(
   "iproute2: the multi-host drill's network namespaces and links (tests/drill/)"
   "nftables: the multi-host drill's cut links"
   "util-linux: unshare and setpriv for the drill and the permission tests"
+  "python3-protobuf: tests/train/tensorboard.sh's independent decoder of the event files"
+  "python3-crc32c: the same decoder's check of the event records' CRC-32C"
 )
 # Node (the tokenizer parity tests against the npm tokenizers) may come from NodeSource with npm
 # bundled; only Debian's is installed when there is none.

@@ -124,6 +124,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"metrics", "jsonl", &c.metrics.jsonl},
       {"metrics", "log_every", &c.metrics.log_every},
       {"metrics", "overwrite", &c.metrics.overwrite},
+      {"metrics", "tensorboard", &c.metrics.tensorboard},
       {"profiling", "trace", &c.profiling.trace},
       {"bench", "warmup_steps", &c.bench.warmup_steps},
       {"bench", "steps", &c.bench.steps},
@@ -351,6 +352,14 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
           "profiling.trace", "a directory (made if missing) for the per-rank trace files",
           str_cat("\"", t, "\" (an existing file)"));
   }
+  {
+    std::error_code ec;
+    const std::string& tb = c.metrics.tensorboard;
+    check(tb.empty() || !std::filesystem::exists(tb, ec) || std::filesystem::is_directory(tb, ec),
+          "metrics.tensorboard",
+          "a directory (made if missing) for TensorBoard's event files, or \"\"",
+          str_cat("\"", tb, "\" (an existing file)"));
+  }
   check(c.bench.warmup_steps >= 0, "bench.warmup_steps", "a non-negative integer",
         c.bench.warmup_steps);
   check(c.bench.steps >= 1, "bench.steps", "a positive integer", c.bench.steps);
@@ -446,6 +455,9 @@ JobConfig parse_job_config(const std::string& toml_text, const std::string& sour
     origin[lhs] = where;
   }
 
+  // Under the run's dump_dir unless given, wherever dump_dir was set.
+  if (!origin.contains("metrics.tensorboard"))
+    c.metrics.tensorboard = (fs::path(c.job.dump_dir) / "tensorboard").string();
   validate(c, keys, origin);
   resolve_auto_device(c);
   resolve_auto_precision(c);

@@ -133,6 +133,10 @@ struct JobConfig {
     // A fresh run (nothing resumed) refuses a non-empty `jsonl` of another run unless this is true;
     // a resumed run appends after its checkpoint's step either way.
     bool overwrite = false;
+    // TensorBoard event files (train/tensorboard_writer.hpp) in this directory; "" = none. Unset:
+    // <job.dump_dir>/tensorboard, resolved when parsed (so --job.dump_dir moves it). A fresh run
+    // refuses another run's event files there unless `overwrite`; a resume appends.
+    std::string tensorboard = "runs/tensorboard";
     bool operator==(const Metrics&) const = default;
   } metrics;
   struct Profiling {

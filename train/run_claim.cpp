@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "core/error.hpp"
+#include "train/tensorboard_writer.hpp"
 
 namespace loom {
 
@@ -170,6 +171,44 @@ void check_metrics_file_free(const std::string& path, bool overwrite) {
        ", which this fresh run would truncate. Resume that run (--checkpoint.resume=true with "
        "its checkpoint.dir) to append to them, move the file away or give this run another "
        "--metrics.jsonl, or set --metrics.overwrite=true to replace it");
+}
+
+void check_tensorboard_dir_writable(const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    fail("metrics.tensorboard '", dir, "' exists and is not a directory (expected a directory ",
+         "for TensorBoard's event files, or \"\" for none)");
+  fs::create_directories(dir, ec);
+  LOOM_CHECK(!ec && fs::is_directory(dir), "metrics.tensorboard '", dir, "' cannot be created",
+             ec ? str_cat(": ", ec.message()) : std::string(),
+             " (expected a directory for TensorBoard's event files, or \"\" for none)");
+  const std::string probe = (fs::path(dir) / str_cat(".loom-probe-", getpid())).string();
+  errno = 0;
+  std::ofstream f(probe, std::ios::binary | std::ios::trunc);
+  f << "probe\n";
+  f.flush();
+  const bool ok = f.good();
+  const int err = errno;
+  f.close();
+  fs::remove(probe, ec);
+  LOOM_CHECK(ok, "metrics.tensorboard '", dir, "' is not writable: a test write of '", probe,
+             "' failed", err ? str_cat(": ", std::strerror(err)) : std::string(),
+             " (expected a writable directory, or \"\" for no TensorBoard files; this is checked ",
+             "before training so that no step goes unrecorded)");
+}
+
+void check_tensorboard_dir_free(const std::string& dir, bool overwrite) {
+  if (dir.empty() || overwrite) return;
+  const std::vector<std::string> files = tensorboard_event_files(dir);
+  const TensorBoardHistory h = tensorboard_history(files);
+  if (h.events == 0) return;
+  fail("metrics.tensorboard '", dir, "' already holds ", h.events, " events of another run in ",
+       files.size(), files.size() == 1 ? " event file" : " event files", " (up to step ",
+       h.last_step, "), which TensorBoard would show mixed with this fresh run's. Resume that run ",
+       "(--checkpoint.resume=true with its checkpoint.dir) to append to them, move them away or ",
+       "give this run another --metrics.tensorboard, or set --metrics.overwrite=true to replace ",
+       "them");
 }
 
 }  // namespace loom

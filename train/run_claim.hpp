@@ -1,7 +1,8 @@
 #pragma once
 // What a training run claims before it trains: its checkpoint directory, locked against a second
 // run and proven writable with room for a checkpoint, and its metrics file, protected from a fresh
-// run that would truncate another run's history. Each refusal comes before any work is done.
+// run that would truncate another run's history, and its TensorBoard directory, proven writable
+// and kept from mixing two runs' events. Each refusal comes before any work is done.
 #include <cstdint>
 #include <string>
 
@@ -42,5 +43,14 @@ void check_checkpoint_dir_writable(const std::string& dir, uint64_t checkpoint_b
 // For a fresh run (nothing resumed): loom::Error when `path` exists with lines in it, naming how
 // many and the last step, unless `overwrite` (then the file is replaced as the run starts).
 void check_metrics_file_free(const std::string& path, bool overwrite);
+
+// [metrics] tensorboard: creates `dir` if needed and writes and deletes a probe file there:
+// loom::Error naming the directory when it cannot be made (a path under a regular file, no
+// permission) or written. A no-op for "" (no TensorBoard files).
+void check_tensorboard_dir_writable(const std::string& dir);
+
+// For a fresh run: loom::Error when `dir` holds event files with another run's events, naming how
+// many and the last step, unless `overwrite` (then the run removes them as it starts).
+void check_tensorboard_dir_free(const std::string& dir, bool overwrite);
 
 }  // namespace loom

@@ -32,6 +32,7 @@
 #include "train/optimizer.hpp"
 #include "train/run_claim.hpp"
 #include "train/step.hpp"
+#include "train/tensorboard_writer.hpp"
 
 namespace loom {
 
@@ -85,20 +86,26 @@ std::string checkpoint_stats(const char* what, int rank, double seconds, size_t 
   return buf;
 }
 
-// The terminal's logger (rank 0; /dev/null elsewhere) and, when asked, this rank's own file, where
-// a lost terminal is noted too.
+// The terminal's logger (rank 0; /dev/null elsewhere), when asked this rank's own file (where a
+// lost terminal is noted too), and the TensorBoard files (world rank 0 alone: the others get no
+// directory).
 class RunLog {
  public:
-  RunLog(const MetricsLogger::Options& term, FILE* rank_log) : term_(noting_in(term, rank_log)) {
+  RunLog(const MetricsLogger::Options& term, FILE* rank_log,
+         const TensorBoardWriter::Options& tensorboard)
+      : term_(noting_in(term, rank_log)) {
     if (rank_log) file_.emplace(MetricsLogger::Options{rank_log, false, term.log_every, "", -1});
+    if (!tensorboard.dir.empty()) tensorboard_.emplace(tensorboard);
   }
   void step(const StepMetrics& m) {
     term_.step(m);
     if (file_) file_->step(m);
+    if (tensorboard_) tensorboard_->step(m);
   }
   void validation(int64_t step, double v) {
     term_.validation(step, v);
     if (file_) file_->validation(step, v);
+    if (tensorboard_) tensorboard_->validation(step, v);
   }
   void message(const std::string& line) {
     term_.message(line);
@@ -116,6 +123,7 @@ class RunLog {
   }
   MetricsLogger term_;
   std::optional<MetricsLogger> file_;
+  std::optional<TensorBoardWriter> tensorboard_;
 };
 
 // True on every rank when `flag` is true on any rank of `group` (an all-reduce sum of 0/1).
@@ -361,6 +369,7 @@ void Trainer::State::read_config() {
 void Trainer::State::claim_outputs() {
   // World rank 0 alone: it writes the directory's shared files and prunes; an error here ends
   // every rank. Before anything reads or cleans the directory, so a second run changes nothing.
+  if (writer) check_tensorboard_dir_writable(job.metrics.tensorboard);
   if (!writer || job.checkpoint.dir.empty()) return;
   std::string note;
   dir_lock = CheckpointDirLock::acquire(job.checkpoint.dir, &note);
@@ -520,6 +529,8 @@ void Trainer::State::find_checkpoint() {
   }
   // A fresh run would truncate the history another run wrote there (a resume appends to it).
   if (writer && resume_dir.empty()) check_metrics_file_free(j.metrics.jsonl, j.metrics.overwrite);
+  if (writer && resume_dir.empty())
+    check_tensorboard_dir_free(j.metrics.tensorboard, j.metrics.overwrite);
   if (resume_dir.empty() && !j.model.init_from.empty()) {
     // init_from may be a loom checkpoint: verified as a resume's (a Hugging Face one has no
     // checksums and is left alone).
@@ -610,9 +621,12 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.final_step = s.step;
 
+  // A run with nothing left to train starts no event file.
   RunLog log({s.opt.out, s.opt.tty, j.metrics.log_every, s.writer ? j.metrics.jsonl : std::string(),
               s.resumed_from.empty() ? -1 : s.step},
-             s.opt.rank_log);
+             s.opt.rank_log,
+             {s.writer && s.step < N ? j.metrics.tensorboard : std::string(),
+              s.resumed_from.empty() ? -1 : s.step, to_toml(j)});
   {
     std::ostringstream os;
     os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters ("

@@ -436,6 +436,27 @@ TEST(JobConfig, ProfilingTraceKey) {
   expect_error([] { parse("[profiling]\ntrace = 3\n"); }, {"profiling.trace", "string"});
 }
 
+// metrics.tensorboard: unset, <job.dump_dir>/tensorboard wherever dump_dir came from (so
+// --print-config and checkpoints show the directory); "" turns it off; an existing file is refused.
+TEST(JobConfig, TensorboardDefaultsUnderDumpDir) {
+  EXPECT_EQ(parse("").metrics.tensorboard, "runs/tensorboard");
+  EXPECT_EQ(parse("[job]\ndump_dir = \"out/a\"\n").metrics.tensorboard, "out/a/tensorboard");
+  EXPECT_EQ(parse("[job]\ndump_dir = \"out/a\"\n", {"--job.dump_dir=/x"}).metrics.tensorboard,
+            "/x/tensorboard");
+  EXPECT_EQ(parse("[metrics]\ntensorboard = \"\"\n", {"--job.dump_dir=/x"}).metrics.tensorboard,
+            "");
+  EXPECT_EQ(parse("", {"--metrics.tensorboard=tb"}).metrics.tensorboard, "tb");
+  const JobConfig c = parse("[job]\ndump_dir = \"out/a\"\n");
+  EXPECT_NE(loom::to_toml(c).find("tensorboard = \"out/a/tensorboard\""), std::string::npos);
+  EXPECT_EQ(parse(loom::to_toml(c)), c);
+  const std::string file = ::testing::TempDir() + "/loom_tensorboard_is_a_file";
+  { std::ofstream(file) << "x"; }
+  expect_error([&] { parse("", {"--metrics.tensorboard=" + file}); },
+               {"metrics.tensorboard", "a directory", "an existing file"});
+  expect_error([] { parse("[metrics]\ntensorboard = false\n"); },
+               {"metrics.tensorboard", "string"});
+}
+
 // training.device: "auto" is resolved when parsed (with its reason in the TOML), "cuda" parses
 // anywhere (a plan can be made for a GPU job) and fails at the start of a run where no GPU is
 // usable, naming the key and what was found.

@@ -8,9 +8,11 @@ loom=$1 mpiexec=$2 src=$3 np=$4
 shift 4
 source "$src/tests/parity/setup.sh"
 parity_setup preflight
+# No TensorBoard files: the preflight tests run side by side in one directory, where the default
+# <job.dump_dir>/tensorboard of one would hold another's events.
 "${mpi[@]}" -np "$np" "$loom" train \
   --config "$src/configs/bench-tiny.toml" --data.path="$work/data" --training.steps=3 \
-  --validation.interval=0 --metrics.log_every=1 --metrics.jsonl="$work/m.jsonl" "$@" \
+  --validation.interval=0 --metrics.log_every=1 --metrics.jsonl="$work/m.jsonl" --metrics.tensorboard= "$@" \
   >"$work/log.txt" 2>&1 || { cat "$work/log.txt"; exit 1; }
 line=$(grep "memory estimate" "$work/log.txt")
 echo "$line"

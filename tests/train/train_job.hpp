@@ -94,6 +94,7 @@ decay_type = ")",
                                      decay_type_, R"("
 [metrics]
 log_every = 1
+tensorboard = ""
 )");
     return parse_job_config(toml, path("job.toml"), overrides);
   }
