@@ -5,7 +5,7 @@
 # which pulls the libraries it links (found by dpkg-shlibdeps) and Open MPI's mpirun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh build
+scripts/deps.sh deb
 cmake -S . -B build-deb -DCMAKE_BUILD_TYPE=Release -DLOOM_TESTS=OFF -DLOOM_CUDA=OFF > /dev/null
 cmake --build build-deb -j "$(nproc)" --target loom
 (cd build-deb && cpack -G DEB > cpack.log 2>&1) || { cat build-deb/cpack.log; exit 1; }

@@ -2,12 +2,13 @@
 # Installs the Debian packages loom needs (idempotent, non-interactive), printing what is missing
 # and why:
 #   scripts/deps.sh build   what building the loom binary and training need (the quick start)
+#   scripts/deps.sh deb     that and what cpack needs to make the Debian package (scripts/deb.sh)
 #   scripts/deps.sh [test]  that and what the test suite needs (scripts/test.sh, CI)
 set -euo pipefail
 set_name=${1:-test}
 case "$set_name" in
-  build | test) ;;
-  *) echo "usage: scripts/deps.sh [build|test]" >&2; exit 2 ;;
+  build | deb | test) ;;
+  *) echo "usage: scripts/deps.sh [build|deb|test]" >&2; exit 2 ;;
 esac
 # "package: why", one per line.
 build_pkgs=(
@@ -47,6 +48,7 @@ test_pkgs=(
 command -v node > /dev/null ||
   test_pkgs+=("nodejs: the tokenizer parity tests (npm's reference tokenizers)" "npm: the same")
 wanted=("${build_pkgs[@]}")
+[ "$set_name" = deb ] && wanted+=("file: cpack's dependency step (dpkg-shlibdeps) inspects the binary with it")
 [ "$set_name" = test ] && wanted+=("${test_pkgs[@]}")
 missing=()
 for entry in "${wanted[@]}"; do
