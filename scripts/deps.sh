@@ -5,6 +5,8 @@ pkgs=(build-essential cmake libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev l
       libbenchmark-dev libpcre2-dev pkg-config python3-torch python3-numpy bible-kjv
       libopenblas0-pthread ocl-icd-opencl-dev libhwy-dev
       libopenmpi-dev openmpi-bin
+      # loom tokenize's .gz and .zst inputs; zstd (the command) makes the tests' .zst files
+      zlib1g-dev libzstd-dev zstd
       # scripts/fuzz.sh (libFuzzer, ASan, UBSan with clang's OpenMP) and the multi-host drill
       # (tests/drill/: network namespaces, veth, tc, nftables, unshare)
       clang libclang-rt-14-dev libomp-dev iproute2 nftables util-linux)
