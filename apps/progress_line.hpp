@@ -24,6 +24,8 @@ class ProgressLine {
   // Bytes of the total done so far; a smaller value than the last one is ignored, so workers that
   // finish out of order can each report where they are.
   void bytes_done(uint64_t bytes);
+  // Or more bytes done, for workers that each read a part of the total.
+  void add_bytes(uint64_t bytes) { bytes_.fetch_add(bytes, std::memory_order_relaxed); }
   void add(int64_t documents, uint64_t tokens) {
     documents_.fetch_add(documents, std::memory_order_relaxed);
     tokens_.fetch_add(tokens, std::memory_order_relaxed);

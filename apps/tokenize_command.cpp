@@ -207,8 +207,47 @@ LineCount count_lines(CompressedReader& r, const std::function<void()>& on_chunk
   return c;
 }
 
+// Raises the first of errors collected in an OpenMP region (an exception cannot leave one), in
+// input order, so the error does not depend on the number of threads.
+void raise_first(const std::vector<std::string>& errors) {
+  for (const auto& e : errors)
+    if (!e.empty()) throw Error(e);
+}
+
+// Counts the documents of one input, reading it through (which checks compressed data).
+void scan_input(Input& in, ProgressLine& progress) {
+  const bool compressed = compression_of(in.path) != Compression::none;
+  uint64_t reported = 0;  // bytes of this input added to the progress so far
+  if (!in.jsonl && !compressed) {
+    // An empty file would still become a document: a dataset of end-of-text tokens alone.
+    LOOM_CHECK(in.bytes > 0, "input '", in.path, "' is empty: expected text to tokenize");
+    in.documents = 1;
+  } else {
+    CompressedReader r(in.path);
+    const LineCount c = count_lines(r, [&] {
+      progress.add_bytes(r.compressed_offset() - reported);
+      reported = r.compressed_offset();
+    });
+    const char* empty = compressed ? "it is empty after decompression" : "it is empty";
+    if (in.jsonl) {
+      in.documents = c.non_blank;
+      LOOM_CHECK(in.documents > 0, "input '", in.path, "' holds no documents (",
+                 c.bytes == 0 ? empty : "every line is blank",
+                 "): expected one JSON object with a \"text\" field per line");
+    } else {
+      LOOM_CHECK(c.bytes > 0, "input '", in.path, "' is empty",
+                 compressed ? " after decompression" : "", ": expected text to tokenize");
+      in.documents = 1;
+    }
+  }
+  if (in.bytes > reported) progress.add_bytes(in.bytes - reported);
+  progress.add(in.documents, 0);
+}
+
 // A pass over the inputs before any encoding: the doc split must know the number of documents
 // before the first is written, and an empty or corrupt input is refused before hours of work.
+// Inputs are scanned in parallel: decompression is one thread's work per file, and a dataset is
+// often many files.
 std::vector<Input> scan_inputs(const std::vector<std::string>& paths, bool tty) {
   std::vector<Input> inputs;
   uint64_t total = 0;
@@ -225,31 +264,16 @@ std::vector<Input> scan_inputs(const std::vector<std::string>& paths, bool tty) 
     inputs.push_back(in);
   }
   ProgressLine progress("reading the inputs", total, tty);
-  for (auto& in : inputs) {
-    const bool compressed = compression_of(in.path) != Compression::none;
-    if (!in.jsonl && !compressed) {
-      // An empty file would still become a document: a dataset of end-of-text tokens alone.
-      LOOM_CHECK(in.bytes > 0, "input '", in.path, "' is empty: expected text to tokenize");
-      in.documents = 1;
-    } else {
-      CompressedReader r(in.path);
-      const LineCount c =
-          count_lines(r, [&] { progress.bytes_done(in.offset + r.compressed_offset()); });
-      const char* empty = compressed ? "it is empty after decompression" : "it is empty";
-      if (in.jsonl) {
-        in.documents = c.non_blank;
-        LOOM_CHECK(in.documents > 0, "input '", in.path, "' holds no documents (",
-                   c.bytes == 0 ? empty : "every line is blank",
-                   "): expected one JSON object with a \"text\" field per line");
-      } else {
-        LOOM_CHECK(c.bytes > 0, "input '", in.path, "' is empty",
-                   compressed ? " after decompression" : "", ": expected text to tokenize");
-        in.documents = 1;
-      }
+  std::vector<std::string> errors(inputs.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    try {
+      scan_input(inputs[k], progress);
+    } catch (const std::exception& e) {
+      errors[k] = e.what();
     }
-    progress.bytes_done(in.offset + in.bytes);
-    progress.add(in.documents, 0);
   }
+  raise_first(errors);
   return inputs;
 }
 
@@ -324,12 +348,6 @@ std::string parse_document(Doc& d, const std::vector<Input>& inputs) {
   } catch (const std::exception& e) {
     return where + e.what();
   }
-}
-
-// Raises the first error of a batch, in input order (so whatever the number of threads).
-void raise_first(const std::vector<std::string>& errors) {
-  for (const auto& e : errors)
-    if (!e.empty()) throw Error(e);
 }
 
 // The JSONL lines of a batch parsed in parallel.
