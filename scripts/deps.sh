@@ -28,6 +28,8 @@ build_pkgs=(
   "libprotobuf-dev: TensorBoard's event files ([metrics] tensorboard), protobuf's C++ runtime"
   "protobuf-compiler: protoc, which generates the C++ of train/tensorboard_event.proto"
   "libisal-dev: ISA-L's CRC-32C, the checksums of TensorBoard's event records"
+  "zlib1g-dev: loom tokenize's .gz inputs"
+  "libzstd-dev: loom tokenize's .zst inputs"
 )
 test_pkgs=(
   "libgtest-dev: the unit tests (GoogleTest)"
@@ -42,6 +44,7 @@ test_pkgs=(
   "util-linux: unshare and setpriv for the drill and the permission tests"
   "python3-protobuf: tests/train/tensorboard.sh's independent decoder of the event files"
   "python3-crc32c: the same decoder's check of the event records' CRC-32C"
+  "zstd: the tokenize tests make their .zst inputs with it"
 )
 # Node (the tokenizer parity tests against the npm tokenizers) may come from NodeSource with npm
 # bundled; only Debian's is installed when there is none.

@@ -3,7 +3,7 @@
 # Builds loom with clang, AddressSanitizer + UndefinedBehaviorSanitizer and libFuzzer's coverage in
 # build-fuzz/ (its own build dir; the CPU kernels, which only GCC compiles, come uninstrumented
 # from the GCC build in build/), runs the parser tests there (safetensors, llama_config, config,
-# tokenizer, token_shard, checkpoint), then each harness of tests/fuzz/ for its share of
+# tokenizer, token_shard, compressed_reader, checkpoint), then each harness of tests/fuzz/ for its share of
 # SECONDS_TOTAL, starting from the seed corpus tests/fuzz/corpus/<harness>/ and the inputs of past
 # findings tests/fuzz/regress/<harness>/ (new inputs go to a scratch copy, never into the repo).
 # Any crash, sanitizer report, leak, out-of-memory, slow input (10 s) or non-loom::Error exception
@@ -34,7 +34,7 @@ CCACHE_BASEDIR=$PWD cmake -S . -B "$bdir" -DLOOM_FUZZ=ON -DLOOM_FUZZ_KERNELS_LIB
   { cat "$bdir/configure.log"; exit 1; }
 harnesses=(${FUZZ_ONLY:-fuzz_safetensors fuzz_safetensors_index fuzz_llama_config fuzz_job_config
            fuzz_tokenizer_json fuzz_tiktoken fuzz_gpt2_vocab fuzz_token_shard
-           fuzz_checkpoint_state})
+           fuzz_checkpoint_state fuzz_compressed_reader})
 CCACHE_BASEDIR=$PWD cmake --build "$bdir" -j "$jobs" --target parser_tests_san \
   "${harnesses[@]}" > "$bdir/build.log" 2>&1 || { grep -E -A3 'error|Error' "$bdir/build.log"; exit 1; }
 bin=$bdir/tests/fuzz

@@ -4,9 +4,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -55,8 +57,9 @@ struct TokenizeTest : ::testing::Test {
     f << text;
     return path(name);
   }
-  RunResult tokenize(const std::vector<std::string>& args) const {
-    std::string cmd = loom::str_cat("'", loom_bin(), "' tokenize");
+  // env: assignments put before the command ("OMP_NUM_THREADS=1").
+  RunResult tokenize(const std::vector<std::string>& args, const std::string& env = "") const {
+    std::string cmd = loom::str_cat(env, " '", loom_bin(), "' tokenize");
     for (const auto& a : args) cmd += loom::str_cat(" '", a, "'");
     cmd += loom::str_cat(" > '", path("stdout"), "' 2> '", path("stderr"), "'");
     RunResult r;
@@ -73,6 +76,31 @@ struct TokenizeTest : ::testing::Test {
       EXPECT_NE(r.err.find(p), std::string::npos) << "'" << p << "' not in: " << r.err;
   }
 };
+
+// The shards of an output directory, file name -> bytes.
+std::map<std::string, std::string> shards_of(const std::string& dir) {
+  std::map<std::string, std::string> m;
+  for (const std::string split : {"train", "val"})
+    for (const auto& f : TokenStream::find_files(dir, split))
+      m[fs::path(f).filename().string()] = slurp(f);
+  return m;
+}
+
+// Runs a shell command (compressing a test file with gzip or zstd, as people make them).
+void shell(const std::string& cmd) {
+  ASSERT_EQ(std::system(cmd.c_str()), 0)
+      << cmd << " failed (gzip and zstd come with scripts/deps.sh)";
+}
+
+// What is in an output directory after a failed run: none of train-*.bin, val-*.bin, meta.json
+// or the staging directory may be there.
+std::vector<std::string> leftovers(const std::string& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) found.push_back(e.path().filename());
+  std::sort(found.begin(), found.end());
+  return found;
+}
 
 std::vector<int32_t> read_split(const std::string& dir, const std::string& split) {
   TokenStream s(dir, split);
@@ -277,4 +305,172 @@ TEST_F(TokenizeTest, UnknownRankFileNeedsASplitPattern) {
       tokenize({"--input", good, "--output", out, "--tokenizer", tik, "--split-pattern", "gpt2"});
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_EQ(read_split(out, "train").size(), 11u);  // one token per byte
+}
+
+// Many JSONL documents: enough for several batches of the threads, and for a compressed file of
+// some kilobytes (so a truncation or a flipped byte lands inside the data).
+std::string make_jsonl(int n) {
+  std::string jsonl;
+  int i = 0;
+  for (const auto& d : make_documents(n))
+    jsonl += nlohmann::json{{"id", i++}, {"text", d}}.dump() + "\n";
+  return jsonl;
+}
+
+TEST_F(TokenizeTest, CompressedInputsGiveTheSameShards) {
+  const std::string tok_path = path("tok.json");
+  Tokenizer::train(make_jsonl(50), 300).save(tok_path);
+  const std::string plain = write("x.jsonl", make_jsonl(400));
+  const std::string text = write("y.txt", make_documents(3)[2]);
+  shell(
+      loom::str_cat("gzip -k '", plain, "' '", text, "' && zstd -q -k '", plain, "' '", text, "'"));
+  std::map<std::string, std::string> expected;
+  for (const std::string suffix : {"", ".gz", ".zst"}) {
+    SCOPED_TRACE(suffix);
+    const std::string out = path("out" + suffix);
+    const RunResult r =
+        tokenize({"--input", plain + suffix, text + suffix, "--output", out, "--tokenizer",
+                  tok_path, "--val-fraction", "0.1", "--shard-tokens", "2000"});
+    ASSERT_EQ(r.rc, 0) << r.err;
+    EXPECT_NE(r.out.find("401 documents"), std::string::npos) << r.out;
+    const auto shards = shards_of(out);
+    EXPECT_GT(shards.size(), 2u);
+    if (suffix[0] == '\0')
+      expected = shards;
+    else
+      EXPECT_TRUE(shards == expected) << "the shards of the " << suffix << " inputs differ";
+  }
+  // Empty once decompressed: refused as the plain empty files are.
+  shell(loom::str_cat("printf '' | gzip > '", path("e.jsonl.gz"), "' && printf '' | zstd -q > '",
+                      path("e.txt.zst"), "'"));
+  expect_failure({"--input", path("e.jsonl.gz"), "--output", path("o"), "--tokenizer", tok_path},
+                 {"e.jsonl.gz' holds no documents", "empty after decompression"});
+  expect_failure({"--input", path("e.txt.zst"), "--output", path("o"), "--tokenizer", tok_path},
+                 {"e.txt.zst' is empty after decompression"});
+}
+
+TEST_F(TokenizeTest, DirectoriesAndGlobsGiveTheSameShardsAsTheFiles) {
+  const std::string tok_path = path("tok.json");
+  Tokenizer::train(make_jsonl(50), 300).save(tok_path);
+  fs::create_directories(dir / "d/b/c");
+  fs::create_directories(dir / "d/a");
+  fs::create_directories(dir / "d/.git");
+  write("d/b/2.jsonl", make_jsonl(30));
+  write("d/b/c/3.txt", make_documents(7)[6]);
+  write("d/a/1.jsonl", make_jsonl(20));
+  write("d/a/4.jsonl", make_jsonl(10));
+  shell(loom::str_cat("gzip '", path("d/a/4.jsonl"), "' && zstd -q --rm '", path("d/b/2.jsonl"),
+                      "'"));
+  write("d/README.md", "not a document");       // no known suffix: skipped, with a note
+  write("d/.hidden.jsonl", "{\"text\": 1}\n");  // hidden, as from a shell's *: skipped
+  write("d/.git/x.txt", "skipped");
+  // Sorted by path: d/a/1.jsonl < d/a/4.jsonl.gz < d/b/2.jsonl.zst < d/b/c/3.txt.
+  const std::vector<std::string> files = {path("d/a/1.jsonl"), path("d/a/4.jsonl.gz"),
+                                          path("d/b/2.jsonl.zst"), path("d/b/c/3.txt")};
+  std::vector<std::string> args = {"--output",       path("files"),    "--tokenizer",
+                                   tok_path,         "--val-fraction", "0.2",
+                                   "--shard-tokens", "1500",           "--input"};
+  args.insert(args.end(), files.begin(), files.end());
+  RunResult r = tokenize(args);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto expected = shards_of(path("files"));
+  ASSERT_GT(expected.size(), 2u);
+
+  r = tokenize({"--input", path("d"), "--output", path("dir"), "--tokenizer", tok_path,
+                "--val-fraction", "0.2", "--shard-tokens", "1500"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_TRUE(shards_of(path("dir")) == expected) << "a directory input gives other shards";
+  EXPECT_NE(r.out.find("1 file(s) not ending in .txt or .jsonl"), std::string::npos) << r.out;
+  const auto meta = nlohmann::json::parse(slurp(path("dir/meta.json")));
+  EXPECT_EQ(meta["input_files"], nlohmann::json(files));
+  EXPECT_EQ(meta["inputs"], nlohmann::json({path("d")}));
+
+  // A pattern the shell did not expand (quoted); a matching directory is walked too.
+  r = tokenize({"--input", path("d/a/*"), path("d/[b]"), "--output", path("glob"), "--tokenizer",
+                tok_path, "--val-fraction", "0.2", "--shard-tokens", "1500"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_TRUE(shards_of(path("glob")) == expected) << "a glob input gives other shards";
+
+  expect_failure({"--input", path("d/*.parquet"), "--output", path("o"), "--tokenizer", tok_path},
+                 {"d/*.parquet' matches no file"});
+  fs::create_directories(dir / "empty/sub");
+  write("empty/notes.md", "x");
+  expect_failure(
+      {"--input", path("empty"), "--output", path("o"), "--tokenizer", tok_path},
+      {"input directory '" + path("empty") + "' holds no file ending in .txt or .jsonl"});
+}
+
+// A corrupt compressed input is refused naming the file and the compressed byte offset, and a run
+// that fails half-way leaves no shard, meta.json or staging directory of its own, and an earlier
+// run's dataset as it was.
+TEST_F(TokenizeTest, CorruptInputsLeaveNoShards) {
+  const std::string tok_path = path("tok.json");
+  Tokenizer::train(make_jsonl(50), 300).save(tok_path);
+  const std::string good = write("good.jsonl", make_jsonl(2000));
+  shell(loom::str_cat("gzip -k '", good, "' && zstd -q -k '", good, "'"));
+  const std::string gz = slurp(good + ".gz"), zst = slurp(good + ".zst");
+  ASSERT_GT(zst.size(), 1000u);
+  write("truncated.jsonl.gz", gz.substr(0, gz.size() / 2));
+  std::string flipped = zst;
+  flipped[flipped.size() / 2] ^= 0x40;
+  write("flipped.jsonl.zst", flipped);
+
+  // An earlier run's dataset in the output directory.
+  const std::string out = path("out");
+  RunResult r = tokenize({"--input", good, "--output", out, "--tokenizer", tok_path,
+                          "--val-fraction", "0.1", "--shard-tokens", "3000"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto before = leftovers(out);
+  const auto shards_before = shards_of(out);
+  const std::string meta_before = slurp(out + "/meta.json");
+
+  const std::string fresh = path("fresh");
+  for (const std::string& o : {fresh, out}) {
+    expect_failure({"--input", good, path("truncated.jsonl.gz"), "--output", o, "--tokenizer",
+                    tok_path, "--shard-tokens", "3000"},
+                   {"truncated.jsonl.gz' is not valid gzip data", "ends inside a gzip member",
+                    loom::str_cat("compressed byte ", gz.size() / 2)});
+    expect_failure({"--input", good, path("flipped.jsonl.zst"), "--output", o, "--tokenizer",
+                    tok_path, "--shard-tokens", "3000"},
+                   {"flipped.jsonl.zst' is not valid zstd data", "compressed byte"});
+  }
+  // Those were found before any encoding. A bad JSON line after the first batch of documents
+  // (16384) is found only once that batch is in shards of 3000 tokens: they must not stay.
+  std::string jsonl;
+  for (int i = 0; i < 17000; ++i) jsonl += loom::str_cat("{\"text\": \"doc ", i, "\"}\n");
+  jsonl += "{\"text\": \"the last\"\n";
+  const std::string late = write("late.jsonl", jsonl);
+  for (const std::string& o : {fresh, out})
+    expect_failure(
+        {"--input", late, "--output", o, "--tokenizer", tok_path, "--shard-tokens", "3000"},
+        {"late.jsonl' line 17001", "not valid JSON"});
+  EXPECT_EQ(leftovers(fresh), std::vector<std::string>{}) << "a failed run left files";
+  EXPECT_EQ(leftovers(out), before) << "a failed run changed an earlier run's files";
+  EXPECT_TRUE(shards_of(out) == shards_before) << "a failed run changed an earlier run's shards";
+  EXPECT_EQ(slurp(out + "/meta.json"), meta_before);
+}
+
+// Documents are encoded by every thread, and the output must not depend on how many there are;
+// --train-vocab makes the tokenizer part of what must be the same.
+TEST_F(TokenizeTest, SameOutputWithOneAndTwoThreads) {
+  const std::string in = write("x.jsonl", make_jsonl(3000));
+  std::map<std::string, std::string> first;
+  std::string first_tok;
+  for (const int threads : {1, 2}) {
+    const std::string out = path(loom::str_cat("out", threads));
+    const RunResult r =
+        tokenize({"--input", in, "--output", out, "--train-vocab", "400", "--save-tokenizer",
+                  out + ".tok.json", "--val-fraction", "0.05", "--shard-tokens", "20000"},
+                 loom::str_cat("OMP_NUM_THREADS=", threads));
+    ASSERT_EQ(r.rc, 0) << r.err;
+    const auto shards = shards_of(out);
+    EXPECT_GT(shards.size(), 2u);
+    if (threads == 1) {
+      first = shards;
+      first_tok = slurp(out + "/tokenizer.json");
+    } else {
+      EXPECT_TRUE(shards == first) << "2 threads wrote other shards than 1";
+      EXPECT_EQ(slurp(out + "/tokenizer.json"), first_tok);
+    }
+  }
 }
