@@ -53,3 +53,15 @@ resume_step11() {
   echo "$name -> np $np $*: step 11 loss $got (uninterrupted: $want; $kind difference $diff)"
   awk -v d="$diff" -v t="$tol" 'BEGIN { exit !(d <= t) }'
 }
+
+# as_nobody: sets the array `as_user` to the prefix that runs a command as an ordinary user
+# (nobody) when this script runs as root, who writes anywhere, so that a refusal of a read-only
+# directory can be proven; empty otherwise. Makes $work readable to that user.
+as_nobody() {
+  as_user=()
+  [ "$(id -u)" = 0 ] || return 0
+  command -v setpriv >/dev/null ||
+    { echo "running as root needs setpriv (util-linux) to test a read-only directory" >&2; exit 1; }
+  chmod -R a+rX "$work"
+  as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+}

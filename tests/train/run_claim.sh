@@ -82,13 +82,7 @@ rc=0
 expect_refused "$work/e.log" "checkpoint.dir '$work/file' exists and is not a directory"
 mkdir "$work/ro"
 chmod 555 "$work/ro"
-as_user=()
-if [ "$(id -u)" = 0 ]; then
-  # Root writes anywhere: the refusal is proven as an ordinary user (nobody).
-  command -v setpriv >/dev/null || fail "running as root needs setpriv (util-linux) to test a read-only checkpoint.dir"
-  chmod -R a+rX "$work"
-  as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
-fi
+as_nobody
 rc=0
 HOME=/tmp "${as_user[@]}" "${train[@]}" --checkpoint.dir="$work/ro" >"$work/f.log" 2>&1 || rc=$?
 [ "$rc" != 0 ] || { cat "$work/f.log"; fail "a read-only checkpoint.dir was taken"; }

@@ -87,13 +87,7 @@ expect_refused "$work/e.log" "metrics.tensorboard '$work/file/tb' cannot be crea
 echo "refused: $(grep -o "metrics.tensorboard '$work/file/tb'.*" "$work/e.log")"
 mkdir "$work/ro"
 chmod 555 "$work/ro"
-as_user=()
-if [ "$(id -u)" = 0 ]; then
-  # Root writes anywhere: the refusal is proven as an ordinary user (nobody).
-  command -v setpriv >/dev/null || fail "running as root needs setpriv (util-linux) to test a read-only directory"
-  chmod -R a+rX "$work"
-  as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
-fi
+as_nobody
 rc=0
 HOME=/tmp "${as_user[@]}" "${train[@]}" --metrics.tensorboard="$work/ro" >"$work/f.log" 2>&1 || rc=$?
 [ "$rc" != 0 ] || { cat "$work/f.log"; fail "a read-only directory was taken"; }
