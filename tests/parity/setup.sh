@@ -65,3 +65,12 @@ as_nobody() {
   chmod -R a+rX "$work"
   as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
 }
+
+fail() { echo "FAIL: $*"; exit 1; }
+# expect_refused LOG TEXT...: the run of LOG stopped before step 1, saying each TEXT.
+expect_refused() {  # expect_refused LOG TEXT...: exited non-zero before step 1, saying each TEXT
+  local log=$1
+  shift
+  ! grep -q '^step' "$log" || { cat "$log"; fail "trained before refusing"; }
+  for t in "$@"; do grep -qF -- "$t" "$log" || { cat "$log"; fail "'$t' not in the message"; }; done
+}

@@ -20,13 +20,6 @@ parity_corpus "$work/corpus.txt"
   --save-tokenizer "$work/data/tokenizer.json" >/dev/null
 train=("$loom" train --config "$src/configs/debug.toml" --data.path="$work/data"
   --validation.interval=0 --checkpoint.interval=0)
-fail() { echo "FAIL: $*"; exit 1; }
-expect_refused() {  # expect_refused LOG TEXT...: exited non-zero before step 1, saying each TEXT
-  local log=$1
-  shift
-  ! grep -q '^step' "$log" || { cat "$log"; fail "trained before refusing"; }
-  for t in "$@"; do grep -qF -- "$t" "$log" || { cat "$log"; fail "'$t' not in the message"; }; done
-}
 
 echo "== a second run and a resume on a checkpoint.dir in use"
 "${train[@]}" --training.steps=100000 --checkpoint.dir="$work/ck" \

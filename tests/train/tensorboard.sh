@@ -9,14 +9,13 @@
 #   tensorboard.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
-fail() { echo "FAIL: $*"; exit 1; }
+source "$src/tests/parity/setup.sh"
 # Debian's python3-protobuf and python3-crc32c (scripts/deps.sh test): the pyenv python3 that may
 # come first on PATH lacks Debian's modules.
 py=/usr/bin/python3
 "$py" -c "import google.protobuf, crc32c" ||
   fail "$py needs python3-protobuf and python3-crc32c (scripts/deps.sh test)"
 command -v protoc >/dev/null || fail "no protoc (protobuf-compiler, scripts/deps.sh build)"
-source "$src/tests/parity/setup.sh"
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_tensorboard.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
@@ -40,12 +39,6 @@ config() {  # config FILE ARGS...: the resolved configuration of `loom train ARG
   local out=$1
   shift
   "$loom" train "$@" --print-config >"$out"
-}
-expect_refused() {  # expect_refused LOG TEXT...: exited non-zero before step 1, saying each TEXT
-  local log=$1
-  shift
-  ! grep -q '^step' "$log" || { cat "$log"; fail "trained before refusing"; }
-  for t in "$@"; do grep -qF -- "$t" "$log" || { cat "$log"; fail "'$t' not in the message"; }; done
 }
 
 echo "== one process: each step and validation as in metrics.jsonl, the config as text"
