@@ -74,3 +74,16 @@ expect_refused() {  # expect_refused LOG TEXT...: exited non-zero before step 1,
   ! grep -q '^step' "$log" || { cat "$log"; fail "trained before refusing"; }
   for t in "$@"; do grep -qF -- "$t" "$log" || { cat "$log"; fail "'$t' not in the message"; }; done
 }
+
+# resumed_equals_straight STOPPED RESUMED STRAIGHT (metrics files; needs $step, where STOPPED
+# stopped, and $end): steps 1-$end of STOPPED then RESUMED equal STRAIGHT's, bit for bit (step,
+# loss, lr, gradient norm).
+losses() { cat "$@" | grep -o '"step": [0-9]*, "loss": [^,]*, "lr": [^,]*, "grad_norm": [^,]*'; }
+resumed_equals_straight() {
+  losses "$1" "$2" >"$work/got.txt"
+  losses "$3" >"$work/want.txt"
+  [ "$(wc -l <"$work/want.txt")" = "$end" ] || fail "the straight run logged no $end steps"
+  diff "$work/want.txt" "$work/got.txt" ||
+    fail "stopped at $step and resumed, the losses differ from a straight run (< straight)"
+  echo "resumed from step $step: steps 1-$end identical to the uninterrupted run"
+}

@@ -16,7 +16,6 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data" --lr_schedul
 note='cannot write progress to stdout'
 
 # The step, loss, lr and grad_norm of each line of metrics files.
-losses() { cat "$@" | grep -o '"step": [0-9]*, "loss": [^,]*, "lr": [^,]*, "grad_norm": [^,]*'; }
 
 # The pipeline in a pseudo-terminal of its own, as its foreground process group; after 3 steps
 # the terminal gets a Ctrl-C (the byte, so the line discipline signals the group, as a terminal
@@ -93,12 +92,7 @@ grep -q "resumed from .*(step $step)" "$work/res.log" ||
 "$loom" train "${common[@]}" --training.steps=$end --metrics.jsonl="$work/straight.jsonl" \
   >"$work/straight.log" 2>&1 || { cat "$work/straight.log"; exit 1; }
 head -n "$step" "$work/int.jsonl" >"$work/int_kept.jsonl"
-losses "$work/int_kept.jsonl" "$work/res.jsonl" >"$work/got.txt"
-losses "$work/straight.jsonl" >"$work/want.txt"
-[ "$(wc -l <"$work/want.txt")" = "$end" ] || { echo "FAIL: the straight run logged no $end steps"; exit 1; }
-diff "$work/want.txt" "$work/got.txt" ||
-  { echo "FAIL: stopped at $step and resumed, the losses differ from a straight run (< straight)"; exit 1; }
-echo "resumed from step $step: steps 1-$end identical to the uninterrupted run"
+resumed_equals_straight "$work/int_kept.jsonl" "$work/res.jsonl" "$work/straight.jsonl"
 
 # `| head -3` takes the first lines and goes: the run goes on to its last step and saves it. SIGPIPE
 # at its default, as in a terminal, whatever this script inherited.
