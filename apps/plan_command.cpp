@@ -149,7 +149,7 @@ int plan_command(const Args& args) {
     return plan_calibrate_command(Args(args.begin() + 1, args.end()));
   const char* usage =
       "usage: loom plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] "
-      "[--oversubscribed] [--search] [--completion rule|early|late] [--json] "
+      "[--oversubscribed] [--search] [--json] "
       "[--section.key=value ...]";
   if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
     std::printf("%s\n", usage);
@@ -158,7 +158,6 @@ int plan_command(const Args& args) {
   std::string config_path, ranks_arg, hardware = "cpu-local";
   int world = 0;
   bool json = false, oversubscribed = false, search = false;
-  dist::SimCompletion completion = dist::SimCompletion::rule;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -187,15 +186,6 @@ int plan_command(const Args& args) {
         world = 0;
       }
       LOOM_CHECK(world >= 1, "plan --world: '", v, "' is not a positive number of ranks");
-    } else if (a == "--completion" || a.rfind("--completion=", 0) == 0) {
-      // When non-blocking transfers free their buffers: the planner's rule, or the two bounds a
-      // real run's peak lies between (at the first test; only when waited on).
-      const std::string v = value("--completion");
-      LOOM_CHECK(v == "rule" || v == "early" || v == "late", "plan --completion: '", v,
-                 "' is not rule, early or late");
-      completion = v == "early"  ? dist::SimCompletion::early
-                   : v == "late" ? dist::SimCompletion::late
-                                 : dist::SimCompletion::rule;
     } else if (a == "--ranks" || a.rfind("--ranks=", 0) == 0) {
       ranks_arg = value("--ranks");
     } else {
@@ -208,7 +198,6 @@ int plan_command(const Args& args) {
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
   plan::PlanJob j{job, ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir)),
                   world};
-  j.completion = completion;
   const dist::MeshLayout layout = plan::plan_layout(j);
   const std::vector<int> ranks =
       ranks_arg.empty() ? plan::representative_ranks(layout) : parse_ranks(ranks_arg, world);

@@ -8,12 +8,13 @@ namespace loom::dist {
 
 namespace {
 
-// Moves nothing, but completes when a real backend's Work would, and like it holds its tensors
-// until then, so the buffers in flight count in the peak as in the real run. A collective
-// completes at a test once a kernel has run since it was issued (the ranks issue it together;
-// it needs the time of some work, and a test right after the issue finds it still running), or
-// when waited on; a point-to-point transfer on its n-th test (SimLog::send_tests; n = 0: waited
-// on only).
+// Moves nothing. Like a real backend's Work it holds its tensors until it completes; the callers
+// that free buffers while a step runs (FSDP, the pipeline executor) complete their Works at
+// points of the program they choose, waiting there, so no peak depends on this rule. It decides
+// which waits the time model counts as blocking: a collective completes at a test once a kernel
+// has run since it was issued (the ranks issue it together; it needs the time of some work, and
+// a test right after the issue finds it still running), a point-to-point transfer at its first
+// test; a wait() before that is logged as a blocking wait.
 class SimWork final : public Work {
  public:
   // tests < 0: a collective (the kernel rule).
@@ -30,17 +31,8 @@ class SimWork final : public Work {
   }
   bool test() override {
     if (done_) return true;
-    switch (log_.completion) {
-      case SimCompletion::early:
-        complete();
-        break;
-      case SimCompletion::late:
-        break;
-      case SimCompletion::rule:
-        if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
-          complete();
-        break;
-    }
+    if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
+      complete();
     return done_;
   }
 
@@ -116,9 +108,9 @@ std::unique_ptr<Work> SimProcessGroup::do_broadcast(const Tensor& t, int) {
   return done(*log_, {t});
 }
 
-std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int tag) {
-  const auto it = log_->send_tests.find({this, tag});
-  return done(*log_, {t}, it == log_->send_tests.end() ? 1 : it->second);
+std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int) {
+  // The pipeline's executor frees its sends at tests of its own choosing (waiting on them there).
+  return done(*log_, {t}, 1);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_recv(const Tensor& t, int, int) {

@@ -31,19 +31,9 @@ struct SimWait {
   uint64_t kernels = 0;
 };
 
-// When a simulated transfer completes (frees what it holds): `rule` as SimWork describes; the two
-// bounds of a real backend, `early` at its first test, `late` only when waited on. A real rank's
-// peak lies between the peaks of the two bounds (tests/plan/meta_equals_real.sh).
-enum class SimCompletion { rule, early, late };
-
 struct SimLog {
-  SimCompletion completion = SimCompletion::rule;
   std::vector<SimCall> calls;
   std::vector<SimWait> waits;
-  // When a send completes, by group and tag: on its n-th test (n > 0) or only when waited on
-  // (n = 0). A pipeline's sends complete when their receiver has posted the receive, which the
-  // schedule simulator knows (pp::SimResult::send_tests); other sends at their first test.
-  std::map<std::pair<const ProcessGroup*, int>, int> send_tests;
   // The kernels run so far (the planner counts them): a collective needs time, so a test finds it
   // complete only once some kernel ran after it was issued.
   uint64_t kernels = 0;

@@ -10,6 +10,7 @@
 #include "kernels/cpu/attention_block.hpp"  // tiled_entries: the tiles the attention computes
 #include "kernels/cpu/cross_entropy.hpp"    // the loss's chunks, booked on meta
 #include "ops/backend.hpp"
+#include "ops/op_count.hpp"
 #include "ops/shape.hpp"
 
 namespace loom::ops {
@@ -23,6 +24,7 @@ thread_local std::function<void(const KernelWork&)> g_sink;
 // The sink of the ProfileOps alive on this thread, and whether an op is being timed.
 thread_local ProfileOps::Sink g_profile;
 thread_local bool g_timing = false;
+thread_local uint64_t g_ops_run = 0;
 
 void report(const char* op, KernelWork w) {
   if (!*w.op) w.op = op;
@@ -45,6 +47,7 @@ Works as_works(Works w) {
 // one is alive.
 template <class Work, class Call>
 void on(const char* op, Device device, Work&& work, Call&& call) {
+  ++g_ops_run;
   if (device == Device::meta) {
     if (g_sink) report(op, work());
     return;
@@ -89,6 +92,10 @@ KernelWork gemm(const char* op, DType dt, int64_t M, int64_t N, int64_t K, bool 
 }
 
 }  // namespace
+
+uint64_t ops_run() {
+  return g_ops_run;
+}
 
 bool computes(Device device) {
   return holds_data(device);

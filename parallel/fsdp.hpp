@@ -14,7 +14,9 @@
 //                       reduce-scatter completes its result is added to the gradient shard (so
 //                       micro-batches accumulate)
 // Pending collectives are driven with Work::test() in every hook (Open MPI progresses
-// nonblocking collectives only inside MPI calls). Gradients are summed, not averaged: the trainer
+// nonblocking collectives only inside MPI calls) and completed at the first hook after an op has
+// run since their issue, waiting there if need be, never earlier: when buffers are freed, and so
+// the peak, is a function of the layout, not of MPI's timing. Gradients are summed, not averaged: the trainer
 // scales each micro-batch's loss by 1 / (global samples x seq_len), so the sum over ranks is the
 // gradient of the step's mean loss, as in one process (DESIGN.md 11).
 //

@@ -23,6 +23,7 @@ struct Posted {
   std::unique_ptr<dist::Work> work;
   pp::Message msg;  // sends: what and to whom, for the trace
   int peer = -1;
+  int tests_left = 0;  // sends: the tests until it is freed (0: at the step's end)
 };
 
 }  // namespace
@@ -52,6 +53,14 @@ PipelineExecutor::PipelineExecutor(Model& model, pp::Schedule schedule,
     LOOM_CHECK(all[u]->device() == model_.device(), "pipeline: pp rank ", rank_, " uses unit ",
                all[u]->name(), " but the model holds it on the ", device_name(all[u]->device()),
                " device, not the model's ", device_name(model_.device()));
+  // When a send's buffer is freed is the schedule's choice, not MPI's: at the test after the
+  // action where the schedule, simulated with unit costs, has its receiver posted the receive
+  // (waiting there if the real receiver is later). Freeing at the first test that found it done
+  // made a rank's peak move by a message from run to run; now it is a function of the schedule,
+  // and the planner's meta run of this executor predicts it exactly.
+  const pp::SimResult sim = pp::simulate(schedule_, pp::unit_costs(1, 2, 1, 1));
+  LOOM_CHECK(!sim.deadlock, "pipeline schedule ", schedule_.name, " deadlocks: ", sim.blocked);
+  for (const auto& [msg, tests] : sim.send_tests[size_t(rank_)]) send_tests_[key(msg)] = tests;
 }
 
 std::vector<size_t> pp_used_units(const pp::Schedule& schedule,
@@ -205,6 +214,8 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     p.buf = std::move(t);
     p.msg = m;
     p.peer = to_rank;
+    const auto tests = send_tests_.find(key(m));
+    p.tests_left = tests == send_tests_.end() ? 0 : tests->second;
     sends.push_back(std::move(p));
     ++sends_posted;
   };
@@ -272,8 +283,14 @@ double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch
     }
     if (after_action_) after_action_(a);
     // Drive the transfers in flight (Open MPI progresses only inside MPI calls) and free the
-    // buffers of those done: kept to the end, a rank held every message it sent in the step.
-    std::erase_if(sends, [](Posted& p) { return p.work->test(); });
+    // buffers whose test this is (send_tests_): kept to the end, a rank would hold every message
+    // it sent in the step.
+    std::erase_if(sends, [](Posted& p) {
+      p.work->test();
+      if (p.tests_left == 0 || --p.tests_left > 0) return false;
+      p.work->wait();
+      return true;
+    });
   }
   {
     trace::Span w("wait", "sends");

@@ -6,12 +6,16 @@
 // message's direction, stage and micro-batch, so messages between the same two ranks cannot be
 // matched to the wrong receive), receives posted one action ahead so that a transfer overlaps the
 // compute before it, between two stages of one rank handed over without a message; a send's
-// buffer is freed once a test after an action finds it complete. Every wait has
+// buffer is freed at a test fixed by the schedule (where its receiver has posted the receive in
+// the schedule simulated with unit costs), so that the peak never depends on MPI's timing. Every
+// wait has
 // the group's deadline, and a timeout names the schedule, action, stage, micro-batch and peer.
 // The loss is computed where the head is; gradients accumulate in the units in micro-batch order
 // per stage, the order of grad_accum_steps, so pp changes no bit of them.
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "distributed/process_group.hpp"
@@ -108,6 +112,9 @@ class PipelineExecutor {
   bool tied_across_ = false;
   bool skip_tied_sum_ = false;
   bool drop_weight_grads_ = false;
+  // Per message this rank sends, (backward, stage, micro-batch): the test after an action that
+  // frees its buffer (pp::SimResult::send_tests; 0: the step's final wait).
+  std::map<std::tuple<bool, int, int>, int> send_tests_;
   std::function<void(const pp::Action&)> after_action_;
   std::function<void(const pp::Action&)> before_action_;
 };

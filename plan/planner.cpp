@@ -112,7 +112,6 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   host.reset_peak();
 
   auto log = std::make_shared<dist::SimLog>();
-  log->completion = j.completion;
   std::vector<int> everyone(static_cast<size_t>(j.world));
   std::iota(everyone.begin(), everyone.end(), 0);
   std::unique_ptr<dist::Mesh> mesh;
@@ -129,17 +128,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
     return parallelize(j.model, compute, parallel_groups(mesh.get()), options);
   }();
   Model& model = *par.model;
-  if (par.pipeline) {
-    // A send completes when its receiver has posted the receive: when that is, in the
-    // executor's tests, comes from the schedule simulated on every rank (the costs of the
-    // memory model's walk, parallel/cost_model.cpp).
-    const pp::Schedule& s = par.pipeline->schedule();
-    out.schedule = s;
-    const pp::SimResult sim = pp::simulate(s, pp::unit_costs(1, 2, 1, 1));
-    LOOM_CHECK(!sim.deadlock, "pipeline schedule ", s.name, " deadlocks: ", sim.blocked);
-    for (const auto& [msg, tests] : sim.send_tests[size_t(par.pipeline->rank())])
-      log->send_tests[{par.groups.pp, pp::message_tag(msg, s.stages, s.microbatches)}] = tests;
-  }
+  if (par.pipeline) out.schedule = par.pipeline->schedule();
   const AdamWConfig oc{float(job.optimizer.lr), float(job.optimizer.beta1),
                        float(job.optimizer.beta2), float(job.optimizer.eps),
                        float(job.optimizer.weight_decay)};

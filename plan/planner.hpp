@@ -95,8 +95,6 @@ struct PlanJob {
   // Build the rank's model and optimizer only, no step: its states (a lower bound of the peak)
   // in a fraction of the time; the search uses it to drop layouts that cannot fit.
   bool states_only = false;
-  // When simulated transfers complete (dist::SimCompletion): the planner's rule, or a bound.
-  dist::SimCompletion completion = dist::SimCompletion::rule;
   // The device pool's limit in bytes (0: none), as memory.limit_gb sets it for a real run: at
   // the limit the caching allocator gives its cache back before it fails, so reserved memory
   // stays within it while the allocated bytes fit.
