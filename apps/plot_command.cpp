@@ -3,6 +3,7 @@
 // peak memory; drawn as PNG, SVG or PDF by apps/plot_render.
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -54,10 +55,12 @@ struct RunMetrics {
   std::vector<plot::Point> val_loss;
 };
 
+// A number, or NaN for null: train/metrics.cpp writes a non-finite value (a diverged loss) as
+// null, and the renderer breaks the line there rather than joining across it.
 bool number_at(const nlohmann::json& j, const char* key, double& out) {
   auto it = j.find(key);
-  if (it == j.end() || !it->is_number()) return false;
-  out = it->get<double>();
+  if (it == j.end() || !(it->is_number() || it->is_null())) return false;
+  out = it->is_null() ? std::nan("") : it->get<double>();
   return true;
 }
 
@@ -76,7 +79,7 @@ RunMetrics read_metrics(const std::string& path) {
     }
     LOOM_CHECK(j.is_object(), path, ":", lineno, ": expected a JSON object, got ", j.type_name());
     double step, v;
-    if (!number_at(j, "step", step)) continue;
+    if (!number_at(j, "step", step) || !std::isfinite(step)) continue;
     for (size_t m = 0; m < kNumMetrics; ++m)
       // train/metrics.cpp writes an MFU of 0 when the GEMM peak was not measured.
       if (number_at(j, kMetrics[m].key, v) && !(m == kMfu && v == 0))
@@ -112,6 +115,11 @@ std::vector<Metric> parse_panels(const std::string& list) {
   return out;
 }
 
+bool has_finite(const std::vector<plot::Point>& pts) {
+  return std::any_of(pts.begin(), pts.end(),
+                     [](const plot::Point& p) { return std::isfinite(p.y); });
+}
+
 // One panel of every run's `metric` (and the loss's validation curves), none if no run has it.
 plot::Panel make_panel(Metric metric, const std::vector<RunMetrics>& runs, bool log_y) {
   const MetricInfo& info = kMetrics[metric];
@@ -126,12 +134,12 @@ plot::Panel make_panel(Metric metric, const std::vector<RunMetrics>& runs, bool 
     p.y_label = gib ? "peak allocated (GiB)" : "peak allocated (MiB)";
   }
   for (size_t i = 0; i < runs.size(); ++i) {
-    if (!runs[i].series[metric].empty()) {
+    if (has_finite(runs[i].series[metric])) {
       plot::Curve c{i, false, runs[i].series[metric]};
       for (auto& pt : c.points) pt.y *= scale;
       p.curves.push_back(std::move(c));
     }
-    if (metric == kLoss && !runs[i].val_loss.empty())
+    if (metric == kLoss && has_finite(runs[i].val_loss))
       p.curves.push_back({i, true, runs[i].val_loss});
   }
   return p;
@@ -202,7 +210,8 @@ int plot_command(const Args& args) {
     if (log_y)
       for (const auto* pts : {&runs.back().series[kLoss], &runs.back().val_loss})
         for (const auto& pt : *pts)
-          LOOM_CHECK(pt.y > 0, p, ": --log-y needs losses > 0, found ", pt.y, " at step ", pt.x);
+          LOOM_CHECK(!(pt.y <= 0), p, ": --log-y needs losses > 0, found ", pt.y, " at step ",
+                     pt.x);
   }
   size_t points = 0;
   for (Metric m : metrics) {
