@@ -281,19 +281,23 @@ YAxis y_axis(cairo_t* cr, const Panel& p, double box_height) {
   return y;
 }
 
-// `tick_room`: the width of the widest y tick label in the panel's column, so that the boxes of
-// the panels above one another line up.
-void draw_panel(cairo_t* cr, const Figure& f, const Panel& p, const Axis& ax, const YAxis& y,
-                const Rect& cell, double tick_room, bool legend) {
+// The left edge of a cell's axes box. `tick_room`: the width of the widest y tick label in the
+// panel's column, so that the boxes of the panels above one another line up.
+double box_left(const Rect& cell, double tick_room) {
+  return cell.x + kCellLeft + tick_room + 6 + kTickLen;
+}
+
+// `xt`: the x ticks of every panel, so the grids of panels side by side match.
+void draw_panel(cairo_t* cr, const Figure& f, const Panel& p, const Axis& ax, const Ticks& xt,
+                const YAxis& y, const Rect& cell, double tick_room, bool legend) {
   const Axis& ay = y.axis;
   const Ticks& yt = y.ticks;
   const double top = cell.y + kCellTop, bottom = cell.y + cell.h - kCellBottom;
-  const double left = cell.x + kCellLeft + tick_room + 6 + kTickLen;
+  const double left = box_left(cell, tick_room);
   const double right = cell.x + cell.w - kCellRight;
   if (right - left < 60 || bottom - top < 60)
     throw std::invalid_argument("plot: the figure is too small for panel '" + p.title + "'");
   const Rect box{left, top, right - left, bottom - top};
-  const Ticks xt = make_ticks(cr, ax, box.w, 100, true);
   auto X = [&](double v) { return box.x + ax.frac(v) * box.w; };
   auto Y = [&](double v) { return box.y + box.h - ay.frac(v) * box.h; };
 
@@ -373,9 +377,14 @@ void draw(cairo_t* cr, const Figure& f, Size size) {
     ys.push_back(y_axis(cr, f.panels[i], ch - kCellTop - kCellBottom));
     tick_room[i % cols] = std::max(tick_room[i % cols], ys.back().ticks.widest);
   }
+  double narrowest = INFINITY;
+  for (size_t c = 0; c < cols; ++c)
+    narrowest = std::min(narrowest, cw * double(c + 1) - kCellRight -
+                                        box_left({cw * double(c), top, cw, ch}, tick_room[c]));
+  const Ticks xt = make_ticks(cr, ax, narrowest, 100, true);
   for (size_t i = 0; i < f.panels.size(); ++i) {
     const Rect cell{cw * double(i % cols), top + ch * double(i / cols), cw, ch};
-    draw_panel(cr, f, f.panels[i], ax, ys[i], cell, tick_room[i % cols], i == 0);
+    draw_panel(cr, f, f.panels[i], ax, xt, ys[i], cell, tick_room[i % cols], i == 0);
   }
 }
 
