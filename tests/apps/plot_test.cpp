@@ -90,6 +90,17 @@ size_t count(const std::string& s, const std::string& what) {
   return n;
 }
 
+// The path data ("M x y L x y ...") of the first line cairo's SVG strokes in `rgb` (as cairo
+// writes colours: "12.156863%,46.666667%,70.588235%"), or "" when there is none.
+constexpr const char* kBlueSvg = "12.156863%,46.666667%,70.588235%";
+constexpr const char* kOrangeSvg = "100%,49.803922%,5.490196%";
+std::string stroke_path(const std::string& svg, const std::string& rgb) {
+  const size_t at = svg.find("stroke:rgb(" + rgb + ")");
+  if (at == std::string::npos) return "";
+  const size_t d = svg.find(" d=\"", at), end = svg.find('"', d + 4);
+  return svg.substr(d + 4, end - d - 4);
+}
+
 // Two runs: run a falls, run b is flat; a validation curve for run a.
 Figure two_runs(size_t panels) {
   Figure f;
@@ -264,10 +275,7 @@ TEST(PlotRender, SvgIsVectorWithTheTextAsGlyphs) {
   EXPECT_GT(count(plain, glyph), 50u);
   EXPECT_EQ(count(titled, glyph), count(plain, glyph) + 13);
   // Each curve is one path: run a's three points are a move and two lines in its colour.
-  const size_t at = plain.find("stroke:rgb(12.156863%,46.666667%,70.588235%)");
-  ASSERT_NE(at, std::string::npos);
-  const size_t d = plain.find(" d=\"", at), end = plain.find('"', d + 4);
-  const std::string path = plain.substr(d + 4, end - d - 4);
+  const std::string path = stroke_path(plain, kBlueSvg);
   EXPECT_EQ(count(path, "M "), 1u) << path;
   EXPECT_EQ(count(path, "L "), 2u) << path;
 }
@@ -310,11 +318,8 @@ TEST_F(PlotCommand, WritesSvgPngAndPdfOfTheLoss) {
   const std::string svg = read_file(dir_ / "loss.svg");
   // The training curves: one path each in its run's colour, through 200 points (fewer segments
   // where cairo merges collinear ones).
-  for (const char* colour : {"12.156863%,46.666667%,70.588235%", "100%,49.803922%,5.490196%"}) {
-    const size_t at = svg.find(std::string("stroke:rgb(") + colour + ")");
-    ASSERT_NE(at, std::string::npos) << colour;
-    const size_t d = svg.find(" d=\"", at), end = svg.find('"', d + 4);
-    const std::string path = svg.substr(d + 4, end - d - 4);
+  for (const char* colour : {kBlueSvg, kOrangeSvg}) {
+    const std::string path = stroke_path(svg, colour);
     EXPECT_EQ(count(path, "M "), 1u) << colour;
     EXPECT_GE(count(path, "L "), 150u) << colour;
     EXPECT_LE(count(path, "L "), 199u) << colour;
@@ -380,10 +385,7 @@ TEST_F(PlotCommand, NullBreaksTheLine) {
       run_loom("plot " + path("null.jsonl") + " --log-y --output " + path("n.svg"), dir_);
   ASSERT_EQ(r.rc, 0) << r.err;
   const std::string svg = read_file(dir_ / "n.svg");
-  const size_t at = svg.find("stroke:rgb(12.156863%,46.666667%,70.588235%)");
-  ASSERT_NE(at, std::string::npos);
-  const size_t d = svg.find(" d=\"", at), end = svg.find('"', d + 4);
-  const std::string path = svg.substr(d + 4, end - d - 4);
+  const std::string path = stroke_path(svg, kBlueSvg);
   EXPECT_EQ(count(path, "M "), 2u) << path;
   EXPECT_EQ(count(path, "L "), 2u) << path;
 }
