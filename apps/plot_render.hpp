@@ -1,9 +1,8 @@
 #pragma once
-// Loss curves drawn without any library: SVG as text, or PNG rasterized here (2-px lines, a 5x7
-// bitmap font, an 8-bit palette) and written with zlib stored blocks. Depends on the standard
-// library only, so the tests compile it directly.
+// `loom plot`'s figures: panels of curves against one shared x axis, one colour per run, drawn
+// with cairo (antialiased lines and text) as PNG, SVG or PDF by the same drawing code. Depends on
+// the standard library and cairo only, so the tests compile it directly.
 #include <cstddef>
-#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -13,36 +12,42 @@ struct Point {
   double x = 0, y = 0;
 };
 
-// One run: the training loss as a line, the validation loss as markers on a dashed line.
-struct Series {
-  std::string name;  // the legend entry
-  std::vector<Point> train, val;
+// One run's curve in a panel: a line, or for validation a dashed line with a marker per point.
+struct Curve {
+  size_t run = 0;  // index into Figure::runs: the curve's colour and legend entry
+  bool validation = false;
+  std::vector<Point> points;  // by x; a non-finite y breaks the line
+};
+
+struct Panel {
+  std::string title;  // above the axes
+  std::string y_label;
+  bool log_y = false;  // every y must then be > 0
+  std::vector<Curve> curves;
 };
 
 struct Figure {
-  std::string title;
-  std::string x_label = "step", y_label = "loss";
-  bool log_y = false;  // every y must then be > 0
-  int width = 1000, height = 640;
-  std::vector<Series> series;  // at least one point in all
+  std::string title;  // above all panels; none when empty
+  std::string x_label = "step";
+  std::vector<std::string> runs;  // legend entries, in colour order
+  std::vector<Panel> panels;      // one to four: alone, side by side, or two by two
 };
 
-std::string render_svg(const Figure& f);
-std::vector<uint8_t> render_png(const Figure& f);
+enum class Format { png, svg, pdf };
+// The format a file name's extension names (.png, .svg or .pdf, in any case); otherwise
+// std::invalid_argument naming the file.
+Format format_of(const std::string& path);
 
-// Tick positions: about `target` round values (1, 2 or 5 times a power of ten apart) in
-// [lo, hi]; for a log axis, powers of ten (with 2 and 5, or 2..9, between them when the range
-// is short).
-std::vector<double> linear_ticks(double lo, double hi, int target);
-std::vector<double> log_ticks(double lo, double hi);
-// A tick label with as many decimals as the spacing of the ticks needs.
-std::string tick_label(double v, double spacing);
+// The figure's size in pixels for `panels` panels (PNG and SVG); a PDF page has the same size at
+// 100 pixels to the inch, as matplotlib's default figures do.
+struct Size {
+  int width = 0, height = 0;
+};
+Size figure_size(size_t panels);
 
-// PNG building blocks (exposed for the tests).
-uint32_t crc32(const uint8_t* data, size_t n);
-uint32_t adler32(const uint8_t* data, size_t n);
-// An 8-bit indexed-colour PNG: `pixels` [height][width] are indices into `palette` (0xRRGGBB).
-std::vector<uint8_t> encode_png(const std::vector<uint8_t>& pixels, int width, int height,
-                                const std::vector<uint32_t>& palette);
+// The file's bytes: std::invalid_argument for a figure that cannot be drawn (no panel, or more
+// than four, a panel without a finite point, a log axis with a y <= 0), std::runtime_error when
+// cairo fails.
+std::string render(const Figure& f, Format format);
 
 }  // namespace loom::plot

@@ -2,7 +2,7 @@
 # hardware files) in P/share/loom/configs, where loom looks for a config given by name beside its
 # own binary (train/config.cpp's find_in_configs), so an installed loom runs from any directory.
 # `cpack` (in build/) makes a Debian package of the same, its dependencies found by dpkg-shlibdeps
-# from the libraries the binary links (oneDNN, Highway, PCRE2, Open MPI, ...) plus mpirun.
+# from the libraries the binary links (oneDNN, Highway, PCRE2, Open MPI, cairo, ...) plus mpirun.
 include(GNUInstallDirs)
 install(TARGETS loom RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY ${CMAKE_SOURCE_DIR}/configs/ DESTINATION ${CMAKE_INSTALL_DATADIR}/loom/configs)

@@ -30,6 +30,7 @@ build_pkgs=(
   "libisal-dev: ISA-L's CRC-32C, the checksums of TensorBoard's event records"
   "zlib1g-dev: loom tokenize's .gz inputs"
   "libzstd-dev: loom tokenize's .zst inputs"
+  "libcairo2-dev: loom plot's figures (antialiased lines and text; PNG, SVG and PDF)"
 )
 test_pkgs=(
   "libgtest-dev: the unit tests (GoogleTest)"
