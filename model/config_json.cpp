@@ -1,20 +1,8 @@
 #include "model/config_json.hpp"
 
-#include <fstream>
-#include <sstream>
-
 #include "core/error.hpp"
 
 namespace loom::config_json {
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open model config '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read model config '", path, "'");
-  return ss.str();
-}
 
 json parse_object(const std::string& text, const std::string& source, const char* what) {
   json j;

@@ -10,8 +10,6 @@ namespace loom::config_json {
 
 using json = nlohmann::json;
 
-// The file's text; `path` names it in the error.
-std::string read_file(const std::string& path);
 // Parses `text` and requires an object; `what` says which kind ("a Hugging Face config.json").
 json parse_object(const std::string& text, const std::string& source, const char* what);
 

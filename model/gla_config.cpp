@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "model/config_json.hpp"
 
 namespace loom {
@@ -88,7 +89,7 @@ GlaConfig GlaConfig::from_json(const std::string& text, const std::string& sourc
 }
 
 GlaConfig GlaConfig::from_file(const std::string& path) {
-  return from_json(read_file(path), path);
+  return from_json(read_file(path, "model config"), path);
 }
 
 void GlaConfig::validate(const std::string& source) const {

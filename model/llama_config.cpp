@@ -1,6 +1,7 @@
 #include "model/llama_config.hpp"
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "model/config_json.hpp"
 
 namespace loom {
@@ -95,7 +96,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
-  return from_json(read_file(path), path);
+  return from_json(read_file(path, "model config"), path);
 }
 
 void LlamaConfig::validate(const std::string& source) const {

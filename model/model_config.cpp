@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "model/config_json.hpp"
 #include "model/gla.hpp"
 #include "model/llama.hpp"
@@ -22,7 +23,7 @@ ModelConfig ModelConfig::from_json(const std::string& text, const std::string& s
 }
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  return from_json(config_json::read_file(path), path);
+  return from_json(read_file(path, "model config"), path);
 }
 
 const LlamaConfig& ModelConfig::llama(const char* what) const {

@@ -17,11 +17,11 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <string_view>
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "distributed/process_group.hpp"
 #include "model/checksum.hpp"
 #include "model/config_json.hpp"
@@ -76,15 +76,6 @@ void write_file(const std::string& path, const std::string& content) {
     p += w;
     n -= size_t(w);
   }
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read '", path, "'");
-  return ss.str();
 }
 
 // "step-<digits>" -> the step; -1 for any other name.

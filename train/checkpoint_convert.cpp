@@ -5,14 +5,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "model/model_config.hpp"
 #include "model/safetensors.hpp"
 #include "model/tensor_slice.hpp"
@@ -28,15 +27,6 @@ namespace fs = std::filesystem;
 constexpr const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json",
                                            "special_tokens_map.json", "tokenizer.model",
                                            "generation_config.json"};
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open '", path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read '", path, "'");
-  return ss.str();
-}
 
 // The tensors of the model `src`'s config.json describes, global names and shapes, in Hugging
 // Face's order (the embedding, the layers by number, the final norm, the head); each checked to
@@ -98,7 +88,7 @@ std::map<std::string, uint64_t> copy_tokenizer_files(const fs::path& src, const 
   std::map<std::string, uint64_t> sums;
   for (const char* f : kTokenizerFiles)
     if (fs::is_regular_file(src / f))
-      sums[f] = write_text_atomic((dst / f).string(), read_text(src / f));
+      sums[f] = write_text_atomic((dst / f).string(), read_file(src / f));
   return sums;
 }
 
@@ -114,7 +104,7 @@ std::string export_hugging_face(const std::string& src, const std::string& dst,
   const SafetensorsDir reader(src);
   const auto tensors = model_tensors(src, reader);
   nlohmann::ordered_json config =
-      nlohmann::ordered_json::parse(read_text((fs::path(src) / "config.json").string()));
+      nlohmann::ordered_json::parse(read_file((fs::path(src) / "config.json").string()));
   config["torch_dtype"] = opt.dtype == DType::f32 ? "float32" : "bfloat16";
 
   // Hugging Face's split: tensors in order, a new file when the next tensor would overflow the

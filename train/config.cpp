@@ -7,12 +7,12 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <variant>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "ops/devices.hpp"
@@ -511,12 +511,7 @@ std::string describe_precision(const JobConfig& c) {
 }
 
 JobConfig load_job_config(const std::string& toml_path, const std::vector<std::string>& overrides) {
-  std::ifstream f(toml_path, std::ios::binary);
-  LOOM_CHECK(f.good(), "cannot open job config '", toml_path, "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  LOOM_CHECK(!f.bad(), "cannot read job config '", toml_path, "'");
-  JobConfig c = parse_job_config(ss.str(), toml_path, overrides);
+  JobConfig c = parse_job_config(read_file(toml_path, "job config"), toml_path, overrides);
   const fs::path dir = fs::path(toml_path).parent_path();
   c.base_dir = dir.empty() ? "." : dir.string();
   return c;

@@ -1,16 +1,14 @@
 #include "train/trainer.hpp"
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
-#include <thread>
 
 #include "core/allocator.hpp"
 #include "core/error.hpp"
@@ -26,6 +24,7 @@
 #include "parallel/cost_model.hpp"
 #include "train/checkpoint.hpp"
 #include "train/checkpoint_convert.hpp"
+#include "train/checkpoint_saver.hpp"
 #include "train/launch.hpp"
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
@@ -54,35 +53,6 @@ std::string gib(size_t bytes) {
     std::snprintf(buf, sizeof buf, "%.2f GiB", g);
   else
     std::snprintf(buf, sizeof buf, "%.1f MiB", g * 1024);
-  return buf;
-}
-
-// The bytes of this rank's shards a checkpoint holds: f32 master weights and both AdamW moments.
-size_t checkpoint_shard_bytes(Model& model, AdamW& optimizer) {
-  size_t n = 0;
-  auto units = model.units();
-  for (size_t i = 0; i < units.size(); ++i)
-    if (model.uses(i))  // a pp rank's units of other stages hold nothing
-      n += units[i]->master_shard().nbytes() + optimizer.exp_avg()[i].nbytes() +
-           optimizer.exp_avg_sq()[i].nbytes();
-  return n;
-}
-
-// A save or a load may allocate, beyond the rank's shards (and, for an async save, its staging
-// copy of them), only the small tensors of its agreements (written keys, error texts): nothing
-// the size of a tensor of the model. bench/ckpt_bench.sh fails a rank that goes over.
-constexpr size_t kCheckpointSlackBytes = size_t(64) << 10;
-
-// One rank's memory and time for a save or a load, as "key=value" fields that
-// bench/ckpt_bench.sh reads from the rank logs ([job] rank_logs).
-std::string checkpoint_stats(const char* what, int rank, double seconds, size_t held, size_t shards,
-                             size_t peak, size_t staging) {
-  char buf[320];
-  std::snprintf(buf, sizeof buf,
-                "checkpoint stats: %s rank=%d seconds=%.3f held_bytes=%zu shard_bytes=%zu "
-                "extra_peak_bytes=%zu bound_extra_bytes=%zu",
-                what, rank, seconds, held, shards, peak > held ? peak - held : 0,
-                staging + kCheckpointSlackBytes);
   return buf;
 }
 
@@ -199,6 +169,76 @@ std::vector<std::string> math_differences(const std::string& dir, const TrainSta
   return out;
 }
 
+// [profiling] trace: this rank's spans (steps, pipeline actions and waits), recorded while it
+// lives (nothing without a directory) and written to DIR/rank-R.json by write().
+class RankTrace {
+ public:
+  RankTrace(const std::string& dir, int rank) {
+    if (dir.empty()) return;
+    path_ = (fs::path(dir) / str_cat("rank-", rank, ".json")).string();
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    LOOM_CHECK(fs::is_directory(dir), "profiling.trace = \"", dir,
+               "\": cannot make the directory (", ec.message(), ")");
+    recorder_ = std::make_unique<trace::Recorder>(rank);
+    trace::set_recorder(recorder_.get());
+  }
+  ~RankTrace() { trace::set_recorder(nullptr); }
+  RankTrace(const RankTrace&) = delete;
+  RankTrace& operator=(const RankTrace&) = delete;
+  // Returns the file written ("" without a trace).
+  std::string write() const {
+    if (recorder_) recorder_->write(path_);
+    return path_;
+  }
+
+ private:
+  std::string path_;
+  std::unique_ptr<trace::Recorder> recorder_;
+};
+
+// A step's metrics: its result, then its time: tokens/s, the MFU against the job's measured GEMM
+// peak (0: not measured) and the ETA.
+class Progress {
+ public:
+  Progress(int64_t first_step, int64_t last_step, int64_t tokens_per_step, double flops_per_token,
+           double job_gemm_peak)
+      : first_step_(first_step),
+        last_step_(last_step),
+        tokens_per_step_(tokens_per_step),
+        flops_per_token_(flops_per_token),
+        job_gemm_peak_(job_gemm_peak) {}
+  // What a step that made no update logs too.
+  StepMetrics result(int64_t step, const StepResult& r, double lr, size_t peak_allocated) const {
+    StepMetrics m;
+    m.step = step;
+    m.total_steps = last_step_;
+    m.loss = r.loss;
+    m.lr = lr;
+    m.grad_norm = r.grad_norm;
+    m.peak_allocated_bytes = peak_allocated;
+    m.tokens_seen = step * tokens_per_step_;
+    return m;
+  }
+  void time(StepMetrics& m, double seconds, size_t peak_allocated) {
+    m.step_seconds = seconds;
+    m.tokens_per_s = double(tokens_per_step_) / m.step_seconds;
+    m.mfu = job_gemm_peak_ > 0 ? flops_per_token_ * m.tokens_per_s / job_gemm_peak_ : 0;
+    m.peak_allocated_bytes = peak_allocated;
+    // The first step pays for allocations: the ETA is a moving average of the later ones.
+    if (m.step <= first_step_ + 1)
+      ema_step_s_ = m.step_seconds;
+    else
+      ema_step_s_ = 0.9 * ema_step_s_ + 0.1 * m.step_seconds;
+    m.eta_seconds = ema_step_s_ * double(last_step_ - m.step);
+  }
+
+ private:
+  int64_t first_step_, last_step_, tokens_per_step_;
+  double flops_per_token_, job_gemm_peak_;
+  double ema_step_s_ = 0;
+};
+
 struct FileCloser {
   void operator()(FILE* f) const {
     if (f) std::fclose(f);
@@ -291,6 +331,22 @@ struct Trainer::State {
   void build_model();      // parallelize(): the model of this rank, with its hooks
   void build_optimizer();
   void load_or_init();
+
+  // The terminal's, the rank log's and the TensorBoard lines and the metrics file of run().
+  RunLog run_log() const;
+  // The GEMM peak for the MFU, measured and logged (0: not measured, on ranks other than 0).
+  double gemm_peak(RunLog& log) const;
+  // The run's first lines: the model, precision, device, data, memory estimate, what the
+  // checkpoint directory held and what the resume loaded.
+  std::vector<std::string> startup_lines() const;
+  // [checkpoint]'s saves of this rank; `log` takes their lines.
+  std::unique_ptr<CheckpointSaver> checkpoint_saver(std::function<void(const std::string&)> log);
+  // A step whose loss or gradient norm is not finite ends the run, naming the last good
+  // checkpoint.
+  [[noreturn]] void fail_not_finite(int64_t at, const StepResult& r) const;
+  // checkpoint.last_save_in_hf: `checkpoint` (of the last step) exported as DIR/hf-step-N, every
+  // rank told whether it worked; returns that directory.
+  std::string export_last_save_in_hf(const std::string& checkpoint);
 };
 
 Trainer::Trainer(const JobConfig& config, const TrainerOptions& options)
@@ -613,6 +669,117 @@ double Trainer::validate() {
   return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.groups.size);
 }
 
+RunLog Trainer::State::run_log() const {
+  const JobConfig& j = job;
+  // A run with nothing left to train starts no event file.
+  return RunLog({opt.out, opt.tty, j.metrics.log_every, writer ? j.metrics.jsonl : std::string(),
+                 resumed_from.empty() ? -1 : step},
+                opt.rank_log,
+                {writer && step < j.training.steps ? j.metrics.tensorboard : std::string(),
+                 resumed_from.empty() ? -1 : step, to_toml(j)});
+}
+
+double Trainer::State::gemm_peak(RunLog& log) const {
+  if (!(opt.gemm_peak_seconds > 0)) return 0;
+  const double peak =
+      ops::measure_gemm_peak(parallelize_options(job).device, compute, opt.gemm_peak_seconds);
+  log.message(str_cat("  GEMM peak ", std::llround(peak / 1e9), " GFLOP/s (", dtype_name(compute),
+                      ", measured for MFU)"));
+  return peak;
+}
+
+std::vector<std::string> Trainer::State::startup_lines() const {
+  const JobConfig& j = job;
+  std::vector<std::string> out;
+  std::ostringstream os;
+  os << "loom train: " << model_config_path << ": " << mem.params << " parameters ("
+     << par.model->describe() << "), " << dtype_name(compute) << " GEMMs";
+  out.push_back(os.str());
+  out.push_back("  precision " + describe_precision(j));
+  if (j.training.device != "cpu" || !j.device_reason.empty())
+    out.push_back(str_cat("  device ", j.training.device,
+                          j.device_reason.empty() ? "" : " (" + j.device_reason + ")"));
+  os.str("");
+  os << "  data " << j.data.path << ": " << train->size() << " train tokens";
+  if (val) os << ", " << val->size() << " val tokens";
+  if (int64_t(train->vocab_size()) < mc().vocab_size())
+    os << " (shard vocab " << train->vocab_size() << " < model vocab " << mc().vocab_size() << ")";
+  os << "; " << j.training.steps << " steps of " << G << " x " << B << " x " << T;
+  if (mesh)
+    os << " x dp " << groups.size << " (" << mesh->layout().describe() << ", " << par.kind() << ")";
+  os << " = " << tokens_per_step() << " tokens";
+  out.push_back(os.str());
+  out.push_back(str_cat("  memory estimate ", gib(mem.total()), " (weights+grads+AdamW ",
+                        gib(mem.weights + mem.grads + mem.optimizer), ", bf16 copy ",
+                        gib(mem.mirror), ", activations ", gib(mem.activations),
+                        ", working buffers ", gib(mem.workspace), ")"));
+  if (mem.host)
+    out.push_back(str_cat("  CPU offload: master weights, gradient shards and AdamW moments in ",
+                          "host memory, ", gib(mem.host),
+                          " (stepped there; the device holds units only while gathered)"));
+  if (!resumed_from.empty())
+    out.push_back(str_cat("  resumed from ", resumed_from, " (step ", step, ")"));
+  else if (j.checkpoint.resume)
+    out.push_back(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
+  if (!config_note.empty()) out.push_back(config_note);
+  for (const std::string& n : checkpoint_notes) out.push_back("  " + n);
+  for (const std::string& c : cleaned) out.push_back(str_cat("  checkpoint.dir: ", c));
+  for (const std::string& n : claim_notes) out.push_back(n);
+  if (!verify_stats.empty()) out.push_back("  " + verify_stats);
+  if (!load_stats.empty()) out.push_back("  " + load_stats);
+  return out;
+}
+
+std::unique_ptr<CheckpointSaver> Trainer::State::checkpoint_saver(
+    std::function<void(const std::string&)> log) {
+  CheckpointSaver::Options o;
+  o.dir = job.checkpoint.dir;
+  o.keep = job.checkpoint.keep;
+  o.async = job.checkpoint.async;
+  o.prunes = writer;
+  o.rank = mesh ? mesh->world_rank() : 0;
+  o.each_size = gib(size_t(mem.params) * 12);  // f32 weights + 2 moments
+  o.tokenizer_json = tokenizer_json;
+  // Under pp each rank writes only its stages' units, the only ones it keeps up to date.
+  o.comm = {groups.shard, mesh ? &mesh->world() : nullptr, groups.tp,
+            par.pipeline ? par.pipeline->owned_units() : std::vector<size_t>{}};
+  o.run_peak = peak_before_load;
+  return std::make_unique<CheckpointSaver>(std::move(o), *par.model, *adamw,
+                                           Allocator::get(parallelize_options(job).device),
+                                           std::move(log));
+}
+
+std::string Trainer::State::export_last_save_in_hf(const std::string& checkpoint) {
+  // World rank 0 alone reads the checkpoint (streaming, one tensor at a time); every rank learns
+  // whether it worked.
+  const std::string hf = (fs::path(job.checkpoint.dir) / ("hf-" + checkpoint_name(step))).string();
+  std::string error;
+  if (writer) {
+    try {
+      std::error_code ec;
+      fs::remove_all(hf, ec);  // an export of this step by an earlier run of it
+      export_hugging_face(checkpoint, hf, {.verify = job.checkpoint.verify});
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (mesh && any_rank(mesh->world(), !error.empty()) && error.empty())
+    fail(
+        "checkpoint.last_save_in_hf: the export on world rank 0 failed (its message names the "
+        "cause)");
+  LOOM_CHECK(error.empty(), "checkpoint.last_save_in_hf: ", error);
+  return hf;
+}
+
+void Trainer::State::fail_not_finite(int64_t at, const StepResult& r) const {
+  const std::string good =
+      job.checkpoint.dir.empty() ? std::string() : latest_checkpoint(job.checkpoint.dir);
+  fail("step ", at, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm,
+       "; stopping without an update and without saving this state",
+       good.empty() ? std::string() : str_cat(" (the last good checkpoint is ", good, ")"),
+       " (a lower optimizer.lr may help)");
+}
+
 TrainResult Trainer::run() {
   State& s = *s_;
   const JobConfig& j = s.job;
@@ -621,231 +788,22 @@ TrainResult Trainer::run() {
   TrainResult result;
   result.final_step = s.step;
 
-  // A run with nothing left to train starts no event file.
-  RunLog log({s.opt.out, s.opt.tty, j.metrics.log_every, s.writer ? j.metrics.jsonl : std::string(),
-              s.resumed_from.empty() ? -1 : s.step},
-             s.opt.rank_log,
-             {s.writer && s.step < N ? j.metrics.tensorboard : std::string(),
-              s.resumed_from.empty() ? -1 : s.step, to_toml(j)});
-  {
-    std::ostringstream os;
-    os << "loom train: " << s.model_config_path << ": " << s.mem.params << " parameters ("
-       << s.par.model->describe() << "), " << dtype_name(s.compute) << " GEMMs";
-    log.message(os.str());
-    log.message("  precision " + describe_precision(j));
-    if (j.training.device != "cpu" || !j.device_reason.empty())
-      log.message(str_cat("  device ", j.training.device,
-                          j.device_reason.empty() ? "" : " (" + j.device_reason + ")"));
-    os.str("");
-    os << "  data " << j.data.path << ": " << s.train->size() << " train tokens";
-    if (s.val) os << ", " << s.val->size() << " val tokens";
-    if (int64_t(s.train->vocab_size()) < s.mc().vocab_size())
-      os << " (shard vocab " << s.train->vocab_size() << " < model vocab " << s.mc().vocab_size()
-         << ")";
-    os << "; " << N << " steps of " << s.G << " x " << s.B << " x " << s.T;
-    if (s.mesh)
-      os << " x dp " << s.groups.size << " (" << s.mesh->layout().describe() << ", " << s.par.kind()
-         << ")";
-    os << " = " << tokens_per_step << " tokens";
-    log.message(os.str());
-    log.message(str_cat("  memory estimate ", gib(s.mem.total()), " (weights+grads+AdamW ",
-                        gib(s.mem.weights + s.mem.grads + s.mem.optimizer), ", bf16 copy ",
-                        gib(s.mem.mirror), ", activations ", gib(s.mem.activations),
-                        ", working buffers ", gib(s.mem.workspace), ")"));
-    if (s.mem.host)
-      log.message(str_cat("  CPU offload: master weights, gradient shards and AdamW moments in ",
-                          "host memory, ", gib(s.mem.host),
-                          " (stepped there; the device holds units only while gathered)"));
-    if (!s.resumed_from.empty())
-      log.message(str_cat("  resumed from ", s.resumed_from, " (step ", s.step, ")"));
-    else if (j.checkpoint.resume)
-      log.message(str_cat("  no checkpoint in '", j.checkpoint.dir, "': starting from step 0"));
-    if (!s.config_note.empty()) log.message(s.config_note);
-    for (const std::string& n : s.checkpoint_notes) log.message("  " + n);
-    for (const std::string& c : s.cleaned) log.message(str_cat("  checkpoint.dir: ", c));
-    for (const std::string& n : s.claim_notes) log.message(n);
-    if (!s.verify_stats.empty()) log.message("  " + s.verify_stats);
-    if (!s.load_stats.empty()) log.message("  " + s.load_stats);
-  }
-  double peak = 0;
-  if (s.opt.gemm_peak_seconds > 0) {
-    peak = ops::measure_gemm_peak(parallelize_options(s.job).device, s.compute,
-                                  s.opt.gemm_peak_seconds);
-    log.message(str_cat("  GEMM peak ", std::llround(peak / 1e9), " GFLOP/s (",
-                        dtype_name(s.compute), ", measured for MFU)"));
-  }
+  RunLog log = s.run_log();
+  for (const std::string& line : s.startup_lines()) log.message(line);
+  const double peak = s.gemm_peak(log);
   if (s.step >= N) {
     log.message(str_cat("already at step ", s.step, " of ", N, ": nothing to train"));
     return result;
   }
 
-  auto& alloc = Allocator::get(parallelize_options(s.job).device);
-  // A save (and the load) resets the allocator's peak to measure itself: the run's peak is kept
-  // here.
-  size_t run_peak = s.peak_before_load;
-  auto peak_allocated = [&] { return std::max(run_peak, alloc.stats().peak_allocated); };
-  const double flops_per_token = s.mc().flops_per_token(s.T);
-  int64_t last_saved = -1;
-  double ema_step_s = 0;
-  const int64_t first_step = s.step + 1;
-
-  // A full disk: say how much room the directory needs, since the oldest checkpoint goes only
-  // after the new one is complete.
-  auto explain_save_error = [&](const Error& e) {
-    const std::string what = e.what();
-    if (what.find(std::strerror(ENOSPC)) == std::string::npos) throw e;
-    const std::string each = gib(size_t(s.mem.params) * 12);  // f32 weights + 2 moments
-    if (j.checkpoint.keep > 0)
-      fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
-           "' must have room for checkpoint.keep + 1 = ", j.checkpoint.keep + 1,
-           " checkpoints of about ", each,
-           " each (a new checkpoint is complete before the oldest is deleted); free space, "
-           "lower checkpoint.keep or use another checkpoint.dir");
-    fail(what, "\ncheckpoint.dir '", j.checkpoint.dir,
-         "' must have room for every checkpoint (checkpoint.keep = 0 keeps all), about ", each,
-         " each; free space, set checkpoint.keep or use another checkpoint.dir");
-  };
-  // checkpoint.async: the staging buffer (the rank's shards: f32 weights + 2 moments), allocated
-  // once, its pages touched by a thread while the first steps run: faulting in 0.9 GB of fresh
-  // pages made the first save's stall 11 s against 0.5 s for the next one (bench/ckpt_bench.sh).
-  // Only before_modify writes into it: it waits for the thread first. Declared before `pending`,
-  // whose thread may read it.
-  Tensor staging;
-  std::jthread prefault;
-  if (j.checkpoint.async && !j.checkpoint.dir.empty()) {
-    staging =
-        Tensor::empty({int64_t(checkpoint_shard_bytes(*s.par.model, *s.adamw) / 4)}, DType::f32);
-    prefault =
-        std::jthread([p = staging.data<float>(), n = staging.numel()] { std::fill_n(p, n, 0.0f); });
-  }
-  // checkpoint.async: the save being written in the background; the next save and the end of
-  // training wait for it.
-  std::unique_ptr<PendingSave> pending;
-  // Its stall is the training thread's time in the save plus in before_modify (the copy of what
-  // was not written yet, before the next optimizer update): its stats line waits for both.
-  std::string stall_stats;  // the save's checkpoint_stats, its seconds to be the stall; "": logged
-  int64_t stall_step = 0;
-  double stall_s = 0;
-  auto log_stall = [&](bool updated, double copy_s, size_t copied) {
-    if (stall_stats.empty()) return;
-    const std::string line = str_cat("step ", stall_step, " | ", stall_stats);
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%.3f", stall_s + copy_s);
-    // checkpoint_stats' fields, the seconds put in.
-    const size_t at = line.find("seconds=") + 8;
-    log.message(line.substr(0, at) + buf + line.substr(line.find(' ', at)));
-    if (updated)
-      std::snprintf(buf, sizeof buf,
-                    "%.2f s stall: %.2f s to start the save, %.2f s to copy %.1f MiB it had not "
-                    "written before the update",
-                    stall_s + copy_s, stall_s, copy_s, double(copied) / double(1 << 20));
-    else
-      std::snprintf(buf, sizeof buf, "%.2f s stall: %.2f s to start the save, no update after it",
-                    stall_s, stall_s);
-    log.message(str_cat("step ", stall_step, " | ", buf));
-    stall_stats.clear();
-  };
-  auto before_update = [&] {
-    if (!pending || stall_stats.empty()) return;
-    const auto t0 = Clock::now();
-    if (prefault.joinable()) prefault.join();
-    const size_t copied = pending->before_modify();
-    log_stall(true, seconds_since(t0), copied);
-  };
-  auto finish_pending = [&] {
-    if (!pending) return;
-    log_stall(false, 0, 0);  // nothing changed the shards: the writer had them to itself
-    const auto t0 = Clock::now();
-    try {
-      result.last_checkpoint = pending->wait();
-    } catch (const Error& e) {
-      pending.reset();
-      explain_save_error(e);
-    }
-    pending.reset();
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f", seconds_since(t0));
-    log.message(str_cat("saved ", result.last_checkpoint, " (waited ", buf, " s for it)"));
-  };
-  auto save = [&](int64_t step) {
-    if (j.checkpoint.dir.empty() || last_saved == step) return;
-    finish_pending();
-    run_peak = peak_allocated();
-    const size_t held = alloc.stats().allocated;
-    alloc.reset_peak();
-    const auto t0 = Clock::now();
-    TrainState st{step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step};
-    // Under pp each rank writes only its stages' units, the only ones it keeps up to date.
-    const CheckpointComm comm{
-        s.groups.shard, s.mesh ? &s.mesh->world() : nullptr, s.groups.tp,
-        s.par.pipeline ? s.par.pipeline->owned_units() : std::vector<size_t>{}};
-    try {
-      if (j.checkpoint.async) {
-        const bool prune = s.writer;
-        pending = save_checkpoint_async(
-            j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json, comm,
-            [&j, prune] {
-              if (prune) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
-            },
-            staging);
-      } else {
-        result.last_checkpoint =
-            save_checkpoint(j.checkpoint.dir, *s.par.model, *s.adamw, st, s.tokenizer_json, comm);
-      }
-    } catch (const Error& e) {
-      explain_save_error(e);
-    }
-    if (!j.checkpoint.async && s.writer) prune_checkpoints(j.checkpoint.dir, j.checkpoint.keep);
-    last_saved = step;
-    const double seconds = seconds_since(t0);
-    const size_t shards = checkpoint_shard_bytes(*s.par.model, *s.adamw);
-    // The async save's staging copy holds at most the rank's shards (one buffer, rounded by
-    // the allocator; held already when it is the trainer's).
-    const std::string stats = checkpoint_stats(
-        pending ? "save_async" : "save", s.mesh ? s.mesh->world_rank() : 0, seconds, held, shards,
-        alloc.stats().peak_allocated, pending ? Allocator::round_size(shards) : 0);
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f", seconds);
-    if (pending) {
-      stall_stats = stats;
-      stall_step = step;
-      stall_s = seconds;
-      log.message(str_cat("step ", step, " | saving ", pending->path(), " in the background (", buf,
-                          " s to start it)"));
-    } else {
-      log.message(str_cat("step ", step, " | ", stats));
-      log.message(str_cat("step ", step, " | saved ", result.last_checkpoint, " (", buf, " s)"));
-    }
-  };
-  auto validation = [&](int64_t step) {
-    const double v = validate();
-    result.val_losses.emplace_back(step, v);
-    log.validation(step, v);
-  };
-
-  // [profiling] trace: this rank's spans (steps, pipeline actions and waits), written at the end.
-  std::unique_ptr<trace::Recorder> tracer;
-  struct Uninstall {
-    ~Uninstall() { trace::set_recorder(nullptr); }
-  } uninstall;
-  const std::string trace_path =
-      j.profiling.trace.empty() ? std::string()
-                                : (fs::path(j.profiling.trace) /
-                                   str_cat("rank-", s.mesh ? s.mesh->world_rank() : 0, ".json"))
-                                      .string();
-  if (!trace_path.empty()) {
-    std::error_code ec;
-    fs::create_directories(j.profiling.trace, ec);
-    LOOM_CHECK(fs::is_directory(j.profiling.trace), "profiling.trace = \"", j.profiling.trace,
-               "\": cannot make the directory (", ec.message(), ")");
-    tracer = std::make_unique<trace::Recorder>(s.mesh ? s.mesh->world_rank() : 0);
-    trace::set_recorder(tracer.get());
-  }
-
+  const auto saver = s.checkpoint_saver([&log](const std::string& line) { log.message(line); });
+  const RankTrace trace(j.profiling.trace, s.mesh ? s.mesh->world_rank() : 0);
+  // The peak is one process's: the job's is world size times that.
+  Progress progress(s.step + 1, N, tokens_per_step, s.mc().flops_per_token(s.T),
+                    peak * double(s.mesh ? s.mesh->world_size() : 1));
   TrainStep train_step(s.par, *s.adamw, j.training.max_norm, tokens_per_step);
-  for (int64_t step = first_step; step <= N; ++step) {
+  for (int64_t step = s.step + 1; step <= N; ++step) {
     const auto t0 = Clock::now();
-    const int64_t data_step = step - 1 + s.data_offset;
     MicroBatch mb;
     const double lr = s.schedule.at(step);
     trace::Span step_span("step", str_cat("step ", step));
@@ -853,59 +811,37 @@ TrainResult Trainer::run() {
     const StepResult r = train_step.run(
         s.G,
         [&](int64_t micro) -> const MicroBatch& {
-          mb = s.loader->get(data_step, micro);
-          return mb;
+          return mb = s.loader->get(step - 1 + s.data_offset, micro);
         },
-        lr, before_update);
+        lr, [&] { saver->before_update(); });
     step_span.end();
-    const double loss = r.loss, norm = r.grad_norm;
 
-    StepMetrics m;
-    m.step = step;
-    m.total_steps = N;
-    m.loss = loss;
-    m.lr = lr;
-    m.grad_norm = norm;
-    m.peak_allocated_bytes = peak_allocated();
-    m.tokens_seen = step * tokens_per_step;
+    StepMetrics m = progress.result(step, r, lr, saver->peak_allocated());
     if (!r.updated) {
       log.step(m);
-      const std::string good =
-          j.checkpoint.dir.empty() ? std::string() : latest_checkpoint(j.checkpoint.dir);
-      fail("step ", step, ": the loss is ", loss, " and the gradient norm ", norm,
-           "; stopping without an update and without saving this state",
-           good.empty() ? std::string() : str_cat(" (the last good checkpoint is ", good, ")"),
-           " (a lower optimizer.lr may help)");
+      s.fail_not_finite(step, r);
     }
     s.step = step;
-    s.last_loss = loss;
+    s.last_loss = r.loss;
     s.last_lr = lr;
-    result.steps.push_back({step, loss, lr, norm});
+    result.steps.push_back({step, r.loss, lr, r.grad_norm});
     result.final_step = step;
 
-    m.step_seconds = seconds_since(t0);
-    m.tokens_per_s = double(tokens_per_step) / m.step_seconds;
-    // The peak is one process's: the job's is world size times that.
-    m.mfu = peak > 0 ? flops_per_token * m.tokens_per_s /
-                           (peak * double(s.mesh ? s.mesh->world_size() : 1))
-                     : 0;
-    m.peak_allocated_bytes = peak_allocated();
-    // The first step pays for allocations: the ETA is a moving average of the later ones.
-    if (step <= first_step + 1)
-      ema_step_s = m.step_seconds;
-    else
-      ema_step_s = 0.9 * ema_step_s + 0.1 * m.step_seconds;
-    m.eta_seconds = ema_step_s * double(N - step);
+    progress.time(m, seconds_since(t0), saver->peak_allocated());
     log.step(m);
 
-    if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N))
-      validation(step);
+    if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N)) {
+      const double v = validate();
+      result.val_losses.emplace_back(step, v);
+      log.validation(step, v);
+    }
     bool stop = s.opt.stop && s.opt.stop->load(std::memory_order_relaxed);
     // A signal may reach some ranks only (or reach them in different steps): the ranks agree,
     // so all of them stop after the same step and take part in the same save.
     if (s.mesh) stop = any_rank(s.mesh->world(), stop);
     if ((j.checkpoint.interval > 0 && step % j.checkpoint.interval == 0) || step == N || stop)
-      save(step);
+      saver->save(
+          {step, step + s.data_offset, s.last_lr, s.last_loss, to_toml(j), tokens_per_step});
     if (stop && step < N) {
       result.interrupted = true;
       log.message(str_cat("interrupted: stopped after step ", step, " of ", N,
@@ -913,31 +849,12 @@ TrainResult Trainer::run() {
       break;
     }
   }
-  finish_pending();
-  if (tracer) {
-    tracer->write(trace_path);
-    log.message(str_cat("trace: ", trace_path));
-  }
-  if (j.checkpoint.last_save_in_hf && !result.last_checkpoint.empty() && last_saved == s.step) {
-    // World rank 0 alone reads the checkpoint (streaming, one tensor at a time); every rank
-    // learns whether it worked.
-    const std::string hf =
-        (fs::path(j.checkpoint.dir) / ("hf-" + checkpoint_name(s.step))).string();
-    std::string error;
-    if (s.writer) {
-      try {
-        std::error_code ec;
-        fs::remove_all(hf, ec);  // an export of this step by an earlier run of it
-        export_hugging_face(result.last_checkpoint, hf, {.verify = j.checkpoint.verify});
-      } catch (const Error& e) {
-        error = e.what();
-      }
-    }
-    if (s.mesh && any_rank(s.mesh->world(), !error.empty()) && error.empty())
-      fail(
-          "checkpoint.last_save_in_hf: the export on world rank 0 failed (its message names the "
-          "cause)");
-    LOOM_CHECK(error.empty(), "checkpoint.last_save_in_hf: ", error);
+  saver->finish();
+  result.last_checkpoint = saver->last_checkpoint();
+  if (const std::string path = trace.write(); !path.empty()) log.message("trace: " + path);
+  if (j.checkpoint.last_save_in_hf && !result.last_checkpoint.empty() &&
+      saver->last_saved() == s.step) {
+    const std::string hf = s.export_last_save_in_hf(result.last_checkpoint);
     log.message(str_cat("exported ", result.last_checkpoint, " as Hugging Face directory ", hf));
   }
   log.finish();

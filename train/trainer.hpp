@@ -4,8 +4,9 @@
 // checkpoint), on one process or on the data-parallel ranks of a mesh (TrainerOptions::mesh).
 // The data loader and the loss normalization follow the layout-free rules of decision 11. The
 // step itself (micro-batches, reductions, clip, AdamW) is train/step.hpp's, the model and its
-// parallel hooks parallel/parallelize.hpp's; the trainer keeps the policy around them (logging,
-// validation, checkpoints, stopping).
+// parallel hooks parallel/parallelize.hpp's, how a checkpoint is saved (sync or async)
+// train/checkpoint_saver.hpp's; the trainer keeps the policy around them (logging, validation,
+// when to save, stopping).
 //
 // Everything that can be wrong with the job (the config, the model shape, the data directory and
 // its vocabulary, the checkpoint directory, the memory the run needs) is checked in the
