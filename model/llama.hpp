@@ -1,6 +1,6 @@
 #pragma once
 // The Llama model (DESIGN.md decision 1), a Model (model/model.hpp): an embedding unit,
-// transformer blocks (model/transformer_block.hpp) and a head unit. The layers it is built from
+// transformer blocks (model/llama_block.hpp) and a head unit. The layers it is built from
 // are in parallel/layers (tensor and context parallelism, checkpointing), their kernels behind the
 // device dispatch of ops/.
 #include <cstdint>
@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/llama_block.hpp"
 #include "model/llama_config.hpp"
 #include "model/model.hpp"
 #include "model/param_unit.hpp"
-#include "model/transformer_block.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
@@ -102,7 +102,7 @@ class LlamaModel final : public Model {
   size_t ring_kv_bytes(int64_t B, int64_t T) const;
 
   LlamaConfig config_;
-  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
+  std::vector<std::unique_ptr<LlamaBlock>> blocks_;
   RopeTable rope_;
 };
 

@@ -18,7 +18,7 @@
 #include "core/tensor.hpp"
 #include "distributed/buffer_pool.hpp"
 #include "model/param_unit.hpp"
-#include "model/transformer_block.hpp"  // ParallelContext, StepContext
+#include "model/step_context.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
@@ -51,7 +51,7 @@ struct ActivationStore {
   const int32_t* inputs = nullptr;   // [B, T]
   const int32_t* targets = nullptr;  // [B, T]
   float grad_scale = 1;
-  // Block l's saved activations (unit l + 1), of the model's own type (Llama: BlockActs, GLA:
+  // Block l's saved activations (unit l + 1), of the model's own type (Llama: LlamaBlockActs, GLA:
   // GlaBlockActs).
   std::vector<std::any> blocks;
   Tensor head_input;  // the last block's output, kept for the head's fused pass
