@@ -49,26 +49,31 @@ void Mlp::backward(ParamUnit& unit, Tensor& dy, MlpActs& a) const {
   if (!a.act.defined() && precision == BranchPrecision::f32_outputs) a.act = swiglu(a.gu);
   Tensor dgu = a.gu;
   a.gu = Tensor();
-  {
-    Tensor dact = Tensor::empty({M, F}, DType::f32, dev);
-    if (!a.act.defined()) a.act = swiglu(dgu);
-    row_parallel_backward(tp, dy, a.act, unit.gemm_weight(down), unit.weight_grad(down), dact,
-                          compute);
-    a.act = Tensor();
-    // In place over gu, in its dtype: with rounded outputs the kernel rounds the gradient for the
-    // GEMM.
-    ops::swiglu_backward(dact, dgu, dgu);
-  }
+  // The rounded branch frees each gradient as soon as it is read; with f32 outputs dact and the
+  // f32 dgu stay to the branch's end (and the saved norm output to after its gradient), the
+  // lifetimes GLA's memory model was measured with.
+  const bool free_early = precision == BranchPrecision::rounded_outputs;
+  Tensor dact = Tensor::empty({M, F}, DType::f32, dev);
+  if (!a.act.defined()) a.act = swiglu(dgu);
+  row_parallel_backward(tp, dy, a.act, unit.gemm_weight(down), unit.weight_grad(down), dact,
+                        compute);
+  a.act = Tensor();
+  // In place over gu, in its dtype: with rounded outputs the kernel rounds the gradient for the
+  // GEMM.
+  ops::swiglu_backward(dact, dgu, dgu);
+  if (free_early) dact = Tensor();
   Tensor dxn = column_parallel_backward(
       tp, in_compute(dgu, compute),
       norm_gemm_input(tp, precision, compute, a.xn, keep_gathered, a.h, P[norm].value, eps),
       unit.gemm_weight(gate), unit.weight_grad(gate, 2));
-  dgu = Tensor();
-  a.xn = Tensor();
+  if (free_early) {
+    dgu = Tensor();
+    a.xn = Tensor();
+  }
   tp_summed_norm_grad(tp, P[norm].grad, [&](Tensor& gw) {
     ops::rmsnorm_backward(dxn, a.h, P[norm].value, a.rstd, dy, gw);
   });
-  a.h = a.rstd = Tensor();
+  a.h = a.rstd = a.xn = Tensor();
 }
 
 }  // namespace loom
