@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "model/gla_plan.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
 
@@ -34,43 +35,42 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
                 Vd = c.value_dim() / tp;
   const int64_t r = c.gate_low_rank_dim, F = c.intermediate_size / tp;
   const float s = float(c.initializer_range);
-  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
   std::vector<ParamSpec> specs;
   int unused = 0;
   auto add = [&](int& index, ParamSpec sp) {
+    sp.split = split_of(gla_plan(), sp.name);
     sp.tp_rank = tp_rank;
     sp.tp_count = tp;
     index = int(specs.size());
     specs.push_back(std::move(sp));
   };
-  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true, N});
-  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s, true, false, R});
+  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s, true, false});
+  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s, true, false});
+  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s, true, false});
   if (c.use_output_gate)
-    add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s, true, false, R});
-  add(ix.gk0, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s, true, false, N});
-  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s, true, false, R});
-  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true, R});
+    add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s, true, false});
+  add(ix.gk0, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s, true, false});
+  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s, true, false});
+  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true});
   if (c.elementwise_affine)
     add(ix.gnorm, {p + "attn." + c.output_norm_name() + ".weight",
                    {c.head_v_dim()},
                    Init::ones,
                    0,
                    false,
-                   true,
-                   N});
-  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s, true, false, C});
+                   true});
+  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s, true, false});
   if (c.use_short_conv) {
     const int64_t W = c.conv_size;
-    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true, R});
-    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true, R});
-    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true, R});
+    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true});
   }
-  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true, N});
-  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false, R});
-  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false, C});
+  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false});
+  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false});
+  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false});
   // What only dW GEMMs write (ParamUnit::zero_grad): the fused projection q, k, v, (g,) gk_proj.0,
   // gk_proj.1, o, gate/up, down.
   for (int i = ix.q; i <= ix.gk1; ++i) specs[size_t(i)].gemm_grad = true;

@@ -11,6 +11,7 @@
 #include "core/tensor.hpp"
 #include "model/llama_block.hpp"
 #include "model/llama_config.hpp"
+#include "model/llama_plan.hpp"
 #include "model/model.hpp"
 #include "model/param_unit.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
@@ -35,6 +36,7 @@ class LlamaModel final : public Model {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t hidden_size() const override { return config_.hidden_size; }
   bool tie_word_embeddings() const override { return config_.tie_word_embeddings; }
+  std::span<const PlanEntry> tp_plan() const override { return llama_plan(); }
   std::string describe() const override;
   double flops_per_token(int64_t T) const override { return config_.flops_per_token(T); }
 

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <string>
 
+#include "model/llama_plan.hpp"
+
 namespace loom {
 
 namespace {
@@ -23,19 +25,19 @@ std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_r
   // Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init), so
   // the residual stream's variance does not grow with depth.
   const float out_std = 0.02f / std::sqrt(2.0f * float(c.num_hidden_layers));
-  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
   std::vector<ParamSpec> specs{
-      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true, N},
-      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false, C},
-      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true, N},
-      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
-      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
-      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false, C},
+      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true},
+      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false},
+      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true},
+      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false},
+      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false},
+      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false},
   };
   for (auto& sp : specs) {
+    sp.split = split_of(llama_plan(), sp.name);
     sp.tp_rank = tp_rank;
     sp.tp_count = tp;
     sp.gemm_grad = !sp.f32_value;  // the projections; the norms' kernel adds to its gradient
