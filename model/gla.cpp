@@ -26,9 +26,14 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, ShardL
   const bool bf = compute == DType::bf16;
   const int64_t d = config_.hidden_size, V = config_.vocab_size;
   const float s = float(config_.initializer_range);
+  // The embedding and the head are replicated by GLA's plan (no vocabulary parallelism); their
+  // splits are looked up all the same, so that the plan stays the source of every split.
+  auto planned = [](std::vector<ParamSpec> specs) {
+    for (ParamSpec& sp : specs) sp.split = split_of(gla_plan(), sp.name);
+    return specs;
+  };
   auto embed = std::make_unique<ParamUnit>(
-      "embed",
-      std::vector<ParamSpec>{{"model.embeddings.weight", {V, d}, Init::normal, s, true, true}}, bf,
+      "embed", planned({{"model.embeddings.weight", {V, d}, Init::normal, s, true, true}}), bf,
       unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
@@ -42,7 +47,7 @@ GlaModel::GlaModel(const GlaConfig& config, DType compute, Device device, ShardL
     head.back().gemm_grad = true;  // only the loss's dW GEMMs write it (ParamUnit::zero_grad)
   }
   set_units(std::move(embed), std::move(block_units),
-            std::make_unique<ParamUnit>("head", head, bf,
+            std::make_unique<ParamUnit>("head", planned(std::move(head)), bf,
                                         unit_device(size_t(config_.num_hidden_layers) + 1), shard));
 }
 

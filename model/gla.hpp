@@ -14,6 +14,7 @@
 #include "core/tensor.hpp"
 #include "model/gla_block.hpp"
 #include "model/gla_config.hpp"
+#include "model/gla_plan.hpp"
 #include "model/model.hpp"
 #include "model/param_unit.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
@@ -41,6 +42,7 @@ class GlaModel final : public Model {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t hidden_size() const override { return config_.hidden_size; }
   bool tie_word_embeddings() const override { return config_.tie_word_embeddings; }
+  std::span<const PlanEntry> tp_plan() const override { return gla_plan(); }
   std::string describe() const override;
   double flops_per_token(int64_t T) const override { return config_.flops_per_token(T); }
   // Every parameter from an fla-format checkpoint (config.json's model, fla's names), shapes

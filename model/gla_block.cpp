@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "model/gla_plan.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
 
@@ -34,43 +35,42 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
                 Vd = c.value_dim() / tp;
   const int64_t r = c.gate_low_rank_dim, F = c.intermediate_size / tp;
   const float s = float(c.initializer_range);
-  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
   std::vector<ParamSpec> specs;
   int unused = 0;
   auto add = [&](int& index, ParamSpec sp) {
+    sp.split = split_of(gla_plan(), sp.name);
     sp.tp_rank = tp_rank;
     sp.tp_count = tp;
     index = int(specs.size());
     specs.push_back(std::move(sp));
   };
-  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true, N});
-  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s, true, false, R});
+  add(ix.norm1, {p + "attn_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.q, {p + "attn.q_proj.weight", {Kd, d}, Init::normal, s, true, false});
+  add(unused, {p + "attn.k_proj.weight", {Kd / G, d}, Init::normal, s, true, false});
+  add(unused, {p + "attn.v_proj.weight", {Vd / G, d}, Init::normal, s, true, false});
   if (c.use_output_gate)
-    add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s, true, false, R});
-  add(ix.gk0, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s, true, false, N});
-  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s, true, false, R});
-  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true, R});
+    add(unused, {p + "attn.g_proj.weight", {Vd, d}, Init::normal, s, true, false});
+  add(ix.gk0, {p + "attn.gk_proj.0.weight", {r, d}, Init::normal, s, true, false});
+  add(ix.gk1, {p + "attn.gk_proj.1.weight", {Kd / G, r}, Init::normal, s, true, false});
+  add(ix.gb1, {p + "attn.gk_proj.1.bias", {Kd / G}, Init::normal, 0.0f, false, true});
   if (c.elementwise_affine)
     add(ix.gnorm, {p + "attn." + c.output_norm_name() + ".weight",
                    {c.head_v_dim()},
                    Init::ones,
                    0,
                    false,
-                   true,
-                   N});
-  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s, true, false, C});
+                   true});
+  add(ix.o, {p + "attn.o_proj.weight", {d, Vd}, Init::normal, s, true, false});
   if (c.use_short_conv) {
     const int64_t W = c.conv_size;
-    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true, R});
-    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true, R});
-    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true, R});
+    add(ix.conv, {p + "attn.q_conv1d.weight", {Kd, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.k_conv1d.weight", {Kd / G, 1, W}, Init::normal, s, true, true});
+    add(unused, {p + "attn.v_conv1d.weight", {Vd / G, 1, W}, Init::normal, s, true, true});
   }
-  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true, N});
-  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false, R});
-  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false, R});
-  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false, C});
+  add(ix.norm2, {p + "mlp_norm.weight", {d}, Init::ones, 0, false, true});
+  add(ix.gate, {p + "mlp.gate_proj.weight", {F, d}, Init::normal, s, true, false});
+  add(unused, {p + "mlp.up_proj.weight", {F, d}, Init::normal, s, true, false});
+  add(ix.down, {p + "mlp.down_proj.weight", {d, F}, Init::normal, s, true, false});
   // What only dW GEMMs write (ParamUnit::zero_grad): the fused projection q, k, v, (g,) gk_proj.0,
   // gk_proj.1, o, gate/up, down.
   for (int i = ix.q; i <= ix.gk1; ++i) specs[size_t(i)].gemm_grad = true;
@@ -131,14 +131,29 @@ GlaBlock::Dims GlaBlock::dims(const StepContext& ctx) const {
 
 size_t GlaBlockActs::bytes() const {
   size_t n = 0;
-  for (const Tensor* t :
-       {&x, &rstd1, &xn1, &proj, &qkv_c, &r, &z, &gk, &o, &rstd_o, &y, &h, &rstd2, &xn2, &gu, &act})
+  for (const Tensor* t : {&x, &rstd1, &xn1, &proj, &qkv_c, &r, &z, &gk, &o, &rstd_o, &y})
     if (t->defined()) n += t->nbytes();
-  return n;
+  return n + mlp.bytes();
+}
+
+Mlp GlaBlock::mlp(const StepContext& ctx) const {
+  const Dims g = dims(ctx);
+  return {par_->tp,
+          size_t(ix_.norm2),
+          size_t(ix_.gate),
+          size_t(ix_.down),
+          kPrecision,
+          g.M,
+          g.Mx,
+          g.d,
+          g.F,
+          g.eps,
+          ctx.compute,
+          true};
 }
 
 Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& a) const {
-  // In bf16 the input is rounded to bf16 in place and saved so, as in TransformerBlock::forward.
+  // In bf16 the input is rounded to bf16 in place and saved so, as in LlamaBlock::forward.
   const Tensor input = ops::to_compute(x, ctx.compute);
   if (ctx.compute != DType::f32) {
     Tensor rounded = x;
@@ -153,7 +168,7 @@ Tensor GlaBlock::forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& 
   } else if (ac_ == ActivationCheckpoint::Mode::op) {
     // Element-wise outputs that backward recomputes from what stays (the same kernels on the same
     // inputs: the same bits).
-    a.xn1 = a.y = a.xn2 = a.act = Tensor();
+    a.xn1 = a.y = a.mlp.xn = a.mlp.act = Tensor();
   }
   return out;
 }
@@ -210,21 +225,8 @@ Tensor GlaBlock::run_forward(const StepContext& ctx, const Tensor& x, GlaBlockAc
     ops::gated_rmsnorm_forward(a.o, gate, param_or_none(ix_.gnorm), g.H, g.eps, y, a.rstd_o);
     a.y = ops::to_compute(y, dt);
   }
-  a.h = row_parallel_forward(tp, a.y, weight(ix_.o), x);
-
-  a.rstd2 = f32({g.Mx}, dev);
-  {
-    Tensor xn2 = f32({g.Mx, g.d}, dev);
-    ops::rmsnorm_forward(a.h, P[size_t(ix_.norm2)].value, g.eps, xn2, a.rstd2);
-    a.gu = f32({g.M, 2 * g.F}, dev);
-    column_parallel_forward(tp, ops::to_compute(xn2, dt), weight(ix_.gate), true, a.xn2, a.gu);
-  }
-  {
-    Tensor act = f32({g.M, g.F}, dev);
-    ops::swiglu_forward(a.gu, act);
-    a.act = ops::to_compute(act, dt);
-  }
-  return row_parallel_forward(tp, a.act, weight(ix_.down), a.h);
+  a.mlp.h = row_parallel_forward(tp, a.y, weight(ix_.o), x);
+  return mlp(ctx).forward(unit_, a.mlp);
 }
 
 void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
@@ -235,37 +237,8 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
   const DType dt = ctx.compute;
   Tensor none;
 
-  if (!a.h.defined()) run_forward(ctx, ops::to_f32(a.x), a);  // `full`: everything again
-  // `op`: the norm outputs the GEMMs read, from the norm inputs that stayed.
-  auto norm_output = [&](const Tensor& saved, const Tensor& in, int w) -> Tensor {
-    if (saved.defined()) return saved;
-    Tensor xn = f32({g.Mx, g.d}, dev), rstd = f32({g.Mx}, dev);
-    ops::rmsnorm_forward(in, P[size_t(w)].value, g.eps, xn, rstd);
-    return tp.sp() ? tp_gather_input(tp, ops::to_compute(xn, dt)) : ops::to_compute(xn, dt);
-  };
-
-  // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
-  {
-    if (!a.act.defined()) {  // before the SwiGLU backward overwrites gu
-      Tensor act = f32({g.M, g.F}, dev);
-      ops::swiglu_forward(a.gu, act);
-      a.act = ops::to_compute(act, dt);
-    }
-    Tensor dgu = a.gu;
-    a.gu = Tensor();
-    Tensor dact = f32({g.M, g.F}, dev);
-    row_parallel_backward(tp, dy, a.act, weight(ix_.down), unit_.weight_grad(size_t(ix_.down)),
-                          dact, dt);
-    a.act = Tensor();
-    ops::swiglu_backward(dact, dgu, dgu);
-    Tensor dxn2 =
-        column_parallel_backward(tp, ops::to_compute(dgu, dt), norm_output(a.xn2, a.h, ix_.norm2),
-                                 weight(ix_.gate), unit_.weight_grad(size_t(ix_.gate), 2));
-    tp_summed_norm_grad(tp, P[size_t(ix_.norm2)].grad, [&](Tensor& gw) {
-      ops::rmsnorm_backward(dxn2, a.h, P[size_t(ix_.norm2)].value, a.rstd2, dy, gw);
-    });
-    a.h = a.rstd2 = a.xn2 = Tensor();
-  }
+  if (!a.mlp.h.defined()) run_forward(ctx, ops::to_f32(a.x), a);  // `full`: everything again
+  mlp(ctx).backward(unit_, dy, a.mlp);
   // Attention branch: h = x + o(norm_gate(gla(q, k, v, gate(r)), g)).
   {
     Tensor dproj = Tensor::zeros({g.M, g.nproj}, DType::f32, dev);
@@ -362,8 +335,10 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       // zero-bubble schedule's W (it was, and pp2 x tp2 zb1p ended 0.7% off one process).
       std::optional<ops::WeightGradsNow> now;
       if (tp.on()) now.emplace();
-      dxn1 = column_parallel_backward(tp, ops::to_compute(dproj, dt),
-                                      norm_output(a.xn1, x, ix_.norm1), weight(ix_.q), proj_grad);
+      dxn1 = column_parallel_backward(
+          tp, ops::to_compute(dproj, dt),
+          norm_gemm_input(tp, kPrecision, dt, a.xn1, true, x, P[size_t(ix_.norm1)].value, g.eps),
+          weight(ix_.q), proj_grad);
     }
     if (tp.on()) {
       tp_all_reduce(tp, gk0_grad);

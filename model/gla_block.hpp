@@ -1,6 +1,6 @@
 #pragma once
 // A GLA block (fla's GLABlock: gated linear attention + SwiGLU MLP, pre-norm residuals) with fla's
-// parameter names, built from the shared layers as TransformerBlock is. The q, k, v, g and
+// parameter names, built from the shared layers as LlamaBlock is. The q, k, v, g and
 // gk_proj.0 weights are adjacent in the unit and read as one fused GEMM (spec: they all read the
 // normed input). With use_short_conv, q, k and v go through the causal depthwise convolution + SiLU
 // before the core. Activation checkpointing: none, full, or op (the norm outputs, the normed
@@ -11,8 +11,9 @@
 
 #include "core/tensor.hpp"
 #include "model/gla_config.hpp"
+#include "model/mlp.hpp"
 #include "model/param_unit.hpp"
-#include "model/transformer_block.hpp"  // ParallelContext, StepContext
+#include "model/step_context.hpp"
 #include "parallel/layers/gla_state_passing.hpp"
 
 namespace loom {
@@ -30,13 +31,10 @@ struct GlaBlockActs {
   Tensor o;       // GLA core output [M, Vd]
   Tensor rstd_o;  // per-head norm [M * H]
   Tensor y;       // normed, gated core output, as o_proj reads it [M, Vd]
-  Tensor h;       // after the attention residual [M, d]
-  Tensor rstd2;   // [M]
-  Tensor xn2;     // MLP norm output, as the GEMM reads it [M, d]
-  Tensor gu;      // gate and up projections [M, 2F]
-  Tensor act;     // silu(gate) * up, as the GEMM reads it [M, F]
+  MlpActs mlp;    // from the attention residual h on; gu in f32
   GlaCpSaved cp;  // context parallelism: the segments' decays and starting states
-  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, y, xn2 and act.
+  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, y, mlp.xn and
+  // mlp.act.
   size_t bytes() const;
 };
 
@@ -64,6 +62,10 @@ class GlaBlock {
   struct Dims;
   Dims dims(const StepContext& ctx) const;
   Tensor run_forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
+  // fla's numerics: f32 norm, gate/up and SwiGLU outputs, rounded copies for the GEMMs; a norm
+  // output saved for backward keeps every row under SP.
+  static constexpr BranchPrecision kPrecision = BranchPrecision::f32_outputs;
+  Mlp mlp(const StepContext& ctx) const;
   const Tensor& weight(int i) const { return unit_.gemm_weight(size_t(i)); }
   // Under cp a segment's convolution reads the previous segment's last conv_size - 1 rows.
   bool conv_halo() const { return par_->cp.size() > 1 && c_.conv_size > 1; }

@@ -45,7 +45,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
                       0.02f,
                       true,
                       true,
-                      TpSplit::rows,
+                      split_of(llama_plan(), "model.embed_tokens.weight"),
                       r,
                       n,
                       real_rows};
@@ -53,8 +53,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
       std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    blocks_.push_back(std::make_unique<TransformerBlock>(config_, l, bf, unit_device(size_t(l) + 1),
-                                                         shard, &par()));
+    blocks_.push_back(
+        std::make_unique<LlamaBlock>(config_, l, bf, unit_device(size_t(l) + 1), shard, &par()));
     block_units.push_back(&blocks_.back()->unit());
   }
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
@@ -65,7 +65,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
                     0.02f,
                     true,
                     false,
-                    TpSplit::rows,
+                    split_of(llama_plan(), "lm_head.weight"),
                     r,
                     n,
                     real_rows});
@@ -103,12 +103,12 @@ void LlamaModel::set_block_checkpoint(size_t block, ActivationCheckpoint::Mode m
 }
 
 Tensor LlamaModel::block_forward(ActivationStore& s, size_t block, const Tensor& x) {
-  if (!s.blocks[block].has_value()) s.blocks[block] = BlockActs();
-  return blocks_[block]->forward(s.ctx, x, std::any_cast<BlockActs&>(s.blocks[block]));
+  if (!s.blocks[block].has_value()) s.blocks[block] = LlamaBlockActs();
+  return blocks_[block]->forward(s.ctx, x, std::any_cast<LlamaBlockActs&>(s.blocks[block]));
 }
 
 void LlamaModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
-  blocks_[block]->backward(s.ctx, dy, std::any_cast<BlockActs&>(s.blocks[block]));
+  blocks_[block]->backward(s.ctx, dy, std::any_cast<LlamaBlockActs&>(s.blocks[block]));
 }
 
 Tensor LlamaModel::embedding_forward(ActivationStore& s) {

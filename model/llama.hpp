@@ -1,6 +1,6 @@
 #pragma once
 // The Llama model (DESIGN.md decision 1), a Model (model/model.hpp): an embedding unit,
-// transformer blocks (model/transformer_block.hpp) and a head unit. The layers it is built from
+// transformer blocks (model/llama_block.hpp) and a head unit. The layers it is built from
 // are in parallel/layers (tensor and context parallelism, checkpointing), their kernels behind the
 // device dispatch of ops/.
 #include <cstdint>
@@ -9,10 +9,11 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/llama_block.hpp"
 #include "model/llama_config.hpp"
+#include "model/llama_plan.hpp"
 #include "model/model.hpp"
 #include "model/param_unit.hpp"
-#include "model/transformer_block.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
@@ -35,6 +36,7 @@ class LlamaModel final : public Model {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t hidden_size() const override { return config_.hidden_size; }
   bool tie_word_embeddings() const override { return config_.tie_word_embeddings; }
+  std::span<const PlanEntry> tp_plan() const override { return llama_plan(); }
   std::string describe() const override;
   double flops_per_token(int64_t T) const override { return config_.flops_per_token(T); }
 
@@ -102,7 +104,7 @@ class LlamaModel final : public Model {
   size_t ring_kv_bytes(int64_t B, int64_t T) const;
 
   LlamaConfig config_;
-  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
+  std::vector<std::unique_ptr<LlamaBlock>> blocks_;
   RopeTable rope_;
 };
 

@@ -12,13 +12,15 @@
 #include <any>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/tensor.hpp"
 #include "distributed/buffer_pool.hpp"
 #include "model/param_unit.hpp"
-#include "model/transformer_block.hpp"  // ParallelContext, StepContext
+#include "model/step_context.hpp"
+#include "model/tp_plan.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
@@ -51,7 +53,7 @@ struct ActivationStore {
   const int32_t* inputs = nullptr;   // [B, T]
   const int32_t* targets = nullptr;  // [B, T]
   float grad_scale = 1;
-  // Block l's saved activations (unit l + 1), of the model's own type (Llama: BlockActs, GLA:
+  // Block l's saved activations (unit l + 1), of the model's own type (Llama: LlamaBlockActs, GLA:
   // GlaBlockActs).
   std::vector<std::any> blocks;
   Tensor head_input;  // the last block's output, kept for the head's fused pass
@@ -70,6 +72,9 @@ class Model {
   virtual int64_t vocab_size() const = 0;
   virtual int64_t hidden_size() const = 0;
   virtual bool tie_word_embeddings() const = 0;
+  // Its tensor-parallel plan (model/tp_plan.hpp): how tensor parallelism splits each parameter,
+  // by name. The model builds its local shards by it; parallelize() checks the built model.
+  virtual std::span<const PlanEntry> tp_plan() const = 0;
   // One line for the trainer's log: the shape ("dim 64, 2 layers, ...").
   virtual std::string describe() const = 0;
   // Training FLOPs per token at sequence length T (the MFU convention of the model's family).

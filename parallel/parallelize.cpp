@@ -4,7 +4,6 @@
 
 #include "distributed/group_sum.hpp"
 #include "parallel/layers/context_parallel.hpp"
-#include "parallel/llama_plan.hpp"
 #include "parallel/pipeline/schedule_csv.hpp"
 #include "parallel/pipeline_fsdp.hpp"
 
@@ -121,7 +120,7 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
       used[u] = true;
   }
   m.model = make_model(config, compute, options.device, layout, tp, cp, std::move(used));
-  check_plan(*m.model, config.is_gla() ? gla_plan() : llama_plan());
+  check_plan(*m.model, m.model->tp_plan());
   apply_ac(*m.model, options.ac);
   if (groups.shard)
     apply_fsdp(m, options.fsdp);

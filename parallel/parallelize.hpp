@@ -1,7 +1,7 @@
 #pragma once
 // Parallelize: the one place a model is made parallel, in torchtitan's visible order, each a named
 // step of parallelize.cpp:
-//   apply_tp    tensor (+ sequence) parallelism by the model's plan (llama_plan.hpp)
+//   apply_tp    tensor (+ sequence) parallelism by the model's plan (Model::tp_plan)
 //   apply_cp    context parallelism (ring attention over the cp group)
 //   apply_ac    activation checkpointing
 //   apply_fsdp  FSDP over dp_shard x cp (HSDP when dp_replicate > 1 too), or
@@ -9,8 +9,9 @@
 //   apply_pp    the pipeline schedule and this rank's stages (parallel/pipeline_executor.hpp)
 // The model (model/model.hpp: Llama or GLA, by the config's model_type) takes its tp and cp
 // options when it is built (each unit holds its tp slices), so apply_tp and apply_cp give the
-// options the model is built with and the model's plan (llama_plan.hpp) is checked on the built
-// model; activation checkpointing and the data-parallel hooks apply to it afterwards.
+// options the model is built with (each model splits its parameters by its own plan,
+// model/tp_plan.hpp) and the built model is checked against that plan; activation checkpointing and
+// the data-parallel hooks apply to it afterwards.
 #include <cstdint>
 #include <memory>
 #include <vector>

@@ -8,10 +8,12 @@
 
 #include "core/error.hpp"
 #include "model/gla.hpp"
+#include "model/gla_plan.hpp"
 #include "model/llama.hpp"
+#include "model/llama_plan.hpp"
+#include "model/tp_plan.hpp"
 #include "parallel/cost_model.hpp"
 #include "parallel/layers/context_parallel.hpp"
-#include "parallel/llama_plan.hpp"
 #include "parallel/parallel_dims.hpp"
 #include "parallel/parallelize.hpp"
 
@@ -77,6 +79,13 @@ TEST(LlamaPlan, MatchesTheModelsSplits) {
   EXPECT_FALSE(plan_matches("model.norm.weight", "model.norm.weight.x"));
   LlamaModel m(tiny(), DType::f32, Device::meta);
   EXPECT_TRUE(error_of([&] { check_plan(m, llama_plan()); }).empty());
+  // The model's own plan is the source of its splits, looked up by name.
+  EXPECT_EQ(m.tp_plan().data(), llama_plan().data());
+  EXPECT_EQ(split_of(m.tp_plan(), "model.layers.3.self_attn.o_proj.weight"), TpSplit::cols);
+  EXPECT_NE(error_of([&] {
+              split_of(m.tp_plan(), "model.layers.0.mlp.w3.weight");
+            }).find("model.layers.0.mlp.w3.weight has no entry in the plan"),
+            std::string::npos);
   // A plan that disagrees with the model, or misses a parameter, is refused by name.
   std::vector<PlanEntry> plan(llama_plan().begin(), llama_plan().end());
   for (PlanEntry& e : plan)

@@ -1,7 +1,9 @@
-#include "model/transformer_block.hpp"
+#include "model/llama_block.hpp"
 
 #include <cmath>
 #include <string>
+
+#include "model/llama_plan.hpp"
 
 namespace loom {
 
@@ -23,19 +25,19 @@ std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_r
   // Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init), so
   // the residual stream's variance does not grow with depth.
   const float out_std = 0.02f / std::sqrt(2.0f * float(c.num_hidden_layers));
-  const auto R = TpSplit::rows, C = TpSplit::cols, N = TpSplit::none;
   std::vector<ParamSpec> specs{
-      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true, N},
-      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false, R},
-      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false, C},
-      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true, N},
-      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
-      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false, R},
-      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false, C},
+      {p + "input_layernorm.weight", {d}, Init::ones, 0, false, true},
+      {p + "self_attn.q_proj.weight", {q, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.k_proj.weight", {kv, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.v_proj.weight", {kv, d}, Init::normal, 0.02f, true, false},
+      {p + "self_attn.o_proj.weight", {d, q}, Init::normal, out_std, true, false},
+      {p + "post_attention_layernorm.weight", {d}, Init::ones, 0, false, true},
+      {p + "mlp.gate_proj.weight", {F, d}, Init::normal, 0.02f, true, false},
+      {p + "mlp.up_proj.weight", {F, d}, Init::normal, 0.02f, true, false},
+      {p + "mlp.down_proj.weight", {d, F}, Init::normal, out_std, true, false},
   };
   for (auto& sp : specs) {
+    sp.split = split_of(llama_plan(), sp.name);
     sp.tp_rank = tp_rank;
     sp.tp_count = tp;
     sp.gemm_grad = !sp.f32_value;  // the projections; the norms' kernel adds to its gradient
@@ -45,27 +47,27 @@ std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_r
 
 }  // namespace
 
-size_t BlockActs::bytes() const {
+size_t LlamaBlockActs::bytes() const {
   size_t n = 0;
-  for (const Tensor* t : {&x, &rstd1, &xn1, &qkv, &attn, &lse, &h, &rstd2, &xn2, &gu, &act})
+  for (const Tensor* t : {&x, &rstd1, &xn1, &qkv, &attn, &lse})
     if (t->defined()) n += t->nbytes();
-  return n;
+  return n + mlp.bytes();
 }
 
 // This tp rank's sizes of one micro-batch.
-struct TransformerBlock::Dims {
+struct LlamaBlock::Dims {
   int64_t M, Mx, d, hd, Hq, Hkv, F, nqkv;
   float eps;
 };
 
-TransformerBlock::TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
-                                   ShardLayout shard, const ParallelContext* par)
+LlamaBlock::LlamaBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
+                       ShardLayout shard, const ParallelContext* par)
     : c_(c),
       par_(par ? par : &none()),
       unit_("layers." + std::to_string(layer),
             block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device, shard) {}
 
-TransformerBlock::Dims TransformerBlock::dims(const StepContext& ctx) const {
+LlamaBlock::Dims LlamaBlock::dims(const StepContext& ctx) const {
   const TpRuntime& tp = par_->tp;
   const int tpn = tp.on() ? tp.opt.size() : 1;
   Dims g;
@@ -81,7 +83,13 @@ TransformerBlock::Dims TransformerBlock::dims(const StepContext& ctx) const {
   return g;
 }
 
-Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockActs& a) const {
+Mlp LlamaBlock::mlp(const StepContext& ctx) const {
+  const Dims g = dims(ctx);
+  return {par_->tp, kNorm2, kGate, kDown, kPrecision,  g.M,
+          g.Mx,     g.d,    g.F,   g.eps, ctx.compute, keep_gathered()};
+}
+
+Tensor LlamaBlock::forward(const StepContext& ctx, const Tensor& x, LlamaBlockActs& a) const {
   // In bf16 the residual stream enters each block rounded to bf16, as torch's bf16 mixed
   // precision keeps it, and the block saves that bf16 copy: the saved inputs (all that `full`
   // keeps) take half the memory. The input is rounded in place, so that the forward and its
@@ -93,7 +101,7 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
   if (ac_ == ActivationCheckpoint::Mode::full) {
     // Only the input stays; backward recomputes the rest from it.
     Tensor input = a.x;
-    a = BlockActs();
+    a = LlamaBlockActs();
     a.x = input;
   }
   return out;
@@ -104,7 +112,7 @@ Tensor TransformerBlock::forward(const StepContext& ctx, const Tensor& x, BlockA
 // attention reads qkv rounded, so that its backward (which reads the saved bf16 copy)
 // differentiates the function the forward computed: the bf16 kernels read that copy itself;
 // ring attention (f32 kernels) reads qkv rounded in place.
-void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const {
+void LlamaBlock::attention(const StepContext& ctx, Tensor& qkv, LlamaBlockActs& a) const {
   const Dims g = dims(ctx);
   const Device dev = qkv.device();
   const bool ring = par_->cp.size() > 1, bf16 = ctx.compute == DType::bf16;
@@ -140,12 +148,12 @@ void TransformerBlock::attention(const StepContext& ctx, Tensor& qkv, BlockActs&
 
 // In bf16 without cp, dq and dk come out not yet rotated back: the caller rotates them as it rounds
 // dqkv for the GEMM (unrotated_dqkv).
-bool TransformerBlock::unrotated_dqkv(const StepContext& ctx) const {
+bool LlamaBlock::unrotated_dqkv(const StepContext& ctx) const {
   return par_->cp.size() == 1 && ctx.compute == DType::bf16;
 }
 
-void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
-                                          Tensor& dqkv) const {
+void LlamaBlock::attention_backward(const StepContext& ctx, LlamaBlockActs& a, const Tensor& dattn,
+                                    Tensor& dqkv) const {
   const Dims g = dims(ctx);
   const int64_t qc = g.Hq * g.hd, kc = g.Hkv * g.hd;
   Tensor dq = dqkv.narrow(1, 0, qc), dk = dqkv.narrow(1, qc, kc), dv = dqkv.narrow(1, qc + kc, kc);
@@ -174,9 +182,9 @@ void TransformerBlock::attention_backward(const StepContext& ctx, BlockActs& a, 
   ops::rope_backward(dk, ctx.B, g.Hkv, ctx.positions, *ctx.rope);
 }
 
-Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, BlockActs& a,
-                                     ActivationCheckpoint::Mode mode, bool output,
-                                     bool round_input) const {
+Tensor LlamaBlock::run_forward(const StepContext& ctx, const Tensor& x, LlamaBlockActs& a,
+                               ActivationCheckpoint::Mode mode, bool output,
+                               bool round_input) const {
   const TpRuntime& tp = par_->tp;
   const Dims g = dims(ctx);
   const auto& P = unit_.params();
@@ -186,8 +194,7 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
   // with SP, gathers the norm outputs again, as with recompute_allgather). Neither `op` nor
   // `full` keeps a gathered GEMM input: it goes to the pooled buffer.
   const bool op = mode == ActivationCheckpoint::Mode::op;
-  const bool keep_gathered =
-      !tp.opt.recompute_allgather && mode == ActivationCheckpoint::Mode::none;
+  const bool keep_gathered = this->keep_gathered() && mode == ActivationCheckpoint::Mode::none;
 
   a.rstd1 = f32({g.Mx}, dev);
   {
@@ -204,27 +211,11 @@ Tensor TransformerBlock::run_forward(const StepContext& ctx, const Tensor& x, Bl
     if (op) a.xn1 = Tensor();
     attention(ctx, qkv, a);
   }
-  a.h = row_parallel_forward(tp, a.attn, weight(kO), x);
-
-  a.rstd2 = f32({g.Mx}, dev);
-  {
-    Tensor xn2 = Tensor::empty({g.Mx, g.d}, dt, dev);
-    ops::rmsnorm_forward(a.h, P[kNorm2].value, g.eps, xn2, a.rstd2);
-    // The GEMM writes its output in the compute dtype (in bf16 rounded from f32 in its kernel,
-    // no f32 copy): SwiGLU reads the rounded gate/up, and its backward the same values.
-    a.gu = Tensor::empty({g.M, 2 * g.F}, dt, dev);
-    column_parallel_forward(tp, xn2, weight(kGate), keep_gathered, a.xn2, a.gu);
-    if (op) a.xn2 = Tensor();
-  }
-  a.act = Tensor::empty({g.M, g.F}, dt, dev);
-  ops::swiglu_forward(a.gu, a.act);
-  if (!output) return Tensor();
-  Tensor out = row_parallel_forward(tp, a.act, weight(kDown), a.h);
-  if (op) a.act = Tensor();
-  return out;
+  a.mlp.h = row_parallel_forward(tp, a.attn, weight(kO), x);
+  return mlp(ctx).forward(unit_, a.mlp, mode, output);
 }
 
-void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a) {
+void LlamaBlock::backward(const StepContext& ctx, Tensor& dy, LlamaBlockActs& a) {
   const TpRuntime& tp = par_->tp;
   const Dims g = dims(ctx);
   auto& P = unit_.params();
@@ -232,44 +223,9 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
   const DType dt = ctx.compute;
   // `full` saved the input only: the forward runs again (tp and cp communication included),
   // after the unit's before_backward hook, so FSDP has gathered the weights it reads.
-  if (!a.h.defined())
+  if (!a.mlp.h.defined())
     run_forward(ctx, ops::to_f32(a.x), a, ActivationCheckpoint::Mode::none, false);
-  // The input of a column-parallel GEMM, every row: the norm output `saved`, or, when `op`
-  // dropped it, recomputed from the norm's input (the same kernel on the same input: the same
-  // bits) and, with SP, gathered again.
-  auto norm_output = [&](const Tensor& saved, const Tensor& in, size_t w) -> Tensor {
-    if (saved.defined())
-      return tp.sp() && tp.opt.recompute_allgather ? tp_gather_input(tp, saved) : saved;
-    Tensor xn = Tensor::empty({g.Mx, g.d}, dt, dev), rstd = f32({g.Mx}, dev);
-    ops::rmsnorm_forward(in, P[w].value, g.eps, xn, rstd);
-    return tp.sp() ? tp_gather_input(tp, xn) : xn;
-  };
-
-  // MLP branch: out = h + down(swiglu(gate_up(norm2(h)))).
-  {
-    Tensor dgu = a.gu;
-    a.gu = Tensor();
-    {
-      Tensor dact = f32({g.M, g.F}, dev);
-      if (!a.act.defined()) {
-        // `op`: silu(gate) * up again, before the SwiGLU backward overwrites gu.
-        a.act = Tensor::empty({g.M, g.F}, dt, dev);
-        ops::swiglu_forward(dgu, a.act);
-      }
-      row_parallel_backward(tp, dy, a.act, weight(kDown), unit_.weight_grad(kDown), dact, dt);
-      a.act = Tensor();
-      // In place over gu, in its dtype: in bf16 the kernel rounds the gradient for the GEMM.
-      ops::swiglu_backward(dact, dgu, dgu);
-    }
-    Tensor dxn2 = column_parallel_backward(tp, dgu, norm_output(a.xn2, a.h, kNorm2), weight(kGate),
-                                           unit_.weight_grad(kGate, 2));
-    dgu = Tensor();
-    a.xn2 = Tensor();
-    tp_summed_norm_grad(tp, P[kNorm2].grad, [&](Tensor& gw) {
-      ops::rmsnorm_backward(dxn2, a.h, P[kNorm2].value, a.rstd2, dy, gw);
-    });
-    a.h = a.rstd2 = Tensor();
-  }
+  mlp(ctx).backward(unit_, dy, a.mlp);
   // Attention branch: h = x + o(attention(rope(qkv(norm1(x))))).
   {
     Tensor dqkv = f32({g.M, g.nqkv}, dev);
@@ -290,8 +246,10 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
     } else {
       dqkv_c = ops::to_compute(dqkv, dt);
     }
-    Tensor dxn1 = column_parallel_backward(tp, dqkv_c, norm_output(a.xn1, x, kNorm1), weight(kQ),
-                                           unit_.weight_grad(kQ, 3));
+    Tensor dxn1 = column_parallel_backward(
+        tp, dqkv_c,
+        norm_gemm_input(tp, kPrecision, dt, a.xn1, keep_gathered(), x, P[kNorm1].value, g.eps),
+        weight(kQ), unit_.weight_grad(kQ, 3));
     dqkv_c = Tensor();
     dqkv = Tensor();
     a.xn1 = Tensor();
@@ -299,7 +257,7 @@ void TransformerBlock::backward(const StepContext& ctx, Tensor& dy, BlockActs& a
       ops::rmsnorm_backward(dxn1, x, P[kNorm1].value, a.rstd1, dy, gw);
     });
   }
-  a = BlockActs();
+  a = LlamaBlockActs();
 }
 
 }  // namespace loom

@@ -1,10 +1,13 @@
 #pragma once
 // A model's tensor-parallel plan as a table (flame's parallelize_fla, torchtitan's
-// parallelize_plan): for each parameter name pattern, how tensor parallelism splits it. The
-// model builds its local shards itself (ParamSpec::split); parallelize() checks that the model
-// agrees with the plan, so the plan is the place to read (and later to choose) the layout.
+// parallelize_plan): for each parameter name pattern, how tensor parallelism splits it. Each model
+// owns its plan (model/llama_plan.hpp, model/gla_plan.hpp) and builds its parameters' local
+// shards by it (split_of), so the plan is the place to read (and later to choose) the layout;
+// parallelize() checks the built model against it (check_plan).
 #include <span>
 #include <string>
+
+#include "model/param_unit.hpp"
 
 namespace loom {
 
@@ -22,15 +25,14 @@ struct PlanEntry {
   TpStyle style;
 };
 
-// Llama's plan (Megatron's layout).
-std::span<const PlanEntry> llama_plan();
-// GLA's plan (flame's parallelize_fla): q, k, v, g and gk_proj.1 column-parallel, o row-parallel,
-// gk_proj.0 and the norms replicated; the embedding and the head replicated (not vocabulary
-// parallel).
-std::span<const PlanEntry> gla_plan();
-
 // Whether `name` matches `pattern` (`*`: any run of characters other than '.').
 bool plan_matches(const std::string& pattern, const std::string& name);
+
+// The style of parameter `name` in `plan` (its first matching entry); loom::Error naming the
+// parameter when it has none.
+TpStyle style_of(std::span<const PlanEntry> plan, const std::string& name);
+// How that style splits the parameter's tensor.
+TpSplit split_of(std::span<const PlanEntry> plan, const std::string& name);
 
 // loom::Error naming the parameter when one of the model's parameters has no entry in `plan`, or
 // is split otherwise than the plan says.

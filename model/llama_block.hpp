@@ -1,15 +1,16 @@
 #pragma once
-// The transformer block (attention + SwiGLU MLP, pre-norm residuals) composed of the parallel
+// Llama's transformer block (attention + SwiGLU MLP, pre-norm residuals) composed of the parallel
 // layers: column-parallel q/k/v and gate/up, row-parallel o and down (tensor parallelism, with
 // sequence parallelism outside attention), ring attention (context parallelism) and activation
 // checkpointing. Each forward saves exactly what its backward needs in the micro-batch's
-// BlockActs; backward returns the input gradient and accumulates parameter gradients.
+// LlamaBlockActs; backward returns the input gradient and accumulates parameter gradients.
 #include <cstdint>
-#include <vector>
 
 #include "core/tensor.hpp"
 #include "model/llama_config.hpp"
+#include "model/mlp.hpp"
 #include "model/param_unit.hpp"
+#include "model/step_context.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"
 #include "parallel/layers/context_parallel.hpp"
@@ -17,49 +18,27 @@
 
 namespace loom {
 
-// The parallelism a model's layers run under (null groups: none).
-struct ParallelContext {
-  TpRuntime tp;
-  CpOptions cp;
-};
-
 // Indices of a block's parameters in its unit: q, k, v adjacent (read as one fused GEMM
 // matrix), gate and up adjacent (likewise).
 enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
 
-// What one forward/backward of a micro-batch needs to know.
-struct StepContext {
-  int64_t B = 0, T = 0;
-  DType compute = DType::f32;      // what GEMMs read: f32, or bf16 (fp32 accumulation)
-  std::vector<int32_t> positions;  // global position of each of the T tokens
-  // With context parallelism: T is this rank's length (T_global / cp) and cp_pos[r] holds the
-  // global positions of cp rank r's T tokens (positions is cp_pos[own rank]).
-  std::vector<std::vector<int64_t>> cp_pos;
-  const RopeTable* rope = nullptr;
-  int64_t tokens() const { return B * T; }
-};
-
-// Saved activations of one transformer block.
-struct BlockActs {
+// Saved activations of one Llama block.
+struct LlamaBlockActs {
   Tensor x;      // block input [M, d], in the compute dtype
   Tensor rstd1;  // [M]
   Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
   Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd], in the compute dtype
   Tensor attn;   // attention output [M, Hq hd], in the compute dtype
   Tensor lse;    // [B, Hq, T]
-  Tensor h;      // after the attention residual [M, d]
-  Tensor rstd2;  // [M]
-  Tensor xn2;    // MLP norm output, as the GEMM reads it [M, d]
-  Tensor gu;     // gate and up projections [M, 2F], in the compute dtype
-  Tensor act;    // silu(gate) * up, as the GEMM reads it [M, F]
-  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, xn2 and act.
+  MlpActs mlp;   // from the attention residual h on; gu and act in the compute dtype
+  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, mlp.xn and mlp.act.
   size_t bytes() const;
 };
 
-class TransformerBlock {
+class LlamaBlock {
  public:
-  TransformerBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
-                   ShardLayout shard = {}, const ParallelContext* par = nullptr);
+  LlamaBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device, ShardLayout shard = {},
+             const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }
   const ParamUnit& unit() const { return unit_; }
   // What forward saves (none, full or op; see ActivationCheckpoint).
@@ -67,11 +46,11 @@ class TransformerBlock {
 
   // x [M, d] -> output [M, d] (a new tensor); saves into `acts`. With sequence parallelism x and
   // the output hold this tp rank's M / tp rows. In bf16, x is rounded to bf16 in place.
-  Tensor forward(const StepContext& ctx, const Tensor& x, BlockActs& acts) const;
+  Tensor forward(const StepContext& ctx, const Tensor& x, LlamaBlockActs& acts) const;
   // dy [M, d] (gradient w.r.t. the block's output) is turned in place into the gradient w.r.t.
   // the block's input; parameter gradients accumulate. Recomputes what forward did not save
   // (with tp or cp that re-runs their communication), then frees `acts`.
-  void backward(const StepContext& ctx, Tensor& dy, BlockActs& acts);
+  void backward(const StepContext& ctx, Tensor& dy, LlamaBlockActs& acts);
 
  private:
   struct Dims;
@@ -80,12 +59,18 @@ class TransformerBlock {
   // recomputation of a `full` block needs everything but the output) and an empty tensor
   // returned. With `round_input` (bf16's forward) the first norm also rounds x in place and into
   // acts.x, allocated by the caller.
-  Tensor run_forward(const StepContext& ctx, const Tensor& x, BlockActs& acts,
+  Tensor run_forward(const StepContext& ctx, const Tensor& x, LlamaBlockActs& acts,
                      ActivationCheckpoint::Mode mode, bool output, bool round_input = false) const;
-  void attention(const StepContext& ctx, Tensor& qkv, BlockActs& a) const;
-  void attention_backward(const StepContext& ctx, BlockActs& a, const Tensor& dattn,
+  void attention(const StepContext& ctx, Tensor& qkv, LlamaBlockActs& a) const;
+  void attention_backward(const StepContext& ctx, LlamaBlockActs& a, const Tensor& dattn,
                           Tensor& dqkv) const;
   bool unrotated_dqkv(const StepContext& ctx) const;
+  // The norms, GEMMs and SwiGLU write the compute dtype themselves (no f32 copies).
+  static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
+  // Whether a norm output saved for backward holds every row under SP (else it is gathered
+  // again, as recompute_allgather asks).
+  bool keep_gathered() const { return !par_->tp.opt.recompute_allgather; }
+  Mlp mlp(const StepContext& ctx) const;
   const Tensor& weight(size_t i) const { return unit_.gemm_weight(i); }
 
   const LlamaConfig& c_;
