@@ -5,6 +5,7 @@
 #include "distributed/group_sum.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/pipeline/schedule_csv.hpp"
+#include "parallel/pipeline_ddp.hpp"
 #include "parallel/pipeline_fsdp.hpp"
 
 namespace loom {
@@ -61,39 +62,17 @@ PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const Paralle
 }
 
 void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) {
-  pp::Schedule s = std::move(plan.schedule);
-  auto units = std::move(plan.units);
-  m.pipeline =
-      std::make_unique<PipelineExecutor>(*m.model, std::move(s), std::move(units), m.groups.pp);
-  // FSDP's gathers, releases and reduce-scatters by the rank's action list
-  // (parallel/pipeline_fsdp.hpp): per action and micro-batch, or once per step; under zero bubble
-  // a unit's gradient is reduced after the W that completes it, not in the hook that I runs; with
-  // tied embeddings across ranks the last stage's replica is reduced with the head's stage (its
-  // unit 0 runs no hooks there), so the tied sum adds two shards of dp sums.
+  m.pipeline = std::make_unique<PipelineExecutor>(*m.model, std::move(plan.schedule),
+                                                  std::move(plan.units), m.groups.pp);
+  // Data parallelism by the rank's action list: FSDP's gathers, releases and reduce-scatters
+  // (parallel/pipeline_fsdp.hpp), DDP's all-reduces (parallel/pipeline_ddp.hpp).
   if (m.fsdp)
-    apply_pp_fsdp(*m.pipeline, *m.fsdp, m.model->num_units(), m.model->tie_word_embeddings(),
-                  pp_fsdp_gather_from_name(pp_fsdp_gather), m.pp_last_round);
-  // DDP all-reduces each unit once per step, in the backward of the step's last micro-batch
-  // (TrainStep::run_pipeline sets *pp_last_round for the step's last run of the schedule).
-  if (m.ddp) {
-    const int last_mb = m.pipeline->schedule().microbatches - 1;
-    const bool zb = m.pipeline->schedule().split_backward();
-    m.pipeline->set_before_action(
-        [d = m.ddp.get(), last = m.pp_last_round, last_mb, zb](const pp::Action& a) {
-          d->set_sync(!zb && *last && a.op == pp::Op::B && a.mb == last_mb);
-        });
-    // Under zero bubble a unit's gradient is complete only after its stage's last W: its units
-    // are all-reduced then (the hook of I would reduce before W adds the linear layers').
-    if (zb)
-      m.pipeline->set_after_action([d = m.ddp.get(), last = m.pp_last_round, last_mb,
-                                    p = m.pipeline.get()](const pp::Action& a) {
-        if (!*last || a.op != pp::Op::W || a.mb != last_mb) return;
-        const auto [first, end] = p->stage_units(a.stage);
-        d->set_sync(true);
-        for (size_t u = end; u-- > first;) d->after_backward(u);
-        d->set_sync(false);
-      });
-  }
+    m.pipeline->set_hooks(std::make_unique<PipelineFsdp>(*m.pipeline, *m.fsdp, m.model->num_units(),
+                                                         m.model->tie_word_embeddings(),
+                                                         pp_fsdp_gather_from_name(pp_fsdp_gather)));
+  if (m.ddp)
+    m.pipeline->set_hooks(
+        std::make_unique<PipelineDdp>(*m.pipeline, *m.ddp, *m.model, *m.groups.dp));
 }
 
 }  // namespace
@@ -130,10 +109,11 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
   return m;
 }
 
-CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
-                       int cp_rank, int sp_tp) {
+LocalBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          int cp, int cp_rank, int sp_tp) {
   const auto pos = cp_positions(T, cp, cp_rank, sp_tp);
-  CpBatch out;
+  LocalBatch out;
+  out.B = B;
   out.T = int64_t(pos.size());
   const int64_t Tl = out.T;
   out.inputs.resize(size_t(B * Tl));
@@ -146,6 +126,18 @@ CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B,
   return out;
 }
 
+LocalBatch ParallelModel::local_batch(const MicroBatchView& mb) const {
+  if (!groups.cp) {
+    const size_t n = size_t(mb.B * mb.T);
+    return {mb.B, mb.T, std::vector<int32_t>(mb.inputs, mb.inputs + n),
+            std::vector<int32_t>(mb.targets, mb.targets + n)};
+  }
+  // The same samples on every cp rank of a dp rank, each taking its zigzag chunks.
+  const int sp_tp = groups.tp && model->tp().sequence_parallel ? groups.tp->size() : 1;
+  return cp_local_batch(mb.inputs, mb.targets, mb.B, mb.T, groups.cp->size(), groups.cp->rank(),
+                        sp_tp);
+}
+
 double ParallelModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                        int64_t T, float grad_scale, bool last) {
   if (ddp) ddp->set_sync(last);
@@ -154,19 +146,76 @@ double ParallelModel::forward_backward(const int32_t* inputs, const int32_t* tar
     if (fsdp) fsdp->finish_backward();
     return loss;
   }
-  // The same samples on every cp rank of a dp rank; the loss is summed over the cp group.
-  const int sp_tp = groups.tp && model->tp().sequence_parallel ? groups.tp->size() : 1;
-  const CpBatch mine =
-      cp_local_batch(inputs, targets, B, T, groups.cp->size(), groups.cp->rank(), sp_tp);
+  // The loss is summed over the cp group.
+  const LocalBatch mine = local_batch({inputs, targets, B, T});
   const double loss =
       model->forward_backward(mine.inputs.data(), mine.targets.data(), B, mine.T, grad_scale);
   if (fsdp) fsdp->finish_backward();
   return group_sum(groups.cp, loss);
 }
 
+double ParallelModel::forward_backward_step(int64_t n,
+                                            const std::function<MicroBatchView(int64_t)>& batch,
+                                            float grad_scale) {
+  if (!pipeline) {
+    double loss = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const MicroBatchView mb = batch(j);
+      loss += forward_backward(mb.inputs, mb.targets, mb.B, mb.T, grad_scale, j + 1 == n);
+    }
+    return loss;
+  }
+  const int m = pipeline->schedule().microbatches;
+  LOOM_CHECK(n % m == 0, "pipeline: ", n,
+             " micro-batches in the step, not a multiple of the schedule's ", m,
+             " (parallelism.pp_microbatches)");
+  // The schedule touches its micro-batches in any order, and a store keeps pointers to its
+  // tokens: each round's micro-batches are copied first (batch() is valid until its next call).
+  // With cp each rank keeps its zigzag tokens of every sample (and sends its own rows).
+  std::vector<LocalBatch> round(static_cast<size_t>(m));
+  double loss = 0;
+  for (int64_t first = 0; first < n; first += m) {
+    for (int j = 0; j < m; ++j) round[size_t(j)] = local_batch(batch(first + j));
+    loss = pipeline->run([&](int j) { return round[size_t(j)].view(); }, grad_scale, loss,
+                         first + m == n);
+  }
+  return group_sum(groups.cp, loss);
+}
+
 void ParallelModel::finish_step() {
   if (fsdp) fsdp->finish_step();
   if (ddp) ddp->finish_backward();
+  if (pipeline) pipeline->finish_step();
+}
+
+std::vector<bool> ParallelModel::counted_units() const {
+  return pipeline ? pipeline->counted_units() : std::vector<bool>{};
+}
+
+double ParallelModel::validation_loss(int64_t n,
+                                      const std::function<MicroBatchView(int64_t)>& batch) {
+  // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
+  // and the (zero) gradients are cleared. Under pp a forward-only schedule runs the stages (the
+  // head's fused loss still runs its backward, with scale 0).
+  if (!pipeline) {
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const MicroBatchView mb = batch(j);
+      sum += forward_backward(mb.inputs, mb.targets, mb.B, mb.T, 0.0f, false);
+    }
+    model->zero_grad();
+    return sum;
+  }
+  std::vector<LocalBatch> mine(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) mine[size_t(j)] = local_batch(batch(j));
+  const double loss = pipeline->run_forward([&](int j) { return mine[size_t(j)].view(); }, int(n));
+  // FSDP's collectives completed after every action; its units are released here (kept gathered
+  // under pp_fsdp_gather = "step", and the head's zero gradient is never reduced). DDP did not
+  // sync (no backward action).
+  if (fsdp) fsdp->finish_backward();
+  model->zero_grad();
+  // The loss is on the head's rank only: summed over pp (exact zeros elsewhere) it keeps its bits.
+  return group_sum(groups.pp, group_sum(groups.cp, loss));
 }
 
 const char* ParallelModel::kind() const {

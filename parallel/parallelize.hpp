@@ -13,6 +13,7 @@
 // model/tp_plan.hpp) and the built model is checked against that plan; activation checkpointing and
 // the data-parallel hooks apply to it afterwards.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -49,24 +50,45 @@ struct ParallelizeOptions {
   std::string pp_fsdp_gather = "microbatch";
 };
 
+// This rank's tokens of a micro-batch (owned: a pipeline round outlives the caller's batch).
+struct LocalBatch {
+  int64_t B = 0, T = 0;                  // T: this rank's tokens per sample
+  std::vector<int32_t> inputs, targets;  // [B, T]
+  MicroBatchView view() const { return {inputs.data(), targets.data(), B, T}; }
+};
+
 // The model of one rank with its parallel hooks.
 struct ParallelModel {
   ParallelGroups groups;
   std::unique_ptr<Model> model;  // declared first: the hooks detach from it on destruction
   std::unique_ptr<parallel::Fsdp> fsdp;
   std::unique_ptr<parallel::Ddp> ddp;
-  std::unique_ptr<PipelineExecutor> pipeline;  // with pp: this rank's stages and action list
-  // With pp and DDP: whether the schedule's run is the step's last (where DDP reduces); shared
-  // with the executor's callback, so it survives the ParallelModel being moved.
-  std::shared_ptr<bool> pp_last_round = std::make_shared<bool>(true);
+  // With pp: this rank's stages and action list, and the FSDP or DDP glue as its hooks.
+  std::unique_ptr<PipelineExecutor> pipeline;
 
+  // This rank's tokens of a global [B, T] micro-batch: with cp its zigzag chunks
+  // (cp_local_batch), all of them without.
+  LocalBatch local_batch(const MicroBatchView& mb) const;
   // One micro-batch of the global [B, T] batch (`last`: the last of the step, the one DDP
-  // reduces on): with cp this rank takes its tokens (cp_local_batch); returns the summed loss
+  // reduces on): with cp this rank takes its tokens (local_batch); returns the summed loss
   // of the tokens of this rank's samples (summed over cp).
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale, bool last);
-  // After the step's last micro-batch, before clipping: every gradient reduction complete.
+  // The forward and backward of a step's micro-batches 0..n-1 (`batch(m)` valid until its next
+  // call): forward_backward of each, or, with pp, rounds of the schedule's micro-batches (n a
+  // multiple of them). Returns the summed loss of this rank's samples (summed over cp; with pp
+  // on the head's rank only, 0 elsewhere).
+  double forward_backward_step(int64_t n, const std::function<MicroBatchView(int64_t)>& batch,
+                               float grad_scale);
+  // After the step's last micro-batch, before the norm: every gradient reduction complete (with
+  // pp, the tied embedding's two copies summed).
   void finish_step();
+  // Per unit, whether this rank counts its gradient in the norm (empty: every unit it holds).
+  std::vector<bool> counted_units() const;
+  // Validation: the summed loss of the micro-batches over this dp rank's tokens (summed over cp
+  // and pp, the same on every rank of the dp coordinate), a forward-only schedule under pp; the
+  // (zero) gradients cleared.
+  double validation_loss(int64_t n, const std::function<MicroBatchView(int64_t)>& batch);
   // "FSDP", "HSDP", "DDP" or "single".
   const char* kind() const;
 };
@@ -77,11 +99,7 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
 
 // This cp rank's tokens of a [B, T] batch: the zigzag layout's chunks r and 2*cp-1-r of every
 // sample (cp_positions; with SP over `sp_tp` ranks each chunk pair split further).
-struct CpBatch {
-  int64_t T = 0;                         // this rank's tokens per sample
-  std::vector<int32_t> inputs, targets;  // [B, T]
-};
-CpBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T, int cp,
-                       int cp_rank, int sp_tp);
+LocalBatch cp_local_batch(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                          int cp, int cp_rank, int sp_tp);
 
 }  // namespace loom

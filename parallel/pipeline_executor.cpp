@@ -2,6 +2,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -130,187 +131,253 @@ bool PipelineExecutor::holds_head() const {
   return schedule_.stage_rank[size_t(schedule_.stages - 1)] == rank_;
 }
 
-double PipelineExecutor::run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale,
-                             double loss) {
-  const pp::Schedule& s = schedule_;
-  const auto& order = s.orders[size_t(rank_)];
-  const int64_t d = model_.hidden_size();
-  const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
-  // A micro-batch's store lives from this rank's first forward of it to its last backward.
-  std::map<int, std::unique_ptr<ActivationStore>> stores;
-  std::map<int, int> pending;  // micro-batch -> this rank's backwards still to run
-  std::map<Key, Posted> recvs;
-  std::map<Key, Tensor> local;  // handed between two stages of this rank
-  std::vector<Posted> sends;    // not yet complete
-  int64_t sends_posted = 0;
-  std::map<std::pair<int, int>, Model::DeferredWeightGrads> deferred;  // (stage, mb)
+// One run of the schedule as a state machine: per action, the receives of the next action posted,
+// the action run by its method (forward, backward for B and I, weight for W), the sends whose test
+// this is freed. The state is what lives between actions: stores, messages, deferred W's.
+class PipelineExecutor::Round {
+ public:
+  Round(PipelineExecutor& ex, const std::function<MicroBatchView(int)>& batch, float grad_scale,
+        bool last_round, double loss)
+      : ex_(ex),
+        s_(ex.schedule_),
+        order_(s_.orders[size_t(ex.rank_)]),
+        batch_(batch),
+        grad_scale_(grad_scale),
+        last_round_(last_round),
+        loss_(loss),
+        d_(ex.model_.hidden_size()),
+        sp_(ex.model_.tp().size() > 1 && ex.model_.tp().sequence_parallel),
+        bytes0_(ex.group_ ? ex.group_->counters().bytes_sent : 0) {}
 
-  auto store_of = [&](int mb) -> ActivationStore& {
-    auto it = stores.find(mb);
-    if (it != stores.end()) return *it->second;
-    const PipelineMicroBatch b = batch(mb);
-    auto st = std::make_unique<ActivationStore>(
-        model_.micro_batch(b.inputs, b.targets, b.B, b.T, grad_scale));
-    pending[mb] = int(s.stages_of(rank_).size());
-    return *stores.emplace(mb, std::move(st)).first->second;
-  };
-  auto rows_of = [&](int mb) {
-    const PipelineMicroBatch b = batch(mb);
-    // The residual stream's rows on this rank (with SP, this tp rank's share of them); the
-    // micro-batch's T is already this cp rank's.
-    return sp ? b.B * b.T / model_.tp().size() : b.B * b.T;
-  };
-  auto context = [&](const pp::Action& a, const pp::Message& m, int peer, const char* what) {
-    return str_cat("pipeline schedule ", s.name, ", action ", pp::to_string(a), " (stage ", a.stage,
-                   ", micro-batch ", a.mb, "): ", what, " ", m.backward ? "gradient" : "activation",
-                   " of stage ", m.stage, " with pp rank ", peer, ", tag ",
-                   pp::message_tag(m, s.stages, s.microbatches));
-  };
-  auto post_recvs = [&](size_t k) {
-    if (k >= order.size()) return;
-    for (const pp::Message& m : pp::inputs_of(s, order[k])) {
+  size_t size() const { return order_.size(); }
+
+  // Action k: its inputs were posted one action ahead, so that a transfer overlaps the compute
+  // before it.
+  void step(size_t k) {
+    post_recvs(k + 1);
+    const pp::Action& a = order_[k];
+    PipelineHooks* hooks = ex_.hooks_.get();
+    if (hooks) hooks->before_action(a, last_round_);
+    ActivationStore& st = store_of(a.mb);
+    if (a.op == pp::Op::F)
+      forward(a, st);
+    else if (a.op == pp::Op::W)
+      weight(a);
+    else
+      backward(a, st);
+    if (a.op == pp::Op::B || a.op == pp::Op::W) release(a.mb);
+    if (hooks) hooks->after_action(a, last_round_);
+    test_sends();
+  }
+
+  void post_recvs(size_t k) {
+    if (!ex_.group_ || k >= order_.size()) return;
+    for (const pp::Message& m : pp::inputs_of(s_, order_[k])) {
       Posted p;
-      const MemoryUseScope use(model_.device(), MemoryUse::communication);
-      p.buf = Tensor::empty({rows_of(m.mb), d}, DType::f32, model_.device());
-      const int peer = pp::sender_of(s, m);
-      p.work = group_->recv(p.buf, peer, pp::message_tag(m, s.stages, s.microbatches));
-      p.work->set_context(context(order[k], m, peer, "receiving the"));
-      recvs.emplace(key(m), std::move(p));
+      const MemoryUseScope use(ex_.model_.device(), MemoryUse::communication);
+      p.buf = Tensor::empty({rows_of(m.mb), d_}, DType::f32, ex_.model_.device());
+      const int peer = pp::sender_of(s_, m);
+      p.work = ex_.group_->recv(p.buf, peer, pp::message_tag(m, s_.stages, s_.microbatches));
+      p.work->set_context(context(order_[k], m, peer, "receiving the"));
+      recvs_.emplace(key(m), std::move(p));
     }
-  };
-  auto received = [&](const pp::Action& a, bool backward, int stage) -> Tensor {
+  }
+
+  // The sends still in flight waited for; returns the run's loss.
+  double finish() {
+    {
+      trace::Span w("wait", "sends");
+      // The bytes this run sent on the pp group (its counters), which the benchmark compares
+      // with the schedule's analytic figure.
+      w.arg("count", sends_posted_)
+          .arg("p2p_bytes",
+               int64_t((ex_.group_ ? ex_.group_->counters().bytes_sent : 0) - bytes0_));
+      for (auto& p : sends_) {
+        trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));
+        sw.arg("peer", p.peer).arg("stage", p.msg.stage).arg("mb", p.msg.mb);
+        p.work->wait();
+      }
+    }
+    LOOM_CHECK(recvs_.empty() && local_.empty() && stores_.empty() && deferred_.empty(),
+               "pipeline schedule ", s_.name, ": rank ", ex_.rank_,
+               " ended the step with messages or micro-batches left over");
+    return loss_;
+  }
+
+ private:
+  void forward(const pp::Action& a, ActivationStore& st) {
+    const auto [first, last] = ex_.units_[size_t(a.stage)];
+    Tensor x = a.stage > 0 ? received(a, false, a.stage) : Tensor();
+    Tensor y;
+    {
+      trace::Span sp("action", pp::to_string(a));
+      tag(sp, a);
+      y = ex_.model_.forward(st, first, last, std::move(x));
+    }
+    if (a.stage + 1 < s_.stages) hand_on(a, false, a.stage + 1, std::move(y));
+  }
+
+  // B, or I: the input gradient with every linear layer's dW deferred to this stage's W.
+  void backward(const pp::Action& a, ActivationStore& st) {
+    const auto [first, last] = ex_.units_[size_t(a.stage)];
+    Tensor dy = a.stage + 1 < s_.stages ? received(a, true, a.stage) : Tensor();
+    Tensor dx;
+    {
+      trace::Span sp("action", pp::to_string(a));
+      tag(sp, a);
+      if (a.op == pp::Op::I)
+        dx = ex_.model_.backward_input(st, first, last, std::move(dy), deferred_[{a.stage, a.mb}]);
+      else
+        dx = ex_.model_.backward(st, first, last, std::move(dy));
+    }
+    if (a.stage == s_.stages - 1) loss_ += st.loss;
+    if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx));
+  }
+
+  // The weight gradients that this stage's I deferred, from its saved operands: no
+  // recomputation, and each weight gets the additions of a full backward in the same order.
+  void weight(const pp::Action& a) {
+    auto it = deferred_.find({a.stage, a.mb});
+    LOOM_CHECK(it != deferred_.end(), "pipeline schedule ", s_.name, ": rank ", ex_.rank_,
+               " action ", pp::to_string(a), " runs before its I");
+    if (ex_.drop_weight_grads_) {
+      it->second.clear();
+    } else {
+      trace::Span sp("action", pp::to_string(a));
+      tag(sp, a);
+      Model::weight_grads(it->second);
+    }
+    deferred_.erase(it);
+  }
+
+  // A micro-batch's store lives from this rank's first forward of it to its last backward.
+  ActivationStore& store_of(int mb) {
+    auto it = stores_.find(mb);
+    if (it != stores_.end()) return *it->second;
+    const MicroBatchView b = batch_(mb);
+    auto st = std::make_unique<ActivationStore>(
+        ex_.model_.micro_batch(b.inputs, b.targets, b.B, b.T, grad_scale_));
+    pending_[mb] = int(s_.stages_of(ex_.rank_).size());
+    return *stores_.emplace(mb, std::move(st)).first->second;
+  }
+  void release(int mb) {
+    if (--pending_[mb] > 0) return;
+    stores_.erase(mb);
+    pending_.erase(mb);
+  }
+
+  // The residual stream's rows on this rank (with SP, this tp rank's share of them); the
+  // micro-batch's T is already this cp rank's.
+  int64_t rows_of(int mb) const {
+    const MicroBatchView b = batch_(mb);
+    return sp_ ? b.B * b.T / ex_.model_.tp().size() : b.B * b.T;
+  }
+
+  std::string context(const pp::Action& a, const pp::Message& m, int peer, const char* what) const {
+    return str_cat("pipeline schedule ", s_.name, ", action ", pp::to_string(a), " (stage ",
+                   a.stage, ", micro-batch ", a.mb, "): ", what, " ",
+                   m.backward ? "gradient" : "activation", " of stage ", m.stage, " with pp rank ",
+                   peer, ", tag ", pp::message_tag(m, s_.stages, s_.microbatches));
+  }
+
+  // The action's span covers its compute only: the wait for its input is a span of its own, so
+  // that the CPU time a trace gives per action is the work (MPI spins while it waits).
+  static void tag(trace::Span& sp, const pp::Action& a) {
+    const std::string name = pp::to_string(a);
+    sp.arg("stage", a.stage)
+        .arg("mb", a.mb)
+        .arg("kind", name.substr(name.find_first_of("FBIW"), 1));
+  }
+
+  Tensor received(const pp::Action& a, bool backward, int stage) {
     const pp::Message m{backward, stage, a.mb};
-    auto lit = local.find(key(m));
-    if (lit != local.end()) {
+    auto lit = local_.find(key(m));
+    if (lit != local_.end()) {
       Tensor t = std::move(lit->second);
-      local.erase(lit);
+      local_.erase(lit);
       return t;
     }
-    auto it = recvs.find(key(m));
-    LOOM_CHECK(it != recvs.end(), "pipeline schedule ", s.name, ": rank ", rank_, " action ",
+    auto it = recvs_.find(key(m));
+    LOOM_CHECK(it != recvs_.end(), "pipeline schedule ", s_.name, ": rank ", ex_.rank_, " action ",
                pp::to_string(a), " has no ", backward ? "gradient" : "activation",
                " posted for it");
     {
       trace::Span w("wait", str_cat("recv ", backward ? "gradient" : "activation"));
-      w.arg("peer", pp::sender_of(s, m)).arg("stage", stage).arg("mb", a.mb);
+      w.arg("peer", pp::sender_of(s_, m)).arg("stage", stage).arg("mb", a.mb);
       it->second.work->wait();
     }
     Tensor t = std::move(it->second.buf);
-    recvs.erase(it);
+    recvs_.erase(it);
     return t;
-  };
-  auto hand_on = [&](const pp::Action& a, bool backward, int to_stage, Tensor t) {
+  }
+
+  // To the next stage: handed over when this rank holds it, else sent.
+  void hand_on(const pp::Action& a, bool backward, int to_stage, Tensor t) {
     const pp::Message m{backward, to_stage, a.mb};
-    const int to_rank = s.stage_rank[size_t(to_stage)];
-    if (to_rank == rank_) {
-      local.emplace(key(m), std::move(t));
+    const int to_rank = s_.stage_rank[size_t(to_stage)];
+    if (to_rank == ex_.rank_) {
+      local_.emplace(key(m), std::move(t));
       return;
     }
     Posted p;
     pp::Message sent = m;
-    if (swap_activations_ && !backward && (a.mb ^ 1) < s.microbatches) sent.mb = a.mb ^ 1;
-    p.work = group_->send(t, to_rank, pp::message_tag(sent, s.stages, s.microbatches));
+    if (ex_.swap_activations_ && !backward && (a.mb ^ 1) < s_.microbatches) sent.mb = a.mb ^ 1;
+    p.work = ex_.group_->send(t, to_rank, pp::message_tag(sent, s_.stages, s_.microbatches));
     p.work->set_context(context(a, m, to_rank, "sending the"));
     p.buf = std::move(t);
     p.msg = m;
     p.peer = to_rank;
-    const auto tests = send_tests_.find(key(m));
-    p.tests_left = tests == send_tests_.end() ? 0 : tests->second;
-    sends.push_back(std::move(p));
-    ++sends_posted;
-  };
+    const auto tests = ex_.send_tests_.find(key(m));
+    p.tests_left = tests == ex_.send_tests_.end() ? 0 : tests->second;
+    sends_.push_back(std::move(p));
+    ++sends_posted_;
+  }
 
-  const uint64_t bytes0 = group_ ? group_->counters().bytes_sent : 0;
-  if (group_) post_recvs(0);
-  for (size_t k = 0; k < order.size(); ++k) {
-    if (group_) post_recvs(k + 1);
-    const pp::Action& a = order[k];
-    if (before_action_) before_action_(a);
-    const auto [first, last] = units_[size_t(a.stage)];
-    ActivationStore& st = store_of(a.mb);
-    // The action's span covers its compute only: the wait for its input is a span of its own, so
-    // that the CPU time a trace gives per action is the work (MPI spins while it waits).
-    auto tag = [&](trace::Span& sp) {
-      const std::string name = pp::to_string(a);
-      sp.arg("stage", a.stage)
-          .arg("mb", a.mb)
-          .arg("kind", name.substr(name.find_first_of("FBIW"), 1));
-    };
-    if (a.op == pp::Op::F) {
-      Tensor x = a.stage > 0 ? received(a, false, a.stage) : Tensor();
-      Tensor y;
-      {
-        trace::Span sp("action", pp::to_string(a));
-        tag(sp);
-        y = model_.forward(st, first, last, std::move(x));
-      }
-      if (a.stage + 1 < s.stages) hand_on(a, false, a.stage + 1, std::move(y));
-    } else if (a.op == pp::Op::W) {
-      // The weight gradients that this stage's I deferred, from its saved operands: no
-      // recomputation, and each weight gets the additions of a full backward in the same order.
-      auto it = deferred.find({a.stage, a.mb});
-      LOOM_CHECK(it != deferred.end(), "pipeline schedule ", s.name, ": rank ", rank_, " action ",
-                 pp::to_string(a), " runs before its I");
-      if (drop_weight_grads_) {
-        it->second.clear();
-      } else {
-        trace::Span sp("action", pp::to_string(a));
-        tag(sp);
-        Model::weight_grads(it->second);
-      }
-      deferred.erase(it);
-    } else {
-      Tensor dy = a.stage + 1 < s.stages ? received(a, true, a.stage) : Tensor();
-      Tensor dx;
-      {
-        trace::Span sp("action", pp::to_string(a));
-        tag(sp);
-        if (a.op == pp::Op::I) {
-          // Every linear layer's dW waits for this stage's W.
-          dx = model_.backward_input(st, first, last, std::move(dy), deferred[{a.stage, a.mb}]);
-        } else {
-          dx = model_.backward(st, first, last, std::move(dy));
-        }
-      }
-      if (a.stage == s.stages - 1) loss += st.loss;
-      if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx));
-    }
-    if (a.op == pp::Op::B || a.op == pp::Op::W) {
-      if (--pending[a.mb] == 0) {
-        stores.erase(a.mb);
-        pending.erase(a.mb);
-      }
-    }
-    if (after_action_) after_action_(a);
-    // Drive the transfers in flight (Open MPI progresses only inside MPI calls) and free the
-    // buffers whose test this is (send_tests_): kept to the end, a rank would hold every message
-    // it sent in the step.
-    std::erase_if(sends, [](Posted& p) {
+  // Drive the transfers in flight (Open MPI progresses only inside MPI calls) and free the
+  // buffers whose test this is (send_tests_): kept to the end, a rank would hold every message
+  // it sent in the step.
+  void test_sends() {
+    std::erase_if(sends_, [](Posted& p) {
       p.work->test();
       if (p.tests_left == 0 || --p.tests_left > 0) return false;
       p.work->wait();
       return true;
     });
   }
-  {
-    trace::Span w("wait", "sends");
-    // The bytes this run sent on the pp group (its counters), which the benchmark compares with
-    // the schedule's analytic figure.
-    w.arg("count", sends_posted)
-        .arg("p2p_bytes", int64_t((group_ ? group_->counters().bytes_sent : 0) - bytes0));
-    for (auto& p : sends) {
-      trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));
-      sw.arg("peer", p.peer).arg("stage", p.msg.stage).arg("mb", p.msg.mb);
-      p.work->wait();
-    }
-  }
-  LOOM_CHECK(recvs.empty() && local.empty() && stores.empty() && deferred.empty(),
-             "pipeline schedule ", s.name, ": rank ", rank_,
-             " ended the step with messages or micro-batches left over");
-  return loss;
+
+  PipelineExecutor& ex_;
+  const pp::Schedule& s_;
+  const std::vector<pp::Action>& order_;
+  const std::function<MicroBatchView(int)>& batch_;
+  const float grad_scale_;
+  const bool last_round_;
+  double loss_;
+  const int64_t d_;
+  const bool sp_;
+  const uint64_t bytes0_;
+  std::map<int, std::unique_ptr<ActivationStore>> stores_;
+  std::map<int, int> pending_;  // micro-batch -> this rank's backwards still to run
+  std::map<Key, Posted> recvs_;
+  std::map<Key, Tensor> local_;  // handed between two stages of this rank
+  std::vector<Posted> sends_;    // not yet freed
+  int64_t sends_posted_ = 0;
+  std::map<std::pair<int, int>, Model::DeferredWeightGrads> deferred_;  // (stage, mb)
+};
+
+double PipelineExecutor::run(const std::function<MicroBatchView(int)>& batch, float grad_scale,
+                             double loss, bool last_round) {
+  Round round(*this, batch, grad_scale, last_round, loss);
+  round.post_recvs(0);
+  for (size_t k = 0; k < round.size(); ++k) round.step(k);
+  return round.finish();
 }
 
-double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n) {
+void PipelineExecutor::finish_step() {
+  if (hooks_) hooks_->finish_step();
+  sum_tied_gradients();
+}
+
+double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& batch, int n) {
   const pp::Schedule& s = schedule_;
   const int64_t d = model_.hidden_size();
   const bool sp = model_.tp().size() > 1 && model_.tp().sequence_parallel;
@@ -322,13 +389,13 @@ double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)
   std::vector<Posted> sends;
   double loss = 0;
   for (int mb = 0; mb < n; ++mb) {
-    const PipelineMicroBatch b = batch(mb);
+    const MicroBatchView b = batch(mb);
     ActivationStore st = model_.micro_batch(b.inputs, b.targets, b.B, b.T, 0.0f);
     Tensor x;  // the residual stream handed between this rank's consecutive stages
     for (int stage = 0; stage < s.stages; ++stage) {
       if (s.stage_rank[size_t(stage)] != rank_) continue;
       const pp::Action a{stage, pp::Op::F, mb};
-      if (before_action_) before_action_(a);
+      if (hooks_) hooks_->before_action(a, false);
       if (stage > 0 && s.stage_rank[size_t(stage - 1)] != rank_) {
         x = Tensor::empty({sp ? b.B * b.T / model_.tp().size() : b.B * b.T, d}, DType::f32,
                           model_.device());
@@ -357,7 +424,7 @@ double PipelineExecutor::run_forward(const std::function<PipelineMicroBatch(int)
         p.buf = std::move(y);
         sends.push_back(std::move(p));
       }
-      if (after_action_) after_action_(a);
+      if (hooks_) hooks_->after_action(a, false);
       for (auto& p : sends) p.work->test();
     }
   }

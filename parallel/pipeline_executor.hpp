@@ -8,13 +8,16 @@
 // compute before it, between two stages of one rank handed over without a message; a send's
 // buffer is freed at a test fixed by the schedule (where its receiver has posted the receive in
 // the schedule simulated with unit costs), so that the peak never depends on MPI's timing. Every
-// wait has
-// the group's deadline, and a timeout names the schedule, action, stage, micro-batch and peer.
+// wait has the group's deadline, and a timeout names the schedule, action, stage, micro-batch and
+// peer. One run is a small state machine (PipelineExecutor::Round in the .cpp): a method per
+// action kind, `run` the loop over the rank's list. Data parallelism's glue runs around every
+// action as PipelineHooks (pipeline_fsdp.hpp, pipeline_ddp.hpp).
 // The loss is computed where the head is; gradients accumulate in the units in micro-batch order
 // per stage, the order of grad_accum_steps, so pp changes no bit of them.
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -25,10 +28,23 @@
 
 namespace loom {
 
-struct PipelineMicroBatch {
-  const int32_t* inputs = nullptr;   // [B, T], valid for the whole run
+// A micro-batch's tokens, borrowed: valid for the whole run.
+struct MicroBatchView {
+  const int32_t* inputs = nullptr;   // [B, T]
   const int32_t* targets = nullptr;  // [B, T]
   int64_t B = 0, T = 0;
+};
+
+// What data parallelism does around the pipeline's actions (parallel/pipeline_fsdp.hpp,
+// parallel/pipeline_ddp.hpp): called before and after every action, `last_round` whether this run
+// of the schedule is the step's last (where the gradients are reduced); false in validation.
+class PipelineHooks {
+ public:
+  virtual ~PipelineHooks() = default;
+  virtual void before_action(const pp::Action& a, bool last_round) = 0;
+  virtual void after_action(const pp::Action& a, bool last_round) = 0;
+  // After the step's last run, before the tied embedding's gradients are summed.
+  virtual void finish_step() {}
 };
 
 // The units whose weights pp rank `rank` reads (ascending): its stages' and, when the model ties
@@ -59,33 +75,29 @@ class PipelineExecutor {
   bool holds_head() const;
   int unit_owner(size_t unit) const;  // the pp rank whose stage holds the unit
 
-  // This rank's actions over micro-batches 0..microbatches-1 (`batch(j)`). Gradients of
-  // grad_scale x the summed loss accumulate into this rank's units. Returns `loss` plus the
-  // losses of the micro-batches whose head is on this rank, added in micro-batch order (`loss`
-  // elsewhere): a step of several rounds adds its losses as one process's loop does.
-  double run(const std::function<PipelineMicroBatch(int)>& batch, float grad_scale,
-             double loss = 0);
+  // One run of the schedule: this rank's actions over micro-batches 0..microbatches-1
+  // (`batch(j)`). Gradients of grad_scale x the summed loss accumulate into this rank's units.
+  // Returns `loss` plus the losses of the micro-batches whose head is on this rank, added in
+  // micro-batch order (`loss` elsewhere): a step of several rounds adds its losses as one
+  // process's loop does. `last_round`: whether this run is the step's last (the hooks reduce
+  // there).
+  double run(const std::function<MicroBatchView(int)>& batch, float grad_scale, double loss = 0,
+             bool last_round = true);
 
   // Forward only (validation): micro-batches 0..n-1 through every stage, the head's loss computed
   // with a zero gradient scale and nothing sent back. Each rank runs its (micro-batch, stage)
   // pairs in that order, which every dependency follows, so blocking receives cannot deadlock.
   // Returns the summed loss of the micro-batches on the head's rank (0 elsewhere), in micro-batch
   // order. The caller clears the (zero) gradients.
-  double run_forward(const std::function<PipelineMicroBatch(int)>& batch, int n);
+  double run_forward(const std::function<MicroBatchView(int)>& batch, int n);
 
-  // Called after every action (FSDP: the reductions its plan puts there, every pending collective
-  // completed, parallel/pipeline_fsdp.hpp; DDP under zero bubble: reduce a stage's units after
-  // its last W).
-  void set_after_action(std::function<void(const pp::Action&)> fn) {
-    after_action_ = std::move(fn);
-  }
+  // Data parallelism's glue (FSDP or DDP), run around every action.
+  void set_hooks(std::unique_ptr<PipelineHooks> hooks) { hooks_ = std::move(hooks); }
   const pp::UnitRange& stage_units(int stage) const { return units_[size_t(stage)]; }
-  // Called before every action (DDP: reduce only in the step's last micro-batch's backward; FSDP:
-  // mark the units the action completes, keep the prefetch inside its stage).
-  void set_before_action(std::function<void(const pp::Action&)> fn) {
-    before_action_ = std::move(fn);
-  }
 
+  // After the step's last run (and before the norm): the hooks' finish_step, then the tied
+  // embedding's gradients summed.
+  void finish_step();
   // Tied embeddings with the first and last stages on different ranks: the last stage's head
   // writes its replica of the embedding. Called once per step after every round (and before the
   // norm): the first and last stages exchange the embedding's gradient and both keep the sum.
@@ -103,6 +115,8 @@ class PipelineExecutor {
   void set_swap_activations(bool on) { swap_activations_ = on; }
 
  private:
+  class Round;  // what one run holds between its actions (pipeline_executor.cpp)
+
   Model& model_;
   pp::Schedule schedule_;
   std::vector<pp::UnitRange> units_;
@@ -115,8 +129,7 @@ class PipelineExecutor {
   // Per message this rank sends, (backward, stage, micro-batch): the test after an action that
   // frees its buffer (pp::SimResult::send_tests; 0: the step's final wait).
   std::map<std::tuple<bool, int, int>, int> send_tests_;
-  std::function<void(const pp::Action&)> after_action_;
-  std::function<void(const pp::Action&)> before_action_;
+  std::unique_ptr<PipelineHooks> hooks_;
 };
 
 }  // namespace loom

@@ -1,8 +1,5 @@
 #include "parallel/pipeline_fsdp.hpp"
 
-#include <map>
-#include <tuple>
-
 #include "core/error.hpp"
 
 namespace loom {
@@ -98,36 +95,31 @@ PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
   return c;
 }
 
-void apply_pp_fsdp(PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
-                   bool tie_word_embeddings, PpFsdpGather mode, std::shared_ptr<bool> last_round) {
-  const bool step = mode == PpFsdpGather::step;
-  fsdp.set_pipeline_mode(step, true);
+PipelineFsdp::PipelineFsdp(const PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
+                           bool tie_word_embeddings, PpFsdpGather mode)
+    : pipe_(pipe), fsdp_(fsdp), step_(mode == PpFsdpGather::step) {
+  fsdp_.set_pipeline_mode(step_, true);
   const pp::Schedule& s = pipe.schedule();
   const auto plan =
       pp_fsdp_reduce_plan(s, ranges_of(pipe), pipe.rank(), num_units, tie_word_embeddings, mode);
-  // An action is unique in a rank's list by (stage, op, micro-batch).
-  using Key = std::tuple<int, int, int>;
-  auto due = std::make_shared<std::map<Key, std::vector<size_t>>>();
   const auto& order = s.orders[size_t(pipe.rank())];
   for (size_t k = 0; k < order.size(); ++k)
-    if (!plan[k].empty()) (*due)[{order[k].stage, int(order[k].op), order[k].mb}] = plan[k];
-  // Marked before the action, so that a B's own units are reduce-scattered in their
-  // after_backward hooks, overlapping the backward of the units before them.
-  pipe.set_before_action([p = &pipe, f = &fsdp, due, step, last_round](const pp::Action& a) {
-    const auto [first, last] = p->stage_units(a.stage);
-    f->set_prefetch_range(first, last);
-    if (step && !*last_round) return;
-    auto it = due->find({a.stage, int(a.op), a.mb});
-    if (it == due->end()) return;
-    for (size_t u : it->second) f->mark_reduce(u);
-  });
-  // The rest (a W's units, the tied embedding's replica, whose hooks did not run) here; then every
-  // collective completes within the action (see the top of pipeline_fsdp.hpp).
-  pipe.set_after_action([f = &fsdp, step](const pp::Action&) {
-    f->reduce_marked();
-    f->complete_pending();
-    if (!step) f->release_all_weights();
-  });
+    if (!plan[k].empty()) due_[{order[k].stage, int(order[k].op), order[k].mb}] = plan[k];
+}
+
+void PipelineFsdp::before_action(const pp::Action& a, bool last_round) {
+  const auto [first, last] = pipe_.stage_units(a.stage);
+  fsdp_.set_prefetch_range(first, last);
+  if (step_ && !last_round) return;
+  auto it = due_.find({a.stage, int(a.op), a.mb});
+  if (it == due_.end()) return;
+  for (size_t u : it->second) fsdp_.mark_reduce(u);
+}
+
+void PipelineFsdp::after_action(const pp::Action&, bool) {
+  fsdp_.reduce_marked();
+  fsdp_.complete_pending();
+  if (!step_) fsdp_.release_all_weights();
 }
 
 }  // namespace loom

@@ -22,8 +22,9 @@
 // embeddings, the embedding (the head's projection reads and writes it: the last stage's replica
 // when the first stage is on another rank, reduce-scattered like any unit before the tied sum).
 #include <cstdint>
-#include <memory>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "parallel/fsdp.hpp"
@@ -47,16 +48,33 @@ std::vector<std::vector<size_t>> pp_fsdp_reduce_plan(const pp::Schedule& schedul
                                                      bool tie_word_embeddings, PpFsdpGather mode);
 
 // Per unit (units() order), FSDP's all-gathers and reduce-scatters on this rank in one step of
-// `rounds` runs of the schedule (what the callbacks of apply_pp_fsdp issue).
+// `rounds` runs of the schedule (what PipelineFsdp issues).
 struct PpFsdpCounts {
   std::vector<int64_t> gathers, reduces;
 };
 PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
                             bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds);
 
-// Installs the executor's before- and after-action callbacks that drive `fsdp` by the plan.
-// `last_round`: whether the schedule's current run is the step's last (TrainStep sets it).
-void apply_pp_fsdp(PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
-                   bool tie_word_embeddings, PpFsdpGather mode, std::shared_ptr<bool> last_round);
+// The executor's hooks that drive `fsdp` by the plan (installed with PipelineExecutor::set_hooks;
+// the executor owns them, and `fsdp` outlives it in ParallelModel).
+class PipelineFsdp final : public PipelineHooks {
+ public:
+  PipelineFsdp(const PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
+               bool tie_word_embeddings, PpFsdpGather mode);
+  // Marks the units the action completes (step mode: only in the last round), so that a B's own
+  // units are reduce-scattered in their after_backward hooks, overlapping the backward of the
+  // units before them; keeps the prefetch inside the action's stage.
+  void before_action(const pp::Action& a, bool last_round) override;
+  // The rest (a W's units, the tied embedding's replica, whose hooks did not run); then every
+  // collective completes within the action (see the top of this file).
+  void after_action(const pp::Action& a, bool last_round) override;
+
+ private:
+  const PipelineExecutor& pipe_;
+  parallel::Fsdp& fsdp_;
+  bool step_;
+  // Per action with reductions, by (stage, op, micro-batch), unique in a rank's list.
+  std::map<std::tuple<int, int, int>, std::vector<size_t>> due_;
+};
 
 }  // namespace loom

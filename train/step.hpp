@@ -1,7 +1,8 @@
 #pragma once
-// The one training step of `loom train` and `loom bench step` (the place a pipeline schedule
-// will plug in): zero the gradients; forward/backward of each micro-batch of this rank (the
-// parallel model's hooks reduce the gradients as they go); the step's last reductions; the loss
+// The one training step of `loom train`, `loom bench step` and `loom plan`: zero the gradients;
+// the forward/backward of the step's micro-batches (ParallelModel::forward_backward_step: one
+// after the other, or a pipeline schedule's rounds; the parallel model's hooks reduce the
+// gradients as they go); the step's last reductions; the loss
 // summed over the data-parallel ranks; the gradient norm clipped; AdamW at the given rate.
 // The trainer keeps the policy around it (logging, validation, checkpoints, stopping).
 #include <cstdint>
@@ -33,18 +34,10 @@ class TrainStep {
                  double lr, const std::function<void()>& before_update = {});
 
  private:
-  double run_pipeline(int64_t micro_batches, const std::function<const MicroBatch&(int64_t)>& batch,
-                      float grad_scale);
-
   ParallelModel& model_;
   AdamW& optimizer_;
   double max_norm_;
   int64_t tokens_per_step_;
 };
-
-// Validation under pp: the batches through a forward-only schedule (PipelineExecutor::run_forward);
-// returns their summed loss over this dp rank's tokens (summed over cp and pp, the same on every
-// rank of the dp coordinate), as the loop of forward passes gives in one process.
-double pipeline_validation_loss(ParallelModel& model, const std::vector<MicroBatch>& batches);
 
 }  // namespace loom

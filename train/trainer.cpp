@@ -654,17 +654,10 @@ int64_t Trainer::step() const {
 double Trainer::validate() {
   State& s = *s_;
   LOOM_CHECK(!s.val_batches.empty(), "validate: no validation batches (validation.interval = 0)");
-  // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
-  // and the (zero) gradients are cleared. Under pp a forward-only schedule runs the stages (the
-  // head's fused loss still runs its backward, with scale 0).
-  double sum = 0;
-  if (s.par.pipeline) {
-    sum = pipeline_validation_loss(s.par, s.val_batches);
-  } else {
-    for (const MicroBatch& mb : s.val_batches)
-      sum += s.par.forward_backward(mb.inputs.data(), mb.targets.data(), mb.B, mb.T, 0.0f, false);
-    s.par.model->zero_grad();
-  }
+  double sum = s.par.validation_loss(int64_t(s.val_batches.size()), [&](int64_t j) {
+    const MicroBatch& mb = s.val_batches[size_t(j)];
+    return MicroBatchView{mb.inputs.data(), mb.targets.data(), mb.B, mb.T};
+  });
   sum = group_sum(s.groups.dp, sum);
   return sum / double(int64_t(s.val_batches.size()) * s.B * s.T * s.groups.size);
 }

@@ -141,13 +141,13 @@ TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
     in[size_t(i)] = int32_t(i);
     tg[size_t(i)] = int32_t(100 + i);
   }
-  const CpBatch r1 = cp_local_batch(in.data(), tg.data(), B, T, 2, 1, 1);
+  const LocalBatch r1 = cp_local_batch(in.data(), tg.data(), B, T, 2, 1, 1);
   // cp 2: four chunks of 2; rank 1 holds chunks 1 and 2 of every sample.
   EXPECT_EQ(r1.T, 4);
   EXPECT_EQ(r1.inputs, (std::vector<int32_t>{2, 3, 4, 5, 10, 11, 12, 13}));
   EXPECT_EQ(r1.targets[0], 102);
   const auto pos = cp_positions(T, 2, 0, 1);
-  const CpBatch r0 = cp_local_batch(in.data(), tg.data(), B, T, 2, 0, 1);
+  const LocalBatch r0 = cp_local_batch(in.data(), tg.data(), B, T, 2, 0, 1);
   for (size_t t = 0; t < pos.size(); ++t) EXPECT_EQ(r0.inputs[t], int32_t(pos[t]));
 }
 

@@ -83,7 +83,7 @@ int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vecto
   swap = swap || drop_w;  // an anti-test: mismatches are expected, not failures
   const double loss = ex.run(
       [&](int j) {
-        return PipelineMicroBatch{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
       },
       scale);
 
@@ -207,7 +207,7 @@ double tied_embedding_error(pp::ScheduleKind kind, int v, int m, bool skip_sum) 
   ex.set_skip_tied_sum(skip_sum);
   const double loss = ex.run(
       [&](int j) {
-        return PipelineMicroBatch{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
       },
       scale);
   ex.sum_tied_gradients();
@@ -282,7 +282,7 @@ TEST(PipelineExecutor, DISABLED_StoppedRankEndsTheJobWithTheTimeoutLine) {
                       pp::stage_units(p, p), &world());
   ex.run(
       [&](int j) {
-        return PipelineMicroBatch{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
       },
       1.0f);
   ADD_FAILURE() << "the step finished although rank " << p - 1 << " never ran";
