@@ -561,22 +561,12 @@ void forward_impl(const BlockShape& s, const uint16_t* q, const uint16_t* k, con
 //   dK += dS^T Q   A: dS in pairs over queries   B: Q in pairs over queries
 //   dQ += dS K     A: dS rows (natural)          B: K in pairs over keys
 template <bool Native>
-class Backward : public BackwardShape {
+class Backward : public BackwardBase {
  public:
   Backward(const BlockShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
            const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
            const float* dout, float* dq, float* dk, float* dv)
-      : BackwardShape(s, q_pos, k_pos),
-        wd(s.D),
-        q(q),
-        k(k),
-        v(v),
-        lse(lse),
-        di(di),
-        dout(dout),
-        dq(dq),
-        dk(dk),
-        dv(dv) {}
+      : BackwardBase(s, q_pos, k_pos, lse, di, dout, dq, dk, dv), wd(s.D), q(q), k(k), v(v) {}
 
   struct Buffers {
     explicit Buffers(const Widths& w)
@@ -615,84 +605,67 @@ class Backward : public BackwardShape {
     Words dsn;             // dS * scale rounded, natural [kBq][kBk]
     float *dkacc, *dvacc;  // [kBk][Dc]
     float* dqs;            // dq rows when D is not a multiple of kW, [kBq][Dc]
+    // The key tile in work (start_key_tile): whether its next products write dk/dv rather than
+    // add to them, the last query tile that sees it, its dk and dv rows, and whether the last
+    // products store into those directly.
+    bool first = false, direct = false;
+    int64_t last_qi = 0;
+    float *dk_rows = nullptr, *dv_rows = nullptr;
   };
 
-  void key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj, bool with_dq) const {
+  // The tile walks' steps (backward_key_tile, backward_query_tile in attention_tiles-inl.hpp).
+
+  void start_key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj) const {
     const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
-    const int64_t Dc = wd.Dc;
-    bool any = false;
-    for (int64_t qi = 0; qi < qtiles.count; ++qi)
-      any = any || classify(qtiles, qi, ktiles, kj) != Pair::none;
-    if (!any) {
-      if (overwrite)
-        for (int64_t j = 0; j < nk; ++j) {
-          std::fill_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
-          std::fill_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
-        }
-      return;
-    }
-    load_kv_tile(w, b, g, k0, nk);
     // dk and dv accumulate in dkacc, dvacc: from dk, dv, or (overwrite) from the first query
     // tile's products, written rather than added to zeros. Their columns past D and rows past nk
     // are never copied out, so they need no initial value.
-    bool first = overwrite;
+    w.first = overwrite;
     if (!overwrite) {
-      copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, Dc);
-      copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, Dc);
+      copy_rows(dk + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dkacc, wd.Dc);
+      copy_rows(dv + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.dvacc, wd.Dc);
     }
     // The last step's products store dk and dv straight into their rows (where they are whole
     // vectors: D == Dc), so that those stores, which miss the cache, spread over its row blocks
     // instead of coming in one burst of copies at the end (14% of the backward at D 48 with 2
     // threads was that burst).
-    int64_t last_qi = 0;
+    w.last_qi = 0;
     for (int64_t qi = 0; qi < qtiles.count; ++qi)
-      if (classify(qtiles, qi, ktiles, kj) != Pair::none) last_qi = qi;
-    float* dk_rows = dk + (b * Tk + k0) * kvs + g * D;
-    float* dv_rows = dv + (b * Tk + k0) * kvs + g * D;
-    const bool direct = D == Dc;
-    for (int64_t h = g * G; h < (g + 1) * G; ++h)
-      for (int64_t qi = 0; qi < qtiles.count; ++qi) {
-        const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
-        if (mask.kind == Pair::none) continue;
-        load_q_tile(w, b, h, qi);
-        probs_and_grads(w, b, h, q0, k0, mask);
-        // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
-        const auto queries = [&](int64_t r0, int64_t) {
-          return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
-        };
-        const bool last = direct && h == (g + 1) * G - 1 && qi == last_qi;
-        PairProd pv{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !first};
-        PairProd pk{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !first};
-        if (last) {
-          pv.Co = dv_rows, pv.ldo = kvs;
-          pk.Co = dk_rows, pk.ldo = kvs;
-        }
-        pair_products<Native>(pv, nk, queries);
-        pair_products<Native>(pk, nk, queries);
-        first = false;
-        if (with_dq) add_dq(w, b, h, q0, mask, overwrite && kj == first_key_tile(qi));
-      }
-    if (!direct) {
-      copy_rows(w.dkacc, Dc, nk, D, dk_rows, kvs);
-      copy_rows(w.dvacc, Dc, nk, D, dv_rows, kvs);
-    }
+      if (classify(qtiles, qi, ktiles, kj) != Pair::none) w.last_qi = qi;
+    w.dk_rows = dk + (b * Tk + k0) * kvs + g * D;
+    w.dv_rows = dv + (b * Tk + k0) * kvs + g * D;
+    w.direct = D == wd.Dc;
   }
-
-  void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
-    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-    const int64_t first = first_key_tile(qi);
-    if (overwrite && first == ktiles.count)
-      for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
-    load_q_tile(w, b, h, qi);
-    for (int64_t kj = 0; kj < ktiles.count; ++kj) {
-      const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
-      const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
-      if (mask.kind == Pair::none) continue;
-      load_kv_tile(w, b, h / G, k0, nk);
-      probs_and_grads(w, b, h, q0, k0, mask);
-      add_dq(w, b, h, q0, mask, overwrite && kj == first);
+  void finish_key_tile(Buffers& w, int64_t, int64_t, int64_t kj) const {
+    if (w.direct) return;
+    const int64_t nk = std::min(kBk, Tk - kj * kBk);
+    copy_rows(w.dkacc, wd.Dc, nk, D, w.dk_rows, kvs);
+    copy_rows(w.dvacc, wd.Dc, nk, D, w.dv_rows, kvs);
+  }
+  // dV += P^T dO, dK += dS^T Q of one tile pair.
+  void add_dkdv(Buffers& w, int64_t h, int64_t qi, const PairMask& mask) const {
+    const int64_t Dc = wd.Dc, nq = mask.nq;
+    // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
+    const auto queries = [&](int64_t r0, int64_t) {
+      return PairRange{mask.first_query(r0) / 2, (nq + 1) / 2, Dc / kW};
+    };
+    const bool last = w.direct && h % G == G - 1 && qi == w.last_qi;
+    PairProd pv{w.pq.w, 1, kBk, w.dok, Dc, w.dvacc, Dc, !w.first};
+    PairProd pk{w.dsq.w, 1, kBk, w.qk, Dc, w.dkacc, Dc, !w.first};
+    if (last) {
+      pv.Co = w.dv_rows, pv.ldo = kvs;
+      pk.Co = w.dk_rows, pk.ldo = kvs;
     }
+    pair_products<Native>(pv, mask.nk, queries);
+    pair_products<Native>(pk, mask.nk, queries);
+    w.first = false;
+  }
+  // dq is written at the query tile's first key tile (add_dq); only a tile that sees no key is
+  // zeroed.
+  void start_query_tile(int64_t b, int64_t h, int64_t qi) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
+    if (overwrite && first_key_tile(qi) == ktiles.count)
+      for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
   }
 
   // Only the query tiles that no key tile reaches: add_dq writes the others' dq at their first key
@@ -707,7 +680,6 @@ class Backward : public BackwardShape {
 
   const Widths wd;
 
- private:
   void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
     const int64_t Dn = wd.Dn;
     copy_rows(k + (b * Tk + k0) * kvs + g * D, kvs, nk, D, w.kn.h(), Dn, kBk);
@@ -810,18 +782,12 @@ class Backward : public BackwardShape {
     }
   }
 
-  // The first key tile (in the order both schemes walk them) that query tile qi sees; count if
-  // none.
-  int64_t first_key_tile(int64_t qi) const {
-    int64_t kj = 0;
-    while (kj < ktiles.count && classify(qtiles, qi, ktiles, kj) == Pair::none) ++kj;
-    return kj;
-  }
-
-  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see; = when `first`.
-  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask,
-              bool first) const {
-    const int64_t Dc = wd.Dc, nq = mask.nq;
+  // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see; = at the first key
+  // tile query tile qi sees (overwrite).
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t kj,
+              const PairMask& mask) const {
+    const int64_t Dc = wd.Dc, nq = mask.nq, q0 = qi * kBq;
+    const bool first = overwrite && kj == first_key_tile(qi);
     float* rows = dq + (b * Tq + q0) * qs + h * D;
     float* C = rows;
     int64_t ldc = qs;
@@ -841,9 +807,8 @@ class Backward : public BackwardShape {
       for (int64_t i = 0; i < nq; ++i) std::copy_n(w.dqs + i * Dc, D, rows + i * qs);
   }
 
+ private:
   const uint16_t *q, *k, *v;
-  const float *lse, *di, *dout;
-  float *dq, *dk, *dv;
 };
 
 template <bool Native>

@@ -145,21 +145,12 @@ void forward_impl(const BlockShape& s, const float* q, const float* k, const flo
 // Both run the same kernels in the same order for each output element, so the results are
 // bit-identical whichever scheme (and thread count) is used.
 template <int ND>
-class Backward : public BackwardShape {
+class Backward : public BackwardBase {
  public:
   Backward(const BlockShape& s, const float* q, const float* k, const float* v,
            const int64_t* q_pos, const int64_t* k_pos, const float* lse, const float* di,
            const float* dout, float* dq, float* dk, float* dv)
-      : BackwardShape(s, q_pos, k_pos),
-        q(q),
-        k(k),
-        v(v),
-        lse(lse),
-        di(di),
-        dout(dout),
-        dq(dq),
-        dk(dk),
-        dv(dv) {}
+      : BackwardBase(s, q_pos, k_pos, lse, di, dout, dq, dk, dv), q(q), k(k), v(v) {}
 
   struct Buffers {
     explicit Buffers(int64_t D)
@@ -187,66 +178,42 @@ class Backward : public BackwardShape {
     int64_t kld = 0, qld = 0, dold = 0;
   };
 
-  // dk/dv of key tile kj of (b, g), over the group's heads and all query tiles that see it;
-  // with_dq also adds this key tile's contribution to dq (fused scheme).
-  void key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj, bool with_dq) const {
+  // The tile walks' steps (backward_key_tile, backward_query_tile in attention_tiles-inl.hpp).
+
+  // dk/dv of key tile kj accumulate in dkacc, dvacc: from zero (overwrite) or from dk, dv.
+  void start_key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj) const {
     const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
-    bool any = false;
-    for (int64_t qi = 0; qi < qtiles.count; ++qi)
-      any = any || classify(qtiles, qi, ktiles, kj) != Pair::none;
-    if (!any) {
-      if (overwrite)
-        for (int64_t j = 0; j < nk; ++j) {
-          std::fill_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
-          std::fill_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, 0.0f);
-        }
-      return;
-    }
-    load_kv_tile(w, b, g, k0, nk);
     if (overwrite) {
       std::fill_n(w.dkacc, nk * D, 0.0f);
       std::fill_n(w.dvacc, nk * D, 0.0f);
-    } else {
-      for (int64_t j = 0; j < nk; ++j) {
-        std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * D);
-        std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * D);
-      }
+      return;
     }
-    for (int64_t h = g * G; h < (g + 1) * G; ++h)
-      for (int64_t qi = 0; qi < qtiles.count; ++qi) {
-        const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
-        const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
-        if (mask.kind == Pair::none) continue;
-        load_q_tile(w, b, h, q0, nq);
-        probs_and_grads(w, b, h, q0, k0, mask);
-        // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
-        const auto queries = [&](int64_t r0, int64_t) {
-          return std::pair<int64_t, int64_t>(mask.first_query(r0), nq);
-        };
-        accumulate<ND>(Accum{w.p, 1, kBk, w.dorows, w.dold, w.dvacc, D, D}, nk, queries);
-        accumulate<ND>(Accum{w.ds, 1, kBk, w.qrows, w.qld, w.dkacc, D, D}, nk, queries);
-        if (with_dq) add_dq(w, b, h, q0, mask);
-      }
+    for (int64_t j = 0; j < nk; ++j) {
+      std::copy_n(dk + (b * Tk + k0 + j) * kvs + g * D, D, w.dkacc + j * D);
+      std::copy_n(dv + (b * Tk + k0 + j) * kvs + g * D, D, w.dvacc + j * D);
+    }
+  }
+  void finish_key_tile(Buffers& w, int64_t b, int64_t g, int64_t kj) const {
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
     for (int64_t j = 0; j < nk; ++j) {
       std::copy_n(w.dkacc + j * D, D, dk + (b * Tk + k0 + j) * kvs + g * D);
       std::copy_n(w.dvacc + j * D, D, dv + (b * Tk + k0 + j) * kvs + g * D);
     }
   }
-
-  // dq of query tile qi of head h (split scheme), from all key tiles in order.
-  void query_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+  // dV += P^T dO, dK += dS^T Q of one tile pair, into the accumulators.
+  void add_dkdv(Buffers& w, int64_t, int64_t, const PairMask& mask) const {
+    // Rows are keys: row block [r0, r1) is seen from key r0's first query on.
+    const auto queries = [&](int64_t r0, int64_t) {
+      return std::pair<int64_t, int64_t>(mask.first_query(r0), mask.nq);
+    };
+    accumulate<ND>(Accum{w.p, 1, kBk, w.dorows, w.dold, w.dvacc, D, D}, mask.nk, queries);
+    accumulate<ND>(Accum{w.ds, 1, kBk, w.qrows, w.qld, w.dkacc, D, D}, mask.nk, queries);
+  }
+  // The split scheme adds into dq from zero (overwrite) or from dq.
+  void start_query_tile(int64_t b, int64_t h, int64_t qi) const {
     const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
     if (overwrite)
       for (int64_t i = 0; i < nq; ++i) std::fill_n(dq + (b * Tq + q0 + i) * qs + h * D, D, 0.0f);
-    load_q_tile(w, b, h, q0, nq);
-    for (int64_t kj = 0; kj < ktiles.count; ++kj) {
-      const int64_t k0 = kj * kBk, nk = std::min(kBk, Tk - k0);
-      const PairMask mask(qtiles, qi, ktiles, kj, nq, nk);
-      if (mask.kind == Pair::none) continue;
-      load_kv_tile(w, b, h / G, k0, nk);
-      probs_and_grads(w, b, h, q0, k0, mask);
-      add_dq(w, b, h, q0, mask);
-    }
   }
 
   // Zeroes the dq rows of (b, g)'s heads before the fused scheme adds into them (overwrite).
@@ -254,7 +221,6 @@ class Backward : public BackwardShape {
     for (int64_t t = 0; t < Tq; ++t) std::fill_n(dq + (b * Tq + t) * qs + g * G * D, G * D, 0.0f);
   }
 
- private:
   void load_kv_tile(Buffers& w, int64_t b, int64_t g, int64_t k0, int64_t nk) const {
     transpose_tile(k + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.kt, kBk, 1.0f);
     transpose_tile(v + (b * Tk + k0) * kvs + g * D, kvs, nk, kBk, D, w.vt, kBk, 1.0f);
@@ -264,7 +230,8 @@ class Backward : public BackwardShape {
       w.krows = w.kp, w.kld = D;
     }
   }
-  void load_q_tile(Buffers& w, int64_t b, int64_t h, int64_t q0, int64_t nq) const {
+  void load_q_tile(Buffers& w, int64_t b, int64_t h, int64_t qi) const {
+    const int64_t q0 = qi * kBq, nq = std::min(kBq, Tq - q0);
     w.qrows = q + (b * Tq + q0) * qs + h * D, w.qld = qs;
     w.dorows = dout + (b * Tq + q0) * os + h * D, w.dold = os;
     if constexpr (kPack) {
@@ -327,15 +294,16 @@ class Backward : public BackwardShape {
   }
 
   // dq[q0 + i] += sum_j dS[i][j] k[k0 + j], over the keys query i may see.
-  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t q0, const PairMask& mask) const {
+  void add_dq(Buffers& w, int64_t b, int64_t h, int64_t qi, int64_t, const PairMask& mask) const {
+    const int64_t q0 = qi * kBq;
     accumulate<ND>(Accum{w.ds, kBk, 1, w.krows, w.kld, dq + (b * Tq + q0) * qs + h * D, qs, D},
                    mask.nq, [&](int64_t, int64_t r1) {
                      return std::pair<int64_t, int64_t>(0, mask.key_limit(r1 - 1));
                    });
   }
 
-  const float *q, *k, *v, *lse, *di, *dout;
-  float *dq, *dk, *dv;
+ private:
+  const float *q, *k, *v;
 };
 
 template <int ND>

@@ -489,11 +489,12 @@ inline void finish_query_tile(const float* o, int64_t ldo, const float* m, const
   }
 }
 
-// What the backward kernels of both dtypes take from a BlockShape: sizes, strides, the tiles of
-// the positions (padded: a padded query sees nothing, a padded key is seen by nobody) and the
-// scale of the scores in base-2 units.
-struct BackwardShape {
-  BackwardShape(const BlockShape& s, const int64_t* q_pos, const int64_t* k_pos)
+// What the backward kernels of both dtypes share: sizes, strides, the tiles of the positions
+// (padded: a padded query sees nothing, a padded key is seen by nobody), the scale of the scores in
+// base-2 units, and the f32 arrays (lse, delta and dO in; dq, dk and dv out).
+struct BackwardBase {
+  BackwardBase(const BlockShape& s, const int64_t* q_pos, const int64_t* k_pos, const float* lse,
+               const float* di, const float* dout, float* dq, float* dk, float* dv)
       : B(s.B),
         Tq(s.Tq),
         Tk(s.Tk),
@@ -508,17 +509,88 @@ struct BackwardShape {
         qtiles(q_pos, s.Tq, kBq, std::numeric_limits<int64_t>::min()),
         ktiles(k_pos, s.Tk, kBk, std::numeric_limits<int64_t>::max()),
         c(s.scale * kLog2e),
-        scale(s.scale) {}
+        scale(s.scale),
+        lse(lse),
+        di(di),
+        dout(dout),
+        dq(dq),
+        dk(dk),
+        dv(dv) {}
+
+  // The first key tile (in the order both schemes walk them) that query tile qi sees; count if
+  // none.
+  int64_t first_key_tile(int64_t qi) const {
+    int64_t kj = 0;
+    while (kj < ktiles.count && classify(qtiles, qi, ktiles, kj) == Pair::none) ++kj;
+    return kj;
+  }
+
   const int64_t B, Tq, Tk, Hq, Hkv, D, G, qs, kvs, os;
   const bool overwrite;
   const Tiles qtiles, ktiles;
   const float c, scale;
+  const float *lse, *di, *dout;
+  float *dq, *dk, *dv;
 };
 
-// The flash backward's two thread schemes (attention_block.cpp's Backward explains them), for a
-// Backward `bw` of either dtype whose per-thread Buffers are made from `buffers_arg`: the fused
-// one, units (batch, kv group), when they keep at least 70% of the threads busy; otherwise the
-// split one, units (batch, kv group, key tile) for dk/dv, then (batch, head, query tile) for dq.
+// The tile walks of the flash backward (attention_block.cpp's Backward explains the schemes), for
+// a Backward `bw` of either dtype. Per tile pair it calls bw's load_q_tile (Q and dO of a query
+// tile), probs_and_grads (P and dS), add_dkdv and add_dq; per key tile load_kv_tile,
+// start_key_tile and finish_key_tile (where dk and dv accumulate); per query tile of the split
+// scheme start_query_tile (what dq starts from).
+
+// dk/dv of key tile kj of (b, g), over the group's heads and every query tile that sees it, in
+// order; with_dq also adds this key tile's contribution to dq (fused scheme).
+template <class BW>
+void backward_key_tile(const BW& bw, typename BW::Buffers& w, int64_t b, int64_t g, int64_t kj,
+                       bool with_dq) {
+  const int64_t k0 = kj * kBk, nk = std::min(kBk, bw.Tk - k0);
+  bool any = false;
+  for (int64_t qi = 0; qi < bw.qtiles.count; ++qi)
+    any = any || classify(bw.qtiles, qi, bw.ktiles, kj) != Pair::none;
+  if (!any) {
+    if (bw.overwrite)
+      for (int64_t j = 0; j < nk; ++j) {
+        std::fill_n(bw.dk + (b * bw.Tk + k0 + j) * bw.kvs + g * bw.D, bw.D, 0.0f);
+        std::fill_n(bw.dv + (b * bw.Tk + k0 + j) * bw.kvs + g * bw.D, bw.D, 0.0f);
+      }
+    return;
+  }
+  bw.load_kv_tile(w, b, g, k0, nk);
+  bw.start_key_tile(w, b, g, kj);
+  for (int64_t h = g * bw.G; h < (g + 1) * bw.G; ++h)
+    for (int64_t qi = 0; qi < bw.qtiles.count; ++qi) {
+      const int64_t q0 = qi * kBq, nq = std::min(kBq, bw.Tq - q0);
+      const PairMask mask(bw.qtiles, qi, bw.ktiles, kj, nq, nk);
+      if (mask.kind == Pair::none) continue;
+      bw.load_q_tile(w, b, h, qi);
+      bw.probs_and_grads(w, b, h, q0, k0, mask);
+      bw.add_dkdv(w, h, qi, mask);
+      if (with_dq) bw.add_dq(w, b, h, qi, kj, mask);
+    }
+  bw.finish_key_tile(w, b, g, kj);
+}
+
+// dq of query tile qi of head h (split scheme), from every key tile that it sees, in order.
+template <class BW>
+void backward_query_tile(const BW& bw, typename BW::Buffers& w, int64_t b, int64_t h, int64_t qi) {
+  const int64_t q0 = qi * kBq, nq = std::min(kBq, bw.Tq - q0);
+  bw.start_query_tile(b, h, qi);
+  bw.load_q_tile(w, b, h, qi);
+  for (int64_t kj = 0; kj < bw.ktiles.count; ++kj) {
+    const int64_t k0 = kj * kBk, nk = std::min(kBk, bw.Tk - k0);
+    const PairMask mask(bw.qtiles, qi, bw.ktiles, kj, nq, nk);
+    if (mask.kind == Pair::none) continue;
+    bw.load_kv_tile(w, b, h / bw.G, k0, nk);
+    bw.probs_and_grads(w, b, h, q0, k0, mask);
+    bw.add_dq(w, b, h, qi, kj, mask);
+  }
+}
+
+// The flash backward's two thread schemes, for a Backward `bw` of either dtype whose per-thread
+// Buffers are made from `buffers_arg`: the fused one, units (batch, kv group), when they keep at
+// least 70% of the threads busy; otherwise the split one, units (batch, kv group, key tile) for
+// dk/dv, then (batch, head, query tile) for dq.
 template <class BW, class Arg>
 void run_backward(const BW& bw, const BlockShape& s, const Arg& buffers_arg,
                   const std::function<void()>* progress) {
@@ -534,7 +606,7 @@ void run_backward(const BW& bw, const BlockShape& s, const Arg& buffers_arg,
       for (int64_t u = 0; u < groups; ++u) {
         if (bw.overwrite) bw.zero_dq(u / s.Hkv, u % s.Hkv);
         for (int64_t kj = 0; kj < nkt; ++kj) {
-          bw.key_tile(w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
+          backward_key_tile(bw, w, u / s.Hkv, u % s.Hkv, kj, /*with_dq=*/true);
           report_progress(progress);
         }
       }
@@ -549,13 +621,13 @@ void run_backward(const BW& bw, const BlockShape& s, const Arg& buffers_arg,
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t u = 0; u < groups * nkt; ++u) {
       const int64_t bg = u % groups;
-      bw.key_tile(w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
+      backward_key_tile(bw, w, bg / s.Hkv, bg % s.Hkv, korder[u / groups], /*with_dq=*/false);
       report_progress(progress);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < s.B * s.Hq * nqt; ++u) {
       const int64_t bh = u % (s.B * s.Hq);
-      bw.query_tile(w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
+      backward_query_tile(bw, w, bh / s.Hq, bh % s.Hq, qorder[u / (s.B * s.Hq)]);
       report_progress(progress);
     }
   }
