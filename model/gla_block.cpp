@@ -19,11 +19,6 @@ Tensor f32(const Shape& s, Device d) {
   return Tensor::empty(s, DType::f32, d);
 }
 
-const ParallelContext& none() {
-  static const ParallelContext p;
-  return p;
-}
-
 // fla's current init: every linear N(0, initializer_range), o and down included; the gate bias 0
 // (a decay of logsigmoid(0)/16 per token at the start); norm weights 1. Under tensor parallelism
 // (the spec's plan): q, k, v, g, gk_proj.1 (weight and bias), the convolutions, gate and up split
@@ -79,7 +74,7 @@ std::vector<ParamSpec> gla_block_specs(const GlaConfig& c, int64_t layer, int tp
 }
 
 const ParallelContext& checked(const ParallelContext* par, const GlaConfig& c) {
-  const ParallelContext& p = par ? *par : none();
+  const ParallelContext& p = par ? *par : no_parallelism();
   if (p.tp.on()) {
     const int n = p.tp.opt.size();
     for (auto [what, v] : {std::pair<const char*, int64_t>{"num_heads", c.num_heads},

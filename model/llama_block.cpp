@@ -13,11 +13,6 @@ Tensor f32(const Shape& s, Device d) {
   return Tensor::empty(s, DType::f32, d);
 }
 
-const ParallelContext& none() {
-  static const ParallelContext p;
-  return p;
-}
-
 std::vector<ParamSpec> block_specs(const LlamaConfig& c, int64_t layer, int tp_rank, int tp) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const int64_t d = c.hidden_size, hd = c.head_dim(), F = c.intermediate_size / tp;
@@ -63,7 +58,7 @@ struct LlamaBlock::Dims {
 LlamaBlock::LlamaBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device device,
                        ShardLayout shard, const ParallelContext* par)
     : c_(c),
-      par_(par ? par : &none()),
+      par_(par ? par : &no_parallelism()),
       unit_("layers." + std::to_string(layer),
             block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device, shard) {}
 

@@ -17,6 +17,11 @@ struct ParallelContext {
   TpRuntime tp;
   CpOptions cp;
 };
+// The context of a block built without one (every block shares it).
+inline const ParallelContext& no_parallelism() {
+  static const ParallelContext none;
+  return none;
+}
 
 // What one forward/backward of a micro-batch needs to know.
 struct StepContext {
