@@ -84,8 +84,8 @@ std::string LlamaModel::describe() const {
 
 const RopeTable& LlamaModel::rope_for(int64_t T) {
   if (rope_.num_positions >= T) return rope_;
-  if (device_ == Device::meta) {
-    // No kernel reads it there: its size only (the planner builds thousands of models).
+  if (!ops::computes(device_)) {
+    // No kernel reads it there (meta): its size only (the planner builds thousands of models).
     rope_.head_dim = config_.head_dim();
     rope_.num_positions = T;
   } else {

@@ -1,6 +1,7 @@
 #include "ops/devices.hpp"
 
 #include "core/error.hpp"
+#include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
 
 #ifdef LOOM_CUDA_BACKEND
@@ -35,6 +36,11 @@ void start_gpu([[maybe_unused]] int index, [[maybe_unused]] bool allow_tf32) {
 #else
   fail("no GPU to use: ", gpu_availability().why_not);
 #endif
+}
+
+CpuBf16Gemms cpu_bf16_gemms() {
+  const cpu::CpuIsa& isa = cpu::cpu_isa();
+  return {isa.onednn_native_bf16, cpu::gemm_bf16_native(), isa.onednn, cpu::gemm_bf16_path()};
 }
 
 double measure_gemm_peak(Device device, DType dtype, double seconds) {

@@ -27,4 +27,13 @@ void start_gpu(int index, bool allow_tf32);
 // there, as in published GPU runs).
 double measure_gemm_peak(Device device, DType dtype, double seconds);
 
+// How the CPU runs bf16 GEMMs, for mixed_precision_param = "auto" and the startup lines.
+struct CpuBf16Gemms {
+  bool onednn_native = false;  // oneDNN has bf16 matmul instructions here (AVX512_BF16 or AMX)
+  bool native = false;         // loom's bf16 GEMMs run as bf16 (not widened to f32)
+  std::string onednn;          // oneDNN's effective ISA, e.g. "avx512_core_bf16"
+  std::string path;            // which path they take and why (cpu::gemm_bf16_path)
+};
+CpuBf16Gemms cpu_bf16_gemms();
+
 }  // namespace loom::ops

@@ -13,8 +13,6 @@
 
 #include "core/error.hpp"
 #include "core/read_file.hpp"
-#include "kernels/cpu/cpu_isa.hpp"
-#include "kernels/cpu/gemm.hpp"
 #include "ops/devices.hpp"
 #include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/stage_split.hpp"
@@ -491,22 +489,22 @@ void check_device_usable(const JobConfig& c) {
 void resolve_auto_precision(JobConfig& c) {
   std::string& p = c.training.mixed_precision_param;
   if (p != "auto") return;
-  const cpu::CpuIsa& isa = cpu::cpu_isa();
-  if (isa.onednn_native_bf16 && cpu::gemm_bf16_native()) {
+  const ops::CpuBf16Gemms g = ops::cpu_bf16_gemms();
+  if (g.onednn_native && g.native) {
     p = "bfloat16";
-    c.precision_reason = str_cat("auto: oneDNN ", isa.onednn, " has native bf16 matmuls");
+    c.precision_reason = str_cat("auto: oneDNN ", g.onednn, " has native bf16 matmuls");
   } else {
     p = "float32";
-    c.precision_reason = str_cat(
-        "auto: oneDNN ", isa.onednn, " has no bf16 matmul instructions; bf16 GEMMs would be ",
-        cpu::gemm_bf16_native() ? "emulated" : "widened to f32", ", slower than float32");
+    c.precision_reason =
+        str_cat("auto: oneDNN ", g.onednn, " has no bf16 matmul instructions; bf16 GEMMs would be ",
+                g.native ? "emulated" : "widened to f32", ", slower than float32");
   }
 }
 
 std::string describe_precision(const JobConfig& c) {
   const std::string& p = c.training.mixed_precision_param;
   std::string s = str_cat(p, " (", c.precision_reason.empty() ? "set" : c.precision_reason, ")");
-  if (p == "bfloat16") s += str_cat("; bf16 GEMMs ", cpu::gemm_bf16_path());
+  if (p == "bfloat16") s += str_cat("; bf16 GEMMs ", ops::cpu_bf16_gemms().path);
   return s;
 }
 
