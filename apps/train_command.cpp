@@ -1,7 +1,8 @@
 // `loom train --config FILE [--section.key=value ...] [--print-config]`: trains on one process,
 // or on every rank of `mpirun -np N loom train ...` (or srun) with the mesh of [parallelism].
 // SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 finish the current step, save a checkpoint (when
-// checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once.
+// checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once,
+// except a repeated SIGTERM (Slurm delivers its SIGTERM twice, see on_stop_signal).
 // SIGPIPE is ignored: a closed stdout (`| head`, a `| tee` ended by Ctrl-C) must not kill a run.
 #include <signal.h>
 #include <unistd.h>
@@ -29,8 +30,10 @@ const char* kTrainUsage =
     "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
     "  --print-config prints the resolved configuration (TOML) and exits\n"
     "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 finish the step, save a checkpoint and\n"
-    "  exit 3; a second signal ends the run at once. Under mpirun, `kill -USR1 <mpirun pid>`:\n"
-    "  mpirun forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them).\n"
+    "  exit 3; a second signal ends the run at once, except SIGTERM (Slurm sends it twice,\n"
+    "  then SIGKILL after KillWait). Under mpirun, `kill -USR1 <mpirun pid>`: mpirun\n"
+    "  forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them). Under\n"
+    "  srun (--mpi=pmix), the ranks are Slurm's tasks: scancel and time limits reach them.\n"
     "  A closed stdout (`| head`) does not end the run: the steps go on in the log files.\n"
     "  exit codes: 0 finished, 1 error, 3 stopped by a signal (saved)\n";
 
@@ -39,11 +42,14 @@ const char* kTrainUsage =
 std::atomic<bool> g_stop{false};
 static_assert(std::atomic<bool>::is_always_lock_free, "the stop flag is set in a signal handler");
 
-// The first stop signal asks for the agreed stop; a second one (of any of them) means the run does
-// not stop by itself (stuck in a collective, a save that hangs): that signal's default action ends
-// the process at once.
+// The first stop signal asks for the agreed stop; a second one means the run does not stop by
+// itself (stuck in a collective, a save that hangs): that signal's default action ends the process
+// at once. Except SIGTERM: at a time limit or scancel Slurm's step daemon sends each task SIGTERM
+// and srun, which gets one too, has the step sent another (SIGCONT, SIGTERM) 0.01-0.2 s later
+// (measured, Slurm 22.05); ending the run on that second one lost the save to the time limit.
+// Whoever sends SIGTERM sends SIGKILL after a grace (Slurm's KillWait, mpirun's second).
 extern "C" void on_stop_signal(int sig) {
-  if (g_stop.exchange(true, std::memory_order_relaxed)) {
+  if (g_stop.exchange(true, std::memory_order_relaxed) && sig != SIGTERM) {
     ::signal(sig, SIG_DFL);
     ::raise(sig);  // blocked until this handler returns, then delivered with the default action
   }
