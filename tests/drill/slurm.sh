@@ -16,7 +16,8 @@
 #         forwards it to the ranks; they save and exit 3 before the limit; the script requeues
 #         the job itself.
 #      Each requeued job resumes from its checkpoint, and its steps up to 3 past the stop equal an
-#      uninterrupted mpirun run's bit for bit (step, loss, lr, gradient norm).
+#      uninterrupted mpirun run's bit for bit (step, loss, lr, gradient norm). Then T is
+#      cancelled, and U stopped by `scancel --signal=USR1`: saved, exit 3, not requeued.
 #   slurm.sh LOOM MPIEXEC SOURCE_DIR
 # Needs root (the daemons run as root, SlurmUser=root); exits 77 (skipped) without root or
 # without slurmctld, slurmd and munged (scripts/deps.sh test installs them). Figures are printed
@@ -194,6 +195,7 @@ u=$(sbatch --parsable --chdir="$work" --ntasks=2 --time=1 --signal=B:USR1@10 --o
 echo "submitted T = job $t (time limit, SIGTERM) and U = job $u (train.sbatch, SIGUSR1 ahead)"
 
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+restarts() { scontrol show job "$1" | grep -o 'Restarts=[0-9]*' | cut -d= -f2; }
 # wait_for SECONDS WHAT COMMAND...: until COMMAND succeeds, or fails naming WHAT.
 wait_for() {
   local limit=$1 what=$2
@@ -206,53 +208,74 @@ wait_for() {
   done
 }
 stopped_at() { { grep -m 1 -o 'stopped by signal at step [0-9]*' "$1" | grep -o '[0-9]*$'; } || true; }
-timed_out() { [ "$(job_state "$t")" = TIMEOUT ]; }
-u_stopped() { [ -n "$(stopped_at "$work/u.out")" ]; }
-wait_for 240 "job T did not reach its time limit" timed_out
-show "$work/t.out"
-s_t=$(stopped_at "$work/t.out")
-[ -n "$s_t" ] || fail "job T: the time limit's SIGTERM did not stop the run with a save"
-grep -q "tasks 0-1: Exited with exit code 3" "$work/t.out" ||
-  fail "job T: the ranks did not both exit 3 (saved) after the time limit's SIGTERM"
-ck_t=$(printf '%s/ck_t/step-%08d' "$work" "$s_t")
-[ -f "$ck_t/state.json" ] || fail "job T: no checkpoint of step $s_t: $(ls "$work/ck_t")"
-limit_at=$(date -d "$(grep -m 1 -o 'CANCELLED AT [0-9T:-]* DUE TO TIME LIMIT' "$work/t.out" |
-  cut -d' ' -f3)" +%s)
-saved_in=$(($(stat -c %Y "$ck_t/state.json") - limit_at))
-took=$({ grep -m 1 -o "saved .*step-0*$s_t ([0-9.]* s)" "$work/t.out" | grep -o '[0-9.]* s'; } || true)
-echo "figure: job T: the time limit's SIGTERM -> both ranks saved step $s_t ($took) and exited 3;" \
-  "checkpoint complete ${saved_in} s after the limit (1 s resolution; KillWait 30 s)"
-scontrol requeue "$t"
-wait_for 240 "job U's SIGUSR1 did not stop the run" u_stopped
-s_u=$(stopped_at "$work/u.out")
-grep -q "SIGUSR1 at" "$work/u.out" || { show "$work/u.out"; fail "job U: the script saw no SIGUSR1"; }
-grep -q "tasks 0-1: Exited with exit code 3" "$work/u.out" ||
-  { show "$work/u.out"; fail "job U: the ranks did not both exit 3 (saved) after SIGUSR1"; }
-at() { date -d "$(grep -m 1 -o "$1 [0-9T:+-]*" "$work/u.out" | awk '{ print $NF }')" +%s; }
-took=$({ grep -m 1 -o "saved .*step-0*$s_u ([0-9.]* s)" "$work/u.out" | grep -o '[0-9.]* s'; } || true)
-echo "figure: job U: SIGUSR1 $(($(at 'SIGUSR1 at') - $(at start))) s into its minute" \
-  "(--signal=B:USR1@10), handed to srun -> both ranks saved step $s_u ($took) and exited 3;" \
-  "the script requeued the job"
-
-# The requeued jobs resume from their checkpoints; each is stopped (scancel) once it logged 3
-# steps past its stop, before U's script could stop and requeue it again.
+saved_took() {  # saved_took OUT STEP: the save's own time, as loom printed it
+  { grep -m 1 -o "saved .*step-0*$2 ([0-9.]* s)" "$1" | grep -o '[0-9.]* s'; } || true
+}
+# When the job's script printed "$2 <date>" (train.sbatch's lines), in seconds.
+printed_at() { date -d "$(grep -m 1 -o "$2 [0-9]\{4\}-[0-9T:+-]*" "$1" | awk '{ print $NF }')" +%s; }
 resumed() { grep -q "resumed from .*(step $2)" "$1"; }
 logged() { grep -q "\"step\": $2," "$1"; }
-declare -A job=([T]=$t [U]=$u) stop=([T]=$s_t [U]=$s_u)
-both_resumed() {
-  local j
-  for j in "${!job[@]}"; do
-    if [ -n "${job[$j]}" ] && resumed "$work/${j,}.out" "${stop[$j]}" &&
-      logged "$work/${j,}.jsonl" $((stop[$j] + 3)); then
-      scancel "${job[$j]}"
-      echo "job $j (restarts: $(scontrol show job "${job[$j]}" | grep -o 'Restarts=[0-9]*' |
-        cut -d= -f2)) resumed from step ${stop[$j]}"
-      job[$j]=
-    fi
-  done
-  [ -z "${job[T]}${job[U]}" ]
+
+# T stopped at its limit: both ranks saved and exited 3; requeued by hand.
+t_stopped() {
+  [ "$(job_state "$t")" = TIMEOUT ] || return 1
+  show "$work/t.out"
+  s_t=$(stopped_at "$work/t.out")
+  [ -n "$s_t" ] || fail "job T: the time limit's SIGTERM did not stop the run with a save"
+  grep -q "tasks 0-1: Exited with exit code 3" "$work/t.out" ||
+    fail "job T: the ranks did not both exit 3 (saved) after the time limit's SIGTERM"
+  local ck limit_at
+  ck=$(printf '%s/ck_t/step-%08d' "$work" "$s_t")
+  [ -f "$ck/state.json" ] || fail "job T: no checkpoint of step $s_t: $(ls "$work/ck_t")"
+  limit_at=$(date -d "$(grep -m 1 -o 'CANCELLED AT [0-9T:-]* DUE TO TIME LIMIT' "$work/t.out" |
+    cut -d' ' -f3)" +%s)
+  echo "figure: job T: the time limit's SIGTERM -> both ranks saved step $s_t" \
+    "($(saved_took "$work/t.out" "$s_t")) and exited 3; checkpoint complete" \
+    "$(($(stat -c %Y "$ck/state.json") - limit_at)) s after the limit (1 s resolution; KillWait 30 s)"
+  scontrol requeue "$t"
 }
-wait_for 240 "the requeued jobs did not both resume and log 3 steps" both_resumed
+# U stopped by its script's SIGUSR1: both ranks saved and exited 3; the script requeued the job.
+u_stopped() {
+  grep -q "loom job $u end" "$work/u.out" || return 1
+  s_u=$(stopped_at "$work/u.out")
+  grep -q "SIGUSR1 at" "$work/u.out" || { show "$work/u.out"; fail "job U: the script saw no SIGUSR1"; }
+  [ -n "$s_u" ] && grep -q "tasks 0-1: Exited with exit code 3" "$work/u.out" ||
+    { show "$work/u.out"; fail "job U: the ranks did not both save and exit 3 after SIGUSR1"; }
+  echo "figure: job U: SIGUSR1 $(($(printed_at "$work/u.out" 'SIGUSR1 at') - $(printed_at \
+    "$work/u.out" start))) s into its minute (--signal=B:USR1@10), handed to srun -> both ranks" \
+    "saved step $s_u ($(saved_took "$work/u.out" "$s_u")) and exited 3; the script requeued the job"
+}
+# A requeued job resumed from its stop and logged 3 more steps: stopped before U's script could
+# stop and requeue it again: T by scancel (SIGTERM), U by `scancel --signal=USR1`, which reaches
+# the ranks alone: they save and exit 3, and the script, which saw no SIGUSR1 of its own, does not
+# requeue the job.
+resumed3() {  # resumed3 NAME JOB STEP
+  local j=${1,}
+  resumed "$work/$j.out" "$3" && logged "$work/$j.jsonl" $(($3 + 3)) || return 1
+  if [ "$1" = T ]; then scancel "$2"; else scancel --signal=USR1 "$2"; fi
+  echo "job $1 (restarts: $(restarts "$2")) resumed from step $3"
+}
+# Both jobs at once: each moves on as soon as it can, so that U (stopped 20-50 s in, requeued 11+
+# s later) is caught before its next SIGUSR1 while T waits for its limit (60-90 s).
+phase_t=run phase_u=run
+jobs_done() {
+  case $phase_t in
+    run) t_stopped && phase_t=requeued ;;
+    requeued) resumed3 T "$t" "$s_t" && phase_t=done ;;
+  esac
+  case $phase_u in
+    run) u_stopped && phase_u=requeued ;;
+    requeued) resumed3 U "$u" "$s_u" && phase_u=done ;;
+  esac
+  [ "$phase_t$phase_u" = donedone ]
+}
+wait_for 400 "the jobs did not stop, requeue and resume" jobs_done
+u_ended() { [ "$(job_state "$u")" = FAILED ]; }  # FAILED: the script's exit 3
+wait_for 120 "job U did not end after scancel --signal=USR1 (requeued?)" u_ended
+scontrol show job "$u" | grep -q "ExitCode=3:0" ||
+  fail "job U: $(scontrol show job "$u" | grep -o 'ExitCode=[0-9:]*') after scancel --signal=USR1"
+echo "job U: scancel --signal=USR1 -> saved, exit 3, not requeued (restarts: $(restarts "$u"))"
+declare -A stop=([T]=$s_t [U]=$s_u)
 end=$((s_t > s_u ? s_t + 3 : s_u + 3))
 wait_for 300 "the uninterrupted run logged no step $end" logged "$work/straight.jsonl" "$end"
 kill -USR1 "$straight"
