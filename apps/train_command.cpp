@@ -2,7 +2,8 @@
 // or on every rank of `mpirun -np N loom train ...` (or srun) with the mesh of [parallelism].
 // SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 finish the current step, save a checkpoint (when
 // checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once,
-// except a repeated SIGTERM (Slurm delivers its SIGTERM twice, see on_stop_signal).
+// except a repeated SIGTERM (Slurm delivers its SIGTERM twice, see on_stop_signal), which is
+// ignored until the process exits once a stop was asked for.
 // SIGPIPE is ignored: a closed stdout (`| head`, a `| tee` ended by Ctrl-C) must not kill a run.
 #include <signal.h>
 #include <unistd.h>
@@ -72,6 +73,10 @@ class StopSignals {
   ~StopSignals() {
     for (size_t i = 0; i < std::size(kStopSignals); ++i)
       sigaction(kStopSignals[i], &old_[i], nullptr);
+    // A stopped run is on its way out, saved, and MPI_Finalize still waits for every rank: Slurm
+    // sends more SIGTERMs until its SIGKILL (the job's end signals the step again), and one
+    // arriving now turned the exit 3 of a saved run into a death by SIGTERM (measured).
+    if (g_stop.load(std::memory_order_relaxed)) ::signal(SIGTERM, SIG_IGN);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
@@ -146,6 +151,7 @@ int train_command(const Args& args) {
       if (!dist.mesh || dist.mesh->world_rank() == 0)
         std::fprintf(stdout, "stopped by signal at step %lld (exit code %d)\n",
                      (long long)r.final_step, kExitInterrupted);
+      std::fflush(stdout);  // before a SIGKILL can lose it (stdout to a file is fully buffered)
       if (rank_log)
         std::fprintf(rank_log.get(), "stopped by signal at step %lld (exit code %d)\n",
                      (long long)r.final_step, kExitInterrupted);
