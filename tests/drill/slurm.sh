@@ -16,7 +16,7 @@
 #         forwards it to the ranks; they save and exit 3 before the limit; the script requeues
 #         the job itself.
 #      Each requeued job resumes from its checkpoint, and its steps up to 3 past the stop equal an
-#      uninterrupted mpirun run's bit for bit (step, loss, lr, gradient norm). Then T is
+#      uninterrupted run's (job S, alongside) bit for bit (step, loss, lr, gradient norm). Then T is
 #      cancelled, and U stopped by `scancel --signal=USR1`: saved, exit 3, not requeued.
 #   slurm.sh LOOM MPIEXEC SOURCE_DIR
 # Needs root (the daemons run as root, SlurmUser=root); exits 77 (skipped) without root or
@@ -83,7 +83,7 @@ chmod 400 "$work/munge/munge.key"
 # cred_expire: how long a requeued job waits before it may start again (120 s by default);
 # sched_interval: how often pending jobs are tried (60 s by default), a requeued one among them.
 # KillWait: the grace between a time limit's SIGTERM and the SIGKILL (Slurm's default, 30 s).
-# CPUs=4 on any machine (config_overrides): jobs T and U, 2 tasks each, run side by side.
+# CPUs=6 on any machine (config_overrides): jobs T, U and S, 2 tasks each, run side by side.
 cat >"$SLURM_CONF" <<EOF
 ClusterName=loomdrill
 SlurmctldHost=$node(127.0.0.1)
@@ -114,7 +114,7 @@ MpiDefault=none
 ReturnToService=2
 KillWait=30
 SlurmdParameters=config_overrides
-NodeName=$node NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 CPUs=6 State=UNKNOWN
 PartitionName=drill Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
 munged --foreground --force --socket="$work/munge/munge.socket" \
@@ -178,11 +178,11 @@ for plugin in none pmi2; do
   echo "srun --mpi=$plugin, 2 tasks: refused (exit $rc): $(grep -m1 -o 'srun started.*PMIx[^:]*' "$work/np.log")"
 done
 
-# 4. Time limits. The uninterrupted run goes alongside, stopped once past both stops.
+# 4. Time limits. The uninterrupted run is a job too, S, alongside T and U at the same pace (as
+# a mpirun run beside them it went at a third of theirs), stopped once past both stops.
 long=("${common[@]}" --training.steps=100000 --checkpoint.interval=0)
-"${mpi[@]}" -np 2 "$loom" train "${long[@]}" --metrics.jsonl="$work/straight.jsonl" \
-  >"$work/straight.log" 2>&1 &
-straight=$!
+straight=$(sbatch --parsable --chdir="$work" --ntasks=2 --output="$work/s.out" \
+  --wrap="srun --mpi=pmix $loom train ${long[*]} --metrics.jsonl=$work/straight.jsonl")
 # T: the same srun line without the script's --signal; requeued by hand once it timed out.
 t=$(sbatch --parsable --chdir="$work" --ntasks=2 --time=1 --open-mode=append --output="$work/t.out" \
   --wrap="srun --mpi=pmix $loom train ${long[*]} --checkpoint.resume=true \
@@ -192,7 +192,8 @@ t=$(sbatch --parsable --chdir="$work" --ntasks=2 --time=1 --open-mode=append --o
 u=$(sbatch --parsable --chdir="$work" --ntasks=2 --time=1 --signal=B:USR1@10 --output="$work/u.out" \
   "$src/scripts/slurm/train.sbatch" "${long[@]}" --checkpoint.dir="$work/ck_u" \
   --metrics.jsonl="$work/u.jsonl")
-echo "submitted T = job $t (time limit, SIGTERM) and U = job $u (train.sbatch, SIGUSR1 ahead)"
+echo "submitted T = job $t (time limit, SIGTERM) and U = job $u (train.sbatch, SIGUSR1 ahead)" \
+  "$(($(date +%s) - t0)) s in"
 
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 restarts() { scontrol show job "$1" | grep -o 'Restarts=[0-9]*' | cut -d= -f2; }
@@ -213,8 +214,8 @@ saved_took() {  # saved_took OUT STEP: the save's own time, as loom printed it
 }
 # When the job's script printed "$2 <date>" (train.sbatch's lines), in seconds.
 printed_at() { date -d "$(grep -m 1 -o "$2 [0-9]\{4\}-[0-9T:+-]*" "$1" | awk '{ print $NF }')" +%s; }
-resumed() { grep -q "resumed from .*(step $2)" "$1"; }
-logged() { grep -q "\"step\": $2," "$1"; }
+resumed() { grep -qs "resumed from .*(step $2)" "$1"; }
+logged() { grep -qs "\"step\": $2," "$1"; }
 
 # T stopped at its limit: both ranks saved and exited 3; requeued by hand.
 t_stopped() {
@@ -231,19 +232,21 @@ t_stopped() {
     cut -d' ' -f3)" +%s)
   echo "figure: job T: the time limit's SIGTERM -> both ranks saved step $s_t" \
     "($(saved_took "$work/t.out" "$s_t")) and exited 3; checkpoint complete" \
-    "$(($(stat -c %Y "$ck/state.json") - limit_at)) s after the limit (1 s resolution; KillWait 30 s)"
+    "$(($(stat -c %Y "$ck/state.json") - limit_at)) s after the limit (1 s resolution; KillWait 30 s;" \
+    "$(($(date +%s) - t0)) s in)"
   scontrol requeue "$t"
 }
 # U stopped by its script's SIGUSR1: both ranks saved and exited 3; the script requeued the job.
 u_stopped() {
-  grep -q "loom job $u end" "$work/u.out" || return 1
+  grep -qs "loom job $u end" "$work/u.out" || return 1
   s_u=$(stopped_at "$work/u.out")
   grep -q "SIGUSR1 at" "$work/u.out" || { show "$work/u.out"; fail "job U: the script saw no SIGUSR1"; }
   [ -n "$s_u" ] && grep -q "tasks 0-1: Exited with exit code 3" "$work/u.out" ||
     { show "$work/u.out"; fail "job U: the ranks did not both save and exit 3 after SIGUSR1"; }
   echo "figure: job U: SIGUSR1 $(($(printed_at "$work/u.out" 'SIGUSR1 at') - $(printed_at \
     "$work/u.out" start))) s into its minute (--signal=B:USR1@10), handed to srun -> both ranks" \
-    "saved step $s_u ($(saved_took "$work/u.out" "$s_u")) and exited 3; the script requeued the job"
+    "saved step $s_u ($(saved_took "$work/u.out" "$s_u")) and exited 3; the script requeued the job" \
+    "($(($(date +%s) - t0)) s in)"
 }
 # A requeued job resumed from its stop and logged 3 more steps: stopped before U's script could
 # stop and requeue it again: T by scancel (SIGTERM), U by `scancel --signal=USR1`, which reaches
@@ -253,7 +256,7 @@ resumed3() {  # resumed3 NAME JOB STEP
   local j=${1,}
   resumed "$work/$j.out" "$3" && logged "$work/$j.jsonl" $(($3 + 3)) || return 1
   if [ "$1" = T ]; then scancel "$2"; else scancel --signal=USR1 "$2"; fi
-  echo "job $1 (restarts: $(restarts "$2")) resumed from step $3"
+  echo "job $1 (restarts: $(restarts "$2")) resumed from step $3 ($(($(date +%s) - t0)) s in)"
 }
 # Both jobs at once: each moves on as soon as it can, so that U (stopped 20-50 s in, requeued 11+
 # s later) is caught before its next SIGUSR1 while T waits for its limit (60-90 s).
@@ -274,12 +277,13 @@ u_ended() { [ "$(job_state "$u")" = FAILED ]; }  # FAILED: the script's exit 3
 wait_for 120 "job U did not end after scancel --signal=USR1 (requeued?)" u_ended
 scontrol show job "$u" | grep -q "ExitCode=3:0" ||
   fail "job U: $(scontrol show job "$u" | grep -o 'ExitCode=[0-9:]*') after scancel --signal=USR1"
-echo "job U: scancel --signal=USR1 -> saved, exit 3, not requeued (restarts: $(restarts "$u"))"
+echo "job U: scancel --signal=USR1 -> saved, exit 3, not requeued (restarts: $(restarts "$u");" \
+  "$(($(date +%s) - t0)) s in)"
 declare -A stop=([T]=$s_t [U]=$s_u)
 end=$((s_t > s_u ? s_t + 3 : s_u + 3))
 wait_for 300 "the uninterrupted run logged no step $end" logged "$work/straight.jsonl" "$end"
-kill -USR1 "$straight"
-wait "$straight" || true
+scancel --signal=USR1 "$straight"
+echo "the uninterrupted run stopped past step $end ($(($(date +%s) - t0)) s in)"
 losses "$work/straight.jsonl" >"$work/want.txt"
 for j in T U; do
   n=$((stop[$j] + 3))
