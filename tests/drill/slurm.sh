@@ -117,6 +117,10 @@ SlurmdParameters=config_overrides
 NodeName=$node NodeAddr=127.0.0.1 CPUs=6 State=UNKNOWN
 PartitionName=drill Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
+# slurmd 22.05 starts its cgroup plugin whatever the other plugins (CgroupPlugin=autodetect: "No
+# filesystem mounted on /sys/fs/cgroup" in a chroot such as fresh-debian12's, and slurmd exits).
+# Named, cgroup/v1 starts without touching /sys/fs/cgroup, and nothing here uses it.
+echo "CgroupPlugin=cgroup/v1" >"$work/cgroup.conf"
 munged --foreground --force --socket="$work/munge/munge.socket" \
   --key-file="$work/munge/munge.key" --pid-file="$work/munge/munged.pid" \
   --seed-file="$work/munge/munged.seed" --log-file="$work/log/munged.log" \
