@@ -44,7 +44,9 @@ cleanup() {
   fi
   # The jobs first, while the daemons can still end them (the ranks save and exit).
   if [ -n "${SLURM_CONF:-}" ] && scontrol ping >/dev/null 2>&1; then
-    scancel --full $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
+    local ids
+    mapfile -t ids < <(squeue -h -o %i 2>/dev/null)
+    [ ${#ids[@]} = 0 ] || scancel --full "${ids[@]}" 2>/dev/null || true
     for _ in $(seq 50); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.2; done
   fi
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -54,8 +56,11 @@ cleanup() {
   done
   # What the daemons started and outlived them (slurmstepd daemonizes): found by the tag they
   # and the jobs inherit from this script.
-  for p in $(grep -lsz "^LOOM_SLURM_DRILL=$tag\$" /proc/[0-9]*/environ | cut -d/ -f3); do
-    [ "$p" != $$ ] && kill -9 "$p" 2>/dev/null || true
+  # Read whole before any kill: the reading processes carry the tag too, and are gone by then.
+  local stray
+  mapfile -t stray < <(grep -lsz "^LOOM_SLURM_DRILL=$tag\$" /proc/[0-9]*/environ | cut -d/ -f3)
+  for p in "${stray[@]}"; do
+    if [ "$p" != $$ ]; then kill -9 "$p" 2>/dev/null || true; fi
   done
   rm -rf "$work"
 }
@@ -268,13 +273,13 @@ phase_t=run phase_u=run
 jobs_done() {
   case $phase_t in
     run) t_stopped && phase_t=requeued ;;
-    requeued) resumed3 T "$t" "$s_t" && phase_t=done ;;
+    requeued) resumed3 T "$t" "$s_t" && phase_t=over ;;
   esac
   case $phase_u in
     run) u_stopped && phase_u=requeued ;;
-    requeued) resumed3 U "$u" "$s_u" && phase_u=done ;;
+    requeued) resumed3 U "$u" "$s_u" && phase_u=over ;;
   esac
-  [ "$phase_t$phase_u" = donedone ]
+  [ "$phase_t$phase_u" = overover ]
 }
 wait_for 400 "the jobs did not stop, requeue and resume" jobs_done
 u_ended() { [ "$(job_state "$u")" = FAILED ]; }  # FAILED: the script's exit 3
