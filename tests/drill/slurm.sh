@@ -7,7 +7,8 @@
 #   2. sbatch of a 2-task job whose `srun --mpi=pmix loom train` (FSDP dp_shard=2, the debug
 #      model, 20 steps) logs the losses of `mpirun -np 2` of the same job, bit for bit.
 #   3. srun --mpi=none (and --mpi=pmi2) of 2 tasks: loom stops before MPI_Init, saying to launch
-#      with `srun --mpi=pmix` or mpirun (Open MPI's own message asks to rebuild Open MPI).
+#      with `srun --mpi=pmix` or mpirun (Open MPI's own message asks to rebuild Open MPI); one
+#      task under --mpi=none trains as a single process.
 #   4. Two 2-task jobs with a 1-minute time limit, side by side, each stopped and requeued:
 #      T  no --signal: the time limit's SIGTERM reaches every rank (twice: from the step daemon
 #         and again through srun); they finish the step, save it within KillWait and exit 3;
@@ -186,6 +187,12 @@ for plugin in none pmi2; do
     { cat "$work/np.log"; fail "srun --mpi=$plugin: Open MPI's message, not loom's"; }
   echo "srun --mpi=$plugin, 2 tasks: refused (exit $rc): $(grep -m1 -o 'srun started.*PMIx[^:]*' "$work/np.log")"
 done
+# One task without a plugin needs no MPI: it trains as a single process.
+srun --ntasks=1 --mpi=none "$loom" train "${common[@]}" --parallelism.dp_shard=1 \
+  --training.steps=2 >"$work/np.log" 2>&1 || { cat "$work/np.log"; fail "srun --mpi=none, 1 task"; }
+grep -q "^step *2/2 " "$work/np.log" ||
+  { cat "$work/np.log"; fail "srun --mpi=none, 1 task: no step 2"; }
+echo "srun --mpi=none, 1 task: trained as one process"
 
 # 4. Time limits. The uninterrupted run is a job too, S, alongside T and U at the same pace (as
 # a mpirun run beside them it went at a third of theirs), stopped once past both stops.
