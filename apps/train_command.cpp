@@ -1,7 +1,9 @@
 // `loom train --config FILE [--section.key=value ...] [--print-config]`: trains on one process,
 // or on every rank of `mpirun -np N loom train ...` (or srun) with the mesh of [parallelism].
 // SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 finish the current step, save a checkpoint (when
-// checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once.
+// checkpoint.dir is set) and exit kExitInterrupted (3); a second one ends the process at once,
+// except a repeated SIGTERM (Slurm delivers its SIGTERM twice, see on_stop_signal), which is
+// ignored until the process exits once a stop was asked for.
 // SIGPIPE is ignored: a closed stdout (`| head`, a `| tee` ended by Ctrl-C) must not kill a run.
 #include <signal.h>
 #include <unistd.h>
@@ -29,8 +31,10 @@ const char* kTrainUsage =
     "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
     "  --print-config prints the resolved configuration (TOML) and exits\n"
     "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 finish the step, save a checkpoint and\n"
-    "  exit 3; a second signal ends the run at once. Under mpirun, `kill -USR1 <mpirun pid>`:\n"
-    "  mpirun forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them).\n"
+    "  exit 3; a second signal ends the run at once, except SIGTERM (Slurm sends it twice,\n"
+    "  then SIGKILL after KillWait). Under mpirun, `kill -USR1 <mpirun pid>`: mpirun\n"
+    "  forwards SIGUSR1/SIGUSR2 to the ranks (its own Ctrl-C/SIGTERM kill them). Under\n"
+    "  srun (--mpi=pmix), the ranks are Slurm's tasks: scancel and time limits reach them.\n"
     "  A closed stdout (`| head`) does not end the run: the steps go on in the log files.\n"
     "  exit codes: 0 finished, 1 error, 3 stopped by a signal (saved)\n";
 
@@ -39,11 +43,14 @@ const char* kTrainUsage =
 std::atomic<bool> g_stop{false};
 static_assert(std::atomic<bool>::is_always_lock_free, "the stop flag is set in a signal handler");
 
-// The first stop signal asks for the agreed stop; a second one (of any of them) means the run does
-// not stop by itself (stuck in a collective, a save that hangs): that signal's default action ends
-// the process at once.
+// The first stop signal asks for the agreed stop; a second one means the run does not stop by
+// itself (stuck in a collective, a save that hangs): that signal's default action ends the process
+// at once. Except SIGTERM: at a time limit or scancel Slurm's step daemon sends each task SIGTERM
+// and srun, which gets one too, has the step sent another (SIGCONT, SIGTERM) 0.01-0.2 s later
+// (measured, Slurm 22.05); ending the run on that second one lost the save to the time limit.
+// Whoever sends SIGTERM sends SIGKILL after a grace (Slurm's KillWait, mpirun's second).
 extern "C" void on_stop_signal(int sig) {
-  if (g_stop.exchange(true, std::memory_order_relaxed)) {
+  if (g_stop.exchange(true, std::memory_order_relaxed) && sig != SIGTERM) {
     ::signal(sig, SIG_DFL);
     ::raise(sig);  // blocked until this handler returns, then delivered with the default action
   }
@@ -66,6 +73,10 @@ class StopSignals {
   ~StopSignals() {
     for (size_t i = 0; i < std::size(kStopSignals); ++i)
       sigaction(kStopSignals[i], &old_[i], nullptr);
+    // A stopped run is on its way out, saved, and MPI_Finalize still waits for every rank: Slurm
+    // sends more SIGTERMs until its SIGKILL (the job's end signals the step again), and one
+    // arriving now turned the exit 3 of a saved run into a death by SIGTERM (measured).
+    if (g_stop.load(std::memory_order_relaxed)) ::signal(SIGTERM, SIG_IGN);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
@@ -140,6 +151,7 @@ int train_command(const Args& args) {
       if (!dist.mesh || dist.mesh->world_rank() == 0)
         std::fprintf(stdout, "stopped by signal at step %lld (exit code %d)\n",
                      (long long)r.final_step, kExitInterrupted);
+      std::fflush(stdout);  // before a SIGKILL can lose it (stdout to a file is fully buffered)
       if (rank_log)
         std::fprintf(rank_log.get(), "stopped by signal at step %lld (exit code %d)\n",
                      (long long)r.final_step, kExitInterrupted);

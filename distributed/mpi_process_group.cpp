@@ -16,15 +16,59 @@
 
 namespace loom::dist {
 
+namespace {
+
+const char* getenv_lookup(const char* name) {
+  return std::getenv(name);
+}
+
+// Open MPI joins the tasks that srun starts through PMIx alone (Debian's 4.1.4 has the ext3x pmix
+// component and neither s1 nor s2, the PMI-1/PMI-2 ones); MPICH speaks srun's PMI-2 too.
+constexpr bool kPmixOnly =
+#ifdef OPEN_MPI
+    true;
+#else
+    false;
+#endif
+
+}  // namespace
+
+int srun_step_tasks(const EnvLookup& env) {
+  // mpirun's ranks inside an allocation inherit SLURM_* (mpirun starts its daemons with srun),
+  // but their world is mpirun's.
+  if (!env("SLURM_STEP_ID") || env("OMPI_COMM_WORLD_SIZE")) return 0;
+  const char* n = env("SLURM_STEP_NUM_TASKS");
+  if (!n) n = env("SLURM_NTASKS");
+  return n ? std::max(0, std::atoi(n)) : 0;
+}
+
+std::string srun_launch_problem(const EnvLookup& env, bool pmix_only) {
+  const int tasks = srun_step_tasks(env);
+  if (tasks == 0 || env("PMIX_RANK")) return "";
+  const bool pmi2 = env("PMI_RANK") != nullptr;
+  if (pmi2 && !pmix_only) return "";
+  if (!pmi2 && tasks == 1) return "";  // one task: a process of its own, no MPI needed
+  const char* type = env("SLURM_MPI_TYPE");
+  const std::string plugin = type ? type : pmi2 ? "pmi2" : "none";
+  return str_cat(
+      "srun started this step's ", tasks, " task(s) without PMIx (srun's MPI plugin: ", plugin, ")",
+      pmix_only ? ", and this loom's MPI library (Open MPI) finds the other tasks through PMIx only"
+                : "",
+      ": each task would be an MPI world of its own. Launch with `srun --mpi=pmix loom ...` "
+      "(`srun --mpi=list` lists this Slurm's plugins; MpiDefault=pmix in slurm.conf makes it the "
+      "default), or with `mpirun loom ...` inside the allocation (salloc/sbatch)");
+}
+
 bool launched_under_mpi() {
   // Open MPI's mpirun; PMIx launchers (prterun, srun --mpi=pmix); PMI-1/2 (MPICH's hydra,
-  // srun --mpi=pmi2); MPICH's hydra. srun without an MPI plugin sets only SLURM_*: SLURM_STEP_ID
-  // tells an srun step from the batch script itself.
+  // srun --mpi=pmi2); MPICH's hydra.
   for (const char* v :
        {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS"}) {
     if (std::getenv(v)) return true;
   }
-  return std::getenv("SLURM_STEP_ID") && std::getenv("SLURM_NTASKS");
+  // srun without an MPI plugin sets only SLURM_*. Several tasks start MPI, so that MpiRuntime
+  // says how to launch instead.
+  return srun_step_tasks(getenv_lookup) > 1;
 }
 
 MpiRuntime::MpiRuntime() : MpiRuntime(nullptr, nullptr) {}
@@ -32,7 +76,13 @@ MpiRuntime::MpiRuntime() : MpiRuntime(nullptr, nullptr) {}
 MpiRuntime::MpiRuntime(int* argc, char*** argv) {
   int initialized = 0;
   MPI_Initialized(&initialized);
+  // Read before MPI_Init, which may add to the environment.
+  const int srun_tasks = initialized ? 0 : srun_step_tasks(getenv_lookup);
   if (!initialized) {
+    // Before MPI_Init: Open MPI's own message for a task started without PMIx asks to rebuild
+    // Open MPI or Slurm, which is rarely the remedy.
+    if (std::string problem = srun_launch_problem(getenv_lookup, kPmixOnly); !problem.empty())
+      fail(problem);
     int provided = 0;
     // SERIALIZED: OpenMP threads never call MPI, but a communication thread may one day.
     MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided);
@@ -42,6 +92,19 @@ MpiRuntime::MpiRuntime(int* argc, char*** argv) {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+  // A PMIx or PMI that did not join the tasks (each a singleton, or a world of another size)
+  // would train the wrong layout or wait for peers that never come.
+  if (srun_tasks > 0 && world_size_ != srun_tasks) {
+    if (world_size_ == 1) {  // nobody to wait for: finalize, as the destructor will not run
+      MPI_Finalize();
+      owns_ = false;
+    }
+    fail("srun started ", srun_tasks, " tasks but MPI_COMM_WORLD has ", world_size_,
+         " rank(s): the MPI library did not join them through srun's MPI plugin (",
+         std::getenv("SLURM_MPI_TYPE") ? std::getenv("SLURM_MPI_TYPE") : "none",
+         "). Launch with `srun --mpi=pmix loom ...`, or with `mpirun loom ...` inside the "
+         "allocation");
+  }
 }
 
 MpiRuntime::~MpiRuntime() {

@@ -16,6 +16,7 @@
 //
 // Limits: at most INT_MAX elements per rank and call (MPI counts are int). MPI calls are made
 // only from the thread that drives the groups (MPI_THREAD_SERIALIZED is requested).
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -24,11 +25,28 @@
 namespace loom::dist {
 
 // True when this process was started by an MPI launcher (mpirun/mpiexec of Open MPI or MPICH,
-// srun), judged from the environment the launcher sets.
+// srun), judged from the environment the launcher sets. A task of an `srun --mpi=none` step of one
+// task is not: it runs as a process of its own (Open MPI's MPI_Init fails there).
 bool launched_under_mpi();
 
+// The environment, as getenv reads it (tests pass their own).
+using EnvLookup = std::function<const char*(const char*)>;
+
+// The number of tasks of the srun step that started this process itself (SLURM_STEP_NUM_TASKS), 0
+// when srun did not (a shell, mpirun's ranks inside an allocation, an sbatch script).
+int srun_step_tasks(const EnvLookup& env);
+
+// Why MPI cannot join the tasks of the srun step that started this process, "" when it can or
+// when srun did not start it: srun wires tasks up through its MPI plugin (--mpi=pmix sets
+// PMIX_RANK, --mpi=pmi2 PMI_RANK, --mpi=none nothing), and without one each task would come up as
+// an MPI world of its own. `pmix_only`: the MPI library connects srun's tasks through PMIx alone
+// (Open MPI 4.1 as Debian builds it: no PMI-1/PMI-2 component).
+std::string srun_launch_problem(const EnvLookup& env, bool pmix_only);
+
 // MPI_Init_thread on construction, MPI_Finalize on destruction. If MPI is already initialized,
-// it neither initializes nor finalizes. Destroy every MPI process group before it.
+// it neither initializes nor finalizes. Destroy every MPI process group before it. Under srun,
+// fails before MPI_Init when srun_launch_problem names one, and after it when MPI_COMM_WORLD is
+// not the step's tasks (the message says how to launch instead).
 class MpiRuntime {
  public:
   MpiRuntime();  // no command line needed: Open MPI and MPICH read their settings from the env

@@ -40,12 +40,16 @@ test_pkgs=(
   "clang: scripts/fuzz.sh (libFuzzer, ASan, UBSan)"
   "libclang-rt-14-dev: clang's sanitizer and fuzzer runtimes"
   "libomp-dev: OpenMP for the clang build of scripts/fuzz.sh"
-  "iproute2: the multi-host drill's network namespaces and links (tests/drill/)"
+  "iproute2: the multi-host drill's network namespaces and links (tests/drill/), ss for the Slurm drill's free ports"
   "nftables: the multi-host drill's cut links"
   "util-linux: unshare and setpriv for the drill and the permission tests"
   "python3-protobuf: tests/train/tensorboard.sh's independent decoder of the event files"
   "python3-crc32c: the same decoder's check of the event records' CRC-32C"
   "zstd: the tokenize tests make their .zst inputs with it"
+  "slurmctld: tests/drill/slurm.sh runs a private one-node Slurm (Debian's 22.05): its controller"
+  "slurmd: the same Slurm's node daemon (with slurm-wlm-basic-plugins: mpi_pmix, for srun --mpi=pmix)"
+  "slurm-client: sbatch, srun, scontrol, squeue and sinfo, for the same test"
+  "munge: the same Slurm's authentication (the test starts its own munged, with its own key)"
 )
 # Node (the tokenizer parity tests against the npm tokenizers) may come from NodeSource with npm
 # bundled; only Debian's is installed when there is none.

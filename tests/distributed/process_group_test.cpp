@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
+#include <string>
 
 #include "distributed/mpi_process_group.hpp"
 #include "distributed/process_group.hpp"
@@ -214,7 +216,7 @@ TEST(Bf16Sum, MatchesExactSumRoundedToNearestEven) {
 TEST(MpiLaunch, DetectsLauncherEnvironment) {
   // Under ctest nothing sets these; the detection must not claim a launcher.
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK",
-                        "MPI_LOCALNRANKS", "SLURM_STEP_ID"}) {
+                        "MPI_LOCALNRANKS", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"}) {
     if (std::getenv(v)) GTEST_SKIP() << "running under a launcher (" << v << " is set)";
   }
   EXPECT_FALSE(launched_under_mpi());
@@ -224,7 +226,49 @@ TEST(MpiLaunch, DetectsLauncherEnvironment) {
   setenv("SLURM_NTASKS", "4", 1);
   EXPECT_FALSE(launched_under_mpi());  // an sbatch script, not an srun step
   setenv("SLURM_STEP_ID", "0", 1);
-  EXPECT_TRUE(launched_under_mpi());
+  EXPECT_TRUE(launched_under_mpi());  // an srun step of 4 tasks, even without PMIx (to say so)
+  setenv("SLURM_NTASKS", "1", 1);
+  EXPECT_FALSE(launched_under_mpi());  // srun --mpi=none of one task: a process of its own
   unsetenv("SLURM_STEP_ID");
   unsetenv("SLURM_NTASKS");
+}
+
+// srun's environments, as measured under Slurm 22.05 (tests/drill/slurm.sh runs the real ones).
+namespace {
+using Env = std::map<std::string, std::string>;
+EnvLookup lookup(const Env& e) {
+  return [&e](const char* k) {
+    const auto it = e.find(k);
+    return it == e.end() ? nullptr : it->second.c_str();
+  };
+}
+}  // namespace
+
+TEST(MpiLaunch, SrunWithoutPmixIsNamed) {
+  const Env step = {{"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_NTASKS", "2"}};
+  EXPECT_EQ(srun_step_tasks(lookup(step)), 2);
+  // srun --mpi=none, 2 tasks: the message names the plugin and the launches that work.
+  const std::string none = srun_launch_problem(lookup(step), true);
+  for (const char* part : {"2 task(s) without PMIx", "plugin: none", "srun --mpi=pmix", "mpirun"})
+    EXPECT_NE(none.find(part), std::string::npos) << part << " not in: " << none;
+  EXPECT_NE(srun_launch_problem(lookup(step), false), "");  // MPICH needs a plugin too
+  // srun --mpi=pmix: PMIx joins them.
+  Env pmix = step;
+  pmix["PMIX_RANK"] = "1";
+  EXPECT_EQ(srun_launch_problem(lookup(pmix), true), "");
+  // srun --mpi=pmi2: Open MPI cannot use it, MPICH can.
+  Env pmi2 = step;
+  pmi2["PMI_RANK"] = "0", pmi2["SLURM_MPI_TYPE"] = "pmi2";
+  EXPECT_NE(srun_launch_problem(lookup(pmi2), true).find("plugin: pmi2"), std::string::npos);
+  EXPECT_EQ(srun_launch_problem(lookup(pmi2), false), "");
+  // One task without a plugin runs as a process of its own.
+  const Env one = {{"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}};
+  EXPECT_EQ(srun_launch_problem(lookup(one), true), "");
+  // The batch script itself (no step) and mpirun's ranks inside an allocation are not srun tasks.
+  const Env batch = {{"SLURM_NTASKS", "2"}};
+  EXPECT_EQ(srun_step_tasks(lookup(batch)), 0);
+  Env under_mpirun = step;
+  under_mpirun["OMPI_COMM_WORLD_SIZE"] = "2";
+  EXPECT_EQ(srun_step_tasks(lookup(under_mpirun)), 0);
+  EXPECT_EQ(srun_launch_problem(lookup(under_mpirun), true), "");
 }

@@ -1,7 +1,9 @@
 #!/bin/bash
 # SIGTERM to one rank of an FSDP 2 run: the ranks agree on the stop flag, so both stop after the
 # same step, save one checkpoint of that step and exit 3; each rank's own log ([job] rank_logs)
-# records its progress and the stop.
+# records its progress and the stop. The SIGTERM comes twice, as Slurm sends it (from the step
+# daemon and again through srun, 0.01-0.2 s apart): the second must not end the rank before its
+# save.
 #   stop_signal.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -29,6 +31,8 @@ done
 # Signal only the last rank (the launcher's newest child), as a scheduler might signal one node.
 rank=$(pgrep -n -P "$launcher" loom || pgrep -n -f "loom train --config $src/configs/debug.toml")
 kill -TERM "$rank"
+sleep 0.1  # delivered apart, not merged into one pending signal
+kill -TERM "$rank" 2>/dev/null || true
 rc=0
 wait "$launcher" || rc=$?
 cat "$work/out.log"
