@@ -1,4 +1,4 @@
-// The `loom` command line: dispatches to the subcommands of DESIGN.md.
+// The `loom` command line: dispatches to the subcommands of docs/design.md "The command line".
 #include <cstdio>
 #include <exception>
 #include <optional>

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Distributed checkpoint benchmark (issue 13; docs/design.md, "Distributed checkpoints"). The real
+# Distributed checkpoint benchmark (issue 13; docs/decisions/distributed-checkpoints.md). The real
 # `loom train` on bench/ckpt-316m.json (Llama, dim 1024, 24 layers, ffn 2816, 16 heads, vocab
 # 4096: 316,720,128 parameters), float32, one sample of 16 tokens per rank and step so that the
 # compute is small. FSDP over NPS ranks (oversubscribed on a small machine: one OpenMP thread per
@@ -44,7 +44,7 @@ params=$(awk '{gsub(/[",:]/, " ")} $1 == "hidden_size" {d = $2} $1 == "intermedi
   "$model")
 echo "model $model: $params parameters (counted from its config.json); checkpoint $((params * 12)) bytes"
 
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+cat "$src"/docs/*.md "$src"/docs/decisions/*.md "$src"/train/*.cpp >"$work/corpus.txt"
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
   --save-tokenizer "$work/tok.json" >/dev/null
 

@@ -1,6 +1,6 @@
 // Times reduce_scatter (sum) and all_gather of the MPI backend per size (KiB per rank) and dtype:
 // the median of several reps, each the collective followed at once by wait(), the ranks lined up
-// by a barrier before each. docs/design.md quotes its figures.
+// by a barrier before each. docs/decisions/distributed-runtime.md quotes its figures.
 //   mpirun -np N build/bench/collective_bench [reps=9] [max KiB=32768]
 #include <mpi.h>
 

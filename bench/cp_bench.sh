@@ -18,7 +18,7 @@ src=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom_cp_bench.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=passive
-cat "$src"/docs/design.md "$src"/train/*.cpp >"$work/corpus.txt"
+cat "$src"/docs/*.md "$src"/docs/decisions/*.md "$src"/train/*.cpp >"$work/corpus.txt"
 "$build/loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 512 \
   --save-tokenizer "$work/tok.json" >/dev/null
 run() {  # run CP LEN STEPS: 0 when STEPS steps train under the cap; the last step's line in $work/last

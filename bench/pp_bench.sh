@@ -28,7 +28,7 @@ trap 'rm -rf "$work"' EXIT
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(nproc --all) cores" \
   "($(nproc) available to this process); $("$loom" info --peak-seconds 0 2>/dev/null | grep -m1 kernels | sed "s/^ *//; s/  */ /g");" \
   "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-cat "$here"/docs/design.md "$here"/train/*.cpp >"$work/corpus.txt"
+cat "$here"/docs/*.md "$here"/docs/decisions/*.md "$here"/train/*.cpp >"$work/corpus.txt"
 "$loom" tokenize --input "$work/corpus.txt" --output "$work/data" --train-vocab 320 \
   --save-tokenizer "$work/tok.json" >/dev/null
 

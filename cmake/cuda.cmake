@@ -1,4 +1,4 @@
-# The CUDA backend (docs/design.md "The CUDA backend"), optional at build time:
+# The CUDA backend (docs/decisions/cuda.md), optional at build time:
 #   LOOM_CUDA=AUTO (default) builds it where nvcc and cuBLASLt are found, and otherwise prints one
 #   line and builds the CPU loom exactly as without this file; ON requires it; OFF skips it.
 # cudart is linked statically (it loads the driver itself, so the binary starts where there is no

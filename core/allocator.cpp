@@ -52,7 +52,7 @@ MemoryUse Allocator::set_use(MemoryUse use) {
 }
 
 Allocator& Allocator::get(Device device, Pool pool) {
-  // The per-device allocators are the one piece of process-wide state (DESIGN.md, decision 9).
+  // The per-device allocators are the one piece of process-wide state (docs/design.md decision 9).
   static Allocator cpu(Device::cpu), cpu_host(Device::cpu, Pool::host);
   static Allocator meta(Device::meta), meta_host(Device::meta, Pool::host);
   static Allocator elsewhere(Device::elsewhere);

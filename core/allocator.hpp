@@ -22,7 +22,7 @@ inline constexpr size_t kMemoryUses = 6;
 std::string_view memory_use_name(MemoryUse u);
 
 // Which of a device's two allocators a block comes from: the device's own memory, or the host
-// memory that holds its offloaded states (CPU offload, DESIGN.md decision 4: master weights,
+// memory that holds its offloaded states (CPU offload, docs/design.md decision 4: master weights,
 // gradient shards and AdamW moments). On the cpu device both are the same RAM, booked apart so
 // that a run here measures what a GPU would hold; on meta neither has memory behind it.
 enum class Pool : uint8_t { device, host };

@@ -1,7 +1,7 @@
 #pragma once
 // Counter-based random numbers (Philox4x32-10, Salmon et al. 2011). A value depends only on
 // (key, counter), so the element i of a parameter gets the same value however the parameter is
-// sliced across ranks (DESIGN.md, decision 2).
+// sliced across ranks (docs/design.md decision 2).
 #include <array>
 #include <cstdint>
 #include <string_view>

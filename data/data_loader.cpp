@@ -6,7 +6,7 @@
 #include "core/error.hpp"
 #include "core/philox.hpp"
 
-// DESIGN.md decision 11, which this file implements:
+// docs/design.md decision 11, which this file implements:
 //   "The global batch of a step does not depend on the layout: with G = local_batch_size x
 //   dp_replicate x dp_shard x grad_accum_steps samples per step, sample j of step s is the window
 //   of seq_len + 1 tokens starting at token (s*G + j) * seq_len of the training shards taken as

@@ -1,5 +1,5 @@
 #pragma once
-// The data loader of DESIGN.md decision 11. With G = local_batch_size x dp x grad_accum_steps
+// The data loader of docs/design.md decision 11. With G = local_batch_size x dp x grad_accum_steps
 // samples per step, sample j of step s is the window of seq_len + 1 tokens starting at token
 // (s*G + j) * seq_len of the stream (wrapping), or, with shuffle, at sample index
 // perm_epoch(s*G + j) where the permutation of each epoch's samples is seeded and layout-free.

@@ -1,9 +1,9 @@
 #pragma once
-// Token shards (DESIGN.md, "loom tokenize"): a 64-byte little-endian header (magic "LOOMTOKS",
-// u32 version 1, u32 token_bytes 2 or 4, u64 vocab_size, u64 num_tokens, 32 zero bytes), then
-// num_tokens ids of token_bytes each. Read by memory mapping; a shard is validated on open
-// (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes zero,
-// every id below vocab_size).
+// Token shards (docs/design.md "The command line", `loom tokenize`): a 64-byte little-endian header
+// (magic "LOOMTOKS", u32 version 1, u32 token_bytes 2 or 4, u64 vocab_size, u64 num_tokens, 32 zero
+// bytes), then num_tokens ids of token_bytes each. Read by memory mapping; a shard is validated on
+// open (magic, version, token_bytes, file size == 64 + num_tokens * token_bytes, reserved bytes
+// zero, every id below vocab_size).
 #include <cstdint>
 #include <memory>
 #include <string>

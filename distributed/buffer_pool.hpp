@@ -1,5 +1,5 @@
 #pragma once
-// Communication buffers of tensor parallelism (DESIGN.md decision 9): one buffer per
+// Communication buffers of tensor parallelism (docs/design.md decision 9): one buffer per
 // (purpose, dtype, size), allocated on first use and handed out again on every later request,
 // so the buffers of a step do not grow with the number of layers and are never allocated per
 // call. A buffer is valid until the next request with the same key: purposes name uses that are

@@ -299,9 +299,10 @@ class MpiProcessGroup final : public ProcessGroup {
   }
 
   // Not MPI_Ireduce_scatter_block: Open MPI's (libnbc) mallocs 2 * in.nbytes of scratch per call,
-  // which glibc maps fresh from 32 MB up; faulting it in made 8 MB per rank on 2 ranks take
-  // ~140 ms instead of ~6 (docs/design.md). Here each rank sends every peer its block and sums
-  // what it receives (into `out` and reused staging), in the same order as that call.
+  // which glibc maps fresh from 32 MB up; faulting it in made 8 MB per rank on 2 ranks take ~140 ms
+  // instead of ~6 (docs/decisions/distributed-runtime.md). Here each rank sends every peer its
+  // block and sums what it receives (into `out` and reused staging), in the same order as that
+  // call.
   std::unique_ptr<Work> do_reduce_scatter(const Tensor& in, const Tensor& out,
                                           ReduceOp op) override {
     const int n = count_of("reduce_scatter", out, in);

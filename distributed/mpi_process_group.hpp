@@ -10,9 +10,9 @@
 //
 // reduce_scatter is point to point: each rank sends every peer its block and sums the blocks it
 // receives, in the order of Open MPI's MPI_Ireduce_scatter_block (20-60x slower than this from
-// 16 MB of input per rank up, docs/design.md). A group keeps the staging of finished
-// reduce_scatters for reuse: (size - 2) x out.nbytes per reduce_scatter in flight, not counted by
-// loom's allocator.
+// 16 MB of input per rank up, docs/decisions/distributed-runtime.md). A group keeps the staging of
+// finished reduce_scatters for reuse: (size - 2) x out.nbytes per reduce_scatter in flight, not
+// counted by loom's allocator.
 //
 // Limits: at most INT_MAX elements per rank and call (MPI counts are int). MPI calls are made
 // only from the thread that drives the groups (MPI_THREAD_SERIALIZED is requested).

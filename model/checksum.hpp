@@ -1,5 +1,5 @@
 #pragma once
-// File checksums of checkpoints (docs/design.md, "Distributed checkpoints"): XXH3-64 of every
+// File checksums of checkpoints (docs/decisions/distributed-checkpoints.md): XXH3-64 of every
 // byte of a file (libxxhash), written as "xxh3-64:<16 lowercase hex digits>". XXH3 hashes at
 // memory speed (tens of GB/s a core), so hashing while writing costs nothing next to the write,
 // and a resume's verification costs one read of the checkpoint. It detects corruption (flipped

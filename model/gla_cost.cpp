@@ -1,4 +1,4 @@
-// The analytic memory model of GlaModel (docs/design.md, GLA section): what the pre-flight and
+// The analytic memory model of GlaModel (docs/decisions/gla.md): what the pre-flight and
 // `loom bench` price a GLA micro-batch at. The saved activations are GlaBlockActs' fields one by
 // one (tests/model/gla_cost_test.cpp checks them against what a step saves).
 #include <algorithm>

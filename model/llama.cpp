@@ -23,7 +23,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
   config_.validate("model config");
   const int n = tp.size(), r = tp.rank();
   if (n > 1) {
-    // Refused rather than replicating kv heads (docs/design.md, "Tensor parallelism").
+    // Refused rather than replicating kv heads (docs/decisions/tensor-parallel.md).
     for (auto [what, v] :
          {std::pair<const char*, int64_t>{"num_attention_heads", config_.num_attention_heads},
           {"num_key_value_heads", config_.num_key_value_heads},

@@ -1,5 +1,5 @@
 #pragma once
-// The Llama model (DESIGN.md decision 1), a Model (model/model.hpp): an embedding unit,
+// The Llama model (docs/design.md decision 1), a Model (model/model.hpp): an embedding unit,
 // transformer blocks (model/llama_block.hpp) and a head unit. The layers it is built from
 // are in parallel/layers (tensor and context parallelism, checkpointing), their kernels behind the
 // device dispatch of ops/.

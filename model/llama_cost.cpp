@@ -1,4 +1,4 @@
-// The analytic memory and communication model of LlamaModel (docs/design.md "Memory model"):
+// The analytic memory and communication model of LlamaModel (docs/design.md "One cost model"):
 // the figures `loom bench --check` compares with what a step measures.
 #include <algorithm>
 
@@ -168,7 +168,7 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T,
   const TpRuntime& tp = par().tp;
   const int n = tp.opt.size();
   if (n == 1) return 0;
-  // The ProcessGroup's ring convention (docs/design.md, "Distributed runtime").
+  // The ProcessGroup's ring convention (docs/decisions/distributed-runtime.md).
   auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
   const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size);
   const RunBlocks rb = run_blocks(runs, activation_checkpoint());

@@ -1,6 +1,6 @@
 #pragma once
 // The model interface the trainer, the parallel wrappers (FSDP, DDP, the pipeline executor), the
-// cost model and the commands work through (DESIGN.md decision 1): a model is a sequence of
+// cost model and the commands work through (docs/design.md decision 1): a model is a sequence of
 // parameter units, an embedding unit, one unit per block and a head unit, run per micro-batch
 // over any range of units with the micro-batch's activations in an ActivationStore that lives
 // between the calls. LlamaModel (model/llama.hpp) and GlaModel (model/gla.hpp) implement it.

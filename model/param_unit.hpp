@@ -1,11 +1,11 @@
 #pragma once
-// Parameters are grouped into units (one per transformer block, one for the embedding, one for
-// the final norm + output head): the FSDP unit of DESIGN.md decision 3. A unit owns one flat f32
+// Parameters are grouped into units (one per transformer block, one for the embedding, one for the
+// final norm + output head): the FSDP unit of docs/design.md decision 3. A unit owns one flat f32
 // buffer of master weights, one flat f32 gradient buffer and, with bf16 mixed precision, a flat
 // bf16 mirror that the GEMMs read. Each parameter is a view at an offset in those buffers, so
 // adjacent parameters (q, k, v; gate, up) can be read as one fused matrix.
 //
-// Sharded units (DESIGN.md decision 2). A unit sharded over N ranks pads its flat size to
+// Sharded units (docs/design.md decision 2). A unit sharded over N ranks pads its flat size to
 // P = ceil(numel / N) * N and keeps only its shard of S = P / N elements, [rank * S, rank * S + S)
 // of the flat layout: the f32 master shard and the f32 gradient shard (the padding is zero and
 // never updated). The full weights and the full f32 gradient exist only between
@@ -33,7 +33,7 @@ namespace loom {
 
 enum class Init { normal, ones };
 
-// How tensor parallelism splits a parameter (DESIGN.md decision 5, Megatron): `rows` (column
+// How tensor parallelism splits a parameter (docs/design.md decision 5, Megatron): `rows` (column
 // parallel: q, k, v, gate, up; the vocabulary rows of the embedding and the output head) keeps
 // rows [rank R/tp, (rank + 1) R/tp), `cols` (row parallel: o, down) columns [rank C/tp, ...).
 enum class TpSplit { none, rows, cols };
@@ -130,9 +130,9 @@ void read_param_slice(const Reader& f, const std::string& name, const ParamSpec&
 // This rank's place among the ranks that shard a unit, and where its shard lives.
 struct ShardLayout {
   int rank = 0, count = 1;
-  // CPU offload (DESIGN.md decision 4, training.enable_cpu_offload): the f32 master and gradient
-  // shards (and the optimizer's moments, which follow the master) are in the host pool; the
-  // device holds a unit only while it is gathered. Sharded units only.
+  // CPU offload (docs/design.md decision 4, training.enable_cpu_offload): the f32 master and
+  // gradient shards (and the optimizer's moments, which follow the master) are in the host pool;
+  // the device holds a unit only while it is gathered. Sharded units only.
   bool offload = false;
   bool sharded() const { return count > 1; }
 };

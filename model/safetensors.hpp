@@ -56,7 +56,7 @@ class SafetensorsFile {
 // The one slice reader of model directories: Hugging Face (model.safetensors, or
 // model-0000x-of-0000y.safetensors with model.safetensors.index.json), each tensor whole in one
 // file, and loom's sharded checkpoints (loom.index.json: each tensor in slices spread over the
-// ranks' files, docs/design.md "Distributed checkpoints"). Reading rows of a tensor reads only
+// ranks' files, docs/decisions/distributed-checkpoints.md). Reading rows of a tensor reads only
 // the slices that hold them.
 class SafetensorsDir {
  public:

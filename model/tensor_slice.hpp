@@ -1,9 +1,9 @@
 #pragma once
-// Where a piece of a global tensor lives in a sharded checkpoint (docs/design.md, "Distributed
-// checkpoints"). A rank's part of a parameter is a box of the global tensor (tensor parallelism
-// keeps a block of rows or of columns; without it the box is the whole tensor) and, within the
-// box's row-major elements, one contiguous range (an FSDP shard cuts the flat layout anywhere).
-// The file stores the range as a 1-D tensor of end - begin elements.
+// Where a piece of a global tensor lives in a sharded checkpoint
+// (docs/decisions/distributed-checkpoints.md). A rank's part of a parameter is a box of the global
+// tensor (tensor parallelism keeps a block of rows or of columns; without it the box is the whole
+// tensor) and, within the box's row-major elements, one contiguous range (an FSDP shard cuts the
+// flat layout anywhere). The file stores the range as a 1-D tensor of end - begin elements.
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>

@@ -1,5 +1,5 @@
 #pragma once
-// One device's kernels behind the ops (docs/design.md "Kernels behind a device dispatch"). Each op
+// One device's kernels behind the ops (docs/architecture.md "The device seam"). Each op
 // of ops.hpp checks its arguments, reports its work to the time model (meta) or the profile, and
 // calls one method of the Backend of its tensors' device with the same tensors; the Backend
 // picks the kernel by dtype and runs it. cpu_backend.cpp runs kernels/cpu, cuda/cuda_backend.cpp

@@ -1,6 +1,6 @@
 #pragma once
-// Tensor-level operations that dispatch on the tensors' device (docs/design.md "Kernels behind a
-// device dispatch"): cpu runs the kernels of kernels/cpu; meta runs nothing (its allocations,
+// Tensor-level operations that dispatch on the tensors' device (docs/architecture.md "The
+// device seam"): cpu runs the kernels of kernels/cpu; meta runs nothing (its allocations,
 // made by Tensor::empty before the call, are booked like the CPU's, so a meta run measures
 // memory); any other device is a loom::Error naming the op. The layers above (parallel/layers,
 // model/) call these and never a backend's kernel, so a new backend adds a case here.

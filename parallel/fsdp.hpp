@@ -1,5 +1,5 @@
 #pragma once
-// FSDP (ZeRO-3) and HSDP over the model's parameter units (DESIGN.md decision 3), as UnitHooks
+// FSDP (ZeRO-3) and HSDP over the model's parameter units (docs/design.md decision 3), as UnitHooks
 // that Model::forward and Model::backward call around each unit (model/model.hpp).
 //
 // Every unit is sharded over the `shard` group (the mesh's "dp_shard"). Around a unit's work:
@@ -13,12 +13,12 @@
 //                       shard-sized buffer, release the full weights and gradient; when the
 //                       reduce-scatter completes its result is added to the gradient shard (so
 //                       micro-batches accumulate)
-// Pending collectives are driven with Work::test() in every hook (Open MPI progresses
-// nonblocking collectives only inside MPI calls) and completed at the first hook after an op has
-// run since their issue, waiting there if need be, never earlier: when buffers are freed, and so
-// the peak, is a function of the layout, not of MPI's timing. Gradients are summed, not averaged: the trainer
+// Pending collectives are driven with Work::test() in every hook (Open MPI progresses nonblocking
+// collectives only inside MPI calls) and completed at the first hook after an op has run since
+// their issue, waiting there if need be, never earlier: when buffers are freed, and so the peak, is
+// a function of the layout, not of MPI's timing. Gradients are summed, not averaged: the trainer
 // scales each micro-batch's loss by 1 / (global samples x seq_len), so the sum over ranks is the
-// gradient of the step's mean loss, as in one process (DESIGN.md 11).
+// gradient of the step's mean loss, as in one process (docs/design.md decision 11).
 //
 // Reshard policy (what after_forward frees): `always` every unit, `default` all but the last
 // block, `never` none. The head unit is never freed between its forward and backward (they are

@@ -1,7 +1,7 @@
 #pragma once
-// The hardware model of `loom plan` (docs/specs PIPELINE-AND-PLAN B3): what one rank's machine
-// computes per second and what its links move, read from configs/hardware/*.toml, and the time
-// of a kernel (a roofline over ops::KernelWork) or of a collective (ring formulas) on it.
+// The hardware model of `loom plan` (../shared/specs/PIPELINE-AND-PLAN.md B3): what one rank's
+// machine computes per second and what its links move, read from configs/hardware/*.toml, and the
+// time of a kernel (a roofline over ops::KernelWork) or of a collective (ring formulas) on it.
 #include <array>
 #include <cstdint>
 #include <map>

@@ -1,5 +1,5 @@
 #pragma once
-// The planner's run of one rank (`loom plan`, DESIGN.md decision 9): the real training step of
+// The planner's run of one rank (`loom plan`, docs/design.md decision 9): the real training step of
 // `loom train` (parallelize, AdamW, TrainStep, the trainer's micro-batches per step) on the meta
 // device, whose allocator books every tensor the real run allocates (same sizes, rounding and
 // cache) with no memory behind it, and over simulated process groups

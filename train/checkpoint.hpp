@@ -1,5 +1,5 @@
 #pragma once
-// Training checkpoints (docs/design.md, "Distributed checkpoints"). A checkpoint is a directory
+// Training checkpoints (docs/decisions/distributed-checkpoints.md). A checkpoint is a directory
 // ROOT/step-00000100/ holding
 //   rank-0000r.safetensors  each writing rank's slices of the f32 master weights and of the AdamW
 //                           moments ("<name>", "<name>.exp_avg", "<name>.exp_avg_sq"), written
@@ -133,7 +133,7 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
 // allocating anything. `verify`: state.json's own checksum too, where it records one.
 TrainState read_checkpoint_state(const std::string& dir, bool verify = true);
 
-// Checksums (docs/design.md, "Distributed checkpoints"): state.json records its own and the
+// Checksums (docs/decisions/distributed-checkpoints.md): state.json records its own and the
 // index's, the index every other file's. Checks, every rank of `world` (nullptr: this caller
 // alone) calling it, a checkpoint's structure (state.json, the index, the files it lists and
 // their headers: small reads, on every rank) and then every file against its checksum, each file

@@ -1,5 +1,5 @@
 #pragma once
-// `loom convert` (DESIGN.md, command-line contract): between loom checkpoints and Hugging Face
+// `loom convert` (docs/design.md "The command line"): between loom checkpoints and Hugging Face
 // model directories, streaming: one tensor in memory at a time, whatever the model's size.
 #include <cstddef>
 #include <string>

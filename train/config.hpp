@@ -54,7 +54,7 @@ struct JobConfig {
     std::string mixed_precision_param = "float32";
     std::string mixed_precision_reduce = "float32";  // float32 | bfloat16
     // FSDP's master weights, gradient shards and AdamW moments in host memory, stepped there
-    // (DESIGN.md decision 4); needs dp_shard x cp > 1.
+    // (docs/design.md decision 4); needs dp_shard x cp > 1.
     bool enable_cpu_offload = false;
     bool operator==(const Training&) const = default;
   } training;

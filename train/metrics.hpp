@@ -1,9 +1,9 @@
 #pragma once
-// What a training run reports: a live progress line on a terminal (redrawn in place with \r),
-// plain lines every `log_every` steps otherwise, and, with [metrics] jsonl, one JSON object per
-// step and one per validation (DESIGN.md's contract: step, loss, lr, grad_norm, tokens_per_s,
-// mfu, peak_allocated_bytes; val_loss). The JSONL file is flushed after every line, so it can be
-// followed while the run goes and is complete up to the last step if the run dies.
+// What a training run reports: a live progress line on a terminal (redrawn in place with \r), plain
+// lines every `log_every` steps otherwise, and, with [metrics] jsonl, one JSON object per step and
+// one per validation (docs/design.md's command-line contract: step, loss, lr, grad_norm,
+// tokens_per_s, mfu, peak_allocated_bytes; val_loss). The JSONL file is flushed after every line,
+// so it can be followed while the run goes and is complete up to the last step if the run dies.
 #include <cstdint>
 #include <cstdio>
 #include <string>

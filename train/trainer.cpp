@@ -106,7 +106,7 @@ bool any_rank(dist::ProcessGroup& group, bool flag) {
 }
 
 // The keys of the job config that change what a resumed run computes; the others (layout,
-// logging, checkpointing) do not (DESIGN.md decision 11: the layout does not change the math).
+// logging, checkpointing) do not (docs/design.md decision 11: the layout does not change the math).
 // local_batch_size and grad_accum_steps depend on the layout: the global batch is compared
 // instead.
 constexpr const char* kMathKeys[] = {

@@ -1,5 +1,5 @@
 #pragma once
-// The trainer: the loop of DESIGN.md's "path of one training step" on one rank
+// The trainer: the loop of docs/architecture.md "The path of one training step" on one rank
 // (data loader -> micro-batches -> forward/backward -> clip -> AdamW -> lr schedule -> metrics ->
 // checkpoint), on one process or on the data-parallel ranks of a mesh (TrainerOptions::mesh).
 // The data loader and the loss normalization follow the layout-free rules of decision 11. The

@@ -215,7 +215,7 @@ void gla_forward_impl(const GlaCore& a, GlaOut o, float* ht) {
 namespace {
 
 // Accumulates query head h's gradients into the zeroed dk, dv, dgk rows of its kv head and writes
-// its dq. Follows the chunked backward of docs/design.md "GLA": the states S_[n] are recomputed by
+// its dq. Follows the chunked backward of docs/decisions/gla.md: the states S_[n] are recomputed by
 // a forward sweep, then the chunks run in reverse with dS = dL/dS_[n+1].
 void backward_head(const GlaCore& a, int64_t b, int64_t h, GlaIn dout, const float* dht,
                    const GlaCoreGrads& g, Work& w, std::vector<float>& states) {

@@ -1,5 +1,5 @@
 #pragma once
-// The GLA core (gated linear attention, docs/design.md "GLA"): per sample and query head h, with
+// The GLA core (gated linear attention, docs/decisions/gla.md): per sample and query head h, with
 // kv head g = h / (H / Hkv), the recurrence
 //   S_t = Diag(exp(gk_t)) S_{t-1} + k_t v_t^T      (S in R^{K x V}, S_0 = h0 or 0)
 //   o_t = scale * S_t^T q_t

@@ -1,5 +1,5 @@
 #pragma once
-// The CUDA runtime as loom uses it (docs/design.md "The CUDA backend"): what the machine has (a
+// The CUDA runtime as loom uses it (docs/decisions/cuda.md): what the machine has (a
 // probe that never throws, so the same binary runs where there is no GPU or no driver), the one
 // GPU this process uses with its compute stream, and the memory functions the Allocator and
 // Tensor of Device::cuda go through (core/device_memory.hpp). No CUDA header here: code compiled

@@ -1,5 +1,5 @@
 #pragma once
-// Activation checkpointing (DESIGN.md decision 8; docs/design.md "Activation checkpointing"):
+// Activation checkpointing (docs/design.md decision 8; docs/decisions/activation-checkpointing.md):
 // what a layer's forward saves versus what its backward recomputes, for any model. Recomputation
 // runs the same deterministic kernels on the same inputs, so every mode gives bit-identical
 // results.

@@ -1,5 +1,5 @@
 #pragma once
-// Context parallelism (docs/design.md "Context parallel"), for any model with causal attention:
+// Context parallelism (docs/decisions/context-parallel.md), for any model with causal attention:
 // the sequence of every sample is cut into 2*cp chunks and cp rank r holds chunks r and
 // 2*cp-1-r (the "zigzag" layout: every rank computes the same number of causal score entries);
 // attention runs as ring attention over the cp group, K/V rotating by send/recv or gathered in

@@ -1,5 +1,5 @@
 #pragma once
-// Tensor parallelism as layers (DESIGN.md decision 5; docs/design.md "Tensor parallelism"), for
+// Tensor parallelism as layers (docs/design.md decision 5; docs/decisions/tensor-parallel.md), for
 // any model: column- and row-parallel linear layers with sequence parallelism (SP), the
 // vocabulary-parallel embedding and loss, and the norm gradient summed over ranks. Each forward
 // sits beside its backward. With tp off (no group) every layer is the plain single-rank one.

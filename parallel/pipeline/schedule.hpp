@@ -1,5 +1,5 @@
 #pragma once
-// A pipeline schedule as data (DESIGN.md decision 7): per pp rank, the ordered list of compute
+// A pipeline schedule as data (docs/design.md decision 7): per pp rank, the ordered list of compute
 // actions it runs in one step, each the forward (F), full backward (B), input-gradient (I) or
 // weight-gradient (W) of one stage and one micro-batch, and the map from stage to rank (a loop
 // for gpipe/1f1b/interleaved/zb1p, a V for zbv). Generators are pure functions of (p, v, m);

@@ -41,8 +41,8 @@ std::vector<int32_t> random_ids(size_t n, uint64_t vocab, uint32_t seed) {
   return v;
 }
 
-// An independent writer of the format of DESIGN.md, byte by byte, so reading is checked against
-// the specification rather than against write_shard.
+// An independent writer of the format of docs/design.md "The command line", byte by byte, so
+// reading is checked against the specification rather than against write_shard.
 std::string make_shard_bytes(const char* magic, uint32_t version, uint32_t token_bytes,
                              uint64_t vocab, uint64_t num_tokens,
                              const std::vector<uint32_t>& ids) {

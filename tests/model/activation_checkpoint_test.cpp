@@ -1,4 +1,4 @@
-// Activation checkpointing (docs/design.md "Activation checkpointing"): every mode recomputes with
+// Activation checkpointing (docs/decisions/activation-checkpointing.md): every mode recomputes with
 // the same deterministic kernels on the same inputs, so loss and gradients must be bit-identical
 // to saving everything; and the peak of live tensors must drop, as the memory model says.
 #include <gtest/gtest.h>

@@ -33,8 +33,8 @@ void expect_bad(const json& j, const std::vector<std::string>& parts) {
 
 }  // namespace
 
-// The presets against the counts of docs/specs (flame's gla_340M and fla's default GLAConfig,
-// computed there from fla's parameter shapes), and the tied 340M of fla's legacy config.
+// The presets against the counts of ../shared/specs/GLA.md (flame's gla_340M and fla's default
+// GLAConfig, computed there from fla's parameter shapes), and the tied 340M of fla's legacy config.
 TEST(GlaConfig, PresetParameterCounts) {
   const GlaConfig small = GlaConfig::from_file(config_path("gla-340m"));
   EXPECT_EQ(small.intermediate_size, 2816);  // 256 * ceil(int(1024 * 4 * 2/3) / 256)

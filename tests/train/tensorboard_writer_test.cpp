@@ -258,9 +258,9 @@ TEST(TensorBoardClaim, FreshRunRefusesAnotherRunsEvents) {
   EXPECT_NO_THROW(check_tensorboard_dir_writable(""));
 }
 
-// The cost the writer adds to a step (docs/design.md): one event of six scalars, serialized,
-// framed, written and flushed; and a resume's rewrite of the earlier file. Printed; the bounds
-// only catch a gross regression.
+// The cost the writer adds to a step (docs/decisions/trainer-and-checkpoints.md, TensorBoard): one
+// event of six scalars, serialized, framed, written and flushed; and a resume's rewrite of the
+// earlier file. Printed; the bounds only catch a gross regression.
 TEST(TensorBoardWriter, CostPerStep) {
   TempDir t;
   const int n = 20000;
