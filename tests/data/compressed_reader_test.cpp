@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "core/error.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using loom::CompressedReader;
@@ -17,22 +18,7 @@ using loom::Compression;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           loom::str_cat("loom_compressed_reader_test_", ::getpid(), "_",
-                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string write(const std::string& name, const std::string& bytes) const {
-    std::ofstream f(path / name, std::ios::binary);
-    f << bytes;
-    return (path / name).string();
-  }
-};
+using loom::test::TempDir;
 
 // One gzip member (header, deflate data, CRC-32 and length), as `gzip -c` writes.
 std::string gzip(const std::string& text) {
@@ -184,6 +170,6 @@ TEST(CompressedReader, CorruptDataIsAnErrorNamingTheFileAndTheOffset) {
   e = error_of([&] { CompressedReader(plain_gz).read_all(); });
   EXPECT_NE(e.find("not valid gzip data"), std::string::npos) << e;
 
-  e = error_of([&] { CompressedReader((dir.path / "nope.gz").string()); });
+  e = error_of([&] { CompressedReader((dir.path() / "nope.gz").string()); });
   EXPECT_NE(e.find("cannot open input"), std::string::npos) << e;
 }

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "core/error.hpp"
+#include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -18,18 +19,7 @@ using loom::TokenStream;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           loom::str_cat("loom_shard_test_", ::getpid(), "_",
-                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using loom::test::TempDir;
 
 using loom::test::expect_error;
 
@@ -141,7 +131,7 @@ TEST(TokenShard, WriteIsAtomicAndRejectsBadIds) {
   EXPECT_EQ(s[1], 2);
   loom::write_shard(path, std::vector<int32_t>{4, 5}, 10);  // overwrite
   EXPECT_EQ(Shard(path).size(), 2u);
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path), fs::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
   expect_error([&] { loom::write_shard(dir / "no/such/dir/y.bin", std::vector<int32_t>{1}, 10); },
                {"no/such/dir/y.bin", "cannot create"});
 }
@@ -199,7 +189,7 @@ TEST(TokenShard, IdOutsideTheVocabularyIsFoundAtOpen) {
   }
   expect_error([&] { Shard b(big); }, {big, "token 70000", "position 2500001", "70000"});
   // A dataset directory with such a shard fails when it is opened, naming the file.
-  fs::create_directories(dir.path / "ds");
+  fs::create_directories(dir.path() / "ds");
   fs::copy_file(big, dir / "ds/train-00000.bin");
   expect_error([&] { TokenStream t(dir / "ds", "train"); },
                {"train-00000.bin", "position 2500001"});
@@ -215,7 +205,7 @@ TEST(TokenStream, ConcatenatesShardsInNameOrderAndWraps) {
   loom::write_shard(dir / "train-00001a.bin", std::vector<int32_t>{}, 50);
   loom::write_shard(dir / "val-00000.bin", std::vector<int32_t>{7, 7}, 50);
   write_bytes(dir / "train-notes.txt", "not a shard");
-  TokenStream s(dir.path.string(), "train");
+  TokenStream s(dir.path().string(), "train");
   ASSERT_EQ(s.files().size(), 4u);
   EXPECT_EQ(fs::path(s.files()[0]).filename(), "train-00000.bin");
   EXPECT_EQ(fs::path(s.files()[3]).filename(), "train-00002.bin");
@@ -235,13 +225,13 @@ TEST(TokenStream, ConcatenatesShardsInNameOrderAndWraps) {
         ASSERT_EQ(out[i], all[(begin + i) % N]) << "begin " << begin << " n " << n << " i " << i;
     }
   }
-  TokenStream v(dir.path.string(), "val");
+  TokenStream v(dir.path().string(), "val");
   EXPECT_EQ(v.size(), 2u);
 }
 
 TEST(TokenStream, ErrorsNameTheDirectoryAndTheProblem) {
   TempDir dir;
-  const std::string d = dir.path.string();
+  const std::string d = dir.path().string();
   expect_error([&] { TokenStream s(d, "train"); }, {d, "train-*.bin", "no token shards"});
   EXPECT_TRUE(TokenStream::find_files(d, "train").empty());
   expect_error([&] { TokenStream s(d + "/nope", "train"); }, {d + "/nope", "not a directory"});

@@ -18,6 +18,7 @@
 #include "model/checksum.hpp"
 #include "model/llama.hpp"
 #include "model/safetensors.hpp"
+#include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
 #include "train/optimizer.hpp"
 
@@ -26,21 +27,7 @@ using namespace loom;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("loom_ckpt_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  std::string operator/(const std::string& s) const { return (dir_ / s).string(); }
-
- private:
-  fs::path dir_;
-};
+using loom::test::TempDir;
 
 using loom::test::expect_error;
 

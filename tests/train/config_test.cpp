@@ -14,12 +14,15 @@
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama_config.hpp"
 #include "ops/devices.hpp"
+#include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::JobConfig;
 
 namespace {
+
+using loom::test::TempDir;
 
 std::string source_dir() {
   const char* s = std::getenv("LOOM_SOURCE_DIR");
@@ -31,23 +34,6 @@ using loom::test::expect_error;
 JobConfig parse(const std::string& text, const std::vector<std::string>& ov = {}) {
   return loom::parse_job_config(text, "job.toml", ov);
 }
-
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ =
-        fs::temp_directory_path() / ("loom_cfg_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  const fs::path& path() const { return dir_; }
-
- private:
-  fs::path dir_;
-};
 
 void write_text(const fs::path& p, const std::string& s) {
   fs::create_directories(p.parent_path());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "tests/temp_dir.hpp"
 #include "train/run_claim.hpp"
 #include "train/tensorboard_event.pb.h"
 #include "train/tensorboard_writer.hpp"
@@ -21,24 +22,10 @@
 namespace loom {
 namespace {
 
+using loom::test::TempDir;
+
 namespace fs = std::filesystem;
 namespace pb = loom::tensorboard;
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ =
-        fs::temp_directory_path() / ("loom_tb_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~TempDir() { fs::remove_all(dir_); }
-  std::string path(const std::string& s) const { return (dir_ / s).string(); }
-
- private:
-  fs::path dir_;
-};
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -129,7 +116,7 @@ TEST(TFRecord, StopsAtATornOrCorruptRecord) {
 
 TEST(TensorBoardWriter, FreshRunWritesVersionConfigAndSteps) {
   TempDir t;
-  const std::string dir = t.path("tb");
+  const std::string dir = t / "tb";
   std::string path;
   {
     TensorBoardWriter w({dir, -1, "[job]\nname = \"x\"\n"});
@@ -177,7 +164,7 @@ TEST(TensorBoardWriter, FreshRunWritesVersionConfigAndSteps) {
 
 TEST(TensorBoardWriter, ResumeDropsLaterStepsAndStartsANewFile) {
   TempDir t;
-  const std::string dir = t.path("tb");
+  const std::string dir = t / "tb";
   std::string first;
   {
     TensorBoardWriter w({dir, -1, "a = 1\n"});
@@ -220,7 +207,7 @@ TEST(TensorBoardWriter, ResumeDropsLaterStepsAndStartsANewFile) {
 
 TEST(TensorBoardClaim, FreshRunRefusesAnotherRunsEvents) {
   TempDir t;
-  const std::string dir = t.path("tb");
+  const std::string dir = t / "tb";
   check_tensorboard_dir_writable(dir);
   EXPECT_TRUE(fs::is_directory(dir));
   EXPECT_NO_THROW(check_tensorboard_dir_free(dir, false));
@@ -244,17 +231,17 @@ TEST(TensorBoardClaim, FreshRunRefusesAnotherRunsEvents) {
   }
   EXPECT_NO_THROW(check_tensorboard_dir_free(dir, true));
   // Under a regular file not even root can make a directory.
-  std::ofstream(t.path("file")) << "x";
+  std::ofstream(t / "file") << "x";
   try {
-    check_tensorboard_dir_writable(t.path("file/tb"));
+    check_tensorboard_dir_writable(t / "file/tb");
     ADD_FAILURE() << "not refused";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("metrics.tensorboard '" + t.path("file/tb") +
+    EXPECT_NE(std::string(e.what()).find("metrics.tensorboard '" + (t / "file/tb") +
                                          "' cannot be created"),
               std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(check_tensorboard_dir_writable(t.path("file")), Error);
+  EXPECT_THROW(check_tensorboard_dir_writable(t / "file"), Error);
   EXPECT_NO_THROW(check_tensorboard_dir_writable(""));
 }
 
@@ -270,7 +257,7 @@ TEST(TensorBoardWriter, CostPerStep) {
   };
   std::string path;
   {
-    TensorBoardWriter w({t.path("tb"), -1, ""});
+    TensorBoardWriter w({t / "tb", -1, ""});
     path = w.path();
     const auto t0 = Clock::now();
     for (int s = 1; s <= n; ++s) w.step(metrics_of(s));
@@ -280,7 +267,7 @@ TEST(TensorBoardWriter, CostPerStep) {
     EXPECT_LT(us, 1000.0);
   }
   const auto t0 = Clock::now();
-  TensorBoardWriter resumed({t.path("tb"), n / 2, ""});
+  TensorBoardWriter resumed({t / "tb", n / 2, ""});
   const double ms = us_since(t0) / 1000;
   std::printf("TensorBoard writer: a resume from step %d rewrote the %d-step file in %.1f ms\n",
               n / 2, n, ms);
