@@ -17,13 +17,12 @@ namespace {
 // test; a wait() before that is logged as a blocking wait.
 class SimWork final : public Work {
  public:
-  // tests < 0: a collective (the kernel rule).
-  SimWork(std::vector<Tensor> held, SimLog& log, int tests)
+  SimWork(std::vector<Tensor> held, SimLog& log, bool point_to_point)
       : held_(std::move(held)),
         log_(log),
         call_(log.calls.size() - 1),
         issued_at_(log.kernels),
-        tests_left_(tests) {}
+        point_to_point_(point_to_point) {}
   void wait() override {
     // A wait that blocks: the time model makes the rank wait for the call here.
     if (!done_ && !log_.calls.empty()) log_.waits.push_back({call_, log_.kernels});
@@ -31,8 +30,7 @@ class SimWork final : public Work {
   }
   bool test() override {
     if (done_) return true;
-    if (tests_left_ < 0 ? log_.kernels > issued_at_ : tests_left_ > 0 && --tests_left_ == 0)
-      complete();
+    if (point_to_point_ || log_.kernels > issued_at_) complete();
     return done_;
   }
 
@@ -43,7 +41,7 @@ class SimWork final : public Work {
   SimLog& log_;
   size_t call_;  // its index in log_.calls
   uint64_t issued_at_;
-  int tests_left_;
+  bool point_to_point_;
   bool done_ = false;
 };
 
@@ -56,8 +54,9 @@ void replicate(const Tensor& in, const Tensor& out) {
     if (dst + off != src) std::memmove(dst + off, src, in.nbytes());
 }
 
-std::unique_ptr<Work> done(SimLog& log, std::vector<Tensor> held = {}, int tests = -1) {
-  return std::make_unique<SimWork>(std::move(held), log, tests);
+std::unique_ptr<Work> done(SimLog& log, std::vector<Tensor> held = {},
+                           bool point_to_point = false) {
+  return std::make_unique<SimWork>(std::move(held), log, point_to_point);
 }
 
 }  // namespace
@@ -110,13 +109,13 @@ std::unique_ptr<Work> SimProcessGroup::do_broadcast(const Tensor& t, int) {
 
 std::unique_ptr<Work> SimProcessGroup::do_send(const Tensor& t, int, int) {
   // The pipeline's executor frees its sends at tests of its own choosing (waiting on them there).
-  return done(*log_, {t}, 1);
+  return done(*log_, {t}, /*point_to_point=*/true);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_recv(const Tensor& t, int, int) {
   // What the peer would send is unknown here: zeros rather than stale bytes.
   if (holds_data(t.device()) && t.nbytes() > 0) std::memset(t.raw(), 0, t.nbytes());
-  return done(*log_, {t}, 1);
+  return done(*log_, {t}, /*point_to_point=*/true);
 }
 
 std::unique_ptr<Work> SimProcessGroup::do_all_to_all(const Tensor& in, const Tensor& out) {
