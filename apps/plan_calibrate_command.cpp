@@ -13,8 +13,8 @@
 #include "distributed/mpi_process_group.hpp"
 #include "model/model_config.hpp"
 #include "plan/calibrate.hpp"
-#include "plan/planner.hpp"
 #include "train/config.hpp"
+#include "train/rank_plan.hpp"
 
 namespace loom {
 
@@ -56,7 +56,7 @@ int plan_calibrate_command(const Args& args) {
     job.parallelism = JobConfig::Parallelism{};  // one rank's whole step: the splits are added
     const ModelConfig model = ModelConfig::from_file(resolve_model_config(
         job.model.config, std::filesystem::path(config).parent_path().string()));
-    const plan::PlanJob j{job, model, 1};
+    const PlanJob j{job, model, 1};
     opt.gemm_shapes = plan::step_gemm_shapes(j);
     opt.gemm_shapes_dtype = dtype_from_name(job.training.mixed_precision_param);
   }

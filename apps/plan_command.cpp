@@ -1,5 +1,5 @@
 // `loom plan --config FILE --world N`: the step of `loom train` on N ranks, planned one rank at a
-// time on the meta device (plan/planner.hpp): per rank its peak allocated and reserved memory,
+// time on the meta device (train/rank_plan.hpp): per rank its peak allocated and reserved memory,
 // the bytes of each group it communicates on, and the FLOPs of its kernels. `--ranks all` plans
 // every rank (the parity checks compare each with the real run); the default plans the
 // representative ranks.
@@ -14,10 +14,10 @@
 #include "core/error.hpp"
 #include "plan/hardware.hpp"
 #include "plan/layout_plan.hpp"
-#include "plan/planner.hpp"
 #include "plan/search.hpp"
 #include "plan/time_model.hpp"
 #include "train/config.hpp"
+#include "train/rank_plan.hpp"
 
 namespace loom {
 
@@ -65,12 +65,12 @@ nlohmann::json time_json(const plan::StepTime& t, double tokens, double model_fl
           {"comm_by_group_s", by_group}};
 }
 
-nlohmann::json rank_json(const plan::RankPlan& p) {
+nlohmann::json rank_json(const RankPlan& p) {
   nlohmann::json at_peak = nlohmann::json::object();
   for (size_t u = 0; u < kMemoryUses; ++u)
     at_peak[std::string(memory_use_name(MemoryUse(u)))] = p.at_peak[u];
   nlohmann::json groups = nlohmann::json::object();
-  for (const plan::GroupTraffic& g : p.groups) {
+  for (const GroupTraffic& g : p.groups) {
     nlohmann::json ops = nlohmann::json::object();
     for (const auto& o : g.ops) ops[o.op] = {{"calls", o.calls}, {"bytes", o.bytes}};
     groups[g.name] = {{"size", g.size}, {"calls", g.calls()}, {"bytes", g.bytes()}, {"ops", ops}};
@@ -91,8 +91,7 @@ nlohmann::json rank_json(const plan::RankPlan& p) {
           {"groups", groups}};
 }
 
-int search_command(const plan::PlanJob& j, const plan::Hardware& hw, bool oversubscribed,
-                   bool json) {
+int search_command(const PlanJob& j, const plan::Hardware& hw, bool oversubscribed, bool json) {
   const plan::SearchResult r = plan::search_layouts(j, hw, oversubscribed);
   const double GiB = 1024.0 * 1024.0 * 1024.0;
   if (json) {
@@ -196,16 +195,15 @@ int plan_command(const Args& args) {
 
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
-  plan::PlanJob j{job, ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir)),
-                  world};
-  const dist::MeshLayout layout = plan::plan_layout(j);
+  PlanJob j{job, ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir)), world};
+  const dist::MeshLayout layout = plan_layout(j);
   const std::vector<int> ranks =
-      ranks_arg.empty() ? plan::representative_ranks(layout) : parse_ranks(ranks_arg, world);
+      ranks_arg.empty() ? representative_ranks(layout) : parse_ranks(ranks_arg, world);
 
   const plan::Hardware hw = plan::load_hardware(hardware);
   if (search) return search_command(j, hw, oversubscribed, json);
   const plan::LayoutPlan lp = plan::plan_whole(j, ranks, hw, oversubscribed);
-  const std::vector<plan::RankPlan>& plans = lp.ranks;
+  const std::vector<RankPlan>& plans = lp.ranks;
   const std::vector<plan::StepTime>& times = lp.times;
   const int pp = layout.size("pp");
   const double model_flops_per_token = lp.model_flops_per_token;
@@ -238,7 +236,7 @@ int plan_command(const Args& args) {
               hw.source.c_str(), hw.capacity / (1024.0 * MiB), hw.ranks_per_node,
               oversubscribed ? ", every rank on one node (--oversubscribed)" : "");
   for (size_t i = 0; i < plans.size(); ++i) {
-    const plan::RankPlan& p = plans[i];
+    const RankPlan& p = plans[i];
     const plan::StepTime& t = times[i];
     // A rank whose cache outgrew the capacity was planned again under it (plan_whole).
     const std::string fit =

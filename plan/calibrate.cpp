@@ -19,7 +19,7 @@
 
 #include "core/error.hpp"
 #include "ops/ops.hpp"
-#include "plan/planner.hpp"
+#include "train/rank_plan.hpp"
 
 namespace loom::plan {
 

@@ -9,6 +9,10 @@
 #include "distributed/process_group.hpp"
 #include "plan/hardware.hpp"
 
+namespace loom {
+struct PlanJob;  // train/rank_plan.hpp
+}  // namespace loom
+
 namespace loom::plan {
 
 struct CalibrateOptions {
@@ -22,7 +26,7 @@ struct CalibrateOptions {
 
 // The GEMM shapes of one rank's training step of `j` (planned on meta), with M halved and
 // quartered (cp, pp micro-batches) and N and K halved (tp), each once.
-std::vector<GemmPoint> step_gemm_shapes(const struct PlanJob& j);
+std::vector<GemmPoint> step_gemm_shapes(const PlanJob& j);
 
 struct Calibration {
   Hardware hw;

@@ -1,11 +1,11 @@
 #pragma once
-// A whole layout planned: its ranks' plans (plan/planner.hpp), their step times on a hardware
+// A whole layout planned: its ranks' plans (train/rank_plan.hpp), their step times on a hardware
 // model (plan/time_model.hpp; with pp every stage rank is planned for the schedule's timing), and
 // the job-level figures `loom plan` and its search report.
 #include <vector>
 
 #include "plan/hardware.hpp"
-#include "plan/planner.hpp"
+#include "train/rank_plan.hpp"
 #include "plan/time_model.hpp"
 
 namespace loom::plan {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "plan/hardware.hpp"
-#include "plan/planner.hpp"
+#include "train/rank_plan.hpp"
 
 namespace loom::plan {
 

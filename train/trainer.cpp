@@ -21,7 +21,7 @@
 #include "model/model.hpp"
 #include "model/safetensors.hpp"
 #include "ops/devices.hpp"
-#include "parallel/cost_model.hpp"
+#include "parallel/parallelize.hpp"
 #include "train/checkpoint.hpp"
 #include "train/checkpoint_convert.hpp"
 #include "train/checkpoint_saver.hpp"
@@ -29,6 +29,7 @@
 #include "train/lr_schedule.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
+#include "train/rank_plan.hpp"
 #include "train/run_claim.hpp"
 #include "train/step.hpp"
 #include "train/tensorboard_writer.hpp"
@@ -247,29 +248,21 @@ struct FileCloser {
 
 }  // namespace
 
-namespace {
-
-MemoryEstimate memory_estimate(const MemoryCost& c, int64_t num_params) {
+MemoryEstimate memory_estimate(const RankPlan& p, int64_t num_params) {
   MemoryEstimate m;
   m.params = size_t(num_params);
-  m.weights = c.params;
-  m.grads = c.grads;
-  m.optimizer = c.optimizer;
-  m.mirror = c.mirror;
-  m.activations = c.activations;
-  m.workspace = c.gathered + c.full_grad + c.head + c.comm + c.ring + c.rounding;
-  m.host = c.host;
+  const auto use = [&](MemoryUse u) { return p.at_peak[size_t(u)]; };
+  m.states = use(MemoryUse::states);
+  m.optimizer = use(MemoryUse::optimizer);
+  m.activations = use(MemoryUse::work);
+  m.workspace = use(MemoryUse::gathered) + use(MemoryUse::communication) + use(MemoryUse::loss);
+  m.peak = p.run_peak_allocated;
+  m.host = p.host;
   return m;
 }
 
-}  // namespace
-
-MemoryEstimate estimate_training_memory(const ModelConfig& c, int64_t batch, int64_t seq_len,
-                                        DType compute, const ActivationCheckpoint& ac) {
-  ParallelizeOptions o;
-  o.ac = ac;
-  ParallelModel plan = plan_model(c, compute, {}, o);
-  return memory_estimate(memory_cost(plan, batch, seq_len), c.num_params());
+MemoryEstimate estimate_training_memory(const JobConfig& job, const ModelConfig& c) {
+  return memory_estimate(plan_rank({job, c}, 0), c.num_params());
 }
 
 size_t mem_available_bytes() {
@@ -438,34 +431,41 @@ void Trainer::State::claim_outputs() {
 }
 
 void Trainer::State::preflight() {
-  // This rank's model as parallelize() will build it, on the meta device (nothing allocated),
-  // priced by the cost model that `loom bench` checks against the allocator's peak.
-  ParallelModel plan = plan_model(mc(), compute, groups, parallelize_options(job));
-  mem = memory_estimate(memory_cost(plan, B, T), mc().num_params());
+  // This rank's step on the meta device (train/rank_plan.hpp, what `loom bench --check` and `loom
+  // plan` report): nothing allocated. The states alone first, so a model whose parameters do not
+  // fit is refused in a fraction of the time the step takes.
   size_t budget = opt.mem_available ? opt.mem_available : mem_available_bytes();
   std::string budget_what = opt.mem_available ? "the given budget" : "MemAvailable";
   // The device's memory and the offloaded states' host memory are the same RAM here; the device
   // pool alone is held to memory.limit_gb.
-  size_t needed = mem.total() + mem.host;
+  bool count_host = true;
   if (job.memory.limit_gb > 0) {
     const size_t limit = size_t(job.memory.limit_gb * double(size_t(1) << 30));
     if (budget == 0 || limit < budget) {
       budget = limit;
       budget_what = "memory.limit_gb";
-      needed = mem.total();
+      count_host = false;
     }
   }
-  LOOM_CHECK(
-      budget == 0 || needed <= budget, "not enough memory: training ", model_config_path,
-      " needs about ", gib(needed), " = ",
-      mem.host
-          ? str_cat(mem.params, " parameters' states offloaded to host memory (", gib(mem.host),
-                    needed > mem.total() ? ", counted" : ", not in this sum", ")")
-          : str_cat(mem.params, " parameters x 16 B (f32 weights ", gib(mem.weights),
-                    " + gradients ", gib(mem.grads), " + AdamW moments ", gib(mem.optimizer), ")"),
-      mem.mirror ? " + bf16 copy " + gib(mem.mirror) : std::string(), " + saved activations ",
-      gib(mem.activations), " (batch ", B, " x seq_len ", T, ") + working buffers ",
-      gib(mem.workspace), ", but ", budget_what, " is ", gib(budget));
+  PlanJob plan{job, mc(), mesh ? mesh->world_size() : 1, true};
+  const int rank = mesh ? mesh->world_rank() : 0;
+  for (const bool states_only : {true, false}) {
+    plan.states_only = states_only;
+    mem = memory_estimate(plan_rank(plan, rank), mc().num_params());
+    const size_t needed = mem.total() + (count_host ? mem.host : 0);
+    LOOM_CHECK(budget == 0 || needed <= budget, "not enough memory: training ", model_config_path,
+               " needs about ", gib(needed), " on rank ", rank, " = ",
+               mem.host
+                   ? str_cat(mem.params, " parameters' states offloaded to host memory (",
+                             gib(mem.host), count_host ? ", counted" : ", not in this sum", ") + ")
+                   : std::string(),
+               str_cat(mem.params, " parameters' weights and gradients ", gib(mem.states),
+                       " + AdamW moments ", gib(mem.optimizer)),
+               states_only ? " before any step"
+                           : str_cat(" + activations ", gib(mem.activations), " (batch ", B,
+                                     " x seq_len ", T, ") + working buffers ", gib(mem.workspace)),
+               ", but ", budget_what, " is ", gib(budget));
+  }
 }
 
 void Trainer::State::build_data() {
@@ -702,10 +702,10 @@ std::vector<std::string> Trainer::State::startup_lines() const {
     os << " x dp " << groups.size << " (" << mesh->layout().describe() << ", " << par.kind() << ")";
   os << " = " << tokens_per_step() << " tokens";
   out.push_back(os.str());
-  out.push_back(str_cat("  memory estimate ", gib(mem.total()), " (weights+grads+AdamW ",
-                        gib(mem.weights + mem.grads + mem.optimizer), ", bf16 copy ",
-                        gib(mem.mirror), ", activations ", gib(mem.activations),
-                        ", working buffers ", gib(mem.workspace), ")"));
+  out.push_back(str_cat("  memory estimate ", gib(mem.total()),
+                        " (the step on the meta device, at its peak: weights+grads ",
+                        gib(mem.states), ", AdamW ", gib(mem.optimizer), ", activations ",
+                        gib(mem.activations), ", working buffers ", gib(mem.workspace), ")"));
   if (mem.host)
     out.push_back(str_cat("  CPU offload: master weights, gradient shards and AdamW moments in ",
                           "host memory, ", gib(mem.host),

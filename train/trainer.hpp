@@ -61,26 +61,25 @@ struct TrainResult {
   std::string last_checkpoint;  // "" if none was saved by this call
 };
 
-// The memory one rank of a training run needs, by the cost model (parallel/cost_model.hpp, the
-// one `loom bench` checks against the allocator's peak), as the pre-flight reports it.
+// The memory one rank of a training run needs: its step run on the meta device (plan_rank,
+// train/rank_plan.hpp, whose figures `loom bench --check` finds equal to a real step's), as the
+// pre-flight reports it; the parts are the allocator's uses (core/allocator.hpp) at the step's
+// peak.
 struct MemoryEstimate {
   size_t params = 0;       // number of parameters (the whole model's)
-  size_t weights = 0;      // f32 master weights (this rank's shards): 4 B each
-  size_t grads = 0;        // f32 gradients: 4 B each
-  size_t optimizer = 0;    // AdamW moments: 8 B each
-  size_t mirror = 0;       // bf16 GEMM copy of unsharded units: 2 B each with bf16
-  size_t activations = 0;  // saved by one micro-batch (Model::saved_activation_bytes)
-  // FSDP's gathered units and full gradients, the head's loss workspace, tp's communication
-  // buffers, ring attention's working set: what is alive besides at the peak.
+  size_t states = 0;       // this rank's f32 master weights and gradients (shards), the bf16 copies
+  size_t optimizer = 0;    // AdamW moments
+  size_t activations = 0;  // saved activations and the ops' temporaries (MemoryUse::work)
+  // FSDP's gathered units and full gradients, communication buffers, the loss's workspace.
   size_t workspace = 0;
   // CPU offload: the weights, gradients and moments of the offloaded shards, in host memory (not
-  // in total(), which is the device's; weights, grads and optimizer are then 0).
+  // in total(), which is the device's).
   size_t host = 0;
-  size_t total() const { return weights + grads + optimizer + mirror + activations + workspace; }
+  size_t peak = 0;  // the run's peak (the first step's, with a cold cache, may be the larger)
+  size_t total() const { return peak; }
 };
 // One process.
-MemoryEstimate estimate_training_memory(const ModelConfig& c, int64_t batch, int64_t seq_len,
-                                        DType compute, const ActivationCheckpoint& ac = {});
+MemoryEstimate estimate_training_memory(const JobConfig& job, const ModelConfig& c);
 size_t mem_available_bytes();  // MemAvailable of /proc/meminfo (0 if it cannot be read)
 
 class Trainer {

@@ -21,7 +21,7 @@ std::string source_dir() {
   return s && *s ? s : ".";
 }
 
-plan::PlanJob debug_job(int world, std::vector<std::string> overrides = {}) {
+PlanJob debug_job(int world, std::vector<std::string> overrides = {}) {
   const std::string src = source_dir();
   const JobConfig job = load_job_config(src + "/configs/debug.toml", overrides);
   return {job, ModelConfig::from_file(resolve_model_config(job.model.config, src + "/configs")),
@@ -70,17 +70,17 @@ TEST(PlanSearch, DropsLayoutsWhoseStatesCannotFit) {
 // again under the capacity, as a real run's allocator gives its cache back at its limit.
 TEST(PlanWhole, HoldsReservedMemoryWithinTheCapacity) {
   plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/h200.toml");
-  const plan::PlanJob fsdp =
+  const PlanJob fsdp =
       debug_job(2, {"--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"});
-  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  const std::vector<int> ranks = representative_ranks(plan_layout(fsdp));
   const plan::LayoutPlan free = plan::plan_whole(fsdp, ranks, hw, false);
-  const plan::RankPlan& r0 = free.ranks.front();
+  const RankPlan& r0 = free.ranks.front();
   ASSERT_GT(r0.peak_reserved, r0.peak_allocated * 21 / 20) << "no cache to give back";
   EXPECT_EQ(r0.cache_flushes, 0u);
   hw.capacity = double(r0.peak_allocated + r0.peak_reserved) / 2;
   const plan::LayoutPlan capped = plan::plan_whole(fsdp, ranks, hw, false);
   EXPECT_TRUE(capped.fits);
-  for (const plan::RankPlan& r : capped.ranks) {
+  for (const RankPlan& r : capped.ranks) {
     EXPECT_LE(double(r.peak_reserved), hw.capacity) << r.role;
     EXPECT_LE(double(r.peak_allocated), hw.capacity) << r.role;
     EXPECT_GT(r.cache_flushes, 0u) << r.role;
@@ -97,16 +97,16 @@ TEST(PlanWhole, HoldsReservedMemoryWithinTheCapacity) {
 TEST(PlanTime, OversubscribedPipelineFillsItsBubble) {
   // A CPU's figures (compute, not latency, dominates the debug model's step there).
   const plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
-  auto step = [&](const plan::PlanJob& j, int cores) {
+  auto step = [&](const PlanJob& j, int cores) {
     plan::Hardware h = hw;
     h.ranks_per_node = cores;
-    const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(j));
+    const std::vector<int> ranks = representative_ranks(plan_layout(j));
     return plan::plan_whole(j, ranks, h, cores < j.world).step();
   };
-  const plan::PlanJob fsdp = debug_job(4, {"--parallelism.dp_shard=4"});
+  const PlanJob fsdp = debug_job(4, {"--parallelism.dp_shard=4"});
   const double own = step(fsdp, 4), shared = step(fsdp, 2);
   EXPECT_NEAR(shared / own, 2.0, 1e-9);
-  const plan::PlanJob pp = debug_job(
+  const PlanJob pp = debug_job(
       4, {"--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.pp_microbatches=4"});
   const double pp_own = step(pp, 4), pp_shared = step(pp, 2);
   EXPECT_GT(pp_shared, pp_own * 1.2);
@@ -118,8 +118,8 @@ TEST(PlanTime, OversubscribedPipelineFillsItsBubble) {
 TEST(PlanTime, TransfersOnTheCoreDoNotOverlapCompute) {
   plan::Hardware hw = plan::load_hardware(source_dir() + "/configs/hardware/cpu-local.toml");
   EXPECT_TRUE(hw.transfers_on_core);
-  const plan::PlanJob fsdp = debug_job(2, {"--parallelism.dp_shard=2"});
-  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  const PlanJob fsdp = debug_job(2, {"--parallelism.dp_shard=2"});
+  const std::vector<int> ranks = representative_ranks(plan_layout(fsdp));
   hw.transfers_on_core = false;
   const plan::StepTime gpu_like = plan::plan_whole(fsdp, ranks, hw, false).times.front();
   ASSERT_GT(gpu_like.comm, 0);
@@ -142,8 +142,8 @@ TEST(PlanTime, CollectivesWaitForTheirLastRank) {
   ASSERT_TRUE(hw.transfers_on_core);
   for (const auto& [world, args] : std::vector<std::pair<int, std::vector<std::string>>>{
            {2, {"--parallelism.dp_shard=2"}}, {1, {}}}) {
-    const plan::PlanJob job = debug_job(world, args);
-    const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(job));
+    const PlanJob job = debug_job(world, args);
+    const std::vector<int> ranks = representative_ranks(plan_layout(job));
     hw.sync_wait = 0;
     const plan::StepTime none = plan::plan_whole(job, ranks, hw, false).times.front();
     EXPECT_EQ(none.waits, 0);
@@ -174,17 +174,16 @@ TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
     EXPECT_FALSE(e.job.training.enable_cpu_offload) << e.layout;
   }
   // Room for FSDP 2 with full checkpointing only once its states are on the host.
-  const plan::PlanJob fsdp =
+  const PlanJob fsdp =
       debug_job(2, {"--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"});
-  plan::PlanJob off = fsdp;
+  PlanJob off = fsdp;
   off.job.training.enable_cpu_offload = true;
-  const std::vector<int> ranks = plan::representative_ranks(plan::plan_layout(fsdp));
+  const std::vector<int> ranks = representative_ranks(plan_layout(fsdp));
   const size_t on_device = plan::plan_whole(fsdp, ranks, hw, false).peak();
   const plan::LayoutPlan off_plan = plan::plan_whole(off, ranks, hw, false);
   const size_t offloaded = off_plan.peak();
   size_t off_reserved = 0;
-  for (const plan::RankPlan& p : off_plan.ranks)
-    off_reserved = std::max(off_reserved, p.peak_reserved);
+  for (const RankPlan& p : off_plan.ranks) off_reserved = std::max(off_reserved, p.peak_reserved);
   // Its cache too fits (no replanning under the capacity, which could change the peak).
   ASSERT_LT(off_reserved, on_device);
   hw.capacity = double(off_reserved);
@@ -212,14 +211,14 @@ TEST(PlanSearch, OffloadsLayoutsThatDoNotFit) {
 
 // `loom plan calibrate --config`: the step's own GEMM shapes, and their tp/cp/pp splits.
 TEST(Calibrate, StepGemmShapesAreTheModelsWithTheirSplits) {
-  const plan::PlanJob j = debug_job(1);
+  const PlanJob j = debug_job(1);
   const std::vector<plan::GemmPoint> shapes = plan::step_gemm_shapes(j);
   auto has = [&](int64_t m, int64_t n, int64_t k) {
     return std::any_of(shapes.begin(), shapes.end(),
                        [&](const plan::GemmPoint& p) { return p.m == m && p.n == n && p.k == k; });
   };
   size_t gemms = 0;
-  for (const plan::PlannedKernel& k : plan::plan_rank(j, 0).kernels) {
+  for (const PlannedKernel& k : plan_rank(j, 0).kernels) {
     const ops::KernelWork& w = k.work;
     if (w.m <= 0) continue;
     ++gemms;

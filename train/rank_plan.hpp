@@ -1,10 +1,13 @@
 #pragma once
-// The planner's run of one rank (`loom plan`, docs/design.md decision 9): the real training step of
-// `loom train` (parallelize, AdamW, TrainStep, the trainer's micro-batches per step) on the meta
-// device, whose allocator books every tensor the real run allocates (same sizes, rounding and
-// cache) with no memory behind it, and over simulated process groups
-// (distributed/sim_process_group.hpp) that record every collective instead of moving data.
-// Nothing of the model is materialized, so 405B on hundreds of ranks plans on a laptop.
+// One rank's training step on the meta device: the memory truth of loom (docs/design.md decision
+// 9, docs/architecture.md "One memory truth"). The real step of `loom train` (parallelize, AdamW,
+// TrainStep, the trainer's micro-batches per step) runs on the meta device, whose allocator books
+// every tensor the real run allocates (same sizes, rounding and cache) with no memory behind it,
+// over simulated process groups (distributed/sim_process_group.hpp) that record every collective
+// instead of moving data. Nothing of the model is materialized, so 405B on hundreds of ranks plans
+// on a laptop. Three callers, one function: the trainer's pre-flight (its memory against the
+// budget, before anything is allocated), `loom bench step --check` (the measured peak and bytes
+// equal to these) and `loom plan` (plan/: the hardware's time on top).
 //
 // Two steps run and the second is reported, as `loom bench step` times steps after a warm-up:
 // AdamW's moments exist and the allocator's cache is warm. Value-dependent branches take the
@@ -23,7 +26,7 @@
 #include "parallel/pipeline/schedule.hpp"
 #include "train/config.hpp"
 
-namespace loom::plan {
+namespace loom {
 
 // One group's traffic in the planned step, by op (ProcessGroup's byte convention).
 struct GroupTraffic {
@@ -63,9 +66,12 @@ struct PlannedAction {
 
 struct RankPlan {
   int rank = 0;
-  std::array<int, dist::kMeshDims> coords{};  // pp, dp_replicate, dp_shard, cp, tp
-  std::string role;                           // "pp stage 0", "last rank (padded shard)"...
-  size_t peak_allocated = 0, peak_reserved = 0;
+  std::array<int, dist::kMeshDims> coords{};     // pp, dp_replicate, dp_shard, cp, tp
+  std::string role;                              // "pp stage 0", "last rank (padded shard)"...
+  size_t peak_allocated = 0, peak_reserved = 0;  // of the second step
+  // The peak of the whole run: the model's build, the first step (a cold cache) and the second;
+  // what a training run's allocator reports as its peak after a step (`peak_allocated_bytes`).
+  size_t run_peak_allocated = 0;
   // Under PlanJob::memory_limit: the step's allocations that gave the cache back first.
   size_t cache_flushes = 0;
   // What the peak is made of (Allocator's MemoryUse).
@@ -112,4 +118,4 @@ std::vector<int> representative_ranks(const dist::MeshLayout& layout);
 // Plans `rank` (loom::Error for bad settings, naming the key, before anything runs).
 RankPlan plan_rank(const PlanJob& j, int rank);
 
-}  // namespace loom::plan
+}  // namespace loom

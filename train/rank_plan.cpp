@@ -1,4 +1,4 @@
-#include "plan/planner.hpp"
+#include "train/rank_plan.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -18,7 +18,7 @@
 #include "train/optimizer.hpp"
 #include "train/step.hpp"
 
-namespace loom::plan {
+namespace loom {
 
 uint64_t GroupTraffic::calls() const {
   uint64_t n = 0;
@@ -143,7 +143,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   out.host = host.stats().peak_allocated;
   out.num_params = model.num_params();
   if (j.states_only) {
-    out.peak_allocated = alloc.stats().peak_allocated;
+    out.peak_allocated = out.run_peak_allocated = alloc.stats().peak_allocated;
     out.peak_reserved = alloc.stats().peak_reserved;
     out.at_peak = alloc.stats().by_use_at_peak;
     return out;
@@ -169,6 +169,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
     step.run(G, next, job.optimizer.lr);
   }
 
+  const size_t first_peak = alloc.stats().peak_allocated;
   alloc.reset_peak();
   const size_t flushes = alloc.stats().num_cache_flushes;
   for (dist::ProcessGroup* g : groups) g->reset_counters();
@@ -216,6 +217,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   }
   const AllocatorStats st = alloc.stats();
   out.peak_allocated = st.peak_allocated;
+  out.run_peak_allocated = std::max(first_peak, st.peak_allocated);
   out.peak_reserved = st.peak_reserved;
   out.cache_flushes = st.num_cache_flushes - flushes;
   out.at_peak = st.by_use_at_peak;
@@ -223,4 +225,4 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   return out;
 }
 
-}  // namespace loom::plan
+}  // namespace loom
