@@ -20,6 +20,7 @@
 #include "model/llama_inference.hpp"
 #include "model/model_config.hpp"
 #include "model/safetensors.hpp"
+#include "ops/devices.hpp"
 #include "train/checkpoint.hpp"
 
 namespace loom {
@@ -31,17 +32,20 @@ namespace fs = std::filesystem;
 const char* kGenerateUsage =
     "usage: loom generate --checkpoint DIR --prompt TEXT [--max-tokens N (100)]\n"
     "         [--temperature T (0.8)] [--top-p P (0.95)] [--seed S] [--tokenizer FILE]\n"
-    "         [--dtype float32|bfloat16] [--no-bos] [--no-verify]\n"
+    "         [--dtype float32|bfloat16] [--device auto|cpu|cuda] [--no-bos] [--no-verify]\n"
     "  DIR: a checkpoint (config.json + model.safetensors), a directory of step-* checkpoints\n"
     "  (the latest complete one is used), or a Hugging Face model directory.\n"
     "  The prompt is preceded by <|begin_of_text|>, or by the end-of-text token that separates\n"
     "  documents when the vocabulary has no begin token (--no-bos: neither). Without --seed the\n"
     "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n"
+    "  --device auto (the default) runs on GPU 0 where this loom has the CUDA backend and a GPU\n"
+    "  is usable, else on the CPU; the weights, the KV cache (GLA: the state) and the logits stay\n"
+    "  on the device, and only the sampled token's logits come back.\n"
     "  A loom checkpoint's files are first checked against the checksums it recorded when\n"
     "  saved (--no-verify: not).\n";
 
 struct GenerateOptions {
-  std::string checkpoint, prompt, tokenizer, dtype = "float32";
+  std::string checkpoint, prompt, tokenizer, dtype = "float32", device = "auto";
   bool has_prompt = false, bos = true, has_seed = false, verify = true;
   int64_t max_tokens = 100;
   float temperature = 0.8f, top_p = 0.95f;
@@ -93,7 +97,7 @@ GenerateOptions parse_args(const Args& args) {
     }
     const bool known = flag == "--checkpoint" || flag == "--prompt" || flag == "--max-tokens" ||
                        flag == "--temperature" || flag == "--top-p" || flag == "--seed" ||
-                       flag == "--tokenizer" || flag == "--dtype";
+                       flag == "--tokenizer" || flag == "--dtype" || flag == "--device";
     LOOM_CHECK(known, "unknown argument '", args[i], "'\n", kGenerateUsage);
     if (!has_value) {
       LOOM_CHECK(i + 1 < args.size(), flag, " needs a value\n", kGenerateUsage);
@@ -103,6 +107,11 @@ GenerateOptions parse_args(const Args& args) {
     if (flag == "--prompt") o.prompt = value, o.has_prompt = true;
     if (flag == "--tokenizer") o.tokenizer = value;
     if (flag == "--dtype") o.dtype = value;
+    if (flag == "--device") {
+      LOOM_CHECK(value == "auto" || value == "cpu" || value == "cuda",
+                 "--device: expected auto, cpu or cuda, got '", value, "'");
+      o.device = value;
+    }
     if (flag == "--max-tokens") o.max_tokens = parse_int(flag, value);
     if (flag == "--temperature") o.temperature = parse_float(flag, value);
     if (flag == "--top-p") o.top_p = parse_float(flag, value);
@@ -148,6 +157,17 @@ fs::path resolve_checkpoint(const fs::path& dir) {
        "checkpoint's loom.index.json and state.json), or "
        "step-* checkpoint directories holding them",
        steps.empty() ? "" : " (the step-* directories found are incomplete)");
+}
+
+// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable; cuda
+// insists, naming what is missing. The GPU is started here.
+Device generate_device(const std::string& name) {
+  if (name == "cpu") return Device::cpu;
+  const ops::GpuAvailability g = ops::gpu_availability();
+  if (name == "auto" && !g.usable) return Device::cpu;
+  LOOM_CHECK(g.usable, "--device cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
+  ops::start_gpu(0, false);
+  return Device::cuda;
 }
 
 }  // namespace
@@ -208,7 +228,8 @@ int generate_command(const Args& args) {
              "max_position_embeddings = ", config.max_position_embeddings());
 
   auto t_load = std::chrono::steady_clock::now();
-  const std::unique_ptr<Model> model = make_model(config, compute);
+  const Device device = generate_device(o.device);
+  const std::unique_ptr<Model> model = make_model(config, compute, device);
   model->load_hf(SafetensorsDir(dir.string()));
   // Llama: a KV cache; the last token drawn is never fed back, so the cache needs one position
   // less than it holds. GLA: the recurrent state.
@@ -230,7 +251,14 @@ int generate_command(const Args& args) {
   const int64_t V = config.vocab_size(), V_tok = tok.vocab_size();
   const int32_t eot = tok.eot_id();
   auto t0 = std::chrono::steady_clock::now();
-  Tensor logits = feed(ids.data(), n_prompt);
+  // The sampler reads the logits on the host: copied there from a GPU once per token.
+  Tensor host_logits = device == Device::cpu ? Tensor() : Tensor::empty({V}, DType::f32);
+  auto on_host = [&](const Tensor& l) {
+    if (device == Device::cpu) return l;
+    host_logits.copy_from(l);
+    return host_logits;
+  };
+  Tensor logits = on_host(feed(ids.data(), n_prompt));
   auto t1 = std::chrono::steady_clock::now();
   int64_t generated = 0;
   for (; generated < o.max_tokens; ++generated) {
@@ -242,7 +270,7 @@ int generate_command(const Args& args) {
     const std::string piece = tok.decode({next});
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-    if (generated + 1 < o.max_tokens) logits = feed(&next, 1);
+    if (generated + 1 < o.max_tokens) logits = on_host(feed(&next, 1));
   }
   auto t2 = std::chrono::steady_clock::now();
   std::fputc('\n', stdout);
@@ -250,12 +278,12 @@ int generate_command(const Args& args) {
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   std::fprintf(stderr,
-               "loom generate: %s (%s), seed %llu; loaded in %.2f s; prompt %ld tokens in "
+               "loom generate: %s (%s on %s), seed %llu; loaded in %.2f s; prompt %ld tokens in "
                "%.1f ms (%.0f tokens/s); generated %ld tokens in %.2f s (%.1f tokens/s)\n",
                dir.string().c_str(), std::string(dtype_name(compute)).c_str(),
-               (unsigned long long)seed, load_s, long(n_prompt), prefill_s * 1e3,
-               double(n_prompt) / prefill_s, long(generated), decode_s,
-               generated > 0 ? double(generated) / decode_s : 0.0);
+               device == Device::cpu ? "cpu" : "GPU 0", (unsigned long long)seed, load_s,
+               long(n_prompt), prefill_s * 1e3, double(n_prompt) / prefill_s, long(generated),
+               decode_s, generated > 0 ? double(generated) / decode_s : 0.0);
   return 0;
 }
 

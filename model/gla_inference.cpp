@@ -7,15 +7,13 @@
 
 namespace loom {
 
-namespace {
-
-Tensor f32(const Shape& s) {
-  return Tensor::empty(s, DType::f32, Device::cpu);
+Tensor GlaInference::f32(const Shape& s) const {
+  return Tensor::empty(s, DType::f32, model_.device());
 }
 
-}  // namespace
-
 GlaInference::GlaInference(GlaModel& model) : model_(model), c_(model.config()) {
+  LOOM_CHECK(ops::computes(model.device()), "GLA generate: the model is on the ",
+             device_name(model.device()), " device, where no kernel runs (expected cpu or cuda)");
   LOOM_CHECK(model.tp_size() == 1 && model.cp_size() == 1,
              "GLA generate: runs one process (the model has tp = ", model.tp_size(),
              ", cp = ", model.cp_size(), ")");

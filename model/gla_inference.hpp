@@ -20,8 +20,9 @@ class GlaInference {
   void reset();                            // back to the zero state
 
   // Consumes `n` tokens (any n: the chunked kernel runs from the saved state) and returns the
-  // logits [V] of the last one, or with all_logits the logits [n, V] of every new token. The
-  // result is valid until the next call.
+  // logits [V] of the last one, or with all_logits the logits [n, V] of every new token, on the
+  // model's device (cpu or cuda: the state and every buffer live there). The result is valid
+  // until the next call.
   Tensor forward(const int32_t* tokens, int64_t n, bool all_logits = false);
 
  private:
@@ -30,6 +31,7 @@ class GlaInference {
     Tensor S;     // [1, H, K, V]
     Tensor conv;  // [conv_size - 1, Kd + Kd/G + Vd/G] pre-convolution rows (use_short_conv)
   };
+  Tensor f32(const Shape& s) const;  // on the model's device
 
   GlaModel& model_;
   const GlaConfig& c_;

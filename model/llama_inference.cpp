@@ -9,25 +9,22 @@
 
 namespace loom {
 
-namespace {
-
-Tensor f32(const Shape& s) {
-  return Tensor::empty(s, DType::f32);
-}
-
-}  // namespace
-
 LlamaInference::LlamaInference(LlamaModel& model, int64_t max_len)
-    : c_(model.config()), compute_(model.compute_dtype()), max_len_(max_len) {
+    : c_(model.config()),
+      compute_(model.compute_dtype()),
+      device_(model.device()),
+      max_len_(max_len) {
   LOOM_CHECK(max_len > 0 && max_len <= c_.max_position_embeddings,
              "inference: cache length must be in [1, max_position_embeddings = ",
              c_.max_position_embeddings, "], got ", max_len);
   std::vector<ParamUnit*> units = model.units();
   LOOM_CHECK(int64_t(units.size()) == c_.num_hidden_layers + 2, "inference: expected ",
              c_.num_hidden_layers + 2, " parameter units, got ", units.size());
+  LOOM_CHECK(ops::computes(device_), "inference: the model is on the ", device_name(device_),
+             " device, where no kernel runs (expected cpu or cuda)");
   for (ParamUnit* u : units)
-    LOOM_CHECK(u->flat().device() == Device::cpu, "inference: unit ", u->name(),
-               " is not on the cpu device");
+    LOOM_CHECK(u->flat().device() == device_, "inference: unit ", u->name(), " is on the ",
+               device_name(u->flat().device()), " device, not the model's ", device_name(device_));
   embed_ = units.front();
   head_ = units.back();
   const int64_t kv = c_.num_key_value_heads * c_.head_dim();
@@ -36,10 +33,14 @@ LlamaInference::LlamaInference(LlamaModel& model, int64_t max_len)
   rope_ = ops::rope_table(c_.head_dim(), max_len, c_.rope_theta, c_.rope_scaling);
 }
 
+Tensor LlamaInference::f32(const Shape& s) const {
+  return Tensor::empty(s, DType::f32, device_);
+}
+
 Tensor LlamaInference::gemm_input(const Tensor& x, Tensor& scratch) const {
   if (compute_ == DType::f32) return x;
   if (!scratch.defined() || scratch.numel() < x.numel())
-    scratch = Tensor::empty({x.numel()}, DType::bf16);
+    scratch = Tensor::empty({x.numel()}, DType::bf16, device_);
   Tensor y = scratch.narrow(0, 0, x.numel()).view(x.shape());
   ops::cast(x, y);
   return y;

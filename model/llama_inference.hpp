@@ -22,8 +22,9 @@ class LlamaInference {
   void reset() { len_ = 0; }  // forget the sequence (the cache is overwritten from position 0)
 
   // Appends `n` tokens at positions [length(), length() + n) and returns the logits [V] of the
-  // last one, or with all_logits the logits [n, V] of every new position. The result is a view
-  // of an internal buffer, valid until the next call.
+  // last one, or with all_logits the logits [n, V] of every new position, on the model's device
+  // (cpu or cuda: the cache and every buffer live there). The result is a view of an internal
+  // buffer, valid until the next call.
   Tensor forward(const int32_t* tokens, int64_t n, bool all_logits = false);
 
  private:
@@ -33,9 +34,11 @@ class LlamaInference {
   };
   // A GEMM input in the compute dtype: `x` itself in f32, else its rounding into `scratch`.
   Tensor gemm_input(const Tensor& x, Tensor& scratch) const;
+  Tensor f32(const Shape& s) const;  // on the model's device
 
   const LlamaConfig& c_;
   DType compute_;
+  Device device_;
   int64_t max_len_, len_ = 0;
   const ParamUnit* embed_;
   const ParamUnit* head_;

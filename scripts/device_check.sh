@@ -8,7 +8,7 @@
 #
 # Steps, each under a time limit, none of them stopping the others (a failure is recorded and the
 # run goes on): unpack, CUDA libraries, ldd, environment (OUTDIR/env.txt), `loom info`, mpirun,
-# test_kernels_cuda and test_ops_cuda (LOOM_REQUIRE_GPU=1), the step parity runs,
+# test_kernels_cuda, test_ops_cuda and test_model_cuda (LOOM_REQUIRE_GPU=1), the step parity runs,
 # compute-sanitizer memcheck, benchmarks; then a summary
 # table, printed last and written to OUTDIR/summary.txt. It never changes GPU settings.
 # What comes back is at most 8 files of 16 MiB: summary.txt, env.txt, log.txt (every step's output
@@ -430,21 +430,22 @@ test_step() {
   record tests "$(status_of $rc)" $((SECONDS - t0)) "$key"
 }
 
-# ---- the ops on cuda tensors against the cpu ones (test_ops_cuda), into log.txt ---------------------------
-ops_test_step() {
-  local t0=$SECONDS lim rc key tmp
-  [ -x "$BIN/test_ops_cuda" ] || { record ops-tests MISSING 0 "no .device/bin/test_ops_cuda"; return; }
+# ---- the ops on cuda tensors against the cpu ones (test_ops_cuda) and generation on the GPU against
+# the CPU (test_model_cuda), into log.txt -----------------------------------------------------------------
+ops_test_step() {  # ops_test_step BINARY NAME
+  local t0=$SECONDS lim rc key tmp bin=$1 name=$2
+  [ -x "$BIN/$bin" ] || { record "$name" MISSING 0 "no .device/bin/$bin"; return; }
   lim=$(limit "$OPS_S")
-  [ "$lim" -gt 0 ] || { record ops-tests SKIP 0 "no time left"; return; }
-  section "test_ops_cuda"
+  [ "$lim" -gt 0 ] || { record "$name" SKIP 0 "no time left"; return; }
+  section "$bin"
   tmp=$(mktemp)
   loom_env LOOM_REQUIRE_GPU=1 OMP_WAIT_POLICY=passive timeout -k 5 "$lim" \
-    "$BIN/test_ops_cuda" > "$tmp" 2>&1
+    "$BIN/$bin" > "$tmp" 2>&1
   rc=$?
   cat "$tmp" >> "$LOG"
   key=$(gtest_counts "$tmp") || key=$(grep -v '^ *$' "$tmp" | tail -n 1 | first_line)
   rm -f "$tmp"
-  record ops-tests "$(status_of $rc)" $((SECONDS - t0)) "$key"
+  record "$name" "$(status_of $rc)" $((SECONDS - t0)) "$key"
 }
 
 # ---- step parity: training on the GPU against the CPU (tests/parity/gpu_step_parity.sh) ------------
@@ -528,7 +529,8 @@ fi
 info_step
 mpi_step
 test_step
-ops_test_step
+ops_test_step test_ops_cuda ops-tests
+ops_test_step test_model_cuda model-tests
 parity_step
 memcheck_step
 bench_step

@@ -22,7 +22,7 @@
 set -euo pipefail
 
 # The binaries the GPU checks run (CMake targets; each is BUILD_DIR/<target>).
-TARGETS=(loom test_kernels_cuda test_ops_cuda parity_compare)
+TARGETS=(loom test_kernels_cuda test_ops_cuda test_model_cuda parity_compare)
 # Open MPI's runtime: mpirun (openmpi-bin), the MCA components libmpi loads at run time
 # (libopenmpi3) and its help texts and default parameters (openmpi-common). Their dependencies are
 # resolved below.

@@ -11,6 +11,7 @@
 #include "core/philox.hpp"
 #include "kernels/cuda/adamw.hpp"
 #include "kernels/cuda/attention.hpp"
+#include "kernels/cuda/attention_decode.hpp"
 #include "kernels/cuda/cast.hpp"
 #include "kernels/cuda/cross_entropy.hpp"
 #include "kernels/cuda/embedding.hpp"
@@ -257,6 +258,12 @@ class CudaBackend final : public Backend {
                                     out.data<bf16>(), f(lse), f(dout), f(dq), f(dk), f(dv));
     else
       cuda::attention_backward(s, f(q), f(k), f(v), f(out), f(lse), f(dout), f(dq), f(dk), f(dv));
+  }
+  void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t L, int64_t Hq,
+                        int64_t Hkv, Tensor& out) override {
+    const int64_t D = q.size(1) / Hq;
+    const cpu::DecodeShape s{rows(q), L, Hq, Hkv, D, stride(q), stride(k), scale(D)};
+    cuda::attention_decode(s, f(q), f(k), f(v), f(out));
   }
   // Ring attention's blocks: the positions copied per call; `progress` (the CPU kernel's calls
   // between work units, which drive the ring's messages) has nothing to interleave with here, as

@@ -125,6 +125,13 @@ TEST_F(GenerateCommand, FixedSeedGivesTheSameText) {
   const Result g1 = generate(greedy + " --seed 1"), g2 = generate(greedy + " --seed 2");
   ASSERT_EQ(g1.rc, 0) << g1.err;
   EXPECT_EQ(g1.out, g2.out);
+  // --device cpu: the same text where the default (auto) ran on the CPU too.
+  const Result on_cpu = generate(greedy + " --device cpu");
+  ASSERT_EQ(on_cpu.rc, 0) << on_cpu.err;
+  EXPECT_NE(on_cpu.err.find("on cpu"), std::string::npos) << on_cpu.err;
+  if (g1.err.find("on cpu") != std::string::npos) {
+    EXPECT_EQ(on_cpu.out, g1.out);
+  }
 }
 
 TEST_F(GenerateCommand, PicksTheLatestCompleteCheckpoint) {
@@ -203,6 +210,10 @@ TEST_F(GenerateCommand, Errors) {
   r = generate(m);
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.err.find("--prompt"), std::string::npos) << r.err;
+  r = generate(m + " --prompt x --device tpu");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("--device: expected auto, cpu or cuda, got 'tpu'"), std::string::npos)
+      << r.err;
   // An explicit --tokenizer is used even when the model directory has none.
   r = generate("--checkpoint " + (dir_ / "notok").string() + " --tokenizer " +
                (dir_ / "m" / "tokenizer.json").string() + " --prompt x --max-tokens 3");
