@@ -2,7 +2,7 @@
 
 namespace loom::dist {
 
-Tensor BufferPool::get(const std::string& purpose, DType dtype, int64_t numel, Device device) {
+Tensor BufferPool::get(BufferPurpose purpose, DType dtype, int64_t numel, Device device) {
   Tensor& t = buffers_[{purpose, dtype, numel}];
   if (!t.defined()) t = Tensor::empty({numel}, dtype, device);
   return t;

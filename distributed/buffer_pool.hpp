@@ -7,22 +7,39 @@
 // live from forward to backward are not taken from the pool.
 #include <cstdint>
 #include <map>
-#include <string>
 #include <tuple>
 
 #include "core/tensor.hpp"
 
 namespace loom::dist {
 
+// What a pooled buffer is for (the first part of its key). "Summed over tp": the buffer holds this
+// rank's partial value, which a collective over the tp group sums.
+enum class BufferPurpose {
+  ag_input,        // a GEMM input's rows of every tp rank, all-gathered (SP: column-parallel
+                   // forward without keep_gathered, the vocab-parallel loss's input)
+  col_dx,          // a column-parallel input gradient, summed over tp (also the head's [M, d])
+  col_dx_rs,       // SP: this rank's rows of that sum (a reduce-scatter of col_dx)
+  row_out,         // a row-parallel output or a vocab-parallel embedding, summed over tp
+  row_out_rs,      // SP: this rank's rows of that sum (a reduce-scatter of row_out)
+  ag_dy,           // SP: an output gradient's rows of every tp rank, all-gathered (the backward
+                   // of row-parallel linear and of the vocab-parallel embedding)
+  norm_grad,       // SP: a replicated norm's weight gradient, summed over tp
+  gla_gnorm_grad,  // GLA's gated head norm's weight gradient, summed over tp
+  ce_lse_all,      // the vocab-parallel loss: the log-sum-exps of every tp rank [tp, N]
+  ce_target,       // the vocab-parallel loss: the target logits [N], summed over tp
+  ce_dlogits,      // the vocab-parallel loss: a chunk of logit gradients in bf16 [rows, V/tp]
+};
+
 class BufferPool {
  public:
   // A contiguous [numel] tensor of `dtype` for `purpose` (contents undefined).
-  Tensor get(const std::string& purpose, DType dtype, int64_t numel, Device device = Device::cpu);
+  Tensor get(BufferPurpose purpose, DType dtype, int64_t numel, Device device = Device::cpu);
   size_t bytes() const;  // every buffer held
   size_t count() const { return buffers_.size(); }
 
  private:
-  std::map<std::tuple<std::string, DType, int64_t>, Tensor> buffers_;
+  std::map<std::tuple<BufferPurpose, DType, int64_t>, Tensor> buffers_;
 };
 
 }  // namespace loom::dist

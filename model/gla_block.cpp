@@ -255,7 +255,7 @@ void GlaBlock::backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& a) {
       // so that a gradient accumulated over micro-batches is not summed twice.
       Tensor dw = ix_.gnorm < 0 ? none : P[size_t(ix_.gnorm)].grad;
       if (tp.on() && dw.defined()) {
-        dw = tp_pooled(tp, "gla_gnorm_grad", dw.shape(), DType::f32, dev);
+        dw = tp_pooled(tp, dist::BufferPurpose::gla_gnorm_grad, dw.shape(), DType::f32, dev);
         dw.zero_();
       }
       ops::gated_rmsnorm_backward(dY, a.o, gate, param_or_none(ix_.gnorm), a.rstd_o, g.H, dO, dgate,

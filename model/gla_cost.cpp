@@ -107,8 +107,8 @@ size_t GlaModel::head_workspace_bytes(int64_t B, int64_t T) const {
 }
 
 // The pooled buffers of the tp layers: a row-parallel output and a column-parallel input
-// gradient before their sum ("row_out", "col_dx"), and with SP the gathered GEMM input and
-// output gradient and the reduce-scattered rows. An estimate (GLA's gathers are of several
+// gradient before their sum (BufferPurpose::row_out, col_dx), and with SP the gathered GEMM input
+// and output gradient and the reduce-scattered rows. An estimate (GLA's gathers are of several
 // widths, the widest counted), not compared with the pool itself; the peaks of the bench checks
 // under TP 2 are within 1.5% with it.
 size_t GlaModel::tp_comm_buffer_bytes(int64_t B, int64_t T) const {

@@ -137,7 +137,8 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
     ce.x = xf;
     xf = Tensor();
     if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
-    dxf = tp.on() ? tp_pooled(tp, "col_dx", {M, d}, DType::f32, device_) : f32({M, d}, device_);
+    dxf = tp.on() ? tp_pooled(tp, dist::BufferPurpose::col_dx, {M, d}, DType::f32, device_)
+                  : f32({M, d}, device_);
     ParamUnit& out_unit = config_.tie_word_embeddings ? embed_unit() : head_unit();
     const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
     ce.w = out_unit.gemm_weight(out_index);

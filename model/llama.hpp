@@ -66,7 +66,7 @@ class LlamaModel final : public Model {
   size_t backward_peak_bytes(int64_t B, int64_t T) const override;
   size_t head_workspace_bytes(int64_t B, int64_t T) const override;
   // The pooled communication buffers of tensor parallelism after a step: one per (purpose,
-  // dtype, size) of the model's pooled() calls.
+  // dtype, size) of the model's tp_pooled() calls.
   static size_t tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
                                      int tp, bool sp);
   size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const override;

@@ -344,10 +344,10 @@ size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t
   const size_t n = size_t(tp), M = size_t(B * T), d = size_t(c.hidden_size);
   const size_t Mx = sp ? M / n : M;
   // A row-parallel output and a column-parallel input gradient before their sum over tp
-  // ("row_out", "col_dx"), the loss's gathered log-sum-exps and target logits.
+  // (BufferPurpose::row_out, col_dx), the loss's gathered log-sum-exps and target logits.
   size_t bytes = 2 * M * d * 4 + n * M * 4 + M * 4;
   if (compute == DType::bf16) {
-    // The loss's chunk of logit gradients in bf16 ("ce_dlogits").
+    // The loss's chunk of logit gradients in bf16 (BufferPurpose::ce_dlogits).
     const int64_t chunk = loss_chunks(c, B, T, compute).rows;
     const size_t rows =
         size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64, int64_t(M))));

@@ -49,10 +49,10 @@ struct PpPlan {
 // ranks' stages can be built on Device::elsewhere.
 PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const ParallelizeOptions& o) {
   const int p = g.pp->size();
-  pp::Schedule s = o.pp_schedule_csv.empty()
-                       ? pp::make_schedule(pp::parse_schedule_kind(o.pp_schedule), p,
-                                           o.pp_stages_per_rank, o.pp_microbatches)
-                       : pp::read_schedule_csv(o.pp_schedule_csv);
+  pp::Schedule s =
+      o.pp_schedule_csv.empty()
+          ? pp::make_schedule(o.pp_schedule, p, o.pp_stages_per_rank, o.pp_microbatches)
+          : pp::read_schedule_csv(o.pp_schedule_csv);
   LOOM_CHECK(s.ranks == p, "parallelism.pp_schedule_csv = \"", o.pp_schedule_csv, "\" has ",
              s.ranks, " rows (pp ranks); expected parallelism.pp = ", p);
   std::vector<int> layers;
@@ -61,7 +61,7 @@ PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const Paralle
   return {std::move(s), std::move(units)};
 }
 
-void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) {
+void apply_pp(ParallelModel& m, PpPlan plan, PpFsdpGather pp_fsdp_gather) {
   m.pipeline = std::make_unique<PipelineExecutor>(*m.model, std::move(plan.schedule),
                                                   std::move(plan.units), m.groups.pp);
   // Data parallelism by the rank's action list: FSDP's gathers, releases and reduce-scatters
@@ -69,7 +69,7 @@ void apply_pp(ParallelModel& m, PpPlan plan, const std::string& pp_fsdp_gather) 
   if (m.fsdp)
     m.pipeline->set_hooks(std::make_unique<PipelineFsdp>(*m.pipeline, *m.fsdp, m.model->num_units(),
                                                          m.model->tie_word_embeddings(),
-                                                         pp_fsdp_gather_from_name(pp_fsdp_gather)));
+                                                         pp_fsdp_gather));
   if (m.ddp)
     m.pipeline->set_hooks(
         std::make_unique<PipelineDdp>(*m.pipeline, *m.ddp, *m.model, *m.groups.dp));

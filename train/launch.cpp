@@ -8,7 +8,9 @@
 
 #include "core/error.hpp"
 #include "ops/devices.hpp"
+#include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/schedule_csv.hpp"
+#include "parallel/pipeline_fsdp.hpp"
 
 namespace loom {
 
@@ -140,6 +142,9 @@ ParallelDims parallel_dims(const JobConfig& job) {
 
 ParallelizeOptions parallelize_options(const JobConfig& job) {
   const auto& p = job.parallelism;
+  // The config's names as values (each fails naming its key and the accepted values; validate
+  // in train/config.cpp has already checked them against the same lists).
+  const pp::ScheduleKind schedule = pp::parse_schedule_kind(p.pp_schedule);
   return {.sequence_parallel = p.tp_sequence_parallel,
           .tp_recompute_allgather = p.tp_recompute_allgather,
           .tp_async = p.tp_async,
@@ -150,15 +155,13 @@ ParallelizeOptions parallelize_options(const JobConfig& job) {
                    dtype_from_name(job.training.mixed_precision_reduce)},
           .device = job.training.device == "cuda" ? Device::cuda : Device::cpu,
           .cpu_offload = job.training.enable_cpu_offload,
-          .pp_schedule = p.pp_schedule,
+          .pp_schedule = schedule,
           .pp_schedule_csv = p.pp_schedule_csv,
           .pp_stage_layers = p.pp_stage_layers,
           .pp_microbatches = int(pipeline_microbatches(job)),
-          .pp_stages_per_rank =
-              int(p.pp_stages_per_rank
-                      ? p.pp_stages_per_rank
-                      : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule))),
-          .pp_fsdp_gather = p.pp_fsdp_gather};
+          .pp_stages_per_rank = int(p.pp_stages_per_rank ? p.pp_stages_per_rank
+                                                         : pp::default_stages_per_rank(schedule)),
+          .pp_fsdp_gather = pp_fsdp_gather_from_name(p.pp_fsdp_gather)};
 }
 
 int64_t pipeline_microbatches(const JobConfig& job) {

@@ -14,7 +14,7 @@ int TpOptions::rank() const {
   return group ? group->rank() : 0;
 }
 
-Tensor tp_pooled(const TpRuntime& tp, const std::string& purpose, const Shape& shape, DType dt,
+Tensor tp_pooled(const TpRuntime& tp, dist::BufferPurpose purpose, const Shape& shape, DType dt,
                  Device dev) {
   const MemoryUseScope use(dev, MemoryUse::communication);
   return tp.pool->get(purpose, dt, shape_numel(shape), dev).view(shape);
@@ -35,7 +35,8 @@ void tp_reduce_scatter_rows(const TpRuntime& tp, const Tensor& in, Tensor& out) 
 
 Tensor tp_gather_input(const TpRuntime& tp, const Tensor& local) {
   const int64_t M = local.size(0) * tp.opt.size();
-  Tensor full = tp_pooled(tp, "ag_input", {M, local.size(1)}, local.dtype(), local.device());
+  Tensor full = tp_pooled(tp, dist::BufferPurpose::ag_input, {M, local.size(1)}, local.dtype(),
+                          local.device());
   tp_gather_rows(tp, local, full);
   return full;
 }
@@ -54,7 +55,7 @@ void column_parallel_forward(const TpRuntime& tp, const Tensor& local, const Ten
     saved = full = Tensor::empty({M, d}, local.dtype(), dev);
   } else {
     saved = local;
-    full = tp_pooled(tp, "ag_input", {M, d}, local.dtype(), dev);
+    full = tp_pooled(tp, dist::BufferPurpose::ag_input, {M, d}, local.dtype(), dev);
   }
   if (!tp.opt.async || !ops::computes(dev)) {
     tp_gather_rows(tp, local, full);
@@ -92,7 +93,7 @@ Tensor column_parallel_backward(const TpRuntime& tp, const Tensor& dout, const T
     ops::linear_backward(dout, in, w, dw, dx);
     return dx;
   }
-  Tensor part = tp_pooled(tp, "col_dx", {M, d}, DType::f32, dev);
+  Tensor part = tp_pooled(tp, dist::BufferPurpose::col_dx, {M, d}, DType::f32, dev);
   ops::linear_backward(dout, in, w, dw, part);
   return tp_sum_partial(tp, part);
 }
@@ -102,8 +103,8 @@ Tensor tp_sum_partial(const TpRuntime& tp, Tensor& part) {
     tp_all_reduce(tp, part);
     return part;
   }
-  Tensor mine = tp_pooled(tp, "col_dx_rs", {part.size(0) / tp.opt.size(), part.size(1)}, DType::f32,
-                          part.device());
+  Tensor mine = tp_pooled(tp, dist::BufferPurpose::col_dx_rs,
+                          {part.size(0) / tp.opt.size(), part.size(1)}, DType::f32, part.device());
   tp_reduce_scatter_rows(tp, part, mine);
   return mine;
 }
@@ -117,11 +118,12 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
     return out;
   }
   out.copy_from(residual);
-  Tensor part = tp_pooled(tp, "row_out", {in.size(0), residual.size(1)}, DType::f32, dev);
+  Tensor part =
+      tp_pooled(tp, dist::BufferPurpose::row_out, {in.size(0), residual.size(1)}, DType::f32, dev);
   ops::linear(in, w, part);
   Tensor sum = part;
   if (tp.sp()) {
-    sum = tp_pooled(tp, "row_out_rs", residual.shape(), DType::f32, dev);
+    sum = tp_pooled(tp, dist::BufferPurpose::row_out_rs, residual.shape(), DType::f32, dev);
     tp_reduce_scatter_rows(tp, part, sum);
   } else {
     tp_all_reduce(tp, part);
@@ -135,7 +137,8 @@ void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& 
   // The backward of the reduce-scatter is an all-gather: the gradient of every row.
   Tensor full = dy;
   if (tp.sp()) {
-    full = tp_pooled(tp, "ag_dy", {in.size(0), dy.size(1)}, DType::f32, dy.device());
+    full = tp_pooled(tp, dist::BufferPurpose::ag_dy, {in.size(0), dy.size(1)}, DType::f32,
+                     dy.device());
     tp_gather_rows(tp, dy, full);
   }
   ops::linear_backward(ops::to_compute(full, compute), in, w, dw, din);
@@ -148,7 +151,7 @@ void vocab_parallel_embedding_forward(const TpRuntime& tp, const int32_t* tokens
     return;
   }
   // Rows of other ranks' tokens are zero here; the sum over tp is the embedding.
-  Tensor part = tp_pooled(tp, "row_out", {M, x.size(1)}, DType::f32, x.device());
+  Tensor part = tp_pooled(tp, dist::BufferPurpose::row_out, {M, x.size(1)}, DType::f32, x.device());
   ops::embedding_forward_range(tokens, table, v0, part);
   if (tp.sp()) {
     tp_reduce_scatter_rows(tp, part, x);
@@ -166,7 +169,7 @@ void vocab_parallel_embedding_backward(const TpRuntime& tp, const int32_t* token
   }
   Tensor full = dx;
   if (tp.sp()) {
-    full = tp_pooled(tp, "ag_dy", {M, dx.size(1)}, DType::f32, dx.device());
+    full = tp_pooled(tp, dist::BufferPurpose::ag_dy, {M, dx.size(1)}, DType::f32, dx.device());
     tp_gather_rows(tp, dx, full);
   }
   ops::embedding_backward_range(tokens, full, v0, dtable);
@@ -182,9 +185,9 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
   const Device dev = a.x.device();
   const int64_t N = a.x.size(0), V = a.V;
   const int64_t rows = std::max<int64_t>(1, std::min(a.chunk_rows > 0 ? a.chunk_rows : 64, N));
-  Tensor lse_all = tp_pooled(tp, "ce_lse_all", {int64_t(n), N}, DType::f32, dev);
+  Tensor lse_all = tp_pooled(tp, dist::BufferPurpose::ce_lse_all, {int64_t(n), N}, DType::f32, dev);
   Tensor lse = lse_all.narrow(0, tp.opt.rank(), 1).view({N});
-  Tensor tgt = tp_pooled(tp, "ce_target", {N}, DType::f32, dev);
+  Tensor tgt = tp_pooled(tp, dist::BufferPurpose::ce_target, {N}, DType::f32, dev);
   // The logits chunk is the loss's workspace (sized by the memory budget of the chunk rows), not
   // a communication buffer: allocated here, as the single-rank loss does.
   const MemoryUseScope use(dev, MemoryUse::loss);
@@ -206,8 +209,9 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
   tp_all_reduce(tp, tgt);
   Tensor glse = Tensor::empty({N}, DType::f32, dev);
   const double loss = ops::vocab_shard_combine(lse_all, a.targets, tgt, glse);
-  Tensor dl_c =
-      a.x.dtype() == DType::f32 ? logits : tp_pooled(tp, "ce_dlogits", {rows, V}, DType::bf16, dev);
+  Tensor dl_c = a.x.dtype() == DType::f32
+                    ? logits
+                    : tp_pooled(tp, dist::BufferPurpose::ce_dlogits, {rows, V}, DType::bf16, dev);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t nr = std::min(rows, N - r0);
     Tensor l = logits.narrow(0, 0, nr), dl = dl_c.narrow(0, 0, nr);

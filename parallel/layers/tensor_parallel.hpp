@@ -9,7 +9,6 @@
 // split by columns; the partial outputs are summed over tp (all-reduce, or with SP a
 // reduce-scatter to this rank's rows).
 #include <cstdint>
-#include <string>
 
 #include "core/tensor.hpp"
 #include "distributed/buffer_pool.hpp"
@@ -41,7 +40,7 @@ struct TpRuntime {
 };
 
 // A communication buffer of the pool (contents undefined; see BufferPool for the key contract).
-Tensor tp_pooled(const TpRuntime& tp, const std::string& purpose, const Shape& shape, DType dt,
+Tensor tp_pooled(const TpRuntime& tp, dist::BufferPurpose purpose, const Shape& shape, DType dt,
                  Device dev);
 // Collectives over the tp group; a meta tensor moves nothing.
 void tp_all_reduce(const TpRuntime& tp, Tensor& t);
@@ -84,7 +83,8 @@ void tp_summed_norm_grad(const TpRuntime& tp, Tensor& grad, Fn&& fn) {
     fn(grad);
     return;
   }
-  Tensor part = tp_pooled(tp, "norm_grad", grad.shape(), DType::f32, grad.device());
+  Tensor part =
+      tp_pooled(tp, dist::BufferPurpose::norm_grad, grad.shape(), DType::f32, grad.device());
   part.zero_();
   fn(part);
   tp_all_reduce(tp, part);

@@ -16,6 +16,7 @@
 #include "ops/devices.hpp"
 #include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
+#include "train/launch.hpp"
 
 namespace fs = std::filesystem;
 using loom::JobConfig;
@@ -495,4 +496,20 @@ TEST(JobConfig, CheckpointVerifyAndFallback) {
         parse("", {"--checkpoint.verify=false", "--checkpoint.fallback=true"});
       },
       {"checkpoint.fallback", "checkpoint.verify = false"});
+}
+
+// The pipeline's names become values where the options of parallelize are built
+// (train/launch.cpp parallelize_options); parallel/ takes the values.
+TEST(JobConfig, ParallelizeOptionsTakeThePipelineNamesAsValues) {
+  const loom::ParallelizeOptions d = loom::parallelize_options(parse(""));
+  EXPECT_EQ(d.pp_schedule, loom::pp::ScheduleKind::one_f_one_b);
+  EXPECT_EQ(d.pp_fsdp_gather, loom::PpFsdpGather::microbatch);
+  const loom::ParallelizeOptions o =
+      loom::parallelize_options(parse("", {"--parallelism.pp=2", "--parallelism.pp_schedule=zbv",
+                                           "--parallelism.pp_fsdp_gather=step"}));
+  EXPECT_EQ(o.pp_schedule, loom::pp::ScheduleKind::zbv);
+  EXPECT_EQ(o.pp_stages_per_rank, 2);  // the schedule's own
+  EXPECT_EQ(o.pp_microbatches, 4);     // pp x stages per rank
+  EXPECT_EQ(o.pp_fsdp_gather, loom::PpFsdpGather::step);
+  EXPECT_TRUE(o.pp_schedule_csv.empty());
 }
