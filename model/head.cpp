@@ -27,10 +27,8 @@ Tensor LossHead::forward_backward(ParamUnit& head, ParamUnit& embed, const Tenso
     return vocab_parallel && tp.on() ? tp_pooled(tp, "col_dx", {M, d}, DType::f32, dev)
                                      : Tensor::empty({M, d}, DType::f32, dev);
   };
-  // The rounded head lets the loss hold the only reference to the normed rows (freed by the
-  // gather under SP, else after the loss) and makes their gradient after the gather; with f32
-  // outputs the norm's f32 rows and their rounded copy stay to the end, and the gradient is made
-  // beside the norm's tensors (LossHead::precision).
+  // Each precision's order of the buffers (LossHead::precision): rounded, the loss holds the only
+  // reference to the normed rows and dxf comes after the gather; f32, everything stays to the end.
   const bool free_early = precision == BranchPrecision::rounded_outputs;
   Tensor rstd = Tensor::empty({Mx}, DType::f32, dev),
          xf = Tensor::empty({Mx, d}, output_dtype(precision, compute), dev), dxf;

@@ -37,7 +37,7 @@ struct LossHead {
   BranchPrecision precision;
   bool tied;             // the output projection is the embedding's table
   int64_t M, Mx, d;      // rows (Mx: of the input, M / tp under SP), hidden size
-  int64_t vocab;         // the real vocabulary (vocabulary-parallel: padded to a multiple of tp)
+  int64_t vocab;         // the real vocabulary (vocabulary-parallel: local_vocab's rows per rank)
   float eps;             // the final norm's
   DType compute;         // what the GEMMs read
   int64_t chunk_rows{};  // rows per chunk of f32 logits (0: the kernel's default)
