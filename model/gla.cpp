@@ -6,6 +6,7 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "model/head.hpp"
 #include "model/safetensors.hpp"
 #include "ops/ops.hpp"
 
@@ -121,37 +122,24 @@ void GlaModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
   blocks_[block]->backward(s.ctx, dy, std::any_cast<GlaBlockActs&>(s.blocks[block]));
 }
 
-// The final norm, then the output projection fused with the loss over every row (the head is
-// replicated over tp: each rank computes the same loss and head gradients).
+// The final norm, then the output projection fused with the loss over every row (model/head.hpp):
+// replicated over tp, as gla_plan() says (each rank computes the same loss and head gradients).
 Tensor GlaModel::head_forward_backward(ActivationStore& s) {
   saved_bytes_ = 0;
   for (const std::any& a : s.blocks)
     if (const auto* acts = std::any_cast<GlaBlockActs>(&a)) saved_bytes_ += acts->bytes();
-  const TpRuntime& tp = par().tp;
-  const int64_t M = s.ctx.tokens(), Mx = residual_rows(s.ctx), d = config_.hidden_size;
-  const Tensor& x = s.head_input;
-  Param& norm = head_unit().params()[0];
-  const float eps = float(config_.norm_eps);
-  Tensor rstd = f32({Mx}, device_), xf = f32({Mx, d}, device_), dxf = f32({M, d}, device_);
-  ops::rmsnorm_forward(x, norm.value, eps, xf, rstd);
-  ParamUnit& out_unit = config_.tie_word_embeddings ? embed_unit() : head_unit();
-  const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
-  ops::LinearCrossEntropy ce;
-  ce.x = ops::to_compute(xf, compute_);
-  if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
-  ce.w = out_unit.gemm_weight(out_index);
-  ce.dx = dxf;
-  ce.dw = out_unit.weight_grad(out_index);
-  ce.targets = s.targets;
-  ce.V = config_.vocab_size;
-  ce.grad_scale = s.grad_scale;
-  s.loss = ops::linear_cross_entropy(ce);
-  Tensor dy = Tensor::zeros({Mx, d}, DType::f32, device_);
-  const Tensor dxf_mine = tp.sp() ? dxf.narrow(0, int64_t(tp.opt.rank()) * Mx, Mx) : dxf;
-  tp_summed_norm_grad(tp, norm.grad, [&](Tensor& g) {
-    ops::rmsnorm_backward(dxf_mine, x, norm.value, rstd, dy, g);
-  });
-  return dy;
+  const LossHead head{.tp = par().tp,
+                      .plan = gla_plan(),
+                      .precision = GlaBlock::kPrecision,
+                      .tied = config_.tie_word_embeddings,
+                      .M = s.ctx.tokens(),
+                      .Mx = residual_rows(s.ctx),
+                      .d = config_.hidden_size,
+                      .vocab = config_.vocab_size,
+                      .eps = float(config_.norm_eps),
+                      .compute = compute_};
+  return head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets, s.grad_scale,
+                               s.loss);
 }
 
 }  // namespace loom

@@ -58,13 +58,15 @@ class GlaBlock {
   // parameter gradients accumulate; frees `acts`.
   void backward(const StepContext& ctx, Tensor& dy, GlaBlockActs& acts);
 
+  // fla's numerics: f32 norm, gate/up and SwiGLU outputs, rounded copies for the GEMMs (the
+  // model's head, model/head.hpp, likewise); a norm output saved for backward keeps every row
+  // under SP.
+  static constexpr BranchPrecision kPrecision = BranchPrecision::f32_outputs;
+
  private:
   struct Dims;
   Dims dims(const StepContext& ctx) const;
   Tensor run_forward(const StepContext& ctx, const Tensor& x, GlaBlockActs& acts) const;
-  // fla's numerics: f32 norm, gate/up and SwiGLU outputs, rounded copies for the GEMMs; a norm
-  // output saved for backward keeps every row under SP.
-  static constexpr BranchPrecision kPrecision = BranchPrecision::f32_outputs;
   Mlp mlp(const StepContext& ctx) const;
   const Tensor& weight(int i) const { return unit_.gemm_weight(size_t(i)); }
   // Under cp a segment's convolution reads the previous segment's last conv_size - 1 rows.

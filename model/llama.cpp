@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "model/head.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
@@ -123,40 +124,24 @@ void LlamaModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
                                     embed_unit().params()[0].grad);
 }
 
-// The final norm, then the output projection fused with the loss, forward and backward.
+// The final norm, then the output projection fused with the loss (model/head.hpp): vocabulary-
+// parallel over tp, as llama_plan() says, its logits in chunks by the memory budget (loss_chunks).
 Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
-  const TpRuntime& tp = par().tp;
-  const int64_t M = s.ctx.tokens(), Mx = residual_rows(s.ctx), d = config_.hidden_size;
-  const Tensor& x = s.head_input;
-  Param& norm = head_unit().params()[0];
-  Tensor rstd = f32({Mx}, device_), xf = Tensor::empty({Mx, d}, compute_, device_);
-  ops::rmsnorm_forward(x, norm.value, float(config_.rms_norm_eps), xf, rstd);
-  Tensor dxf;
-  {
-    ops::LinearCrossEntropy ce;
-    ce.x = xf;
-    xf = Tensor();
-    if (tp.sp()) ce.x = tp_gather_input(tp, ce.x);
-    dxf = tp.on() ? tp_pooled(tp, dist::BufferPurpose::col_dx, {M, d}, DType::f32, device_)
-                  : f32({M, d}, device_);
-    ParamUnit& out_unit = config_.tie_word_embeddings ? embed_unit() : head_unit();
-    const size_t out_index = config_.tie_word_embeddings ? 0 : 1;
-    ce.w = out_unit.gemm_weight(out_index);
-    ce.dx = dxf;
-    ce.dw = out_unit.weight_grad(out_index);
-    ce.targets = s.targets;
-    ce.V = vocab_rows();
-    ce.grad_scale = s.grad_scale;
-    const LossChunks chunks = loss_chunks(config_, s.ctx.B, s.ctx.T, compute_);
-    ce.chunk_rows = chunks.rows;
-    ce.grad_rows = chunks.grad_rows;
-    s.loss = vocab_parallel_cross_entropy(tp, ce, vocab_begin(), config_.vocab_size);
-  }
-  if (tp.on()) dxf = tp_sum_partial(tp, dxf);
-  Tensor dx = Tensor::zeros({Mx, d}, DType::f32, device_);
-  tp_summed_norm_grad(tp, norm.grad,
-                      [&](Tensor& g) { ops::rmsnorm_backward(dxf, x, norm.value, rstd, dx, g); });
-  return dx;
+  const LossChunks chunks = loss_chunks(config_, s.ctx.B, s.ctx.T, compute_);
+  const LossHead head{.tp = par().tp,
+                      .plan = llama_plan(),
+                      .precision = LlamaBlock::kPrecision,
+                      .tied = config_.tie_word_embeddings,
+                      .M = s.ctx.tokens(),
+                      .Mx = residual_rows(s.ctx),
+                      .d = config_.hidden_size,
+                      .vocab = config_.vocab_size,
+                      .eps = float(config_.rms_norm_eps),
+                      .compute = compute_,
+                      .chunk_rows = chunks.rows,
+                      .grad_rows = chunks.grad_rows};
+  return head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets, s.grad_scale,
+                               s.loss);
 }
 
 }  // namespace loom

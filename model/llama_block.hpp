@@ -52,6 +52,10 @@ class LlamaBlock {
   // (with tp or cp that re-runs their communication), then frees `acts`.
   void backward(const StepContext& ctx, Tensor& dy, LlamaBlockActs& acts);
 
+  // The norms, GEMMs and SwiGLU write the compute dtype themselves (no f32 copies); the model's
+  // head (model/head.hpp) runs at the same precision.
+  static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
+
  private:
   struct Dims;
   Dims dims(const StepContext& ctx) const;
@@ -65,8 +69,6 @@ class LlamaBlock {
   void attention_backward(const StepContext& ctx, LlamaBlockActs& a, const Tensor& dattn,
                           Tensor& dqkv) const;
   bool unrotated_dqkv(const StepContext& ctx) const;
-  // The norms, GEMMs and SwiGLU write the compute dtype themselves (no f32 copies).
-  static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
   // Whether a norm output saved for backward holds every row under SP (else it is gathered
   // again, as recompute_allgather asks).
   bool keep_gathered() const { return !par_->tp.opt.recompute_allgather; }
