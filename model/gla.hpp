@@ -57,24 +57,6 @@ class GlaModel final : public Model {
   // block's forward, before their backward).
   size_t last_saved_activation_bytes() const { return saved_bytes_; }
 
-  // The analytic costs (model/gla_cost.cpp). Saved activations: each field of GlaBlockActs by
-  // the checkpointing mode, with the recomputed block's peak as for Llama.
-  size_t saved_activation_bytes(int64_t B, int64_t T) const override;
-  size_t head_workspace_bytes(int64_t B, int64_t T) const override;
-  size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const override;
-  uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                    const std::vector<bool>& runs = {}) const override;
-  uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                    const std::vector<bool>& runs = {}) const override;
-  size_t ring_working_bytes(int64_t B, int64_t T) const override;
-  // Per unit as for Llama; a block's backward and deferred figures are estimates from its GEMMs'
-  // operands (no pipeline memory check runs GLA).
-  UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const override;
-  // What one block saves for its backward under `mode` (one tp rank's, B*T rows of this rank).
-  size_t block_saved_bytes(int64_t B, int64_t T, ActivationCheckpoint::Mode mode) const;
-  // Context parallelism's per-block state (0 without cp).
-  size_t cp_state_bytes(int64_t B) const;
-
  private:
   void prepare(ActivationStore& s, int64_t span) override;
   void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) override;

@@ -182,20 +182,4 @@ double Model::forward_backward(const int32_t* inputs, const int32_t* targets, in
   return s.loss;
 }
 
-Model::RunBlocks Model::run_blocks(const std::vector<bool>& runs,
-                                   const ActivationCheckpoint& ac) const {
-  LOOM_CHECK(runs.empty() || runs.size() == num_units(), "run_blocks: ", runs.size(), " flags for ",
-             num_units(), " units");
-  auto run = [&](size_t u) { return runs.empty() || runs[u]; };
-  RunBlocks r;
-  r.embed = run(0);
-  r.head = run(head_index());
-  for (size_t l = 0; l < num_blocks(); ++l)
-    if (run(l + 1)) {
-      ++r.blocks;
-      r.recomputed += ac.block_mode(int64_t(l)) == ActivationCheckpoint::Mode::full;
-    }
-  return r;
-}
-
 }  // namespace loom

@@ -1,14 +1,15 @@
 #pragma once
-// The model interface the trainer, the parallel wrappers (FSDP, DDP, the pipeline executor), the
-// cost model and the commands work through (docs/design.md decision 1): a model is a sequence of
-// parameter units, an embedding unit, one unit per block and a head unit, run per micro-batch
-// over any range of units with the micro-batch's activations in an ActivationStore that lives
-// between the calls. LlamaModel (model/llama.hpp) and GlaModel (model/gla.hpp) implement it.
+// The model interface the trainer, the parallel wrappers (FSDP, DDP, the pipeline executor) and
+// the commands work through (docs/design.md decision 1): a model is a sequence of parameter units,
+// an embedding unit, one unit per block and a head unit, run per micro-batch over any range of
+// units with the micro-batch's activations in an ActivationStore that lives between the calls.
+// LlamaModel (model/llama.hpp) and GlaModel (model/gla.hpp) implement it.
 //
 // The unit plumbing every model shares is here, once: the parallel context the blocks point at,
 // the hooks called around each unit, the range loops of forward and backward (the head's forward
 // and backward are one fused computation), zeroing, initialization and activation
-// checkpointing. A model supplies its units' computations and its analytic costs.
+// checkpointing. A model supplies its units' computations. What a step holds and sends is measured
+// by running it on the meta device (train/rank_plan.hpp), not declared by the model.
 #include <any>
 #include <cstdint>
 #include <memory>
@@ -135,45 +136,6 @@ class Model {
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale);
 
-  // --- The analytic costs of one micro-batch of B samples of T tokens on this rank (with cp,
-  // this rank's T) under the model's tp, cp and checkpointing (parallel/cost_model.hpp) ---
-  // Bytes of saved activations at their peak.
-  virtual size_t saved_activation_bytes(int64_t B, int64_t T) const = 0;
-  // Bytes saved when the head's backward starts (the head's workspace comes on top of these; a
-  // peak elsewhere does not add it).
-  virtual size_t saved_at_head_bytes(int64_t B, int64_t T) const {
-    return saved_activation_bytes(B, T);
-  }
-  // The peak within the blocks' backward: what is saved then plus a block's working buffers.
-  // FSDP's full gradient and gathers of that moment come on top (parallel/cost_model.cpp); a
-  // model that does not say is priced at its peak.
-  virtual size_t backward_peak_bytes(int64_t B, int64_t T) const {
-    return saved_activation_bytes(B, T);
-  }
-  // The head's working buffers at the start of its fused backward.
-  virtual size_t head_workspace_bytes(int64_t B, int64_t T) const = 0;
-  // The pooled communication buffers of tensor parallelism after a step (comm_buffer_bytes()).
-  virtual size_t tp_comm_buffer_bytes(int64_t B, int64_t T) const = 0;
-  // Bytes this rank sends on the tp group, and on the cp group. `runs`: per unit (units()
-  // order) whether this rank runs its forward and backward (a pp rank: its stages' units, not a
-  // tied embedding's replica); empty: every unit.
-  virtual uint64_t tp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                            const std::vector<bool>& runs = {}) const = 0;
-  virtual uint64_t cp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                            const std::vector<bool>& runs = {}) const = 0;
-  // Context parallelism's working set in a block's backward beyond the saved activations.
-  virtual size_t ring_working_bytes(int64_t B, int64_t T) const = 0;
-  // What unit i (units() order) holds per micro-batch, for a pipeline stage's share of a rank's
-  // memory (a stage runs a range of units, and a pp rank holds several micro-batches at once).
-  struct UnitActivations {
-    size_t saved = 0;           // from its forward to its backward (a block's input included)
-    size_t backward = 0;        // working buffers of its backward beyond what it saved
-    size_t deferred = 0;        // zero bubble: its linear layers' weight-gradient operands, I to W
-    size_t backward_input = 0;  // zero bubble: working buffers of its I (copies pile up there)
-    size_t forward = 0;  // working buffers of its forward beyond what it saves (checkpointing's)
-  };
-  virtual UnitActivations unit_activation_bytes(size_t unit, int64_t B, int64_t T) const = 0;
-
  protected:
   // Tensor and context parallelism as given (groups of one rank dropped): par() is ready for the
   // blocks the derived constructor makes.
@@ -195,13 +157,6 @@ class Model {
   ParamUnit& head_unit() { return *head_; }
   const ParamUnit& head_unit() const { return *head_; }
   size_t head_index() const { return blocks_.size() + 1; }
-  // What this rank runs of `runs` (the cost functions' argument; empty: every unit): its blocks,
-  // how many of them `ac` recomputes, and whether it runs the embedding and the head.
-  struct RunBlocks {
-    uint64_t blocks = 0, recomputed = 0;
-    bool embed = true, head = true;
-  };
-  RunBlocks run_blocks(const std::vector<bool>& runs, const ActivationCheckpoint& ac) const;
   // Every parameter of every unit from `dir` (global names): whole or this tp rank's slice into
   // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones.
   void load_units(const SafetensorsDir& dir);

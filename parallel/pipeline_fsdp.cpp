@@ -67,34 +67,6 @@ std::vector<pp::UnitRange> ranges_of(const PipelineExecutor& pipe) {
 
 }  // namespace
 
-PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
-                            bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds) {
-  const pp::Schedule& s = pipe.schedule();
-  const auto ranges = ranges_of(pipe);
-  PpFsdpCounts c{std::vector<int64_t>(num_units, 0), std::vector<int64_t>(num_units, 0)};
-  const bool step = mode == PpFsdpGather::step;
-  const auto plan =
-      pp_fsdp_reduce_plan(s, ranges, pipe.rank(), num_units, tie_word_embeddings, mode);
-  for (const auto& units : plan)
-    for (size_t u : units) c.reduces[u] += step ? 1 : rounds;
-  if (step) {
-    // Every unit the rank uses, once: its stages' units and the tied embedding's replica.
-    for (size_t u : pp_used_units(s, ranges, pipe.rank(), tie_word_embeddings)) c.gathers[u] = 1;
-    return c;
-  }
-  // Every F, B and I gathers the units it runs (all were released after the previous action; the
-  // prefetch stays inside the stage), a B or I of the tied head the embedding too; W reads no
-  // weights.
-  for (const pp::Action& a : s.orders[size_t(pipe.rank())]) {
-    if (a.op == pp::Op::W) continue;
-    const auto [first, last] = ranges[size_t(a.stage)];
-    for (size_t u = first; u < last; ++u) c.gathers[u] += rounds;
-    if (a.op != pp::Op::F && tie_word_embeddings && last == num_units && first > 0)
-      c.gathers[0] += rounds;
-  }
-  return c;
-}
-
 PipelineFsdp::PipelineFsdp(const PipelineExecutor& pipe, parallel::Fsdp& fsdp, size_t num_units,
                            bool tie_word_embeddings, PpFsdpGather mode)
     : pipe_(pipe), fsdp_(fsdp), step_(mode == PpFsdpGather::step) {

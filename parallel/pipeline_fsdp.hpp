@@ -3,8 +3,7 @@
 // reduce-scattered. A pp rank's actions interleave micro-batches of its stages, and zero-bubble
 // schedules split a backward into I (input gradient, with the hooks) and W (the linear layers'
 // weight gradients, without them), so FSDP's per-unit hooks alone cannot tell when a unit's
-// gradient is complete. The plan below says it per action of the rank's list, and the same plan
-// prices the bytes (parallel/cost_model.cpp), so the analytic figure follows the executor.
+// gradient is complete. The plan below says it per action of the rank's list.
 //
 //   pp_fsdp_gather = "microbatch": every action gathers the units it runs and releases them after
 //   it (every collective is completed after every action: left in flight across actions, pp2 x
@@ -46,14 +45,6 @@ std::vector<std::vector<size_t>> pp_fsdp_reduce_plan(const pp::Schedule& schedul
                                                      const std::vector<pp::UnitRange>& stage_units,
                                                      int rank, size_t num_units,
                                                      bool tie_word_embeddings, PpFsdpGather mode);
-
-// Per unit (units() order), FSDP's all-gathers and reduce-scatters on this rank in one step of
-// `rounds` runs of the schedule (what PipelineFsdp issues).
-struct PpFsdpCounts {
-  std::vector<int64_t> gathers, reduces;
-};
-PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
-                            bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds);
 
 // The executor's hooks that drive `fsdp` by the plan (installed with PipelineExecutor::set_hooks;
 // the executor owns them, and `fsdp` outlives it in ParallelModel).

@@ -207,25 +207,4 @@ void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const 
   ops::copy_rows(own, dkv);
 }
 
-size_t ring_kv_bytes(int64_t rows, int64_t kv_heads, int64_t hd) {
-  return size_t(rows) * 2 * size_t(kv_heads) * size_t(hd) * 4;
-}
-
-uint64_t ring_bytes(const CpOptions& cp, size_t kv_bytes, int64_t layers, int64_t recomputed) {
-  const int n = cp.size();
-  if (n == 1) return 0;
-  const uint64_t k = uint64_t(n - 1), kv = kv_bytes;
-  // p2p: forward sends K/V n-1 times; backward the same plus n hops of the dK/dV accumulator.
-  // allgather: the same K/V bytes by all-gather, and a reduce-scatter of n blocks of dK/dV.
-  const uint64_t forward = k * kv, backward = cp.allgather ? 2 * k * kv : (2 * k + 1) * kv;
-  return (forward + backward) * uint64_t(layers) + forward * uint64_t(recomputed);
-}
-
-size_t ring_working_bytes(const CpOptions& cp, size_t kv_bytes, int64_t rows, int64_t q_heads) {
-  const int n = cp.size();
-  if (n == 1) return 0;
-  const size_t blocks = cp.allgather ? 2 * size_t(n) + 1 : 5;
-  return blocks * kv_bytes + size_t(rows) * size_t(q_heads) * 4;
-}
-
 }  // namespace loom

@@ -3,7 +3,7 @@
 // the sequence of every sample is cut into 2*cp chunks and cp rank r holds chunks r and
 // 2*cp-1-r (the "zigzag" layout: every rank computes the same number of causal score entries);
 // attention runs as ring attention over the cp group, K/V rotating by send/recv or gathered in
-// one all-gather. Also the analytic bytes and working set of the ring.
+// one all-gather.
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -59,15 +59,5 @@ void ring_attention_forward(const CpOptions& cp, const RingAttention& g, const T
 void ring_attention_backward(const CpOptions& cp, const RingAttention& g, const Tensor& qkv,
                              const Tensor& out, const Tensor& lse, const Tensor& dout,
                              Tensor& dqkv);
-
-// One ring K/V block: `rows` tokens of `kv_heads` heads of `hd`, K and V, f32.
-size_t ring_kv_bytes(int64_t rows, int64_t kv_heads, int64_t hd);
-// Bytes this rank sends on the cp group in one micro-batch: ring attention's K/V (forward, and
-// again for the `recomputed` layers' forward) and dK/dV, over `layers` attention layers.
-uint64_t ring_bytes(const CpOptions& cp, size_t kv_bytes, int64_t layers, int64_t recomputed);
-// The ring's largest working set in a layer's backward: K/V blocks and dK/dV accumulators (p2p:
-// the block in hand, the one arriving, the partial sum, the accumulator arriving and the one
-// leaving; allgather: all cp blocks, their dK/dV, this rank's sum) and Di of `rows` x `q_heads`.
-size_t ring_working_bytes(const CpOptions& cp, size_t kv_bytes, int64_t rows, int64_t q_heads);
 
 }  // namespace loom

@@ -9,6 +9,7 @@
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
 #include "model/llama.hpp"
+#include "tests/support/model_cost.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -149,8 +150,8 @@ TEST(ActivationCheckpoint, ComparisonDetectsADifference) {
 }
 
 // The peak of live tensors during forward_backward, over what the model held before, against the
-// memory model: the saved activations at their peak plus the head's working buffers (as `loom
-// bench` counts them).
+// cost oracle (tests/support/model_cost.hpp): the saved activations at their peak plus the head's
+// working buffers.
 TEST(ActivationCheckpoint, PeakMemoryFollowsTheModel) {
   LlamaConfig c = config(6, false);
   c.hidden_size = 128;
@@ -179,9 +180,9 @@ TEST(ActivationCheckpoint, PeakMemoryFollowsTheModel) {
       model.forward_backward(t.in.data(), t.tg.data(), B, T, 1.0f / float(M));
       const size_t peak = alloc.stats().peak_allocated - before;
       // The peak is at the head or in a block (its transients, a recomputation).
-      const size_t want =
-          std::max(LlamaModel::saved_activation_bytes(c, B, T, dt, 1, false, false, a),
-                   LlamaModel::saved_at_head_bytes(c, B, T, dt, 1, false, false, a) + head);
+      const oracle::LlamaActivations acts =
+          oracle::llama_activations(c, B, T, dt, 1, false, false, a);
+      const size_t want = std::max(acts.peak, acts.at_head + head);
       const double ratio = double(peak) / double(want);
       const std::string what = std::string(dtype_name(dt)) + " mode " +
                                std::to_string(int(a.mode)) + " every " + std::to_string(a.every_n);

@@ -1,7 +1,7 @@
 // GlaModel through the Model interface (model/model.hpp): the hooks around each unit in the
 // order LlamaModel calls them, forward/backward over unit ranges giving the bits of one
-// forward_backward, a sharded model refusing to run without hooks, and the analytic saved
-// activations (the memory pre-flight's) against what a step saves.
+// forward_backward, a sharded model refusing to run without hooks, and the cost oracle's saved
+// activations (tests/support/model_cost.hpp) against what a step saves.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include "model/gla.hpp"
 #include "model/llama.hpp"
 #include "model/model_config.hpp"
+#include "tests/support/model_cost.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -130,8 +131,8 @@ TEST(GlaModelInterface, ConfigJsonChoosesTheModel) {
   test::expect_error([&] { ModelConfig(l).gla("the test"); }, {"needs a GLA model"});
 }
 
-// The analytic figure of one block's saved tensors (the pre-flight's) is what a step saves,
-// field by field: every mode, with and without the short convolution, f32 and bf16.
+// The cost oracle's figure of one block's saved tensors (tests/support/gla_cost.cpp) is what a
+// step saves, field by field: every mode, with and without the short convolution, f32 and bf16.
 TEST(GlaModelInterface, AnalyticSavedActivationsMatchAStep) {
   const int64_t B = 2, T = 20;
   const auto tok = test::random_tokens(B * T + 1, 101, 6);
@@ -145,13 +146,14 @@ TEST(GlaModelInterface, AnalyticSavedActivationsMatchAStep) {
         m.init_weights(1);
         m.set_activation_checkpoint({mode, 1});
         m.forward_backward(tok.data(), tok.data() + 1, B, T, 1.0f);
-        EXPECT_EQ(m.last_saved_activation_bytes(), 3 * m.block_saved_bytes(B, T, mode));
+        const size_t block = oracle::gla_block_saved_bytes(m, B, T, mode);
+        EXPECT_EQ(m.last_saved_activation_bytes(), 3 * block);
         if (mode == Mode::full) {
           // The recomputed last block holds everything while the two before it hold their input.
-          EXPECT_EQ(m.saved_activation_bytes(B, T),
-                    2 * m.block_saved_bytes(B, T, mode) + m.block_saved_bytes(B, T, Mode::none));
+          EXPECT_EQ(oracle::saved_activation_bytes(m, B, T),
+                    2 * block + oracle::gla_block_saved_bytes(m, B, T, Mode::none));
         } else {
-          EXPECT_EQ(m.saved_activation_bytes(B, T), 3 * m.block_saved_bytes(B, T, mode));
+          EXPECT_EQ(oracle::saved_activation_bytes(m, B, T), 3 * block);
         }
       }
 }

@@ -1,6 +1,7 @@
 // parallel/ on one process: the mesh's questions (ParallelDims), the Llama TP plan against the
-// model's own split of every parameter, the zigzag CP slice of a batch, and the cost model of a
-// model built on the meta device against the same model allocated.
+// model's own split of every parameter, the zigzag CP slice of a batch, and the cost oracle
+// (tests/support/cost_oracle.hpp) of a model built on the meta device against the same model
+// allocated.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -12,10 +13,10 @@
 #include "model/llama.hpp"
 #include "model/llama_plan.hpp"
 #include "model/tp_plan.hpp"
-#include "parallel/cost_model.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/parallel_dims.hpp"
 #include "parallel/parallelize.hpp"
+#include "tests/support/cost_oracle.hpp"
 
 namespace loom {
 namespace {
@@ -130,7 +131,7 @@ TEST(Parallelize, CpuOffloadNeedsShardedStates) {
   ParallelizeOptions o;
   o.device = Device::meta;
   o.cpu_offload = true;
-  const std::string e = error_of([&] { plan_model(ModelConfig(tiny()), DType::f32, {}, o); });
+  const std::string e = error_of([&] { parallelize(ModelConfig(tiny()), DType::f32, {}, o); });
   EXPECT_NE(e.find("training.enable_cpu_offload"), std::string::npos) << e;
 }
 
@@ -155,60 +156,66 @@ TEST(Parallelize, CpLocalBatchTakesTheZigzagChunks) {
 // saved activations add up to the whole model's, with `op` to it less the one recomputed act
 // that the whole-model figure adds, and the head's saved input plus its backward's buffers are
 // its workspace; the embedding saves nothing (its output is block 0's input).
-TEST(CostModel, UnitActivationsAddUpToTheModel) {
+TEST(CostOracle, UnitActivationsAddUpToTheModel) {
   const int64_t B = 2, T = 16;
   for (DType dt : {DType::f32, DType::bf16})
     for (const char* mode : {"none", "op"}) {
       ParallelizeOptions o;
+      o.device = Device::meta;
       o.ac = ActivationCheckpoint::parse(std::string(mode) == "op" ? "selective" : "none", mode);
-      ParallelModel plan = plan_model(tiny(), dt, {}, o);
-      Model& m = *plan.model;
+      ParallelModel plan = parallelize(tiny(), dt, {}, o);
+      const Model& m = *plan.model;
       size_t blocks = 0;
       for (size_t u = 1; u + 1 < m.num_units(); ++u) {
-        const Model::UnitActivations a = m.unit_activation_bytes(u, B, T);
+        const oracle::UnitActivations a = oracle::unit_activation_bytes(m, u, B, T);
         blocks += a.saved;
         EXPECT_GT(a.backward, 0u);
         EXPECT_GT(a.deferred, 0u);
       }
-      EXPECT_EQ(blocks, m.saved_at_head_bytes(B, T)) << mode;
-      const Model::UnitActivations head = m.unit_activation_bytes(m.num_units() - 1, B, T);
+      EXPECT_EQ(blocks, oracle::saved_at_head_bytes(m, B, T)) << mode;
+      const oracle::UnitActivations head =
+          oracle::unit_activation_bytes(m, m.num_units() - 1, B, T);
       EXPECT_EQ(head.saved, size_t(B * T * tiny().hidden_size * 4));
-      EXPECT_EQ(head.saved + head.backward, m.head_workspace_bytes(B, T));
-      EXPECT_EQ(m.unit_activation_bytes(0, B, T).saved, 0u);
+      EXPECT_EQ(head.saved + head.backward, oracle::head_workspace_bytes(m, B, T));
+      EXPECT_EQ(oracle::unit_activation_bytes(m, 0, B, T).saved, 0u);
     }
 }
 
 // The peak within the blocks' backward, where FSDP prices its block-time buffers, lies between
 // what the blocks saved and the peak of the whole step.
-TEST(CostModel, BackwardPeakLiesBetweenTheSavedSetAndThePeak) {
+TEST(CostOracle, BackwardPeakLiesBetweenTheSavedSetAndThePeak) {
   const int64_t B = 2, T = 16;
   for (DType dt : {DType::f32, DType::bf16})
     for (const char* mode : {"none", "op", "full"}) {
       ParallelizeOptions o;
+      o.device = Device::meta;
       o.ac = std::string(mode) == "op"     ? ActivationCheckpoint::parse("selective", "op")
              : std::string(mode) == "full" ? ActivationCheckpoint::parse("full", "op")
                                            : ActivationCheckpoint::parse("none", "op");
-      ParallelModel plan = plan_model(tiny(), dt, {}, o);
+      ParallelModel plan = parallelize(tiny(), dt, {}, o);
       const Model& m = *plan.model;
-      EXPECT_GT(m.backward_peak_bytes(B, T), m.saved_at_head_bytes(B, T)) << mode;
-      EXPECT_LE(m.backward_peak_bytes(B, T), m.saved_activation_bytes(B, T)) << mode;
+      EXPECT_GT(oracle::backward_peak_bytes(m, B, T), oracle::saved_at_head_bytes(m, B, T)) << mode;
+      EXPECT_LE(oracle::backward_peak_bytes(m, B, T), oracle::saved_activation_bytes(m, B, T))
+          << mode;
     }
 }
 
-TEST(CostModel, MetaModelPricesLikeTheAllocatedOne) {
+TEST(CostOracle, MetaModelPricesLikeTheAllocatedOne) {
   for (DType dt : {DType::f32, DType::bf16}) {
     ParallelizeOptions o;
     o.ac = ActivationCheckpoint::parse("selective", "op");
-    ParallelModel plan = plan_model(tiny(), dt, {}, o);
     ParallelModel real = parallelize(tiny(), dt, {}, o);
+    o.device = Device::meta;
+    ParallelModel plan = parallelize(tiny(), dt, {}, o);
     EXPECT_EQ(real.model->units()[0]->device(), Device::cpu);
-    const MemoryCost a = memory_cost(plan, 2, 16), b = memory_cost(real, 2, 16);
+    const oracle::MemoryCost a = oracle::memory_cost(plan, 2, 16);
+    const oracle::MemoryCost b = oracle::memory_cost(real, 2, 16);
     EXPECT_EQ(a.total(), b.total());
     EXPECT_EQ(a.states(), size_t(real.model->num_params()) * (dt == DType::bf16 ? 18 : 16));
     EXPECT_EQ(a.activations,
-              LlamaModel::saved_activation_bytes(tiny(), 2, 16, dt, 1, false, false, o.ac));
+              oracle::llama_activations(tiny(), 2, 16, dt, 1, false, false, o.ac).peak);
     EXPECT_EQ(a.comm + a.ring + a.gathered + a.full_grad, 0u);  // one process
-    EXPECT_EQ(bytes_per_step(plan, DType::f32, 2, 16, 1), 0u);
+    EXPECT_EQ(oracle::bytes_per_step(plan, DType::f32, 2, 16, 1), 0u);
   }
 }
 

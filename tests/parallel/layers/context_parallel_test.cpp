@@ -58,11 +58,5 @@ TEST(ContextParallel, MicroBatchPositionsWithoutCp) {
   EXPECT_TRUE(by_rank.empty());
 }
 
-TEST(ContextParallel, RingFormulas) {
-  EXPECT_EQ(ring_kv_bytes(10, 2, 8), size_t(10 * 2 * 2 * 8 * 4));
-  EXPECT_EQ(ring_bytes({}, 100, 4, 1), 0u);
-  EXPECT_EQ(ring_working_bytes({}, 100, 10, 4), 0u);
-}
-
 }  // namespace
 }  // namespace loom

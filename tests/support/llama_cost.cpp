@@ -1,20 +1,14 @@
-// The analytic memory and communication model of LlamaModel (docs/design.md "One cost model"):
-// the figures `loom bench --check` compares with what a step measures.
+// The cost oracle's formulas of LlamaModel (tests/support/model_cost.hpp): what a LlamaBlock saves
+// for its backward, its working buffers and the tp and cp layers' collectives, by hand.
 #include <algorithm>
 
 #include "core/allocator.hpp"
-
-#include "model/llama.hpp"
 #include "ops/ops.hpp"
+#include "tests/support/model_cost.hpp"
 
-namespace loom {
+namespace loom::oracle {
 
 namespace {
-
-struct SavedActivations {
-  size_t at_head = 0, peak = 0;
-  size_t backward = 0;  // the peak within the blocks' backward (FSDP adds its buffers there)
-};
 
 // In bf16 the attention frees the f32 qkv GEMM output just before the block makes the tensors
 // below, and the allocator hands the first of them that asks for at most that block's size and
@@ -46,9 +40,11 @@ CacheSlack qkv_block_slack(size_t M, size_t Mx, size_t d, size_t nqkv, size_t q,
   return {};
 }
 
-SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                   int tp, bool sp, bool recompute, const ActivationCheckpoint& ac,
-                                   bool with_slack = true) {
+}  // namespace
+
+LlamaActivations llama_activations(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
+                                   int tp, bool sp, bool recompute,
+                                   const ActivationCheckpoint& ac) {
   const size_t n = size_t(tp), M = size_t(B * T), d = c.hidden_size, hd = c.head_dim();
   const size_t Hq = c.num_attention_heads / n, Hkv = c.num_key_value_heads / n;
   const size_t F = c.intermediate_size / n;
@@ -71,10 +67,9 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   // SwiGLU's f32 gradient and, in bf16, the former rounded for the down projection's GEMM.
   const size_t backward = Mx * d * 4 + M * F * 4 + (cs == 4 ? 0 : Mx * d * 2);
   const size_t L = size_t(c.num_hidden_layers);
-  const CacheSlack slack =
-      cs == 4 || !with_slack
-          ? CacheSlack{}
-          : qkv_block_slack(M, Mx, d, (Hq + 2 * Hkv) * hd, Hq * hd, F, tp > 1 && sp && !recompute);
+  const CacheSlack slack = cs == 4 ? CacheSlack{}
+                                   : qkv_block_slack(M, Mx, d, (Hq + 2 * Hkv) * hd, Hq * hd, F,
+                                                     tp > 1 && sp && !recompute);
   switch (ac.mode) {
     case ActivationCheckpoint::Mode::none: {
       const size_t all = (block + slack.bytes) * L;
@@ -104,89 +99,61 @@ SavedActivations saved_activations(const LlamaConfig& c, int64_t B, int64_t T, D
   return {all, std::max(all, peak), in_backward};
 }
 
+namespace {
+
+int tp_of(const LlamaModel& m) {
+  return m.tp().size();
+}
+bool sp_of(const LlamaModel& m) {
+  return m.tp().size() > 1 && m.tp().sequence_parallel;
+}
+LlamaActivations activations_of(const LlamaModel& m, int64_t B, int64_t T) {
+  return llama_activations(m.config(), B, T, m.compute_dtype(), tp_of(m), sp_of(m),
+                           m.tp().recompute_allgather, m.activation_checkpoint());
+}
+// This rank's B*T rows of the local kv heads' K and V.
+size_t kv_bytes_of(const LlamaModel& m, int64_t B, int64_t T) {
+  return ring_kv_bytes(B * T, m.config().num_key_value_heads / tp_of(m), m.config().head_dim());
+}
+
 }  // namespace
 
-LlamaModel::LossChunks LlamaModel::loss_chunks(const LlamaConfig& c, int64_t B, int64_t T,
-                                               DType compute) {
-  // The fused loss's workspace (f32 logits, plus their bf16 gradient in bf16 mode) may take what a
-  // block's working buffers take beyond its saved tensors, less what else the head holds (its
-  // input x, xf, dxf, rstd): then the head is never the step's peak, which stays what the memory
-  // model predicts. Small models get a floor, where the peak may then grow by what it takes beyond
-  // the working buffers (the memory model adds it): in f32, 2% of the saved activations at the
-  // head; in bf16 the room for 64 + 512 rows (f32 logits + bf16 gradients), within 4% of them.
-  // Each call of the dW GEMM re-reads and re-writes all of the f32 dW, and its inner dimension
-  // wants rows: bench-small bf16 64 + 256 rows in 6.7 MiB gave the loss 77 ms of a 500 ms step,
-  // 64 + 512 rows in 10 MiB 72 ms for 3 MiB (0.4%) more at the peak; past 512 rows little is left
-  // to gain (1024: 4% more), while 4% of a large model's activations is a GiB (8B FSDP: 1.1). The
-  // f32 floor stays 2% because the chunk depends on the micro-batch's rows: the f32 parity tests
-  // compare pp's one-sequence micro-batches with a single rank's whole batch to 5e-5, and at 4%
-  // their chunks (64 rows at 2%) differed (parity_pp2_ddp2_tied drifted past it). The figures are
-  // those of one rank without checkpointing, so every layout with the same micro-batch takes the
-  // same chunks and sums in the same order.
-  const SavedActivations a = saved_activations(c, B, T, compute, 1, false, false, {}, false);
-  const double M = double(B * T), d = double(c.hidden_size), V = double(c.vocab_size);
-  const double head = M * d * (4 + dtype_size(compute) + 4) + M * 4;
-  const double working = double(a.peak - a.at_head);
-  const double floor = compute == DType::bf16
-                           ? std::min(0.04 * double(a.at_head), (64 * 4 + 512 * 2) * V)
-                           : 0.02 * double(a.at_head);
-  const double budget = std::max(floor, working - head);
-  const auto rows_of = [&](double bytes, double per_row) {
-    const int64_t rows = int64_t(bytes / per_row) / 16 * 16;
-    return std::clamp<int64_t>(rows, std::min<int64_t>(64, B * T), B * T);
-  };
-  if (compute != DType::bf16) return {rows_of(budget, 4 * V), 0};
-  // bf16: the logits GEMM needs few rows to run at speed, the dW GEMM many (its inner dimension;
-  // each call re-reads and re-writes all of the f32 dW): a chunk of at most 64 rows of f32
-  // logits, the rest of the budget for the bf16 gradients (linear_cross_entropy at V 8192, D 512,
-  // 2 threads: 64 + 512 rows in 10 MiB take 72 ms, 112 + 112 rows in 5.25 MiB 89 ms).
-  const int64_t rows = std::min<int64_t>(64, rows_of(budget / 3, 4 * V));
-  const int64_t grad_rows = rows_of(budget - double(rows) * 4 * V, 2 * V) / rows * rows;
-  return {rows, std::max(rows, grad_rows)};
+size_t saved_activation_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  return activations_of(m, B, T).peak;
 }
 
-size_t LlamaModel::saved_activation_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                          int tp, bool sp, bool recompute,
-                                          const ActivationCheckpoint& ac) {
-  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).peak;
+size_t saved_at_head_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  return activations_of(m, B, T).at_head;
 }
 
-size_t LlamaModel::backward_peak_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                       int tp, bool sp, bool recompute,
-                                       const ActivationCheckpoint& ac) {
-  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).backward;
+size_t backward_peak_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  return activations_of(m, B, T).backward;
 }
 
-size_t LlamaModel::saved_at_head_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                       int tp, bool sp, bool recompute,
-                                       const ActivationCheckpoint& ac) {
-  return saved_activations(c, B, T, compute, tp, sp, recompute, ac).at_head;
-}
-
-uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                              const std::vector<bool>& runs) const {
-  const TpRuntime& tp = par().tp;
-  const int n = tp.opt.size();
+uint64_t tp_bytes_per_micro_batch(const LlamaModel& m, int64_t B, int64_t T,
+                                  const std::vector<bool>& runs) {
+  const TpOptions& tp = m.tp();
+  const int n = tp.size();
   if (n == 1) return 0;
   // The ProcessGroup's ring convention (docs/decisions/distributed-runtime.md).
   auto ar = [n](uint64_t bytes) { return 2 * uint64_t(n - 1) * bytes / uint64_t(n); };
-  const uint64_t M = uint64_t(B * T), d = uint64_t(config_.hidden_size);
-  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
-  const uint64_t cs = dtype_size(compute_), k = uint64_t(n - 1), L = rb.blocks;
+  const uint64_t M = uint64_t(B * T), d = uint64_t(m.config().hidden_size);
+  const RunBlocks rb = run_blocks(m, runs);
+  const uint64_t cs = dtype_size(m.compute_dtype()), k = uint64_t(n - 1), L = rb.blocks;
   const uint64_t loss = k * M * 4 + ar(M * 4);  // all-gather of the local lse, target logits
   const uint64_t recomputed = rb.recomputed;
   // Without SP a recomputed forward all-reduces the attention output once more; the embedding's
   // forward and the head's backward all-reduce once each.
-  if (!tp.sp())
+  if (!tp.sequence_parallel)
     return ar(M * d * 4) * (rb.embed + rb.head + 4 * L + recomputed) + (rb.head ? loss : 0);
   const uint64_t rows = M / uint64_t(n) * d;  // one rank's block of a [M, d] tensor
   const uint64_t ag_x = k * rows * cs, f32 = k * rows * 4;
   const uint64_t per_block = 2 * ag_x + 2 * f32                   // forward
                              + 2 * f32 + 2 * f32 + 2 * ar(d * 4)  // backward: dy, dx, norms
-                             + (tp.opt.recompute_allgather ? 2 * ag_x : 0);
+                             + (tp.recompute_allgather ? 2 * ag_x : 0);
   // `op` gathers the recomputed norm outputs in backward (as recompute_allgather does).
   const uint64_t op =
-      activation_checkpoint().mode == ActivationCheckpoint::Mode::op && !tp.opt.recompute_allgather
+      m.activation_checkpoint().mode == ActivationCheckpoint::Mode::op && !tp.recompute_allgather
           ? 2 * ag_x
           : 0;
   // A recomputed forward: the two gathers and the attention's reduce-scatter (not the MLP's).
@@ -195,66 +162,44 @@ uint64_t LlamaModel::tp_bytes_per_micro_batch(int64_t B, int64_t T,
          + (rb.embed ? 2 * f32 : 0);  // embedding: forward reduce-scatter, backward all-gather
 }
 
-size_t LlamaModel::ring_kv_bytes(int64_t B, int64_t T) const {
-  // This rank's B*T rows of the local kv heads' K and V.
-  return loom::ring_kv_bytes(B * T, config_.num_key_value_heads / tp().size(), config_.head_dim());
+uint64_t cp_bytes_per_micro_batch(const LlamaModel& m, int64_t B, int64_t T,
+                                  const std::vector<bool>& runs) {
+  const RunBlocks rb = run_blocks(m, runs);
+  return ring_bytes(m.cp(), kv_bytes_of(m, B, T), rb.blocks, rb.recomputed);
 }
 
-uint64_t LlamaModel::cp_bytes_per_micro_batch(int64_t B, int64_t T,
-                                              const std::vector<bool>& runs) const {
-  const RunBlocks rb = run_blocks(runs, activation_checkpoint());
-  return ring_bytes(cp(), ring_kv_bytes(B, T), rb.blocks, rb.recomputed);
+size_t ring_working_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  return ring_working_bytes(m.cp(), kv_bytes_of(m, B, T), B * T,
+                            m.config().num_attention_heads / tp_of(m));
 }
 
-size_t LlamaModel::ring_working_bytes(int64_t B, int64_t T) const {
-  return loom::ring_working_bytes(cp(), ring_kv_bytes(B, T), B * T,
-                                  config_.num_attention_heads / tp().size());
-}
-
-size_t LlamaModel::saved_activation_bytes(int64_t B, int64_t T) const {
-  const int n = tp().size();
-  return saved_activation_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
-                                tp().recompute_allgather, activation_checkpoint());
-}
-
-size_t LlamaModel::backward_peak_bytes(int64_t B, int64_t T) const {
-  const int n = tp().size();
-  return backward_peak_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
-                             tp().recompute_allgather, activation_checkpoint());
-}
-
-size_t LlamaModel::saved_at_head_bytes(int64_t B, int64_t T) const {
-  const int n = tp().size();
-  return saved_at_head_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel,
-                             tp().recompute_allgather, activation_checkpoint());
-}
-
-Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B, int64_t T) const {
-  const int n = tp().size();
-  const bool sp = n > 1 && tp().sequence_parallel;
-  const size_t M = size_t(B * T), Mx = sp ? M / size_t(n) : M, d = size_t(config_.hidden_size);
+UnitActivations unit_activation_bytes(const LlamaModel& m, size_t unit, int64_t B, int64_t T) {
+  const LlamaConfig& c = m.config();
+  const int n = tp_of(m);
+  const bool sp = sp_of(m), recompute = m.tp().recompute_allgather;
+  const size_t M = size_t(B * T), Mx = sp ? M / size_t(n) : M, d = size_t(c.hidden_size);
   UnitActivations u;
   if (unit == 0) return u;
-  if (unit == head_index()) {
+  if (unit == m.num_units() - 1) {
     u.saved = Mx * d * 4;
-    u.backward = u.backward_input = head_workspace_bytes(B, T) - u.saved;  // nothing deferred
+    u.backward = u.backward_input = head_workspace_bytes(m, B, T) - u.saved;  // nothing deferred
     return u;
   }
-  const ActivationCheckpoint& ac = activation_checkpoint();
-  const auto mode = ac.block_mode(int64_t(unit - 1));
+  const auto mode = m.activation_checkpoint().block_mode(int64_t(unit - 1));
+  const DType compute = m.compute_dtype();
   // One block of each mode, from the whole-model figure of a one-block config (the same sums).
-  LlamaConfig one = config_;
+  LlamaConfig one = c;
   one.num_hidden_layers = 1;
-  auto block = [&](ActivationCheckpoint::Mode m) {
+  auto block = [&](ActivationCheckpoint::Mode mo) {
     ActivationCheckpoint a;
-    a.mode = m;
-    return saved_at_head_bytes(one, B, T, compute_, n, sp, tp().recompute_allgather, a);
+    a.mode = mo;
+    return llama_activations(one, B, T, compute, n, sp, recompute, a).at_head;
   };
-  const size_t cs = dtype_size(compute_), F = size_t(config_.intermediate_size / n);
-  const size_t hd = size_t(config_.head_dim()), Hq = size_t(config_.num_attention_heads / n);
-  const size_t Hkv = size_t(config_.num_key_value_heads / n), nqkv = (Hq + 2 * Hkv) * hd;
-  const size_t input = Mx * d * cs;                            // x, saved in the compute dtype
-  const size_t Mn = sp && !tp().recompute_allgather ? M : Mx;  // rows of the saved norm outputs
+  const size_t cs = dtype_size(compute), F = size_t(c.intermediate_size / n);
+  const size_t hd = size_t(c.head_dim()), Hq = size_t(c.num_attention_heads / n);
+  const size_t Hkv = size_t(c.num_key_value_heads / n), nqkv = (Hq + 2 * Hkv) * hd;
+  const size_t input = Mx * d * cs;             // x, saved in the compute dtype
+  const size_t Mn = sp && !recompute ? M : Mx;  // rows of the saved norm outputs
   const bool bf16 = cs == 2;
   // In bf16 the f32 input the forward reads (and a recomputation, widened) beside the saved copy.
   const size_t live = bf16 ? Mx * d * 4 : 0;
@@ -266,7 +211,7 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
   // the attention kernels read the saved bf16 qkv and attention output themselves; only ring
   // attention (cp) reads them widened to f32 (the bf16 attention output still held as the last
   // one is made, the bf16 qkv freed once widened).
-  const bool widened = bf16 && cp().size() > 1;
+  const bool widened = bf16 && m.cp().size() > 1;
   auto attention_phase = [&](bool saved_act_xn2) {
     const size_t held = M * (nqkv + Hq * hd) * 4 + (widened ? M * (nqkv + Hq * hd) * 4 + attn : 0);
     const size_t freed = gu + (saved_act_xn2 ? act + Mn * d * cs : 0) + Mx * d * 4 + Mx * 4 +
@@ -316,30 +261,35 @@ Model::UnitActivations LlamaModel::unit_activation_bytes(size_t unit, int64_t B,
 }
 
 // The fused output projection + loss at the start of the head's backward.
-size_t LlamaModel::head_workspace_bytes(int64_t B, int64_t T) const {
-  const int n = tp().size();
-  const bool sp = n > 1 && tp().sequence_parallel;
-  const size_t M = size_t(B * T), d = size_t(config_.hidden_size);
+size_t head_workspace_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  const LlamaConfig& c = m.config();
+  const DType compute = m.compute_dtype();
+  const int n = tp_of(m);
+  const bool sp = sp_of(m);
+  const size_t M = size_t(B * T), d = size_t(c.hidden_size);
   // One rank: the kernel's f32 logits and bf16 gradients (cpu::linear_cross_entropy_chunks);
   // tp: a chunk of both (vocab_parallel_cross_entropy, which takes no gradient groups).
-  const LossChunks ch = loss_chunks(config_, B, T, compute_);
-  const bool bf16 = compute_ == DType::bf16;
-  const size_t Vn = size_t(config_.vocab_size / n);
+  const LlamaModel::LossChunks ch = LlamaModel::loss_chunks(c, B, T, compute);
+  const bool bf16 = compute == DType::bf16;
+  const size_t Vn = size_t(c.vocab_size / n);
   const size_t logits_chunk =
-      n == 1 ? ops::linear_cross_entropy_scratch_bytes(int64_t(M), int64_t(d), int64_t(Vn),
-                                                       compute_, ch.rows, ch.grad_rows, true)
+      n == 1 ? ops::linear_cross_entropy_scratch_bytes(int64_t(M), int64_t(d), int64_t(Vn), compute,
+                                                       ch.rows, ch.grad_rows, true)
              : size_t(ch.rows) * Vn * (4 + (bf16 ? 2 : 0));
   // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
   // rstd, and the loss's chunk of logits.
-  if (n == 1) return M * d * (4 + dtype_size(compute_) + 4) + M * 4 + logits_chunk;
+  if (n == 1) return M * d * (4 + dtype_size(compute) + 4) + M * 4 + logits_chunk;
   // With tp: x, xf and rstd of this rank's rows, the loss's glse; the gathered xf, dxf and the
   // lse are pooled communication buffers (tp_comm_buffer_bytes).
   const size_t Mx = sp ? M / size_t(n) : M;
-  return Mx * d * (4 + dtype_size(compute_)) + Mx * 4 + M * 4 + logits_chunk;
+  return Mx * d * (4 + dtype_size(compute)) + Mx * 4 + M * 4 + logits_chunk;
 }
 
-size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t T, DType compute,
-                                        int tp, bool sp) {
+size_t tp_comm_buffer_bytes(const LlamaModel& m, int64_t B, int64_t T) {
+  const LlamaConfig& c = m.config();
+  const DType compute = m.compute_dtype();
+  const int tp = tp_of(m);
+  const bool sp = sp_of(m);
   if (tp <= 1) return 0;
   const size_t n = size_t(tp), M = size_t(B * T), d = size_t(c.hidden_size);
   const size_t Mx = sp ? M / n : M;
@@ -348,7 +298,7 @@ size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t
   size_t bytes = 2 * M * d * 4 + n * M * 4 + M * 4;
   if (compute == DType::bf16) {
     // The loss's chunk of logit gradients in bf16 (BufferPurpose::ce_dlogits).
-    const int64_t chunk = loss_chunks(c, B, T, compute).rows;
+    const int64_t chunk = LlamaModel::loss_chunks(c, B, T, compute).rows;
     const size_t rows =
         size_t(std::max<int64_t>(1, std::min<int64_t>(chunk > 0 ? chunk : 64, int64_t(M))));
     bytes += rows * size_t((c.vocab_size + tp - 1) / tp) * 2;
@@ -359,9 +309,4 @@ size_t LlamaModel::tp_comm_buffer_bytes(const LlamaConfig& c, int64_t B, int64_t
   return bytes;
 }
 
-size_t LlamaModel::tp_comm_buffer_bytes(int64_t B, int64_t T) const {
-  const int n = tp().size();
-  return tp_comm_buffer_bytes(config_, B, T, compute_, n, n > 1 && tp().sequence_parallel);
-}
-
-}  // namespace loom
+}  // namespace loom::oracle

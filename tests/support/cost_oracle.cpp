@@ -1,4 +1,4 @@
-#include "parallel/cost_model.hpp"
+#include "tests/support/cost_oracle.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "parallel/pipeline/simulate.hpp"
 #include "parallel/pipeline_fsdp.hpp"
 
-namespace loom {
+namespace loom::oracle {
 
 namespace {
 
@@ -43,7 +43,7 @@ size_t pp_activation_peak(ParallelModel& m, int64_t B, int64_t Tl) {
     // operands), the head's gradient made.
     double freed = 0, freed_i = 0, later = 0;
     for (size_t u = last; u-- > first;) {
-      const Model::UnitActivations a = model.unit_activation_bytes(u, B, Tl);
+      const UnitActivations a = unit_activation_bytes(model, u, B, Tl);
       // In F the units after u have saved nothing yet when u's working buffers peak.
       b.forward = std::max(b.forward, double(a.forward) - later);
       later += double(a.saved);
@@ -154,13 +154,13 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
   } else {
     // The peak is at the head (what the blocks saved plus its workspace) or in a block (its
     // transients, a recomputation), whichever is larger: the head's term is what it adds.
-    mc.activations = model.saved_activation_bytes(B, Tl);
-    const size_t at_head = model.saved_at_head_bytes(B, Tl) + model.head_workspace_bytes(B, Tl);
+    mc.activations = saved_activation_bytes(model, B, Tl);
+    const size_t at_head = saved_at_head_bytes(model, B, Tl) + head_workspace_bytes(model, B, Tl);
     mc.head = at_head > mc.activations ? at_head - mc.activations : 0;
     const size_t head = units.size() - 1;
     // With cp the ring's working set is priced on top of the head's figures instead (where
     // what the block frees and adds about cancel, see the header).
-    if (m.fsdp && head >= 2 && model.ring_working_bytes(B, Tl) == 0) {
+    if (m.fsdp && head >= 2 && ring_working_bytes(model, B, Tl) == 0) {
       // FSDP's buffers in the last block's backward: its gathered weights and full gradient, the
       // gather of the unit below it (prefetched), every unit kept gathered after forward, the
       // tied embedding's full gradient (made by the head, reduced after the embedding's
@@ -176,7 +176,7 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
       full_grad = 4 * size_t(units[last]->padded_numel()) +
                   4 * size_t(units[head]->padded_numel() + units[head]->shard_numel());
       if (model.tie_word_embeddings()) full_grad += 4 * size_t(units[0]->padded_numel());
-      const size_t in_block = model.backward_peak_bytes(B, Tl);
+      const size_t in_block = backward_peak_bytes(model, B, Tl);
       if (gathered + full_grad + in_block > mc.gathered + mc.full_grad + mc.activations + mc.head) {
         mc.gathered = gathered;
         mc.full_grad = full_grad;
@@ -185,12 +185,46 @@ MemoryCost memory_cost(ParallelModel& m, int64_t B, int64_t T) {
       }
     }
   }
-  mc.comm = model.tp_comm_buffer_bytes(B, Tl);
-  mc.ring = model.ring_working_bytes(B, Tl);
+  mc.comm = tp_comm_buffer_bytes(model, B, Tl);
+  mc.ring = ring_working_bytes(model, B, Tl);
   return mc;
 }
 
 namespace {
+
+// Per unit (units() order), FSDP's all-gathers and reduce-scatters on this pp rank in one step of
+// `rounds` runs of the schedule (what PipelineFsdp issues by its reduce plan).
+struct PpFsdpCounts {
+  std::vector<int64_t> gathers, reduces;
+};
+PpFsdpCounts pp_fsdp_counts(const PipelineExecutor& pipe, size_t num_units,
+                            bool tie_word_embeddings, PpFsdpGather mode, int64_t rounds) {
+  const pp::Schedule& s = pipe.schedule();
+  std::vector<pp::UnitRange> ranges;
+  for (int st = 0; st < s.stages; ++st) ranges.push_back(pipe.stage_units(st));
+  PpFsdpCounts c{std::vector<int64_t>(num_units, 0), std::vector<int64_t>(num_units, 0)};
+  const bool step = mode == PpFsdpGather::step;
+  const auto plan =
+      pp_fsdp_reduce_plan(s, ranges, pipe.rank(), num_units, tie_word_embeddings, mode);
+  for (const auto& units : plan)
+    for (size_t u : units) c.reduces[u] += step ? 1 : rounds;
+  if (step) {
+    // Every unit the rank uses, once: its stages' units and the tied embedding's replica.
+    for (size_t u : pp_used_units(s, ranges, pipe.rank(), tie_word_embeddings)) c.gathers[u] = 1;
+    return c;
+  }
+  // Every F, B and I gathers the units it runs (all were released after the previous action; the
+  // prefetch stays inside the stage), a B or I of the tied head the embedding too; W reads no
+  // weights.
+  for (const pp::Action& a : s.orders[size_t(pipe.rank())]) {
+    if (a.op == pp::Op::W) continue;
+    const auto [first, last] = ranges[size_t(a.stage)];
+    for (size_t u = first; u < last; ++u) c.gathers[u] += rounds;
+    if (a.op != pp::Op::F && tie_word_embeddings && last == num_units && first > 0)
+      c.gathers[0] += rounds;
+  }
+  return c;
+}
 
 // The pp group's bytes per step (PipelineExecutor): per run of the schedule, each f32 activation
 // and gradient this rank sends across a stage boundary to another rank (its residual stream's
@@ -232,8 +266,8 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
   // (train/step.cpp).
   const uint64_t cp_loss = g.cp ? ring_all_gather(8, g.cp->size()) : 0;
   // Per micro-batch: tp's and cp's collectives.
-  const uint64_t tp = (model.tp_bytes_per_micro_batch(B, Tl, runs) +
-                       model.cp_bytes_per_micro_batch(B, Tl, runs) + (m.pipeline ? 0 : cp_loss)) *
+  const uint64_t tp = (tp_bytes_per_micro_batch(model, B, Tl, runs) +
+                       cp_bytes_per_micro_batch(model, B, Tl, runs) + (m.pipeline ? 0 : cp_loss)) *
                           uint64_t(G) +
                       (m.pipeline ? cp_loss : 0) +
                       // + the gradient norm: one 8-byte squared sum per unit (train/optimizer.cpp)
@@ -275,10 +309,4 @@ uint64_t bytes_per_step(ParallelModel& m, DType reduce, int64_t B, int64_t T, in
   return per_micro * uint64_t(G) + per_step + tp + pp;
 }
 
-ParallelModel plan_model(const ModelConfig& config, DType compute, const ParallelGroups& groups,
-                         ParallelizeOptions options) {
-  options.device = Device::meta;
-  return parallelize(config, compute, groups, options);
-}
-
-}  // namespace loom
+}  // namespace loom::oracle
