@@ -62,7 +62,12 @@ CheckpointSaver::CheckpointSaver(Options options, Model& model, AdamW& optimizer
   // stall 11 s against 0.5 s for the next one (bench/ckpt_bench.sh). Only before_modify writes
   // into it: it waits for the thread first.
   if (o_.async && !o_.dir.empty()) {
+    // What the allocator books for it (its block, rounded up), as it reports it: no thread
+    // allocates beside this one yet.
+    Allocator& host = Allocator::get(Device::cpu);
+    const size_t before = host.stats().allocated;
     staging_ = Tensor::empty({int64_t(checkpoint_shard_bytes(model_, optimizer_) / 4)}, DType::f32);
+    staging_bytes_ = host.stats().allocated - before;
     prefault_ = std::jthread(
         [p = staging_.data<float>(), n = staging_.numel()] { std::fill_n(p, n, 0.0f); });
   }
@@ -163,11 +168,11 @@ void CheckpointSaver::save(const TrainState& state) {
   last_saved_ = step;
   const double seconds = seconds_since(t0);
   const size_t shards = checkpoint_shard_bytes(model_, optimizer_);
-  // The async save's staging copy holds at most the rank's shards (one buffer, rounded by the
-  // allocator; held already when it is the saver's).
+  // The async save's staging copy holds at most the rank's shards: the saver's buffer (held
+  // already), as the allocator booked it.
   const std::string stats =
       checkpoint_stats(pending_ ? "save_async" : "save", o_.rank, seconds, held, shards,
-                       alloc_.stats().peak_allocated, pending_ ? Allocator::round_size(shards) : 0);
+                       alloc_.stats().peak_allocated, pending_ ? staging_bytes_ : 0);
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f", seconds);
   if (pending_) {

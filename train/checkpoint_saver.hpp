@@ -83,6 +83,7 @@ class CheckpointSaver {
   int64_t last_saved_ = -1;
   // Declared before pending_, whose thread may read the staging buffer.
   Tensor staging_;
+  size_t staging_bytes_ = 0;  // its block as the allocator booked it
   std::jthread prefault_;
   std::unique_ptr<PendingSave> pending_;
   // The save in flight's checkpoint_stats, its seconds to be the stall ("": logged), its step
