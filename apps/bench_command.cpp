@@ -1,6 +1,6 @@
 // `loom bench step`: times whole training steps (forward, backward, gradient reduction, clip,
 // AdamW) after warm-up and prints throughput, MFU against the GEMM peak measured on this machine
-// at start (one process), and peak memory next to the analytic figure of the memory model.
+// at start (one process), and peak memory next to the step's run on the meta device.
 //
 // Under `mpirun -np N` it runs the [parallelism] layout exactly as `loom train` does (the same
 // parallelize() and TrainStep) and prints one row per rank, gathered to rank 0: peak allocated

@@ -1,8 +1,8 @@
 #!/bin/bash
 # FSDP benchmark (issue 4): `loom bench step` on configs/bench-tiny.toml under FSDP with 1, 2, 4
 # and 8 ranks (oversubscribed on a small machine: one OpenMP thread per rank, passive waits).
-# Prints each run's table: per rank, the peak allocated bytes against the memory model, the bytes
-# sent by collectives per step against the analytic figure, and tokens/s.
+# Prints each run's table: per rank, the peak allocated bytes and the bytes sent by collectives per
+# step, each against the rank's step on the meta device, and tokens/s.
 #   bench/fsdp_bench.sh [LOOM] [extra --section.key=value ...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -2,8 +2,8 @@
 # TP benchmark (issue 5): `loom bench step` on an 8- and a 16-layer model (bench/tp-*l.json: heads
 # 8, kv heads 4, ffn 768, vocab 4096, dim 256), local batch 4 x 128, for TP 1/2/4 with and without
 # sequence parallelism and both tp_recompute_allgather values. Each table prints per rank the
-# peak allocated bytes against the memory model (whose breakdown is printed: shards, activations,
-# head workspace, communication buffers) and the bytes sent per step against the analytic figure.
+# peak allocated bytes and the bytes sent per step, each against the rank's step on the meta
+# device (whose peak is printed by use: states, optimizer, gathered, communication, loss, work).
 #   bench/tp_bench.sh [LOOM] [extra --section.key=value ...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)

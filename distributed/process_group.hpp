@@ -12,7 +12,7 @@
 // - Bad arguments (sizes, dtypes, ranks) throw loom::Error naming the collective and the group.
 //
 // Counters (per group) use this convention for `bytes_sent`: the traffic one rank sends in a
-// ring algorithm, which is what the benchmarks compare with the analytic communication volume
+// ring algorithm, which is what the meta run of a step records and the tests' cost oracle derives
 // (n = size of the group; the MPI library may pick another algorithm, this figure does not follow
 // it; integer division rounds down):
 //   all_gather(in, out)          (n - 1) * in.nbytes

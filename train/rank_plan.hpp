@@ -1,13 +1,14 @@
 #pragma once
 // One rank's training step on the meta device: the memory truth of loom (docs/design.md decision
-// 9, docs/architecture.md "One memory truth"). The real step of `loom train` (parallelize, AdamW,
-// TrainStep, the trainer's micro-batches per step) runs on the meta device, whose allocator books
-// every tensor the real run allocates (same sizes, rounding and cache) with no memory behind it,
-// over simulated process groups (distributed/sim_process_group.hpp) that record every collective
-// instead of moving data. Nothing of the model is materialized, so 405B on hundreds of ranks plans
-// on a laptop. Three callers, one function: the trainer's pre-flight (its memory against the
-// budget, before anything is allocated), `loom bench step --check` (the measured peak and bytes
-// equal to these) and `loom plan` (plan/: the hardware's time on top).
+// 9; docs/design.md "The memory truth and its oracle"). The real step of `loom train`
+// (parallelize, AdamW, TrainStep, the trainer's micro-batches per step) runs on the meta device,
+// whose allocator books every tensor the real run allocates (same sizes, rounding and cache) with
+// no memory behind it, over simulated process groups (distributed/sim_process_group.hpp) that
+// record every collective instead of moving data. Nothing of the model is materialized, so 405B on
+// hundreds of ranks plans on a laptop. Three callers, one function: the trainer's pre-flight (its
+// memory against the budget, before anything is allocated), `loom bench step --check` (the
+// measured peak and bytes equal to these) and `loom plan` (plan/: the hardware's time on top).
+// The tests check it against the memory and bytes derived by hand (tests/support/cost_oracle.hpp).
 //
 // Two steps run and the second is reported, as `loom bench step` times steps after a warm-up:
 // AdamW's moments exist and the allocator's cache is warm. Value-dependent branches take the

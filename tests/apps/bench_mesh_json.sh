@@ -20,7 +20,7 @@ import json, re, sys
 lines = open(sys.argv[1]).read().splitlines()
 np, busy = int(sys.argv[2]), sys.argv[3].split("+")
 j = json.loads(lines[-1])
-# The table's rows: "  rank | peak expected ratio | bytes/step analytic ok | ...".
+# The table's rows: "  rank | peak expected ratio | bytes/step expected ok | ...".
 table = {}
 for l in lines:
     m = re.match(r"^\s+(\d+) \|[^|]*\|\s+(\d+)\s+(\d+)\s+(\S+)\s+\|", l)

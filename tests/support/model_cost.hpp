@@ -30,7 +30,8 @@ size_t saved_at_head_bytes(const Model& m, int64_t B, int64_t T);
 size_t backward_peak_bytes(const Model& m, int64_t B, int64_t T);
 // The head's working buffers at the start of its fused backward.
 size_t head_workspace_bytes(const Model& m, int64_t B, int64_t T);
-// The pooled communication buffers of tensor parallelism after a step (Model::comm_buffer_bytes).
+// The pooled communication buffers of tensor parallelism after a step (Model::comm_buffer_bytes):
+// one per (purpose, dtype, size) of the model's pooled() calls.
 size_t tp_comm_buffer_bytes(const Model& m, int64_t B, int64_t T);
 // Bytes this rank sends on the tp group, and on the cp group, in one micro-batch. `runs`: per
 // unit (units() order) whether this rank runs its forward and backward (a pp rank: its stages'
@@ -44,7 +45,10 @@ uint64_t cp_bytes_per_micro_batch(const Model& m, int64_t B, int64_t T,
 size_t ring_working_bytes(const Model& m, int64_t B, int64_t T);
 
 // What unit i (units() order) holds per micro-batch, for a pipeline stage's share of a rank's
-// memory (a stage runs a range of units, and a pp rank holds several micro-batches at once).
+// memory (a stage runs a range of units, and a pp rank holds several micro-batches at once): the
+// embedding saves nothing (its output is block 0's input), a block what its checkpointing mode
+// keeps, the head its input (its workspace is its backward's). GLA's backward and deferred
+// figures are estimates from its GEMMs' operands.
 struct UnitActivations {
   size_t saved = 0;           // from its forward to its backward (a block's input included)
   size_t backward = 0;        // working buffers of its backward beyond what it saved
