@@ -31,7 +31,7 @@ size_t backward_peak_bytes(const Model& m, int64_t B, int64_t T);
 // The head's working buffers at the start of its fused backward.
 size_t head_workspace_bytes(const Model& m, int64_t B, int64_t T);
 // The pooled communication buffers of tensor parallelism after a step (Model::comm_buffer_bytes):
-// one per (purpose, dtype, size) of the model's pooled() calls.
+// one per (purpose, dtype, size) of the tp layers' tp_pooled() calls.
 size_t tp_comm_buffer_bytes(const Model& m, int64_t B, int64_t T);
 // Bytes this rank sends on the tp group, and on the cp group, in one micro-batch. `runs`: per
 // unit (units() order) whether this rank runs its forward and backward (a pp rank: its stages'
