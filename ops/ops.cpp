@@ -746,16 +746,6 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
       [&](Backend& b) { b.short_conv_backward(dy, x, w, B, dx, dw); });
 }
 
-size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab,
-                                          int64_t chunk_rows, int64_t grad_rows, bool grad) {
-  if (N == 0) return 0;
-  const bool grad16 = ab == DType::bf16 && grad;
-  const cpu::LinearCrossEntropyChunks ch =
-      cpu::linear_cross_entropy_chunks(N, V, chunk_rows, grad16 ? grad_rows : 0);
-  return size_t(ch.rows) * size_t(V) * 4 + (grad16 ? size_t(ch.grad_rows) * size_t(V) * 2 : 0) +
-         cpu::linear_cross_entropy_packed_bytes(N, D, V, ab, ch, grad16);
-}
-
 double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch, alive for the call (the real run's allocator counts it): one chunk of

@@ -290,11 +290,6 @@ struct LinearCrossEntropy {
   int64_t grad_rows = 0;  // cpu::LinearCrossEntropyArgs::grad_rows
 };
 double linear_cross_entropy(const LinearCrossEntropy& a);
-// The kernel's scratch for N rows of x (D wide, dtype ab) with these chunk settings: one chunk of
-// f32 logits, of bf16 logit gradients (bf16 with gradients), and the head's weight packed once for
-// all chunks (cpu::linear_cross_entropy_packed_bytes).
-size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab,
-                                          int64_t chunk_rows, int64_t grad_rows, bool grad);
 // The pieces of a softmax over a vocabulary split across ranks (kernels/cpu/sharded.hpp).
 void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
                      Tensor& lse, Tensor& target_logit);

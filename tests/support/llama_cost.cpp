@@ -3,12 +3,25 @@
 #include <algorithm>
 
 #include "core/allocator.hpp"
-#include "ops/ops.hpp"
+#include "kernels/cpu/cross_entropy.hpp"
 #include "tests/support/model_cost.hpp"
 
 namespace loom::oracle {
 
 namespace {
+
+// The CPU kernel's scratch for N rows of x (D wide, dtype ab) with these chunk settings, with
+// gradients: one chunk of f32 logits, of bf16 logit gradients (bf16), and the head's weight packed
+// once for all chunks (cpu::linear_cross_entropy_packed_bytes).
+size_t loss_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab, int64_t chunk_rows,
+                          int64_t grad_rows) {
+  if (N == 0) return 0;
+  const bool grad16 = ab == DType::bf16;
+  const cpu::LinearCrossEntropyChunks ch =
+      cpu::linear_cross_entropy_chunks(N, V, chunk_rows, grad16 ? grad_rows : 0);
+  return size_t(ch.rows) * size_t(V) * 4 + (grad16 ? size_t(ch.grad_rows) * size_t(V) * 2 : 0) +
+         cpu::linear_cross_entropy_packed_bytes(N, D, V, ab, ch, grad16);
+}
 
 // In bf16 the attention frees the f32 qkv GEMM output just before the block makes the tensors
 // below, and the allocator hands the first of them that asks for at most that block's size and
@@ -272,10 +285,9 @@ size_t head_workspace_bytes(const LlamaModel& m, int64_t B, int64_t T) {
   const LlamaModel::LossChunks ch = LlamaModel::loss_chunks(c, B, T, compute);
   const bool bf16 = compute == DType::bf16;
   const size_t Vn = size_t(c.vocab_size / n);
-  const size_t logits_chunk =
-      n == 1 ? ops::linear_cross_entropy_scratch_bytes(int64_t(M), int64_t(d), int64_t(Vn), compute,
-                                                       ch.rows, ch.grad_rows, true)
-             : size_t(ch.rows) * Vn * (4 + (bf16 ? 2 : 0));
+  const size_t logits_chunk = n == 1 ? loss_scratch_bytes(int64_t(M), int64_t(d), int64_t(Vn),
+                                                          compute, ch.rows, ch.grad_rows)
+                                     : size_t(ch.rows) * Vn * (4 + (bf16 ? 2 : 0));
   // The last block's output x, the normalized xf in the compute dtype, its gradient dxf (f32),
   // rstd, and the loss's chunk of logits.
   if (n == 1) return M * d * (4 + dtype_size(compute) + 4) + M * 4 + logits_chunk;
