@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "plan/hardware.hpp"
-#include "train/rank_plan.hpp"
 #include "plan/time_model.hpp"
+#include "train/rank_plan.hpp"
 
 namespace loom::plan {
 
