@@ -8,20 +8,14 @@
 
 #include "model/gla.hpp"
 #include "model/safetensors.hpp"
+#include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
 namespace fs = std::filesystem;
 
 TEST(GlaCheckpointIo, SavesFlaNamesAndLoadsThemBack) {
-  GlaConfig c;
-  c.hidden_size = 64;
-  c.num_hidden_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.intermediate_size = 96;
-  c.vocab_size = 101;
-  c.use_short_conv = true;
+  const GlaConfig c = test::tiny_gla_config(101, true);
   const fs::path dir = fs::temp_directory_path() / "loom_gla_io";
   fs::remove_all(dir);
   GlaModel a(c, DType::f32);

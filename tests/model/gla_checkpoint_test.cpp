@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "model/gla.hpp"
+#include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -12,14 +13,7 @@ using namespace loom;
 TEST(GlaCheckpoint, FullAndOpGiveTheSameBitsAndSaveLess) {
   for (bool conv : {false, true}) {
     SCOPED_TRACE(conv ? "short conv" : "no conv");
-    GlaConfig c;
-    c.hidden_size = 64;
-    c.num_hidden_layers = 3;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.intermediate_size = 96;
-    c.vocab_size = 101;
-    c.use_short_conv = conv;
+    const GlaConfig c = test::tiny_gla_config(101, conv, false, 3);
     const int64_t B = 2, T = 40;
     const auto tok = test::random_tokens(B * T + 1, c.vocab_size, 6);
     struct Run {

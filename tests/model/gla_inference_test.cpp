@@ -10,6 +10,7 @@
 
 #include "core/philox.hpp"
 #include "model/gla.hpp"
+#include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -17,16 +18,7 @@ using namespace loom;
 namespace {
 
 GlaConfig config(bool conv, bool tied) {
-  GlaConfig c;
-  c.hidden_size = 64;
-  c.num_hidden_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.intermediate_size = 96;
-  c.vocab_size = 97;
-  c.use_short_conv = conv;
-  c.tie_word_embeddings = tied;
-  return c;
+  return test::tiny_gla_config(97, conv, tied);
 }
 
 void perturb(GlaModel& m) {

@@ -15,6 +15,7 @@
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
 #include "tests/kernels/cuda/cuda_test_util.hpp"
+#include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -102,15 +103,7 @@ TEST_F(InferenceCuda, LlamaMatchesCpu) {
 TEST_F(InferenceCuda, GlaMatchesCpu) {
   for (const bool conv : {false, true}) {
     SCOPED_TRACE(conv ? "short conv" : "no conv");
-    GlaConfig c;
-    c.hidden_size = 64;
-    c.num_hidden_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.intermediate_size = 96;
-    c.vocab_size = 97;
-    c.use_short_conv = conv;
-    c.tie_word_embeddings = !conv;
+    const GlaConfig c = test::tiny_gla_config(97, conv, !conv);
     GlaModel cpu(c, DType::f32), gpu(c, DType::f32, Device::cuda);
     cpu.init_weights(3);
     copy_weights(cpu, gpu);

@@ -14,6 +14,7 @@
 #include "distributed/mpi_process_group.hpp"
 #include "model/gla.hpp"
 #include "model/safetensors.hpp"
+#include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -125,16 +126,9 @@ TEST(GlaContextParallel, MatchesSingleProcess) {
                           {ActivationCheckpoint::Mode::none, true},
                           {ActivationCheckpoint::Mode::full, true}}) {
     SCOPED_TRACE(str_cat("AC ", int(ac), conv ? ", short conv" : ""));
-    GlaConfig c;
-    c.hidden_size = 64;
-    c.num_hidden_layers = 2;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.intermediate_size = 96;
-    c.vocab_size = 101;
     // With the convolution each segment reads the previous one's last 3 rows, on the other rank
     // for every segment boundary but the middle one.
-    c.use_short_conv = conv;
+    const GlaConfig c = test::tiny_gla_config(101, conv);
     const int64_t B = 2, T = 84;  // 4 segments of 21 tokens: partial chunks inside each
     const auto tok = test::random_tokens(B * (T + 1), c.vocab_size, 9);
     std::vector<int32_t> in(size_t(B * T)), tg(size_t(B * T));
