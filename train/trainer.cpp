@@ -248,6 +248,9 @@ struct FileCloser {
 
 }  // namespace
 
+namespace {
+
+// The pre-flight's figures of a meta run: its peak, and the uses at the step's peak.
 MemoryEstimate memory_estimate(const RankPlan& p, int64_t num_params) {
   MemoryEstimate m;
   m.params = size_t(num_params);
@@ -260,6 +263,8 @@ MemoryEstimate memory_estimate(const RankPlan& p, int64_t num_params) {
   m.host = p.host;
   return m;
 }
+
+}  // namespace
 
 MemoryEstimate estimate_training_memory(const JobConfig& job, const ModelConfig& c) {
   return memory_estimate(plan_rank({job, c}, 0), c.num_params());
