@@ -276,6 +276,61 @@ void short_conv_forward(const Tensor& x, const Tensor& w, int64_t B, Tensor& y);
 void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B, Tensor& dx,
                          Tensor& dw);
 
+// ---- mixture of experts (kernels/cpu/moe.hpp; docs/decisions/moe.md) -------------------------
+// The router's choice for M tokens over E experts: probs [M, E] f32 = softmax(logits [M, E] f32)
+// (probs may be logits: in place); each token's k experts (k = experts' columns), chosen by
+// probs + bias (bias [E] f32: DeepSeek-V3's selection-only bias; undefined: none), largest first,
+// ties to the lower expert index: experts [M, k] i32; their weights [M, k] f32 = the chosen probs
+// (never the bias), divided by their sum with `renormalize`. prob_sum [E] f32, where defined,
+// gets the column sums of probs added (the auxiliary loss's P; summed in token order).
+void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
+               Tensor& experts, Tensor& weights, Tensor& prob_sum);
+// dlogits [M, E] f32 overwritten (may be probs: in place): the gradient of the weights
+// (dweights [M, k] f32) and, where defined, dprob [E] f32 added to every token's probability
+// gradient (the auxiliary loss, linear in the probabilities), through the renormalization and the
+// softmax.
+void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
+                        const Tensor& dweights, bool renormalize, const Tensor& dprob,
+                        Tensor& dlogits);
+// Tokens grouped by expert: a stable counting sort of the M*k assignments (assignment a = t*k + j,
+// token t's j-th choice). order [N] i32 lists the kept assignments expert by expert, each
+// expert's in token order; pos [M*k] i32 is each assignment's row in that order (-1: dropped);
+// counts[e] the rows of expert e (host memory: the GEMMs are sized by them). capacity > 0 keeps
+// at most `capacity` rows per expert (the first in token order; `dropped` counts the rest); 0
+// keeps every one (dropless). On meta (no data) the rows are spread evenly over the experts (the
+// balanced case the planner prices).
+struct MoePermutation {
+  Tensor order, pos;
+  std::vector<int64_t> counts;
+  int64_t dropped = 0;
+  int64_t rows() const;  // N: the sum of counts
+};
+MoePermutation moe_permute(const Tensor& experts, int64_t E, int64_t capacity);
+// xs [N, d] = the rows of x [M, d] in `order` (row i is token order[i] / k); one dtype.
+void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs);
+// dx [M, d] f32 = (+= with accumulate) the sum of each token's kept rows of dxs [N, d] f32, in
+// choice order j = 0..k-1.
+void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
+                           bool accumulate);
+// y [M, d] f32 += sum over token t's kept choices j (in j order) of weights[t, j] *
+// ys[pos[t*k + j]]; ys [N, d] f32 or bf16 (read widened).
+void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y);
+// For moe_combine: dys [N, d] = weights[t, j] * dy[t] at each kept row (f32, or bf16 rounded: the
+// GEMM's input); dweights [M, k] f32 = dy[t] . ys[pos[t*k + j]] (0 where dropped).
+void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
+                          const Tensor& pos, Tensor& dys, Tensor& dweights);
+// Expert e's rows of x [N, K] (the counts[e] rows after those of experts 0..e-1) times its
+// matrix: y rows = x rows w[e]^T, w[e] the expert's GEMM weight (its first parameter's tensor,
+// read as y's columns of rows, as linear reads one). One GEMM per expert with rows (the CPU's
+// oneDNN calls); an expert with none does nothing.
+void grouped_linear(const Tensor& x, std::span<const Tensor> w, std::span<const int64_t> counts,
+                    Tensor& y);
+// For grouped_linear: dx [N, K] overwritten, dw[e] += expert e's dy^T x (linear_backward's, also
+// under DeferWeightGrads); an expert with no rows leaves its gradient as it is.
+void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const Tensor> w,
+                             std::span<const int64_t> counts, std::span<const WeightGrad> dw,
+                             Tensor& dx);
+
 // ---- loss -------------------------------------------------------------------------------------
 // The output projection fused with cross-entropy (kernels/cpu/cross_entropy.hpp): x [N, D],
 // w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
