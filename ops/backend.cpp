@@ -210,6 +210,49 @@ void Backend::short_conv_backward(const Tensor& /*dy*/, const Tensor& /*x*/, con
   missing("short_conv_backward");
 }
 
+void Backend::moe_route(const Tensor& /*logits*/, const Tensor& /*bias*/, bool /*renormalize*/,
+                        Tensor& /*probs*/, Tensor& /*experts*/, Tensor& /*weights*/,
+                        Tensor& /*prob_sum*/) {
+  missing("moe_route");
+}
+
+void Backend::moe_route_backward(const Tensor& /*probs*/, const Tensor& /*experts*/,
+                                 const Tensor& /*weights*/, const Tensor& /*dweights*/,
+                                 bool /*renormalize*/, const Tensor& /*dprob*/,
+                                 Tensor& /*dlogits*/) {
+  missing("moe_route_backward");
+}
+
+int64_t Backend::moe_permute(const Tensor& /*experts*/, int64_t /*E*/, int64_t /*capacity*/,
+                             Tensor& /*pos*/, std::vector<int64_t>& /*counts*/) {
+  missing("moe_permute");
+}
+
+void Backend::moe_permute_order(const Tensor& /*pos*/, Tensor& /*order*/) {
+  missing("moe_permute");
+}
+
+void Backend::moe_dispatch(const Tensor& /*x*/, const Tensor& /*order*/, int64_t /*k*/,
+                           Tensor& /*xs*/) {
+  missing("moe_dispatch");
+}
+
+void Backend::moe_dispatch_backward(const Tensor& /*dxs*/, const Tensor& /*pos*/, int64_t /*k*/,
+                                    Tensor& /*dx*/, bool /*accumulate*/) {
+  missing("moe_dispatch_backward");
+}
+
+void Backend::moe_combine(const Tensor& /*ys*/, const Tensor& /*weights*/, const Tensor& /*pos*/,
+                          Tensor& /*y*/) {
+  missing("moe_combine");
+}
+
+void Backend::moe_combine_backward(const Tensor& /*dy*/, const Tensor& /*ys*/,
+                                   const Tensor& /*weights*/, const Tensor& /*pos*/,
+                                   Tensor& /*dys*/, Tensor& /*dweights*/) {
+  missing("moe_combine_backward");
+}
+
 double Backend::linear_cross_entropy(const LinearCrossEntropy& /*a*/, bool /*dw_overwrite*/) {
   missing("linear_cross_entropy");
 }

@@ -112,6 +112,23 @@ class Backend {
   virtual void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int64_t B,
                                    Tensor& dx, Tensor& dw);
 
+  // ---- mixture of experts (moe_permute: pos [M*k] and counts [E] filled, the dropped returned;
+  // moe_permute_order: order [N] from pos)
+  virtual void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
+                         Tensor& experts, Tensor& weights, Tensor& prob_sum);
+  virtual void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
+                                  const Tensor& dweights, bool renormalize, const Tensor& dprob,
+                                  Tensor& dlogits);
+  virtual int64_t moe_permute(const Tensor& experts, int64_t E, int64_t capacity, Tensor& pos,
+                              std::vector<int64_t>& counts);
+  virtual void moe_permute_order(const Tensor& pos, Tensor& order);
+  virtual void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs);
+  virtual void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
+                                     bool accumulate);
+  virtual void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y);
+  virtual void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
+                                    const Tensor& pos, Tensor& dys, Tensor& dweights);
+
   // ---- loss (dw_overwrite: the first write of the head's gradient)
   virtual double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite);
   virtual void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,

@@ -16,6 +16,7 @@
 #include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/gla.hpp"
 #include "kernels/cpu/gla_gate.hpp"
+#include "kernels/cpu/moe.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
 #include "kernels/cpu/rope.hpp"
 #include "kernels/cpu/sharded.hpp"
@@ -244,6 +245,64 @@ class CpuBackend final : public Backend {
     const int64_t C = x.size(1);
     const cpu::ShortConv s{B, rows(x) / B, C, w.numel() / C};
     cpu::short_conv_backward(s, f(dy), stride(dy), f(x), stride(x), f(w), f(dx), stride(dx), f(dw));
+  }
+
+  void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
+                 Tensor& experts, Tensor& weights, Tensor& prob_sum) override {
+    cpu::moe_route(f(logits), f_or_null(bias), rows(logits), logits.size(1), experts.size(1),
+                   renormalize, f(probs), experts.data<int32_t>(), f(weights), f_or_null(prob_sum));
+  }
+  void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
+                          const Tensor& dweights, bool renormalize, const Tensor& dprob,
+                          Tensor& dlogits) override {
+    cpu::moe_route_backward(f(probs), experts.data<int32_t>(), f(weights), f(dweights), rows(probs),
+                            probs.size(1), experts.size(1), renormalize, f_or_null(dprob),
+                            f(dlogits));
+  }
+  int64_t moe_permute(const Tensor& experts, int64_t E, int64_t capacity, Tensor& pos,
+                      std::vector<int64_t>& counts) override {
+    counts.assign(static_cast<size_t>(E), 0);
+    return cpu::moe_permute(experts.data<int32_t>(), rows(experts), experts.size(1), E, capacity,
+                            counts.data(), pos.data<int32_t>());
+  }
+  void moe_permute_order(const Tensor& pos, Tensor& order) override {
+    cpu::moe_permute_order(pos.data<int32_t>(), pos.numel(), order.numel(), order.data<int32_t>());
+  }
+  void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs) override {
+    if (x.dtype() == DType::bf16)
+      cpu::moe_dispatch(x.data<bf16>(), rows(x), x.size(1), order.data<int32_t>(), order.numel(), k,
+                        xs.data<bf16>());
+    else
+      cpu::moe_dispatch(f(x), rows(x), x.size(1), order.data<int32_t>(), order.numel(), k, f(xs));
+  }
+  void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
+                             bool accumulate) override {
+    cpu::moe_dispatch_backward(f(dxs), rows(dxs), pos.data<int32_t>(), rows(dx), k, dx.size(1),
+                               f(dx), accumulate);
+  }
+  void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y) override {
+    const int64_t N = rows(ys), M = rows(y), k = weights.size(1), d = y.size(1);
+    if (ys.dtype() == DType::bf16)
+      cpu::moe_combine(ys.data<bf16>(), N, f(weights), pos.data<int32_t>(), M, k, d, f(y));
+    else
+      cpu::moe_combine(f(ys), N, f(weights), pos.data<int32_t>(), M, k, d, f(y));
+  }
+  void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
+                            const Tensor& pos, Tensor& dys, Tensor& dweights) override {
+    const int64_t N = rows(ys), M = rows(dy), k = weights.size(1), d = dy.size(1);
+    const int32_t* p = pos.data<int32_t>();
+    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
+    if (ys16 && dys16)
+      cpu::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d, dys.data<bf16>(),
+                                f(dweights));
+    else if (ys16)
+      cpu::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d, f(dys),
+                                f(dweights));
+    else if (dys16)
+      cpu::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, dys.data<bf16>(),
+                                f(dweights));
+    else
+      cpu::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, f(dys), f(dweights));
   }
 
   double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <string>
 #include <utility>
 
 #include "core/error.hpp"
@@ -744,6 +745,280 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
         return streaming(DType::f32, bytes(dy) + bytes(x) + bytes(dx), x.numel(), 4 * width + 8);
       },
       [&](Backend& b) { b.short_conv_backward(dy, x, w, B, dx, dw); });
+}
+
+// ---- mixture of experts ------------------------------------------------------------------------
+
+namespace {
+
+std::string describe(const Tensor& t) {
+  if (!t.defined()) return "undefined";
+  return str_cat(shape_str(t.shape()), " ", dtype_name(t.dtype()),
+                 t.is_contiguous() ? "" : " (strided)");
+}
+
+// `t`, named `name` in the errors of `op`, must be contiguous, of shape `want` (numel only when
+// `want` has one dimension: a vector of any shape), of dtype `dt` or `alt`.
+void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& want, DType dt,
+                  DType alt) {
+  const bool shape_ok =
+      t.defined() && (want.size() == 1 ? t.numel() == want[0] : t.shape() == want);
+  LOOM_CHECK(shape_ok && t.is_contiguous() && (t.dtype() == dt || t.dtype() == alt), op, ": ", name,
+             " must be a contiguous ", dtype_name(dt),
+             alt != dt ? str_cat(" or ", dtype_name(alt)) : std::string(), " ", shape_str(want),
+             ", got ", describe(t));
+}
+void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& want, DType dt) {
+  check_tensor(op, name, t, want, dt, dt);
+}
+// A matrix of `dt` (or `alt`) whose shape the op reads from it.
+void check_matrix(const char* op, const char* name, const Tensor& t, DType dt, DType alt) {
+  LOOM_CHECK(
+      t.defined() && t.ndim() == 2 && t.is_contiguous() && (t.dtype() == dt || t.dtype() == alt),
+      op, ": ", name, " must be a contiguous 2-d ", dtype_name(dt),
+      alt != dt ? str_cat(" or ", dtype_name(alt)) : std::string(), " tensor, got ", describe(t));
+}
+void check_matrix(const char* op, const char* name, const Tensor& t, DType dt) {
+  check_matrix(op, name, t, dt, dt);
+}
+// Every defined tensor on the device of the first.
+void check_device(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Device d = (*ts.begin())->device();
+  for (const Tensor* t : ts)
+    LOOM_CHECK(!t->defined() || t->device() == d, op, ": tensors on ", device_name(d), " and ",
+               device_name(t->device()), " (one device)");
+}
+void check_k(const char* op, int64_t k, int64_t E) {
+  LOOM_CHECK(k >= 1 && k <= E, op, ": k = ", k,
+             " experts per token (the columns of experts) must be in [1, E = ", E, "]");
+}
+
+}  // namespace
+
+int64_t MoePermutation::rows() const {
+  return std::accumulate(counts.begin(), counts.end(), int64_t{0});
+}
+
+void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
+               Tensor& experts, Tensor& weights, Tensor& prob_sum) {
+  const char* op = "moe_route";
+  check_matrix(op, "logits", logits, DType::f32);
+  check_matrix(op, "experts", experts, DType::i32);
+  const int64_t M = logits.size(0), E = logits.size(1), k = experts.size(1);
+  check_k(op, k, E);
+  check_tensor(op, "probs", probs, {M, E}, DType::f32);
+  check_tensor(op, "experts", experts, {M, k}, DType::i32);
+  check_tensor(op, "weights", weights, {M, k}, DType::f32);
+  if (bias.defined()) check_tensor(op, "bias", bias, {E}, DType::f32);
+  if (prob_sum.defined()) check_tensor(op, "prob_sum", prob_sum, {E}, DType::f32);
+  check_device(op, {&logits, &bias, &probs, &experts, &weights, &prob_sum});
+  on(
+      op, logits.device(),
+      // The softmax (an exp and a few flops per logit), k passes of an argmax over the scores,
+      // and the column sums, which read probs once more.
+      [&] {
+        const double moved = bytes(logits) + bytes(probs) + bytes(bias) + bytes(experts) +
+                             bytes(weights) +
+                             (prob_sum.defined() ? bytes(probs) + 2 * bytes(prob_sum) : 0.0);
+        return streaming(DType::f32, moved, double(M * E), 12 + 2 * double(k));
+      },
+      [&](Backend& b) {
+        b.moe_route(logits, bias, renormalize, probs, experts, weights, prob_sum);
+      });
+}
+
+void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
+                        const Tensor& dweights, bool renormalize, const Tensor& dprob,
+                        Tensor& dlogits) {
+  const char* op = "moe_route_backward";
+  check_matrix(op, "probs", probs, DType::f32);
+  check_matrix(op, "experts", experts, DType::i32);
+  const int64_t M = probs.size(0), E = probs.size(1), k = experts.size(1);
+  check_k(op, k, E);
+  check_tensor(op, "experts", experts, {M, k}, DType::i32);
+  check_tensor(op, "weights", weights, {M, k}, DType::f32);
+  check_tensor(op, "dweights", dweights, {M, k}, DType::f32);
+  check_tensor(op, "dlogits", dlogits, {M, E}, DType::f32);
+  if (dprob.defined()) check_tensor(op, "dprob", dprob, {E}, DType::f32);
+  check_device(op, {&probs, &experts, &weights, &dweights, &dprob, &dlogits});
+  on(
+      op, probs.device(),
+      [&] {
+        const double moved = bytes(probs) + bytes(experts) + bytes(weights) + bytes(dweights) +
+                             bytes(dprob) + bytes(dlogits);
+        return streaming(DType::f32, moved, double(M * E), 5);
+      },
+      [&](Backend& b) {
+        b.moe_route_backward(probs, experts, weights, dweights, renormalize, dprob, dlogits);
+      });
+}
+
+MoePermutation moe_permute(const Tensor& experts, int64_t E, int64_t capacity) {
+  const char* op = "moe_permute";
+  check_matrix(op, "experts", experts, DType::i32);
+  LOOM_CHECK(E > 0, op, ": the expert count E must be > 0, got ", E);
+  LOOM_CHECK(capacity >= 0, op, ": capacity must be >= 0 (0: keep every row), got ", capacity);
+  const int64_t M = experts.size(0), k = experts.size(1), n = M * k;
+  check_k(op, k, E);
+  const Device device = experts.device();
+  MoePermutation p;
+  p.pos = Tensor::empty({n}, DType::i32, device);
+  if (device == Device::meta) {
+    // No expert indices: the balanced case, N rows spread evenly (the first N % E experts one
+    // more), the rest beyond the capacity dropped.
+    const int64_t N = capacity > 0 ? std::min(n, E * capacity) : n;
+    p.counts.resize(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) p.counts[size_t(e)] = N / E + (e < N % E ? 1 : 0);
+    p.dropped = n - N;
+  }
+  on(
+      op, device,
+      // experts read twice (count, place), pos written, then read again to scatter order.
+      [&] {
+        return streaming(DType::f32, 2 * bytes(experts) + 2 * bytes(p.pos) + 4.0 * double(p.rows()),
+                         double(n), 2);
+      },
+      [&](Backend& b) {
+        p.dropped = b.moe_permute(experts, E, capacity, p.pos, p.counts);
+        p.order = Tensor::empty({p.rows()}, DType::i32, device);
+        b.moe_permute_order(p.pos, p.order);
+      });
+  if (!p.order.defined()) p.order = Tensor::empty({p.rows()}, DType::i32, device);
+  return p;
+}
+
+void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs) {
+  const char* op = "moe_dispatch";
+  check_matrix(op, "x", x, DType::f32, DType::bf16);
+  LOOM_CHECK(k >= 1, op, ": k (experts per token) must be >= 1, got ", k);
+  LOOM_CHECK(order.defined() && order.ndim() == 1, op, ": order must be a 1-d int32 tensor, got ",
+             describe(order));
+  const int64_t N = order.numel();
+  check_tensor(op, "order", order, {N}, DType::i32);
+  check_tensor(op, "xs", xs, {N, x.size(1)}, x.dtype());
+  check_device(op, {&x, &order, &xs});
+  on(
+      op, x.device(), [&] { return streaming(x.dtype(), 2 * bytes(xs) + bytes(order), 0, 0); },
+      [&](Backend& b) { b.moe_dispatch(x, order, k, xs); });
+}
+
+void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
+                           bool accumulate) {
+  const char* op = "moe_dispatch_backward";
+  check_matrix(op, "dxs", dxs, DType::f32);
+  check_matrix(op, "dx", dx, DType::f32);
+  LOOM_CHECK(k >= 1, op, ": k (experts per token) must be >= 1, got ", k);
+  LOOM_CHECK(dx.size(1) == dxs.size(1), op, ": dx ", describe(dx), " and dxs ", describe(dxs),
+             " must have one width");
+  check_tensor(op, "pos", pos, {dx.size(0) * k}, DType::i32);
+  check_device(op, {&dxs, &pos, &dx});
+  on(
+      op, dx.device(),
+      [&] {
+        const double moved = bytes(dxs) + bytes(pos) + bytes(dx) * (accumulate ? 2 : 1);
+        return streaming(DType::f32, moved, double(dxs.numel()), 1);
+      },
+      [&](Backend& b) { b.moe_dispatch_backward(dxs, pos, k, dx, accumulate); });
+}
+
+void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y) {
+  const char* op = "moe_combine";
+  check_matrix(op, "ys", ys, DType::f32, DType::bf16);
+  check_matrix(op, "y", y, DType::f32);
+  check_matrix(op, "weights", weights, DType::f32);
+  const int64_t M = y.size(0), k = weights.size(1);
+  check_tensor(op, "weights", weights, {M, k}, DType::f32);
+  LOOM_CHECK(ys.size(1) == y.size(1), op, ": ys ", describe(ys), " and y ", describe(y),
+             " must have one width");
+  check_tensor(op, "pos", pos, {M * k}, DType::i32);
+  check_device(op, {&ys, &weights, &pos, &y});
+  on(
+      op, y.device(),
+      [&] {
+        const double moved = bytes(ys) + bytes(weights) + bytes(pos) + 2 * bytes(y);
+        return streaming(DType::f32, moved, double(ys.numel()), 2);
+      },
+      [&](Backend& b) { b.moe_combine(ys, weights, pos, y); });
+}
+
+void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
+                          const Tensor& pos, Tensor& dys, Tensor& dweights) {
+  const char* op = "moe_combine_backward";
+  check_matrix(op, "dy", dy, DType::f32);
+  check_matrix(op, "ys", ys, DType::f32, DType::bf16);
+  check_matrix(op, "weights", weights, DType::f32);
+  const int64_t M = dy.size(0), k = weights.size(1), N = ys.size(0), d = dy.size(1);
+  check_tensor(op, "weights", weights, {M, k}, DType::f32);
+  check_tensor(op, "ys", ys, {N, d}, DType::f32, DType::bf16);
+  check_tensor(op, "pos", pos, {M * k}, DType::i32);
+  check_tensor(op, "dys", dys, {N, d}, DType::f32, DType::bf16);
+  check_tensor(op, "dweights", dweights, {M, k}, DType::f32);
+  check_device(op, {&dy, &ys, &weights, &pos, &dys, &dweights});
+  on(
+      op, dy.device(),
+      // Each kept row: a dot product with dy's row and the scaled copy of it.
+      [&] {
+        const double moved =
+            bytes(dy) + bytes(ys) + bytes(weights) + bytes(pos) + bytes(dys) + bytes(dweights);
+        return streaming(DType::f32, moved, double(ys.numel()), 3);
+      },
+      [&](Backend& b) { b.moe_combine_backward(dy, ys, weights, pos, dys, dweights); });
+}
+
+namespace {
+
+// The checks of grouped_linear and its backward: one count per expert matrix, each >= 0, summing
+// to the rows of every one of `ts`.
+void check_groups(const char* op, std::span<const Tensor> w, std::span<const int64_t> counts,
+                  std::initializer_list<std::pair<const char*, const Tensor*>> ts) {
+  LOOM_CHECK(w.size() == counts.size(), op, ": ", w.size(), " expert weights for ", counts.size(),
+             " counts (one per expert)");
+  int64_t total = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    LOOM_CHECK(counts[e] >= 0, op, ": expert ", e, " has a negative row count ", counts[e]);
+    total += counts[e];
+  }
+  const Tensor& x = *ts.begin()->second;
+  for (const auto& [name, t] : ts)
+    LOOM_CHECK(t->defined() && t->ndim() == 2 && t->size(0) == total, op, ": ", name, " ",
+               describe(*t), " must be 2-d with the ", total, " rows the experts' counts sum to");
+  for (size_t e = 0; e < w.size(); ++e)
+    LOOM_CHECK(counts[e] == 0 || (w[e].defined() && w[e].ndim() == 2 && w[e].size(1) == x.size(1) &&
+                                  w[e].dtype() == x.dtype()),
+               op, ": expert ", e, "'s weight ", describe(w[e]), " must be 2-d with x's ",
+               x.size(1), " columns and dtype ", dtype_name(x.dtype()));
+}
+
+}  // namespace
+
+void grouped_linear(const Tensor& x, std::span<const Tensor> w, std::span<const int64_t> counts,
+                    Tensor& y) {
+  check_groups("grouped_linear", w, counts, {{"x", &x}, {"y", &y}});
+  int64_t off = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t n = counts[e];
+    if (n == 0) continue;
+    Tensor ye = y.narrow(0, off, n);
+    linear(x.narrow(0, off, n), w[e], ye);
+    off += n;
+  }
+}
+
+void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const Tensor> w,
+                             std::span<const int64_t> counts, std::span<const WeightGrad> dw,
+                             Tensor& dx) {
+  const char* op = "grouped_linear_backward";
+  check_groups(op, w, counts, {{"x", &x}, {"dy", &dy}, {"dx", &dx}});
+  LOOM_CHECK(dw.size() == counts.size(), op, ": ", dw.size(), " weight gradients for ",
+             counts.size(), " experts");
+  int64_t off = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t n = counts[e];
+    if (n == 0) continue;
+    Tensor dxe = dx.narrow(0, off, n);
+    linear_backward(dy.narrow(0, off, n), x.narrow(0, off, n), w[e], dw[e], dxe);
+    off += n;
+  }
 }
 
 double linear_cross_entropy(const LinearCrossEntropy& a) {

@@ -277,12 +277,14 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
                          Tensor& dw);
 
 // ---- mixture of experts (kernels/cpu/moe.hpp; docs/decisions/moe.md) -------------------------
+// Every tensor of these ops is contiguous and on one device; expert and row indices are int32.
 // The router's choice for M tokens over E experts: probs [M, E] f32 = softmax(logits [M, E] f32)
 // (probs may be logits: in place); each token's k experts (k = experts' columns), chosen by
 // probs + bias (bias [E] f32: DeepSeek-V3's selection-only bias; undefined: none), largest first,
 // ties to the lower expert index: experts [M, k] i32; their weights [M, k] f32 = the chosen probs
 // (never the bias), divided by their sum with `renormalize`. prob_sum [E] f32, where defined,
-// gets the column sums of probs added (the auxiliary loss's P; summed in token order).
+// gets the column sums of probs added (the auxiliary loss's P; summed in double in token order,
+// added once). On cpu the bits do not depend on the thread count (kernels/cpu/moe.hpp).
 void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
                Tensor& experts, Tensor& weights, Tensor& prob_sum);
 // dlogits [M, E] f32 overwritten (may be probs: in place): the gradient of the weights
@@ -298,7 +300,8 @@ void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor
 // counts[e] the rows of expert e (host memory: the GEMMs are sized by them). capacity > 0 keeps
 // at most `capacity` rows per expert (the first in token order; `dropped` counts the rest); 0
 // keeps every one (dropless). On meta (no data) the rows are spread evenly over the experts (the
-// balanced case the planner prices).
+// balanced case the planner prices): N = M*k, or min(M*k, E*capacity), the first N % E experts one
+// row more than the others, dropped = M*k - N.
 struct MoePermutation {
   Tensor order, pos;
   std::vector<int64_t> counts;
@@ -313,7 +316,8 @@ void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs);
 void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
                            bool accumulate);
 // y [M, d] f32 += sum over token t's kept choices j (in j order) of weights[t, j] *
-// ys[pos[t*k + j]]; ys [N, d] f32 or bf16 (read widened).
+// ys[pos[t*k + j]]; ys [N, d] f32 or bf16 (read widened). Each element: ((y + w0 ys0) + w1 ys1)
+// + ..., f32 products and sums.
 void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y);
 // For moe_combine: dys [N, d] = weights[t, j] * dy[t] at each kept row (f32, or bf16 rounded: the
 // GEMM's input); dweights [M, k] f32 = dy[t] . ys[pos[t*k + j]] (0 where dropped).
@@ -321,8 +325,9 @@ void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weig
                           const Tensor& pos, Tensor& dys, Tensor& dweights);
 // Expert e's rows of x [N, K] (the counts[e] rows after those of experts 0..e-1) times its
 // matrix: y rows = x rows w[e]^T, w[e] the expert's GEMM weight (its first parameter's tensor,
-// read as y's columns of rows, as linear reads one). One GEMM per expert with rows (the CPU's
-// oneDNN calls); an expert with none does nothing.
+// read as y's columns of rows, as linear reads one). One ops::linear per expert with rows on row
+// slices of x and y (so meta booking, the op profile and DeferWeightGrads see plain linears); an
+// expert with none does nothing.
 void grouped_linear(const Tensor& x, std::span<const Tensor> w, std::span<const int64_t> counts,
                     Tensor& y);
 // For grouped_linear: dx [N, K] overwritten, dw[e] += expert e's dy^T x (linear_backward's, also
