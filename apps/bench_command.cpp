@@ -431,7 +431,9 @@ int bench_command(const Args& args) {
   std::printf("  tokens/s            %.0f\n", tokens_per_s);
   std::printf("  achieved            %.1f GFLOP/s (%.1f MFLOP/token, %s)\n", flops / 1e9,
               mc.flops_per_token(T) / 1e6,
-              mc.is_gla() ? "6N + 12LHKV: GLA's recurrent core" : "6N + 12LHQT");
+              mc.is_gla()   ? "6N + 12LHKV: GLA's recurrent core"
+              : mc.is_moe() ? "6N + 12LHQT, N the active parameters"
+                            : "6N + 12LHQT");
   std::printf("  GEMM peak measured  %.1f GFLOP/s (%s)\n", peak_flops / 1e9,
               std::string(dtype_name(compute)).c_str());
   std::printf("  MFU                 %.1f%% of the measured GEMM peak\n", 100 * mfu);

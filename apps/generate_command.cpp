@@ -227,6 +227,9 @@ int generate_command(const Args& args) {
              " exceeds the model's ",
              "max_position_embeddings = ", config.max_position_embeddings());
 
+  LOOM_CHECK(!config.is_moe(), "loom generate: model_type \"", config.model_type(),
+             "\" (a mixture of experts) cannot generate yet: its inference path is not built "
+             "(docs/decisions/moe.md)");
   auto t_load = std::chrono::steady_clock::now();
   const Device device = generate_device(o.device);
   const std::unique_ptr<Model> model = make_model(config, compute, device);

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/tensor.hpp"
+#include "model/attention.hpp"
 #include "model/llama_config.hpp"
 #include "model/mlp.hpp"
 #include "model/param_unit.hpp"
@@ -24,15 +25,11 @@ enum BlockParam { kNorm1, kQ, kK, kV, kO, kNorm2, kGate, kUp, kDown };
 
 // Saved activations of one Llama block.
 struct LlamaBlockActs {
-  Tensor x;      // block input [M, d], in the compute dtype
-  Tensor rstd1;  // [M]
-  Tensor xn1;    // attention norm output, as the GEMM reads it [M, d]
-  Tensor qkv;    // after RoPE [M, (Hq + 2 Hkv) hd], in the compute dtype
-  Tensor attn;   // attention output [M, Hq hd], in the compute dtype
-  Tensor lse;    // [B, Hq, T]
-  MlpActs mlp;   // from the attention residual h on; gu and act in the compute dtype
-  // Checkpointing leaves some undefined: `full` keeps x only, `op` drops xn1, mlp.xn and mlp.act.
-  size_t bytes() const;
+  AttentionActs attn;  // from the block's input x on
+  MlpActs mlp;         // from the attention residual h on; gu and act in the compute dtype
+  // Checkpointing leaves some undefined: `full` keeps attn.x only, `op` drops attn.xn1, mlp.xn and
+  // mlp.act.
+  size_t bytes() const { return attn.bytes() + mlp.bytes(); }
 };
 
 class LlamaBlock {
@@ -57,23 +54,14 @@ class LlamaBlock {
   static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
 
  private:
-  struct Dims;
-  Dims dims(const StepContext& ctx) const;
   // `mode` says what to keep in `acts`; without `output` the down projection is skipped (the
   // recomputation of a `full` block needs everything but the output) and an empty tensor
   // returned. With `round_input` (bf16's forward) the first norm also rounds x in place and into
-  // acts.x, allocated by the caller.
+  // acts.attn.x, allocated by the caller.
   Tensor run_forward(const StepContext& ctx, const Tensor& x, LlamaBlockActs& acts,
                      ActivationCheckpoint::Mode mode, bool output, bool round_input = false) const;
-  void attention(const StepContext& ctx, Tensor& qkv, LlamaBlockActs& a) const;
-  void attention_backward(const StepContext& ctx, LlamaBlockActs& a, const Tensor& dattn,
-                          Tensor& dqkv) const;
-  bool unrotated_dqkv(const StepContext& ctx) const;
-  // Whether a norm output saved for backward holds every row under SP (else it is gathered
-  // again, as recompute_allgather asks).
-  bool keep_gathered() const { return !par_->tp.opt.recompute_allgather; }
+  Attention attention(const StepContext& ctx) const;
   Mlp mlp(const StepContext& ctx) const;
-  const Tensor& weight(size_t i) const { return unit_.gemm_weight(i); }
 
   const LlamaConfig& c_;
   const ParallelContext* par_;

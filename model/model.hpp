@@ -57,8 +57,18 @@ struct ActivationStore {
   // Block l's saved activations (unit l + 1), of the model's own type (Llama: LlamaBlockActs, GLA:
   // GlaBlockActs).
   std::vector<std::any> blocks;
+  // The model's state of the micro-batch beside its blocks' (MoE: the router's statistics and the
+  // auxiliary loss, model/moe.hpp).
+  std::any extra;
   Tensor head_input;  // the last block's output, kept for the head's fused pass
   double loss = 0;    // the summed loss, once the head's backward ran
+};
+
+// A number a model measured over a step's micro-batches beside the loss (MoE: its auxiliary
+// loss, the experts' load): metrics.jsonl's `name`, the progress line's `label`.
+struct ModelMetric {
+  std::string name, label;
+  double value = 0;
 };
 
 class Model {
@@ -80,6 +90,9 @@ class Model {
   virtual std::string describe() const = 0;
   // Training FLOPs per token at sequence length T (the MFU convention of the model's family).
   virtual double flops_per_token(int64_t T) const = 0;
+  // What this rank's micro-batches measured since the last call (each one's head adds to it), then
+  // forgotten. Empty for the families that measure nothing beside the loss.
+  virtual std::vector<ModelMetric> take_step_metrics() { return {}; }
 
   DType compute_dtype() const { return compute_; }
   Device device() const { return device_; }

@@ -7,6 +7,7 @@
 #include "model/config_json.hpp"
 #include "model/gla.hpp"
 #include "model/llama.hpp"
+#include "model/moe.hpp"
 
 namespace loom {
 
@@ -19,6 +20,9 @@ ModelConfig ModelConfig::from_json(const std::string& text, const std::string& s
   }
   if (j.is_object() && j.contains("model_type") && j["model_type"] == "gla")
     return GlaConfig::from_json(text, source);
+  if (j.is_object() && j.contains("model_type") &&
+      (j["model_type"] == "qwen3_moe" || j["model_type"] == "mixtral"))
+    return MoeConfig::from_json(text, source);
   return LlamaConfig::from_json(text, source);
 }
 
@@ -26,15 +30,45 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
   return from_json(read_file(path, "model config"), path);
 }
 
+const char* ModelConfig::model_type() const {
+  if (is_gla()) return "gla";
+  if (is_moe()) return std::get<MoeConfig>(c_).model_type();
+  return "llama";
+}
+
 const LlamaConfig& ModelConfig::llama(const char* what) const {
-  LOOM_CHECK(!is_gla(), what, ": needs a Llama model, the config's model_type is \"gla\"");
+  LOOM_CHECK(std::holds_alternative<LlamaConfig>(c_), what,
+             ": needs a Llama model, the config's model_type is \"", model_type(), "\"");
   return std::get<LlamaConfig>(c_);
 }
 
 const GlaConfig& ModelConfig::gla(const char* what) const {
-  LOOM_CHECK(is_gla(), what, ": needs a GLA model (model_type \"gla\"), the config is a Llama");
+  LOOM_CHECK(is_gla(), what,
+             ": needs a GLA model (model_type \"gla\"), the config's model_type is \"",
+             model_type(), "\"");
   return std::get<GlaConfig>(c_);
 }
+
+const MoeConfig& ModelConfig::moe(const char* what) const {
+  LOOM_CHECK(is_moe(), what,
+             ": needs a mixture-of-experts model (model_type \"qwen3_moe\" or \"mixtral\"), the "
+             "config's model_type is \"",
+             model_type(), "\"");
+  return std::get<MoeConfig>(c_);
+}
+
+namespace {
+
+// The fields every family has: a MoE config's are its base's.
+const LlamaConfig& common(const MoeConfig& c) {
+  return c.base;
+}
+template <class C>
+const C& common(const C& c) {
+  return c;
+}
+
+}  // namespace
 
 void ModelConfig::validate(const std::string& source) const {
   std::visit([&](const auto& c) { c.validate(source); }, c_);
@@ -43,19 +77,19 @@ std::string ModelConfig::to_json() const {
   return std::visit([](const auto& c) { return c.to_json(); }, c_);
 }
 int64_t ModelConfig::vocab_size() const {
-  return std::visit([](const auto& c) { return c.vocab_size; }, c_);
+  return std::visit([](const auto& c) { return common(c).vocab_size; }, c_);
 }
 int64_t ModelConfig::hidden_size() const {
-  return std::visit([](const auto& c) { return c.hidden_size; }, c_);
+  return std::visit([](const auto& c) { return common(c).hidden_size; }, c_);
 }
 int64_t ModelConfig::num_hidden_layers() const {
-  return std::visit([](const auto& c) { return c.num_hidden_layers; }, c_);
+  return std::visit([](const auto& c) { return common(c).num_hidden_layers; }, c_);
 }
 int64_t ModelConfig::max_position_embeddings() const {
-  return std::visit([](const auto& c) { return c.max_position_embeddings; }, c_);
+  return std::visit([](const auto& c) { return common(c).max_position_embeddings; }, c_);
 }
 bool ModelConfig::tie_word_embeddings() const {
-  return std::visit([](const auto& c) { return c.tie_word_embeddings; }, c_);
+  return std::visit([](const auto& c) { return common(c).tie_word_embeddings; }, c_);
 }
 int64_t ModelConfig::num_params() const {
   return std::visit([](const auto& c) { return c.num_params(); }, c_);
@@ -67,6 +101,9 @@ double ModelConfig::flops_per_token(int64_t T) const {
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute, Device device,
                                   ShardLayout shard, TpOptions tp, CpOptions cp,
                                   std::vector<bool> used) {
+  if (config.is_moe())
+    return std::make_unique<MoeModel>(config.moe("make_model"), compute, device, shard, tp, cp,
+                                      std::move(used));
   if (config.is_gla())
     return std::make_unique<GlaModel>(config.gla("make_model"), compute, device, shard, tp, cp,
                                       std::move(used));

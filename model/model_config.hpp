@@ -1,7 +1,8 @@
 #pragma once
 // The model a Hugging Face config.json describes, chosen by its model_type: "gla" is a GLA model
-// (model/gla_config.hpp), anything else is read as a Llama (model/llama_config.hpp, which names
-// what it does not support). make_model builds the Model of either.
+// (model/gla_config.hpp), "qwen3_moe" and "mixtral" a mixture of experts (model/moe_config.hpp),
+// anything else is read as a Llama (model/llama_config.hpp, which names what it does not
+// support). make_model builds the Model of any.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -11,6 +12,7 @@
 #include "model/gla_config.hpp"
 #include "model/llama_config.hpp"
 #include "model/model.hpp"
+#include "model/moe_config.hpp"
 
 namespace loom {
 
@@ -18,15 +20,18 @@ class ModelConfig {
  public:
   ModelConfig(const LlamaConfig& c) : c_(c) {}  // NOLINT: a Llama config is a model config
   ModelConfig(const GlaConfig& c) : c_(c) {}    // NOLINT
+  ModelConfig(const MoeConfig& c) : c_(c) {}    // NOLINT
   // Throws loom::Error naming `source` (the path) and the field, as the family's reader does.
   static ModelConfig from_json(const std::string& text, const std::string& source);
   static ModelConfig from_file(const std::string& path);
 
   bool is_gla() const { return std::holds_alternative<GlaConfig>(c_); }
-  const char* model_type() const { return is_gla() ? "gla" : "llama"; }
-  // The family's config; loom::Error naming `what` (the caller) for the other family.
+  bool is_moe() const { return std::holds_alternative<MoeConfig>(c_); }
+  const char* model_type() const;
+  // The family's config; loom::Error naming `what` (the caller) for another family.
   const LlamaConfig& llama(const char* what) const;
   const GlaConfig& gla(const char* what) const;
+  const MoeConfig& moe(const char* what) const;
 
   void validate(const std::string& source) const;
   std::string to_json() const;
@@ -39,11 +44,11 @@ class ModelConfig {
   double flops_per_token(int64_t T) const;
 
  private:
-  std::variant<LlamaConfig, GlaConfig> c_;
+  std::variant<LlamaConfig, GlaConfig, MoeConfig> c_;
 };
 
-// The model of `config` (LlamaModel or GlaModel), its units allocated on `device`, sharded by
-// `shard`, split by `tp`, its micro-batches split by `cp`.
+// The model of `config` (LlamaModel, GlaModel or MoeModel), its units allocated on `device`,
+// sharded by `shard`, split by `tp`, its micro-batches split by `cp`.
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute,
                                   Device device = Device::cpu, ShardLayout shard = {},
                                   TpOptions tp = {}, CpOptions cp = {},

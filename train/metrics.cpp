@@ -71,10 +71,14 @@ void keep_steps_up_to(const std::string& path, int64_t last) {
 }  // namespace
 
 std::string step_json(const StepMetrics& m) {
+  std::string extra;
+  for (const StepMetrics::Extra& e : m.extra)
+    extra += str_cat(", \"", e.name, "\": ", num(e.value));
   return str_cat("{\"step\": ", m.step, ", \"loss\": ", num(m.loss), ", \"lr\": ", num(m.lr),
                  ", \"grad_norm\": ", num(m.grad_norm), ", \"tokens_per_s\": ", num(m.tokens_per_s),
                  ", \"mfu\": ", num(m.mfu), ", \"peak_allocated_bytes\": ", m.peak_allocated_bytes,
-                 ", \"step_s\": ", num(m.step_seconds), ", \"tokens\": ", m.tokens_seen, "}");
+                 ", \"step_s\": ", num(m.step_seconds), ", \"tokens\": ", m.tokens_seen, extra,
+                 "}");
 }
 
 std::string validation_json(int64_t step, double val_loss) {
@@ -104,7 +108,12 @@ std::string progress_text(const StepMetrics& m) {
                 width, (long long)m.step, (long long)m.total_steps, m.loss, m.lr, m.grad_norm,
                 rate_text(m.tokens_per_s).c_str(), 100 * m.mfu,
                 bytes_text(m.peak_allocated_bytes).c_str(), format_duration(m.eta_seconds).c_str());
-  return buf;
+  std::string text = buf;
+  for (const StepMetrics::Extra& e : m.extra) {
+    std::snprintf(buf, sizeof buf, " | %s %.4g", e.label.c_str(), e.value);
+    text += buf;
+  }
+  return text;
 }
 
 MetricsLogger::MetricsLogger(const Options& options) : o_(options) {

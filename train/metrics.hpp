@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace loom {
 
@@ -19,6 +20,13 @@ struct StepMetrics {
   double eta_seconds = 0;
   size_t peak_allocated_bytes = 0;
   int64_t tokens_seen = 0;
+  // The model's own (a MoE's auxiliary loss, its experts' load): name (JSONL), label (the progress
+  // line), value.
+  struct Extra {
+    std::string name, label;
+    double value = 0;
+  };
+  std::vector<Extra> extra;
 };
 
 // One JSON object (no newline). Non-finite numbers are written as null (JSON has no NaN).

@@ -219,6 +219,7 @@ class Progress {
     m.grad_norm = r.grad_norm;
     m.peak_allocated_bytes = peak_allocated;
     m.tokens_seen = step * tokens_per_step_;
+    for (const ModelMetric& e : r.model_metrics) m.extra.push_back({e.name, e.label, e.value});
     return m;
   }
   void time(StepMetrics& m, double seconds, size_t peak_allocated) {

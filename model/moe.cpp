@@ -1,0 +1,226 @@
+#include "model/moe.hpp"
+
+#include <algorithm>
+#include <any>
+#include <string>
+#include <utility>
+
+#include "core/error.hpp"
+#include "model/head.hpp"
+#include "model/llama.hpp"
+#include "ops/ops.hpp"
+#include "parallel/layers/tensor_parallel.hpp"
+
+namespace loom {
+
+namespace {
+
+// What a micro-batch's ActivationStore::extra holds.
+struct MoeMicroBatch {
+  RouterStats stats;
+  double aux_loss = 0;
+};
+
+MoeMicroBatch& state(ActivationStore& s) {
+  if (!s.extra.has_value()) s.extra = MoeMicroBatch();
+  return std::any_cast<MoeMicroBatch&>(s.extra);
+}
+
+}  // namespace
+
+MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardLayout shard,
+                   TpOptions tp, CpOptions cp, std::vector<bool> used)
+    : Model(compute, device, shard, tp, cp, std::move(used)), config_(config) {
+  config_.validate("model config");
+  const LlamaConfig& c = config_.base;
+  const int n = tp.size(), r = tp.rank();
+  LOOM_CHECK(n == 1, "parallelism.tp: a mixture-of-experts model (", config_.model_type(),
+             ") runs without tensor parallelism for now (expected parallelism.tp = 1, found ", n,
+             ")");
+  LOOM_CHECK(cp.size() == 1, "parallelism.cp: a mixture-of-experts model (", config_.model_type(),
+             ") runs without context parallelism for now (expected parallelism.cp = 1, found ",
+             cp.size(), "): its auxiliary loss needs the router statistics of every cp rank");
+  // Its auxiliary loss sums the router statistics of every sparse layer of a micro-batch: on one
+  // rank until they travel between pipeline stages.
+  for (size_t u = 0; u < size_t(c.num_hidden_layers) + 2; ++u)
+    LOOM_CHECK(uses(u), "parallelism.pp: a mixture-of-experts model (", config_.model_type(),
+               ") runs without pipeline parallelism for now (expected parallelism.pp = 1)");
+  const bool bf = compute == DType::bf16;
+  const int64_t d = c.hidden_size, V = local_vocab(c.vocab_size, n);
+  const int64_t real_rows = V * n == c.vocab_size ? 0 : c.vocab_size;
+  const ParamSpec emb{"model.embed_tokens.weight",
+                      {V, d},
+                      Init::normal,
+                      0.02f,
+                      true,
+                      true,
+                      split_of(moe_plan(), "model.embed_tokens.weight"),
+                      r,
+                      n,
+                      real_rows};
+  auto embed =
+      std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
+  std::vector<ParamUnit*> block_units;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    blocks_.push_back(
+        std::make_unique<MoeBlock>(config_, l, bf, unit_device(size_t(l) + 1), shard, &par()));
+    block_units.push_back(&blocks_.back()->unit());
+  }
+  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
+  if (!c.tie_word_embeddings) {
+    head.push_back({"lm_head.weight",
+                    {V, d},
+                    Init::normal,
+                    0.02f,
+                    true,
+                    false,
+                    split_of(moe_plan(), "lm_head.weight"),
+                    r,
+                    n,
+                    real_rows});
+    head.back().gemm_grad = true;  // only the loss's dW GEMMs write it
+  }
+  set_units(std::move(embed), std::move(block_units),
+            std::make_unique<ParamUnit>("head", head, bf,
+                                        unit_device(size_t(c.num_hidden_layers) + 1), shard));
+}
+
+std::string MoeModel::describe() const {
+  const LlamaConfig& c = config_.base;
+  return str_cat(config_.model_type(), ": dim ", c.hidden_size, ", ", c.num_hidden_layers,
+                 " layers (", config_.num_sparse_layers(), " with experts), ",
+                 c.num_attention_heads, "/", c.num_key_value_heads, " heads of ", config_.head_dim,
+                 ", ", config_.num_experts, " experts of ffn ", config_.moe_intermediate_size,
+                 ", top-", config_.num_experts_per_tok, ", vocab ", c.vocab_size, "; ",
+                 config_.num_active_params(), " of ", config_.num_params(), " parameters active");
+}
+
+const RouterStats& MoeModel::router_stats(const ActivationStore& s) {
+  static const RouterStats none;
+  const auto* m = std::any_cast<MoeMicroBatch>(&s.extra);
+  return m ? m->stats : none;
+}
+
+double MoeModel::aux_loss(const ActivationStore& s) {
+  const auto* m = std::any_cast<MoeMicroBatch>(&s.extra);
+  return m ? m->aux_loss : 0.0;
+}
+
+std::vector<ModelMetric> MoeModel::take_step_metrics() {
+  const StepSums s = std::exchange(step_, StepSums());
+  if (s.micro_batches == 0) return {};
+  return {{"aux_loss", "aux", s.aux / double(s.micro_batches)},
+          {"expert_load", "load", s.load},
+          {"dropped", "drop", s.choices > 0 ? s.dropped / s.choices : 0.0}};
+}
+
+const RopeTable& MoeModel::rope_for(int64_t T) {
+  if (rope_.num_positions >= T) return rope_;
+  const LlamaConfig& c = config_.base;
+  if (!ops::computes(device_)) {
+    rope_.head_dim = config_.head_dim;
+    rope_.num_positions = T;
+  } else {
+    rope_ = ops::rope_table(config_.head_dim, T, c.rope_theta, c.rope_scaling);
+  }
+  return rope_;
+}
+
+void MoeModel::prepare(ActivationStore& s, int64_t span) {
+  s.ctx.rope = &rope_for(span);
+  state(s);
+}
+
+void MoeModel::set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) {
+  blocks_[block]->set_checkpoint(mode);
+}
+
+Tensor MoeModel::block_forward(ActivationStore& s, size_t block, const Tensor& x) {
+  if (!s.blocks[block].has_value()) s.blocks[block] = MoeBlockActs();
+  return blocks_[block]->forward(s.ctx, x, std::any_cast<MoeBlockActs&>(s.blocks[block]),
+                                 state(s).stats);
+}
+
+void MoeModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
+  blocks_[block]->backward(s.ctx, dy, std::any_cast<MoeBlockActs&>(s.blocks[block]),
+                           state(s).stats);
+}
+
+Tensor MoeModel::embedding_forward(ActivationStore& s) {
+  Tensor x = Tensor::empty({residual_rows(s.ctx), config_.base.hidden_size}, DType::f32, device_);
+  vocab_parallel_embedding_forward(par().tp, s.inputs, s.ctx.tokens(),
+                                   embed_unit().params()[0].value, 0, x);
+  return x;
+}
+
+void MoeModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
+  vocab_parallel_embedding_backward(par().tp, s.inputs, s.ctx.tokens(), dx, 0,
+                                    embed_unit().params()[0].grad);
+}
+
+// transformers' load_balancing_loss_func over the micro-batch's sparse layers, their tokens
+// concatenated: aux = E * sum_e f_e P_e, f_e = the share of the N = layers x tokens rows' top-k
+// choices that went to expert e (summing to k), P_e = the mean probability of e. The training
+// loss is the cross-entropy's mean plus coef x aux per micro-batch: in loom's summed loss
+// (divided by the step's tokens) it weighs coef x aux x the micro-batch's tokens. f_e is a count:
+// the gradient flows through P only, d/dp = coef x tokens x E x f_e / N for every row.
+void MoeModel::add_aux_loss(ActivationStore& s) {
+  MoeMicroBatch& m = state(s);
+  const RouterStats& st = m.stats;
+  const int64_t E = config_.num_experts;
+  if (config_.num_sparse_layers() == 0) return;
+  const bool train_aux = config_.output_router_logits && config_.router_aux_loss_coef > 0;
+  if (!ops::computes(device_)) {
+    // Nothing routed on meta; the step's metrics still travel (the same collectives as a run).
+    step_.micro_batches += 1;
+    if (train_aux) m.stats.dprob = Tensor::empty({E}, DType::f32, device_);  // booked only
+    return;
+  }
+  const double N = double(st.rows), tokens = double(s.ctx.tokens());
+  double aux = 0;
+  for (int64_t e = 0; e < E; ++e) aux += (st.counts[size_t(e)] / N) * (st.prob_sum[size_t(e)] / N);
+  m.aux_loss = double(E) * aux;
+  step_.aux += m.aux_loss;
+  for (double r : st.load_max_over_mean) step_.load = std::max(step_.load, r);
+  step_.dropped += double(st.dropped);
+  step_.choices += N * double(config_.num_experts_per_tok);
+  step_.micro_batches += 1;
+  if (!train_aux) return;
+  const double coef = config_.router_aux_loss_coef;
+  s.loss += coef * m.aux_loss * tokens;
+  Tensor g = Tensor::empty({E}, DType::f32, Device::cpu);
+  for (int64_t e = 0; e < E; ++e)
+    g.data<float>()[e] =
+        float(double(s.grad_scale) * coef * tokens * double(E) * st.counts[size_t(e)] / (N * N));
+  if (device_ == Device::cpu) {
+    m.stats.dprob = g;
+  } else {
+    m.stats.dprob = Tensor::empty({E}, DType::f32, device_);
+    ops::copy(g, m.stats.dprob);
+  }
+}
+
+// The final norm, then the output projection fused with the loss (model/head.hpp), then the
+// auxiliary loss: its gradient is needed by every sparse block's backward, which follow.
+Tensor MoeModel::head_forward_backward(ActivationStore& s) {
+  const LlamaConfig& c = config_.base;
+  const LlamaModel::LossChunks chunks = LlamaModel::loss_chunks(c, s.ctx.B, s.ctx.T, compute_);
+  const LossHead head{.tp = par().tp,
+                      .plan = moe_plan(),
+                      .precision = MoeBlock::kPrecision,
+                      .tied = c.tie_word_embeddings,
+                      .M = s.ctx.tokens(),
+                      .Mx = residual_rows(s.ctx),
+                      .d = c.hidden_size,
+                      .vocab = c.vocab_size,
+                      .eps = float(c.rms_norm_eps),
+                      .compute = compute_,
+                      .chunk_rows = chunks.rows,
+                      .grad_rows = chunks.grad_rows};
+  Tensor dx = head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets,
+                                    s.grad_scale, s.loss);
+  add_aux_loss(s);
+  return dx;
+}
+
+}  // namespace loom

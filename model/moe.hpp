@@ -1,0 +1,69 @@
+#pragma once
+// The mixture-of-experts model (Qwen3-MoE, Mixtral: model/moe_config.hpp), a Model
+// (model/model.hpp): an embedding unit, MoE blocks (model/moe_block.hpp) and the shared head
+// (model/head.hpp). Each micro-batch's router statistics ride in its ActivationStore; the head
+// adds transformers' auxiliary load-balancing loss (router_aux_loss_coef x it, where
+// output_router_logits asks) and sets its gradient before any block's backward
+// (docs/decisions/moe.md).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "model/model.hpp"
+#include "model/moe_block.hpp"
+#include "model/moe_config.hpp"
+#include "model/moe_plan.hpp"
+
+namespace loom {
+
+class MoeModel final : public Model {
+ public:
+  MoeModel(const MoeConfig& config, DType compute, Device device = Device::cpu,
+           ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {},
+           std::vector<bool> used = {});
+
+  const MoeConfig& config() const { return config_; }
+
+  const char* model_type() const override { return config_.model_type(); }
+  std::string config_json() const override { return config_.to_json(); }
+  int64_t vocab_size() const override { return config_.base.vocab_size; }
+  int64_t hidden_size() const override { return config_.base.hidden_size; }
+  bool tie_word_embeddings() const override { return config_.base.tie_word_embeddings; }
+  std::span<const PlanEntry> tp_plan() const override { return moe_plan(); }
+  std::string describe() const override;
+  double flops_per_token(int64_t T) const override { return config_.flops_per_token(T); }
+
+  // The micro-batch's router statistics (after its forward) and its auxiliary loss (the unscaled
+  // load-balancing loss, after the head's backward; 0 without sparse layers).
+  static const RouterStats& router_stats(const ActivationStore& s);
+  static double aux_loss(const ActivationStore& s);
+  // aux_loss: the auxiliary loss's mean over the micro-batches; expert_load: the most rows any
+  // expert got over the mean, in the worst sparse layer of any micro-batch (1: balanced);
+  // dropped: the share of the choices over an expert's capacity.
+  std::vector<ModelMetric> take_step_metrics() override;
+
+ private:
+  const RopeTable& rope_for(int64_t T);
+  void prepare(ActivationStore& s, int64_t span) override;
+  void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) override;
+  Tensor embedding_forward(ActivationStore& s) override;
+  void embedding_backward(ActivationStore& s, const Tensor& dx) override;
+  Tensor block_forward(ActivationStore& s, size_t block, const Tensor& x) override;
+  void block_backward(ActivationStore& s, size_t block, Tensor& dy) override;
+  Tensor head_forward_backward(ActivationStore& s) override;
+  // The auxiliary loss of the micro-batch's statistics, its scaled share added to s.loss and its
+  // gradient per expert probability set.
+  void add_aux_loss(ActivationStore& s);
+
+  MoeConfig config_;
+  std::vector<std::unique_ptr<MoeBlock>> blocks_;
+  struct StepSums {
+    double aux = 0, load = 0, dropped = 0, choices = 0;
+    int64_t micro_batches = 0;
+  } step_;
+  RopeTable rope_;
+};
+
+}  // namespace loom

@@ -1,0 +1,170 @@
+#include "model/moe_config.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "model/config_json.hpp"
+
+namespace loom {
+
+namespace {
+
+using namespace config_json;
+
+int64_t required_int(const json& obj, const char* key, const std::string& source) {
+  LOOM_CHECK(present(obj, key), source, ": missing required field '", key,
+             "' (expected a positive integer)");
+  return get_int(obj, key, source, key);
+}
+
+}  // namespace
+
+bool MoeConfig::sparse(int64_t layer) const {
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
+    return false;
+  return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+int64_t MoeConfig::num_sparse_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < base.num_hidden_layers; ++l) n += sparse(l);
+  return n;
+}
+
+MoeConfig MoeConfig::from_json(const std::string& text, const std::string& source) {
+  json j = parse_object(text, source, "a Hugging Face config.json");
+  LOOM_CHECK(present(j, "model_type") && j["model_type"].is_string(), source,
+             ": missing field 'model_type' (expected \"qwen3_moe\" or \"mixtral\")");
+  MoeConfig c;
+  const std::string type = j["model_type"].get<std::string>();
+  if (type == "mixtral")
+    c.family = Family::mixtral;
+  else
+    LOOM_CHECK(type == "qwen3_moe", source, ": field 'model_type': expected \"qwen3_moe\" or ",
+               "\"mixtral\", found \"", type, "\"");
+
+  // Sliding-window attention would load silently and be wrong: loom's attention is full causal.
+  if (present(j, "use_sliding_window"))
+    LOOM_CHECK(!get_bool(j, "use_sliding_window", source, "use_sliding_window"), source,
+               ": field 'use_sliding_window': expected false (loom's attention is full causal)");
+  if (c.family == Family::mixtral)
+    LOOM_CHECK(!present(j, "sliding_window"), source,
+               ": field 'sliding_window': expected null (loom's attention is full causal), found ",
+               found(j["sliding_window"]));
+
+  // The attention, embedding and head as a Llama reads them; head_dim is the family's own.
+  json llama = j;
+  llama.erase("head_dim");
+  c.base = LlamaConfig::from_json(llama.dump(), source);
+  if (c.family == Family::qwen3_moe) {
+    // transformers' Qwen3-MoE takes head_dim from the file; a default here could silently differ.
+    LOOM_CHECK(present(j, "head_dim"), source,
+               ": missing required field 'head_dim' (expected a positive even integer)");
+    c.head_dim = get_int(j, "head_dim", source, "head_dim");
+    c.num_experts = required_int(j, "num_experts", source);
+    c.num_experts_per_tok = required_int(j, "num_experts_per_tok", source);
+    c.moe_intermediate_size = required_int(j, "moe_intermediate_size", source);
+    read(j, "norm_topk_prob", source, c.norm_topk_prob);
+    read(j, "decoder_sparse_step", source, c.decoder_sparse_step);
+    read(j, "shared_expert_intermediate_size", source, c.shared_expert_intermediate_size);
+    if (present(j, "mlp_only_layers")) {
+      const json& v = j["mlp_only_layers"];
+      LOOM_CHECK(v.is_array(), source,
+                 ": field 'mlp_only_layers': expected a list of layer indices, found ", found(v));
+      for (size_t i = 0; i < v.size(); ++i)
+        c.mlp_only_layers.push_back(
+            to_int(v[i], source, "mlp_only_layers[" + std::to_string(i) + "]"));
+    }
+  } else {
+    c.head_dim =
+        present(j, "head_dim") ? get_int(j, "head_dim", source, "head_dim") : c.base.head_dim();
+    c.num_experts = required_int(j, "num_local_experts", source);
+    c.num_experts_per_tok = required_int(j, "num_experts_per_tok", source);
+    c.moe_intermediate_size = c.base.intermediate_size;
+    c.norm_topk_prob = true;
+    c.router_aux_loss_coef = 0.02;  // MixtralConfig's default
+  }
+  read(j, "router_aux_loss_coef", source, c.router_aux_loss_coef);
+  read(j, "output_router_logits", source, c.output_router_logits);
+  c.validate(source);
+  return c;
+}
+
+void MoeConfig::validate(const std::string& source) const {
+  base.validate(source);
+  auto positive = [&](int64_t v, const char* field) {
+    LOOM_CHECK(v > 0, source, ": field '", field, "': expected a positive integer, found ", v);
+  };
+  const bool q = family == Family::qwen3_moe;
+  positive(head_dim, "head_dim");
+  LOOM_CHECK(head_dim % 2 == 0, source, ": field 'head_dim': expected an even number for RoPE, ",
+             "found ", head_dim);
+  positive(num_experts, q ? "num_experts" : "num_local_experts");
+  positive(num_experts_per_tok, "num_experts_per_tok");
+  positive(moe_intermediate_size, q ? "moe_intermediate_size" : "intermediate_size");
+  positive(decoder_sparse_step, "decoder_sparse_step");
+  LOOM_CHECK(num_experts_per_tok <= num_experts, source,
+             ": field 'num_experts_per_tok': ", "expected at most the ", num_experts, " experts (",
+             q ? "num_experts" : "num_local_experts", "), found ", num_experts_per_tok);
+  for (int64_t l : mlp_only_layers)
+    LOOM_CHECK(l >= 0 && l < base.num_hidden_layers, source, ": field 'mlp_only_layers': layer ", l,
+               " is not one of the ", base.num_hidden_layers, " layers");
+  LOOM_CHECK(shared_expert_intermediate_size == 0, source,
+             ": field 'shared_expert_intermediate_size': a shared expert is not built yet ",
+             "(expected 0 or absent, found ", shared_expert_intermediate_size, ")");
+  LOOM_CHECK(router_aux_loss_coef >= 0, source,
+             ": field 'router_aux_loss_coef': expected a number >= 0, found ",
+             router_aux_loss_coef);
+}
+
+std::string MoeConfig::to_json() const {
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(base.to_json());
+  const bool q = family == Family::qwen3_moe;
+  j["architectures"] = {q ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM"};
+  j["model_type"] = model_type();
+  j["head_dim"] = head_dim;
+  j.erase("mlp_bias");
+  if (q) {
+    j["num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["decoder_sparse_step"] = decoder_sparse_step;
+    j["mlp_only_layers"] = mlp_only_layers;
+    j["use_sliding_window"] = false;
+  } else {
+    j["num_local_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["sliding_window"] = nullptr;
+  }
+  j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["output_router_logits"] = output_router_logits;
+  return j.dump(2) + "\n";
+}
+
+int64_t MoeConfig::num_params() const {
+  const int64_t d = base.hidden_size, V = base.vocab_size, L = base.num_hidden_layers;
+  const int64_t Ls = num_sparse_layers();
+  const int64_t attn = d * (base.num_attention_heads + 2 * base.num_key_value_heads) * head_dim +
+                       base.num_attention_heads * head_dim * d + 2 * d +
+                       (qk_norm() ? 2 * head_dim : 0);
+  const int64_t dense = 3 * d * base.intermediate_size;
+  const int64_t moe = num_experts * d + num_experts * 3 * d * moe_intermediate_size;
+  return V * d + L * attn + (L - Ls) * dense + Ls * moe + d +
+         (base.tie_word_embeddings ? 0 : V * d);
+}
+
+int64_t MoeConfig::num_active_params() const {
+  const int64_t idle = num_experts - num_experts_per_tok;
+  return num_params() - num_sparse_layers() * idle * 3 * base.hidden_size * moe_intermediate_size;
+}
+
+double MoeConfig::flops_per_token(int64_t T) const {
+  // The output projection does the work of a V x d GEMM whether or not its matrix is shared.
+  const int64_t Vd = base.vocab_size * base.hidden_size;
+  const int64_t n = num_active_params() - Vd + (base.tie_word_embeddings ? Vd : 0);
+  return 6.0 * double(n) + 12.0 * double(base.num_hidden_layers) *
+                               double(base.num_attention_heads) * double(head_dim) * double(T);
+}
+
+}  // namespace loom

@@ -1,0 +1,56 @@
+#pragma once
+// The shape of a mixture-of-experts model, read from a Hugging Face config.json of model_type
+// "qwen3_moe" (Qwen3-MoE: q/k norms, mlp_only_layers / decoder_sparse_step for dense layers,
+// norm_topk_prob) or "mixtral" (every layer sparse, top-k always renormalized). The attention,
+// embedding, dense FFN and head are a Llama's (`base`), with head_dim free of hidden_size /
+// num_attention_heads (Qwen3's 128 beside hidden 2048 and 32 heads). docs/decisions/moe.md.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/llama_config.hpp"
+
+namespace loom {
+
+struct MoeConfig {
+  enum class Family { qwen3_moe, mixtral };
+  Family family = Family::qwen3_moe;
+  // The attention and dense parts. base.intermediate_size is the dense layers' FFN (Qwen3's
+  // mlp_only_layers; Mixtral has none: its intermediate_size is the experts').
+  LlamaConfig base;
+  int64_t head_dim = 0;
+  int64_t num_experts = 0;            // qwen3_moe's num_experts, mixtral's num_local_experts
+  int64_t num_experts_per_tok = 0;    // k
+  int64_t moe_intermediate_size = 0;  // each expert's FFN
+  // Qwen2-MoE's shared expert (read so that a config that asks for one is refused by name: not
+  // built yet).
+  int64_t shared_expert_intermediate_size = 0;
+  bool norm_topk_prob = false;  // renormalize the top-k weights (mixtral: always)
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;
+  // Whether training adds router_aux_loss_coef x the load-balancing loss (transformers' switch).
+  bool output_router_logits = false;
+
+  const char* model_type() const { return family == Family::mixtral ? "mixtral" : "qwen3_moe"; }
+  bool qk_norm() const { return family == Family::qwen3_moe; }
+  // Whether layer `l` has the experts (else a dense SwiGLU MLP): transformers' rule.
+  bool sparse(int64_t layer) const;
+  int64_t num_sparse_layers() const;
+
+  // Throws loom::Error naming `source` and the field, as LlamaConfig's reader does; refuses the
+  // variants loom does not build (a shared expert, sliding windows, biases) by name.
+  static MoeConfig from_json(const std::string& text, const std::string& source);
+  void validate(const std::string& source) const;
+  std::string to_json() const;
+
+  // Every parameter; and those one token's forward reads (the k chosen experts of each sparse
+  // layer): MFU counts the active ones (6 * active N).
+  int64_t num_params() const;
+  int64_t num_active_params() const;
+  // Training FLOPs per token at sequence length T: 6 x the active parameters without the input
+  // embedding, plus attention's 12 * L * H * hd * T (torchtitan's convention).
+  double flops_per_token(int64_t T) const;
+};
+
+}  // namespace loom
