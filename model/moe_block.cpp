@@ -4,11 +4,18 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "model/moe_plan.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
 
 namespace {
+
+// Each parameter split as the plan says (on one tp rank: the style only; the model refuses tp > 1).
+std::vector<ParamSpec> with_plan(std::vector<ParamSpec> specs) {
+  for (ParamSpec& s : specs) s.split = split_of(moe_plan(), s.name);
+  return specs;
+}
 
 // The block's parameters in Hugging Face's names, in the unit's order: the attention's, then the
 // FFN's. A sparse layer's experts: each expert's gate and up adjacent (one fused GEMM matrix),
@@ -43,7 +50,7 @@ std::vector<ParamSpec> block_specs(const MoeConfig& c, int64_t layer, bool spars
     specs.push_back(gemm(p + "mlp.gate_proj.weight", F, d, 0.02f));
     specs.push_back(gemm(p + "mlp.up_proj.weight", F, d, 0.02f));
     specs.push_back(gemm(p + "mlp.down_proj.weight", d, F, out_std));
-    return specs;
+    return with_plan(std::move(specs));
   }
   const bool mixtral = c.family == MoeConfig::Family::mixtral;
   const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
@@ -64,7 +71,7 @@ std::vector<ParamSpec> block_specs(const MoeConfig& c, int64_t layer, bool spars
     specs.push_back(expert(e, "up_proj", "w3", F, d, 0.02f));
   }
   for (int64_t e = 0; e < E; ++e) specs.push_back(expert(e, "down_proj", "w2", d, F, out_std));
-  return specs;
+  return with_plan(std::move(specs));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 // terms; seen: tp 2 with tied embeddings (no pp) 5.2e-5 off at a step where its loss is 1e-8 off,
 // bf16 layouts 9e-4. Prints the worst figures; exit 1 when one is over the tolerance or the runs
 // differ in steps or tensors, 2 on bad input.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -78,6 +79,7 @@ int run(int argc, char** argv) {
   const loom::SafetensorsDir a(argv[2]), b(argv[4]);
   double diff2 = 0, ref2 = 0;
   std::vector<float> x, y;
+  std::vector<std::pair<double, std::string>> by_tensor;  // relative L2 of each weight
   for (const std::string& name : a.names()) {
     // Weights only: a checkpoint also holds the optimizer moments.
     if (name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq")) continue;
@@ -93,11 +95,15 @@ int run(int argc, char** argv) {
     y.resize(size_t(n));
     a.read_f32(name, shape, x.data());
     b.read_f32(name, shape, y.data());
+    double t_diff2 = 0, t_ref2 = 0;
     for (int64_t i = 0; i < n; ++i) {
       const double d = double(y[size_t(i)]) - double(x[size_t(i)]);
-      diff2 += d * d;
-      ref2 += double(x[size_t(i)]) * double(x[size_t(i)]);
+      t_diff2 += d * d;
+      t_ref2 += double(x[size_t(i)]) * double(x[size_t(i)]);
     }
+    diff2 += t_diff2;
+    ref2 += t_ref2;
+    by_tensor.push_back({std::sqrt(t_diff2 / std::max(t_ref2, 1e-300)), name});
   }
   const double rel_w = std::sqrt(diff2 / ref2);
   const double norm_tol = argc == 7 ? std::stod(argv[6]) : 10 * tol;
@@ -108,10 +114,15 @@ int run(int argc, char** argv) {
   // A complete comparison (same steps, same tensors) that is out of tolerance says so on a line
   // of its own: the harness's mismatch test requires exactly this failure.
   const bool within = loss.rel <= tol && norm.rel <= norm_tol && rel_w <= tol;
-  if (ok && !within)
+  if (ok && !within) {
     std::printf(
         "out of tolerance: loss %.3g, gradient norm %.3g, weights %.3g > %.3g (norm %.3g)\n",
         loss.rel, norm.rel, rel_w, tol, norm_tol);
+    // Where the weights differ most: what to look at first.
+    std::sort(by_tensor.rbegin(), by_tensor.rend());
+    for (size_t i = 0; i < std::min<size_t>(5, by_tensor.size()); ++i)
+      std::printf("  %s: relative L2 %.3g\n", by_tensor[i].second.c_str(), by_tensor[i].first);
+  }
   ok = ok && within;
   if (!ok) std::printf("FAILED\n");
   return ok ? 0 : 1;
