@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -217,6 +218,12 @@ class MpiWork final : public Work {
   void on_arrival(std::function<void()> f) { on_arrival_ = std::move(f); }
   // Scratch memory that lives until the Work completes.
   char* staging(size_t bytes);
+  // Integer arguments that MPI reads until the operation completes (all_to_all_v's counts and
+  // displacements): n of them, zeroed.
+  int* int_arguments(size_t n) {
+    int_args_.assign(n, 0);
+    return int_args_.data();
+  }
   // For avg: divide this tensor by the group size once the sum has arrived.
   void divide_on_completion(Tensor t) { avg_ = std::move(t); }
 
@@ -236,6 +243,7 @@ class MpiWork final : public Work {
   std::vector<MPI_Request> reqs_;
   std::function<void()> on_arrival_;
   std::vector<std::byte> staging_;
+  std::vector<int> int_args_;
   bool done_ = false;
 };
 
@@ -368,6 +376,32 @@ class MpiProcessGroup final : public ProcessGroup {
     auto w = make_work("all_to_all", -1, in.nbytes(), in, out);
     MPI_Ialltoall(in.raw(), n, mpi_type(in.dtype()), out.raw(), n, mpi_type(out.dtype()), comm_,
                   w->new_request());
+    return w;
+  }
+
+  // Counts and displacements in elements, which MPI takes as int: both tensors' element counts
+  // (the last displacement plus its count) must fit, as count_of checks.
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& in, std::span<const int64_t> send_rows,
+                                        const Tensor& out, std::span<const int64_t> recv_rows,
+                                        int64_t row_elements) override {
+    count_of("all_to_all_v", in, out);
+    count_of("all_to_all_v", out, in);
+    auto w = make_work("all_to_all_v", -1, in.nbytes(), in, out);
+    const size_t p = size_t(size());
+    int* args = w->int_arguments(4 * p);
+    int *send_counts = args, *send_displs = args + p, *recv_counts = args + 2 * p,
+        *recv_displs = args + 3 * p;
+    int64_t send_at = 0, recv_at = 0;
+    for (size_t q = 0; q < p; ++q) {
+      send_counts[q] = static_cast<int>(send_rows[q] * row_elements);
+      send_displs[q] = static_cast<int>(send_at);
+      send_at += send_rows[q] * row_elements;
+      recv_counts[q] = static_cast<int>(recv_rows[q] * row_elements);
+      recv_displs[q] = static_cast<int>(recv_at);
+      recv_at += recv_rows[q] * row_elements;
+    }
+    MPI_Ialltoallv(in.raw(), send_counts, send_displs, mpi_type(in.dtype()), out.raw(), recv_counts,
+                   recv_displs, mpi_type(out.dtype()), comm_, w->new_request());
     return w;
   }
 

@@ -14,8 +14,9 @@
 // finished reduce_scatters for reuse: (size - 2) x out.nbytes per reduce_scatter in flight, not
 // counted by loom's allocator.
 //
-// Limits: at most INT_MAX elements per rank and call (MPI counts are int). MPI calls are made
-// only from the thread that drives the groups (MPI_THREAD_SERIALIZED is requested).
+// Limits: at most INT_MAX elements per rank and call (MPI counts are int; all_to_all_v: in and
+// out each, its displacements being int too). MPI calls are made only from the thread that drives
+// the groups (MPI_THREAD_SERIALIZED is requested).
 #include <functional>
 #include <memory>
 #include <string>

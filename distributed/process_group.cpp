@@ -166,6 +166,55 @@ std::unique_ptr<Work> ProcessGroup::all_to_all(const Tensor& in, const Tensor& o
   return do_all_to_all(in, out);
 }
 
+std::unique_ptr<Work> ProcessGroup::all_to_all_v(const Tensor& in,
+                                                 std::span<const int64_t> send_rows,
+                                                 const Tensor& out,
+                                                 std::span<const int64_t> recv_rows) {
+  const char* op = "all_to_all_v";
+  check_tensor(*this, op, "in", in);
+  check_tensor(*this, op, "out", out);
+  check_same_dtype(*this, op, in, out);
+  for (const Tensor* t : {&in, &out}) {
+    LOOM_CHECK(t->ndim() >= 1, op, " on ", describe(), ": ", t == &in ? "in" : "out", " ",
+               tensor_str(*t), " has no dim 0 to hold rows");
+  }
+  // Rows along dim 0; W from the other dims, so that a tensor of no rows still has a width.
+  auto width = [](const Tensor& t) {
+    int64_t w = 1;
+    for (int64_t d = 1; d < t.ndim(); ++d) w *= t.size(d);
+    return w;
+  };
+  const int64_t w = width(in);
+  LOOM_CHECK(width(out) == w, op, " on ", describe(), ": in ", tensor_str(in), " has rows of ", w,
+             " elements but out ", tensor_str(out), " has rows of ", width(out));
+  const auto check_rows = [&](const char* what, std::span<const int64_t> rows, const Tensor& t,
+                              const char* name) {
+    LOOM_CHECK(rows.size() == size_t(size()), op, " on ", describe(), ": ", what, " has ",
+               rows.size(), " entries, expected one per rank (", size(), ")");
+    int64_t sum = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      LOOM_CHECK(rows[i] >= 0, op, " on ", describe(), ": ", what, "[", i, "] = ", rows[i],
+                 " is negative");
+      sum += rows[i];
+    }
+    LOOM_CHECK(sum == t.size(0), op, " on ", describe(), ": ", what, " sum to ", sum, " rows but ",
+               name, " ", tensor_str(t), " has ", t.size(0));
+  };
+  check_rows("send_rows", send_rows, in, "in");
+  check_rows("recv_rows", recv_rows, out, "out");
+  LOOM_CHECK(send_rows[size_t(rank())] == recv_rows[size_t(rank())], op, " on ", describe(),
+             ": this rank (", rank(), ") sends itself send_rows[", rank(),
+             "] = ", send_rows[size_t(rank())], " rows but expects recv_rows[", rank(),
+             "] = ", recv_rows[size_t(rank())]);
+  LOOM_CHECK(!overlaps(in, out), op, " on ", describe(), ": in and out overlap");
+  const uint64_t row_bytes = uint64_t(w) * dtype_size(in.dtype());
+  uint64_t bytes = 0;
+  for (int p = 0; p < size(); ++p)
+    if (p != rank()) bytes += uint64_t(send_rows[size_t(p)]) * row_bytes;
+  count(op, bytes);
+  return do_all_to_all_v(in, send_rows, out, recv_rows, w);
+}
+
 std::unique_ptr<Work> ProcessGroup::barrier() {
   count("barrier", 0);
   return do_barrier();
@@ -295,6 +344,14 @@ std::unique_ptr<Work> SingleProcessGroup::do_recv(const Tensor& t, int, int tag)
 
 std::unique_ptr<Work> SingleProcessGroup::do_all_to_all(const Tensor& in, const Tensor& out) {
   copy_bytes(out, in);
+  return std::make_unique<DoneWork>();
+}
+
+std::unique_ptr<Work> SingleProcessGroup::do_all_to_all_v(const Tensor& in,
+                                                          std::span<const int64_t>,
+                                                          const Tensor& out,
+                                                          std::span<const int64_t>, int64_t) {
+  copy_bytes(out, in);  // one rank: send_rows == recv_rows, all to itself
   return std::make_unique<DoneWork>();
 }
 

@@ -21,6 +21,9 @@
 //   broadcast(t, root)           t.nbytes on the root, 0 elsewhere (tree/pipeline not counted)
 //   send(t, peer, tag)           t.nbytes            recv: 0
 //   all_to_all(in, out)          (n - 1) * in.nbytes / n
+//   all_to_all_v(in, send_rows, out, recv_rows)
+//                                the rows sent to the other ranks: sum over peers p != this rank
+//                                of send_rows[p] * row bytes (a row to itself is not counted)
 //   barrier()                    0
 // `calls` counts issued collectives, `wait_seconds` the time spent inside Work::wait().
 // A group of size 1 counts calls and waits but never bytes.
@@ -28,6 +31,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -99,6 +103,19 @@ class ProcessGroup {
   std::unique_ptr<Work> recv(const Tensor& t, int peer, int tag);
   // Equal blocks: block j of `in` goes to rank j, block i of `out` comes from rank i.
   std::unique_ptr<Work> all_to_all(const Tensor& in, const Tensor& out);
+  // Rows of different counts to and from each rank (expert parallelism's token exchange). Rows
+  // are along dim 0; a row's width W is the product of the other dims (1 for a 1-d tensor), the
+  // same for in and out (and on every rank). `in` [sum(send_rows), W] holds the rows for rank 0,
+  // then those for rank 1, ...; `out` [sum(recv_rows), W] receives rank 0's rows for this rank,
+  // then rank 1's, ... Both spans have size() entries, none negative; they are read at the call
+  // (the Work keeps its own copies). recv_rows[i] must equal rank i's send_rows[this rank]: the
+  // caller exchanges the counts first (all_to_all of one int32 per rank). Checked here only for
+  // this rank's own entry; the MPI backend cannot see a mismatch with another rank without a
+  // message of its own, so the counts are the caller's contract: when more rows arrive than
+  // recv_rows announces, Open MPI aborts the job (MPI_ERR_TRUNCATE); when fewer, the rest of the
+  // block keeps its old contents, silently.
+  std::unique_ptr<Work> all_to_all_v(const Tensor& in, std::span<const int64_t> send_rows,
+                                     const Tensor& out, std::span<const int64_t> recv_rows);
   std::unique_ptr<Work> barrier();
 
   // Collective over this group: ranks with the same color form a new group, ordered by key (then
@@ -127,6 +144,12 @@ class ProcessGroup {
   virtual std::unique_ptr<Work> do_send(const Tensor& t, int peer, int tag) = 0;
   virtual std::unique_ptr<Work> do_recv(const Tensor& t, int peer, int tag) = 0;
   virtual std::unique_ptr<Work> do_all_to_all(const Tensor& in, const Tensor& out) = 0;
+  // `row_elements`: W, the elements of one row.
+  virtual std::unique_ptr<Work> do_all_to_all_v(const Tensor& in,
+                                                std::span<const int64_t> send_rows,
+                                                const Tensor& out,
+                                                std::span<const int64_t> recv_rows,
+                                                int64_t row_elements) = 0;
   virtual std::unique_ptr<Work> do_barrier() = 0;
 
   // Backends' Works report the time they spent in wait() here.
@@ -166,6 +189,9 @@ class SingleProcessGroup final : public ProcessGroup {
   std::unique_ptr<Work> do_send(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<Work> do_recv(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<Work> do_all_to_all(const Tensor& in, const Tensor& out) override;
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& in, std::span<const int64_t> send_rows,
+                                        const Tensor& out, std::span<const int64_t> recv_rows,
+                                        int64_t row_elements) override;
   std::unique_ptr<Work> do_barrier() override;
 
  private:

@@ -123,6 +123,28 @@ std::unique_ptr<Work> SimProcessGroup::do_all_to_all(const Tensor& in, const Ten
   return done(*log_, {in, out});
 }
 
+std::unique_ptr<Work> SimProcessGroup::do_all_to_all_v(const Tensor& in,
+                                                       std::span<const int64_t> send_rows,
+                                                       const Tensor& out,
+                                                       std::span<const int64_t> recv_rows,
+                                                       int64_t row_elements) {
+  // The rows this rank sends itself are known; the others' are not: zeros, as a recv.
+  if (holds_data(in.device()) && holds_data(out.device()) && out.nbytes() > 0) {
+    std::memset(out.raw(), 0, out.nbytes());
+    const size_t row = size_t(row_elements) * dtype_size(in.dtype());
+    size_t from = 0, to = 0;
+    for (int q = 0; q < rank(); ++q) {
+      from += size_t(send_rows[size_t(q)]) * row;
+      to += size_t(recv_rows[size_t(q)]) * row;
+    }
+    const size_t own = size_t(send_rows[size_t(rank())]) * row;
+    if (own > 0)
+      std::memcpy(static_cast<char*>(out.raw()) + to, static_cast<const char*>(in.raw()) + from,
+                  own);
+  }
+  return done(*log_, {in, out});
+}
+
 std::unique_ptr<Work> SimProcessGroup::do_barrier() {
   return done(*log_);
 }

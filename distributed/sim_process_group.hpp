@@ -6,7 +6,8 @@
 //
 // The step's small host-side reductions (the loss, the gradient norm's squared sums) see their own
 // value in every block, as if every rank held the same: they stay finite, so the step takes the
-// path a healthy run takes (the plan says so). Meta tensors are not touched.
+// path a healthy run takes (the plan says so). all_to_all_v on such tensors keeps the rows a rank
+// sends itself and zeroes those from the others. Meta tensors are not touched.
 #include <map>
 #include <memory>
 #include <string>
@@ -62,6 +63,9 @@ class SimProcessGroup final : public ProcessGroup {
   std::unique_ptr<Work> do_send(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<Work> do_recv(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<Work> do_all_to_all(const Tensor& in, const Tensor& out) override;
+  std::unique_ptr<Work> do_all_to_all_v(const Tensor& in, std::span<const int64_t> send_rows,
+                                        const Tensor& out, std::span<const int64_t> recv_rows,
+                                        int64_t row_elements) override;
   std::unique_ptr<Work> do_barrier() override;
 
  private:

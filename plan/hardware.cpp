@@ -190,6 +190,8 @@ const char* collective_name(CollectiveKind kind) {
       return "recv";
     case CollectiveKind::all_to_all:
       return "all_to_all";
+    case CollectiveKind::all_to_all_v:
+      return "all_to_all_v";
     case CollectiveKind::barrier:
       return "barrier";
   }
@@ -379,6 +381,7 @@ double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_si
     case CollectiveKind::all_gather:
     case CollectiveKind::reduce_scatter:
     case CollectiveKind::all_to_all:
+    case CollectiveKind::all_to_all_v:
     case CollectiveKind::broadcast:
       return transfer + (n - 1) * alpha;
     case CollectiveKind::all_reduce:

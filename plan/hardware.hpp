@@ -22,12 +22,13 @@ enum class CollectiveKind {
   send,
   recv,
   all_to_all,
+  all_to_all_v,
   barrier
 };
 inline constexpr CollectiveKind kCollectiveKinds[] = {
     CollectiveKind::all_gather, CollectiveKind::reduce_scatter, CollectiveKind::all_reduce,
     CollectiveKind::broadcast,  CollectiveKind::send,           CollectiveKind::recv,
-    CollectiveKind::all_to_all, CollectiveKind::barrier};
+    CollectiveKind::all_to_all, CollectiveKind::all_to_all_v,   CollectiveKind::barrier};
 const char* collective_name(CollectiveKind kind);
 
 // One level of interconnect, as seen by one rank.
@@ -120,7 +121,7 @@ double optimizer_seconds(double bytes, const Hardware& hw, bool on_host = false)
 // many of the group's ranks on each node). inter_node's bandwidth is one rank's NIC; a
 // collective across nodes runs one ring per NIC (NCCL's channels on a rail-optimized fabric),
 // so it moves node_ranks NICs' worth, at most the intra-node link's; a send uses one NIC.
-//   all_gather, reduce_scatter, all_to_all: bytes/beta + (n-1) alpha
+//   all_gather, reduce_scatter, all_to_all(_v): bytes/beta + (n-1) alpha
 //   all_reduce (reduce-scatter then all-gather): bytes/beta + 2(n-1) alpha
 //   broadcast (pipelined ring): bytes/beta + (n-1) alpha
 //   send, recv: alpha + bytes/beta;  barrier: ceil(log2 n) alpha

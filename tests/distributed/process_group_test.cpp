@@ -11,6 +11,7 @@
 
 #include "distributed/mpi_process_group.hpp"
 #include "distributed/process_group.hpp"
+#include "distributed/sim_process_group.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -88,6 +89,27 @@ TEST(SingleProcessGroup, CollectivesAreCopiesWithZeroBytes) {
   EXPECT_EQ(g.counters().calls, 0u);
 }
 
+TEST(SingleProcessGroup, AllToAllVIsACopyOfTheRowsToItself) {
+  SingleProcessGroup g("ep");
+  for (DType d : {DType::f32, DType::bf16, DType::i32}) {
+    Tensor in = Tensor::empty({5, 3}, d), out = Tensor::zeros({5, 3}, d);
+    for (size_t i = 0; i < in.nbytes(); ++i) static_cast<uint8_t*>(in.raw())[i] = uint8_t(i * 7);
+    const int64_t rows[] = {5};
+    g.all_to_all_v(in, rows, out, rows)->wait();
+    EXPECT_EQ(std::memcmp(in.raw(), out.raw(), in.nbytes()), 0) << dtype_name(d);
+  }
+  // No rows at all, 1-d tensors (rows of one element).
+  const int64_t none[] = {0};
+  g.all_to_all_v(Tensor::empty({0, 4}, DType::f32), none, Tensor::empty({0, 4}, DType::f32), none)
+      ->wait();
+  Tensor in = iota_f32(6, 2.0f), out = Tensor::zeros({6}, DType::f32);
+  const int64_t six[] = {6};
+  g.all_to_all_v(in, six, out, six)->wait();
+  EXPECT_EQ(values(out), values(in));
+  EXPECT_EQ(g.counters().calls, 5u);
+  EXPECT_EQ(g.counters().bytes_sent, 0u);
+}
+
 TEST(SingleProcessGroup, InPlaceAllGather) {
   SingleProcessGroup g;
   Tensor out = iota_f32(4, 3.0f);
@@ -157,8 +179,75 @@ TEST(ProcessGroupChecks, MismatchesNameTheCollectiveAndGroup) {
   expect_error([&] { g.all_gather(flat.narrow(0, 1, 4), flat.narrow(0, 0, 4)); },
                {"all_gather on group 'tp'", "not this rank's block"});
   expect_error([&] { g.set_timeout_seconds(0); }, {"timeout", "group 'tp'", "positive"});
+  // all_to_all_v: the counts (one per rank, none negative, summing to the rows), the rows' width,
+  // the dtypes, and the tensors as every collective.
+  {
+    const char* a2av = "all_to_all_v on group 'tp' (size 1, world ranks [2])";
+    Tensor in = Tensor::zeros({4, 3}, DType::f32), out = Tensor::zeros({4, 3}, DType::f32);
+    const std::vector<int64_t> four{4}, two{2}, neg{-1}, many{2, 2};
+    expect_error([&] { g.all_to_all_v(in, many, out, four); },
+                 {a2av, "send_rows has 2 entries, expected one per rank (1)"});
+    expect_error([&] { g.all_to_all_v(in, four, out, many); }, {a2av, "recv_rows has 2 entries"});
+    expect_error([&] { g.all_to_all_v(in, neg, out, four); },
+                 {a2av, "send_rows[0] = -1 is negative"});
+    expect_error([&] { g.all_to_all_v(in, two, out, four); },
+                 {a2av, "send_rows sum to 2 rows but in float32[4, 3] has 4"});
+    expect_error(
+        [&] {
+          g.all_to_all_v(in, four, Tensor::zeros({2, 3}, DType::f32), two);
+        },
+        {a2av, "sends itself send_rows[0] = 4 rows but expects recv_rows[0] = 2"});
+    expect_error(
+        [&] {
+          g.all_to_all_v(in, four, Tensor::zeros({4, 2}, DType::f32), four);
+        },
+        {a2av,
+         "in float32[4, 3] has rows of 3 elements but out float32[4, 2] has rows "
+         "of 2"});
+    expect_error(
+        [&] {
+          g.all_to_all_v(in, four, Tensor::zeros({4, 3}, DType::bf16), four);
+        },
+        {a2av, "same dtype"});
+    expect_error([&] { g.all_to_all_v(m.narrow(1, 0, 3), four, out, four); },
+                 {a2av, "not contiguous"});
+    expect_error([&] { g.all_to_all_v(Tensor::zeros(Shape{}, DType::f32), four, out, four); },
+                 {a2av, "no dim 0"});
+    expect_error([&] { g.all_to_all_v(in, four, in, four); }, {a2av, "overlap"});
+  }
   // Checks come before counting: nothing above was issued.
   EXPECT_EQ(g.counters().calls, 0u);
+}
+
+// The planner's group: all_to_all_v moves nothing between ranks but records the bytes this rank
+// sends to the others; on tensors with data it keeps the rows to itself and zeroes the rest.
+TEST(SimProcessGroup, AllToAllVRecordsTheBytesToOtherRanks) {
+  auto log = std::make_shared<SimLog>();
+  SimProcessGroup g("ep", 1, {4, 5, 6, 7}, log);
+  const std::vector<int64_t> send{3, 2, 0, 5}, recv{1, 2, 4, 0};
+  for (Device dev : {Device::meta, Device::cpu}) {
+    Tensor in = Tensor::empty({10, 8}, DType::bf16, dev);
+    Tensor out = Tensor::empty({7, 8}, DType::bf16, dev);
+    if (dev == Device::cpu) {
+      for (int64_t i = 0; i < in.numel(); ++i) in.data<bf16>()[i] = float_to_bf16(float(i));
+      for (int64_t i = 0; i < out.numel(); ++i) out.data<bf16>()[i] = float_to_bf16(-1.0f);
+    }
+    g.reset_counters();
+    g.all_to_all_v(in, send, out, recv)->wait();
+    EXPECT_EQ(g.counters().calls, 1u);
+    EXPECT_EQ(g.counters().bytes_sent, (3 + 0 + 5) * 8 * 2u);  // not the 2 rows to itself
+    ASSERT_FALSE(log->calls.empty());
+    EXPECT_EQ(log->calls.back().op, "all_to_all_v");
+    EXPECT_EQ(log->calls.back().bytes_sent, (3 + 0 + 5) * 8 * 2u);
+    if (dev == Device::cpu) {
+      // Rows 3, 4 of in (to rank 1) land at rows 1, 2 of out (after rank 0's one row).
+      for (int64_t i = 0; i < out.numel(); ++i) {
+        const int64_t row = i / 8;
+        const float want = row == 1 || row == 2 ? float(i + (3 - 1) * 8) : 0.0f;
+        ASSERT_EQ(bf16_to_float(out.data<bf16>()[i]), want) << i;
+      }
+    }
+  }
 }
 
 TEST(ProcessGroupChecks, AvgDivisionInDtype) {

@@ -4,6 +4,8 @@
 // the run instead of hanging it.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -63,6 +65,93 @@ TEST(ThreadProcessGroup, CollectivesGiveEachRankItsResult) {
     EXPECT_EQ(out[2], (std::vector<float>{2, 1})) << r;  // avg of 1, 2, 3 and of 1, 1, 1
     EXPECT_EQ(out[3], (std::vector<float>{2, 2})) << r;
     EXPECT_EQ(out[4], (std::vector<float>{fr, 10 + fr, 20 + fr})) << r;
+  }
+}
+
+// Row i of what rank `from` sends rank `to`, element e: distinct for every (from, to, i, e) and
+// exact in every dtype (integers below 256 in bf16).
+double a2av_value(int from, int to, int64_t i, int64_t e) {
+  return double((from * 61 + to * 17 + i * 5 + e * 3) % 251 - 125);
+}
+
+void a2av_set(const Tensor& t, int64_t k, double v) {
+  if (t.dtype() == DType::f32) t.data<float>()[k] = float(v);
+  if (t.dtype() == DType::bf16) t.data<bf16>()[k] = float_to_bf16(float(v));
+  if (t.dtype() == DType::i32) t.data<int32_t>()[k] = int32_t(v);
+}
+
+double a2av_get(const Tensor& t, int64_t k) {
+  if (t.dtype() == DType::f32) return t.data<float>()[k];
+  if (t.dtype() == DType::bf16) return bf16_to_float(t.data<bf16>()[k]);
+  return t.data<int32_t>()[k];
+}
+
+TEST(ThreadProcessGroup, AllToAllVMovesEveryRowToItsRank) {
+  constexpr int n = 4;
+  constexpr int64_t width = 3;
+  for (DType d : {DType::f32, DType::bf16, DType::i32}) {
+    for (int trial = 0; trial < 3; ++trial) {
+      SCOPED_TRACE(str_cat(dtype_name(d), " trial ", trial));
+      // rows[from][to], random with zeros (trial 2: rank 3 sends nothing and rank 0 gets nothing).
+      std::mt19937 rng(uint32_t(17 + trial));
+      std::uniform_int_distribution<int> count(-2, 5);
+      int64_t rows[n][n];
+      for (int f = 0; f < n; ++f)
+        for (int t = 0; t < n; ++t)
+          rows[f][t] = trial == 2 && (f == 3 || t == 0) ? 0 : std::max(0, count(rng));
+      std::vector<uint64_t> bytes(n);
+      run_ranks(n, [&](ThreadProcessGroup& g) {
+        const int r = g.rank();
+        std::vector<int64_t> send(n), recv(n);
+        int64_t in_rows = 0, out_rows = 0;
+        for (int q = 0; q < n; ++q) {
+          send[size_t(q)] = rows[r][q], recv[size_t(q)] = rows[q][r];
+          in_rows += rows[r][q], out_rows += rows[q][r];
+        }
+        Tensor in = Tensor::empty({in_rows, width}, d), out = Tensor::empty({out_rows, width}, d);
+        for (int64_t k = 0, q = 0; q < n; ++q)
+          for (int64_t i = 0; i < rows[r][q]; ++i)
+            for (int64_t e = 0; e < width; ++e) a2av_set(in, k++, a2av_value(r, int(q), i, e));
+        for (int64_t k = 0; k < out.numel(); ++k) a2av_set(out, k, -200);
+        g.all_to_all_v(in, send, out, recv)->wait();
+        for (int64_t k = 0, q = 0; q < n; ++q)
+          for (int64_t i = 0; i < rows[q][r]; ++i)
+            for (int64_t e = 0; e < width; ++e, ++k)
+              ASSERT_EQ(a2av_get(out, k), a2av_value(int(q), r, i, e))
+                  << "rank " << r << " from " << q << " row " << i;
+        bytes[size_t(r)] = g.counters().bytes_sent;
+      });
+      for (int r = 0; r < n; ++r) {
+        int64_t to_others = 0;
+        for (int q = 0; q < n; ++q) to_others += q == r ? 0 : rows[r][q];
+        EXPECT_EQ(bytes[size_t(r)], uint64_t(to_others * width) * dtype_size(d)) << r;
+      }
+    }
+  }
+}
+
+TEST(ThreadProcessGroup, AllToAllVNamesACountThatIsNotTheSenders) {
+  // Rank 0 sends rank 1 two rows; rank 1 expects three from it.
+  try {
+    run_ranks(
+        2,
+        [&](ThreadProcessGroup& g) {
+          const std::vector<int64_t> send =
+              g.rank() == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1, 1};
+          const std::vector<int64_t> recv =
+              g.rank() == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{3, 1};
+          Tensor in = Tensor::zeros({send[0] + send[1], 2}, DType::f32);
+          Tensor out = Tensor::zeros({recv[0] + recv[1], 2}, DType::f32);
+          g.all_to_all_v(in, send, out, recv)->wait();
+        },
+        /*timeout_s=*/5);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("all_to_all_v on group 'world'"), std::string::npos) << what;
+    EXPECT_NE(what.find("rank 0 sends 2 rows to rank 1 but rank 1 expects recv_rows[0] = 3"),
+              std::string::npos)
+        << what;
   }
 }
 

@@ -158,6 +158,10 @@ TEST(Hardware, CollectivesFollowTheRingFormulas) {
   EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::send, 4096, 2, 4, hw), A + 4096 / B);
   EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 0, 1, false, hw), 0);
   EXPECT_STREQ(collective_name(CollectiveKind::reduce_scatter), "reduce_scatter");
+  // all_to_all_v (the sim group's op name) as all_to_all: its bytes over the link, n-1 steps.
+  EXPECT_STREQ(collective_name(CollectiveKind::all_to_all_v), "all_to_all_v");
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all_v, sent, 8, false, hw),
+                   collective_seconds(CollectiveKind::all_to_all, sent, 8, false, hw));
 }
 
 TEST(Hardware, KernelSecondsIsARoofline) {

@@ -204,6 +204,11 @@ ThreadProcessGroup::ThreadProcessGroup(std::string name, int rank, std::vector<i
 
 std::unique_ptr<dist::Work> ThreadProcessGroup::post(std::string_view op, const Tensor& in,
                                                      Finish finish, int root) {
+  return post_bytes(op, bytes_of(in), std::move(finish), root);
+}
+
+std::unique_ptr<dist::Work> ThreadProcessGroup::post_bytes(std::string_view op, Bytes in,
+                                                           Finish finish, int root) {
   const uint64_t id = next_op_++;
   std::string label = str_cat(op, "#", id);
   log_.push_back(label + " issue");
@@ -217,7 +222,7 @@ std::unique_ptr<dist::Work> ThreadProcessGroup::post(std::string_view op, const 
     }
     LOOM_CHECK(p.op == op && p.root == root, describe(), ": rank ", rank(), " issued ", op,
                " as collective #", id, " where another rank issued ", p.op);
-    p.in[size_t(rank())] = bytes_of(in);
+    p.in[size_t(rank())] = std::move(in);
     ++p.arrived;
     rv_->world->cv.notify_all();
   }
@@ -264,6 +269,47 @@ std::unique_ptr<dist::Work> ThreadProcessGroup::do_all_to_all(const Tensor& in, 
     for (size_t i = 0; i < op.in.size(); ++i)
       std::memcpy(dst + i * block, op.in[i].data() + size_t(r) * block, block);
   });
+}
+
+std::unique_ptr<dist::Work> ThreadProcessGroup::do_all_to_all_v(const Tensor& in,
+                                                                std::span<const int64_t> send_rows,
+                                                                const Tensor& out,
+                                                                std::span<const int64_t> recv_rows,
+                                                                int64_t row_elements) {
+  // Posted: the row's bytes and send_rows (int64 each), then the rows.
+  const size_t n = size_t(size()), header = (n + 1) * sizeof(int64_t);
+  const int64_t row = row_elements * int64_t(dtype_size(in.dtype()));
+  Bytes posted(header + in.nbytes());
+  std::memcpy(posted.data(), &row, sizeof row);
+  std::memcpy(posted.data() + sizeof row, send_rows.data(), n * sizeof(int64_t));
+  if (in.nbytes() > 0) std::memcpy(posted.data() + header, in.raw(), in.nbytes());
+  const int r = rank();
+  std::vector<int64_t> expect(recv_rows.begin(), recv_rows.end());
+  return post_bytes("all_to_all_v", std::move(posted),
+                    [out, r, n, header, row, expect,
+                     what = str_cat("all_to_all_v on ", describe())](PostedOp& op) {
+                      auto* dst = static_cast<std::byte*>(out.raw());
+                      for (size_t i = 0; i < n; ++i) {
+                        const std::byte* b = op.in[i].data();
+                        int64_t their_row, sent[2];  // rows to the ranks before r, rows to r
+                        std::memcpy(&their_row, b, sizeof their_row);
+                        LOOM_CHECK(their_row == row, what, ": rank ", i, " has rows of ", their_row,
+                                   " bytes, this rank (", r, ") of ", row);
+                        sent[0] = 0;
+                        for (int q = 0; q < r; ++q) {
+                          int64_t c;
+                          std::memcpy(&c, b + (1 + q) * sizeof c, sizeof c);
+                          sent[0] += c;
+                        }
+                        std::memcpy(&sent[1], b + (1 + r) * sizeof(int64_t), sizeof(int64_t));
+                        LOOM_CHECK(sent[1] == expect[i], what, ": rank ", i, " sends ", sent[1],
+                                   " rows to rank ", r, " but rank ", r, " expects recv_rows[", i,
+                                   "] = ", expect[i]);
+                        const size_t bytes = size_t(sent[1] * row);
+                        if (bytes > 0) std::memcpy(dst, b + header + size_t(sent[0] * row), bytes);
+                        dst += bytes;
+                      }
+                    });
 }
 
 std::unique_ptr<dist::Work> ThreadProcessGroup::do_barrier() {

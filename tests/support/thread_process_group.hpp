@@ -16,14 +16,18 @@
 // - A wait that would never end (a rank issued another collective, or none) throws after the
 //   group's timeout; when one rank's function throws, every other rank's wait throws too, and
 //   run_ranks rethrows the lowest failing rank's error after joining all threads.
+// - all_to_all_v checks every rank's counts against the others' (a recv_rows entry that is not
+//   the sender's send_rows entry throws in wait(), naming both), which MPI cannot do cheaply.
 // - split() is collective, as MPI_Comm_split (ranks of one color ordered by key, then rank).
 //
 // Per-thread state of the product (ops::ops_run(), the RecordWork sinks) is per rank here, as it
 // would be per process; the allocator is shared and locks (core/allocator.cpp), so its peak
 // statistics are those of all ranks together.
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,6 +64,9 @@ class ThreadProcessGroup final : public dist::ProcessGroup {
   std::unique_ptr<dist::Work> do_send(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<dist::Work> do_recv(const Tensor& t, int peer, int tag) override;
   std::unique_ptr<dist::Work> do_all_to_all(const Tensor& in, const Tensor& out) override;
+  std::unique_ptr<dist::Work> do_all_to_all_v(const Tensor& in, std::span<const int64_t> send_rows,
+                                              const Tensor& out, std::span<const int64_t> recv_rows,
+                                              int64_t row_elements) override;
   std::unique_ptr<dist::Work> do_barrier() override;
 
  private:
@@ -70,6 +77,9 @@ class ThreadProcessGroup final : public dist::ProcessGroup {
   // from every rank's input when the Work completes.
   std::unique_ptr<dist::Work> post(std::string_view op, const Tensor& in, Finish finish,
                                    int root = -1);
+  // The same with the bytes to post given (all_to_all_v posts its counts before its rows).
+  std::unique_ptr<dist::Work> post_bytes(std::string_view op, std::vector<std::byte> in,
+                                         Finish finish, int root = -1);
 
   std::shared_ptr<Rendezvous> rv_;
   uint64_t next_op_ = 0;  // collectives this rank has issued on this group

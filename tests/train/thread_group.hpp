@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <span>
 #include <vector>
 
 #include "core/error.hpp"
@@ -67,6 +68,11 @@ class ThreadGroup final : public dist::ProcessGroup {
   }
   std::unique_ptr<dist::Work> do_all_to_all(const Tensor&, const Tensor&) override {
     fail("threads: no all_to_all");
+  }
+  std::unique_ptr<dist::Work> do_all_to_all_v(const Tensor&, std::span<const int64_t>,
+                                              const Tensor&, std::span<const int64_t>,
+                                              int64_t) override {
+    fail("threads: no all_to_all_v");
   }
 
  private:

@@ -339,6 +339,94 @@ TEST_F(Mpi, AllToAll) {
   }
 }
 
+// Element e of row i of the rows that rank `from` sends rank `to`: distinct per (from, to, i, e)
+// and exact in every dtype (integers below 256 in bf16).
+double a2av_value(int from, int to, int64_t i, int64_t e) {
+  return double((from * 61 + to * 17 + i * 5 + e * 3) % 251 - 125);
+}
+
+// The counts as expert parallelism gets them: each rank draws its own send_rows, all_to_all of one
+// int32 per rank tells every rank its recv_rows. Random per rank and trial, with zeros: in trial 1
+// rank 0 sends nothing and nobody sends the last rank anything.
+TEST_F(Mpi, AllToAllV) {
+  for (DType d : kDtypes) {
+    for (int64_t width : {int64_t(1), int64_t(37)}) {
+      for (int trial = 0; trial < 3; ++trial) {
+        SCOPED_TRACE(str_cat(dtype_name(d), " width ", width, " trial ", trial));
+        std::mt19937 rng(uint32_t(1000 * trial + r_));
+        std::uniform_int_distribution<int> draw(-3, trial == 2 ? 700 : 6);
+        Tensor counts = Tensor::empty({n_}, DType::i32), got = sentinel(DType::i32, n_);
+        for (int q = 0; q < n_; ++q) {
+          const bool none = trial == 1 && (r_ == 0 || q == n_ - 1);
+          counts.data<int32_t>()[q] = none ? 0 : std::max(0, draw(rng));
+        }
+        world_->all_to_all(counts, got)->wait();
+        std::vector<int64_t> send(n_), recv(n_);
+        int64_t in_rows = 0, out_rows = 0;
+        for (int q = 0; q < n_; ++q) {
+          send[q] = counts.data<int32_t>()[q], recv[q] = got.data<int32_t>()[q];
+          in_rows += send[q], out_rows += recv[q];
+        }
+        Tensor in = Tensor::empty({in_rows, width}, d);
+        for (int64_t k = 0, q = 0; q < n_; ++q) {
+          for (int64_t i = 0; i < send[q]; ++i) {
+            for (int64_t e = 0; e < width; ++e) set(in, k++, a2av_value(r_, int(q), i, e));
+          }
+        }
+        Tensor out = sentinel(d, out_rows * width).view({out_rows, width});
+        world_->reset_counters();
+        world_->all_to_all_v(in, send, out, recv)->wait();
+        for (int64_t k = 0, q = 0; q < n_; ++q) {
+          for (int64_t i = 0; i < recv[q]; ++i) {
+            for (int64_t e = 0; e < width; ++e, ++k) {
+              ASSERT_EQ(get(out, k), a2av_value(int(q), r_, i, e)) << "from " << q << " row " << i;
+            }
+          }
+        }
+        int64_t to_others = 0;
+        for (int q = 0; q < n_; ++q) to_others += q == r_ ? 0 : send[q];
+        EXPECT_EQ(world_->counters().calls, 1u);
+        EXPECT_EQ(world_->counters().bytes_sent, uint64_t(to_others * width) * dtype_size(d));
+      }
+    }
+  }
+}
+
+// The counts are read at the call: the caller's vectors may be gone before the wait, and another
+// collective issued after it completes first.
+TEST_F(Mpi, AllToAllVKeepsItsCountsUntilItCompletes) {
+  const DType d = DType::f32;
+  const int64_t width = 5;
+  auto rows = [&](int from, int to) { return int64_t((from + 2 * to) % 3); };  // 0, 1 or 2
+  int64_t in_rows = 0, out_rows = 0;
+  for (int q = 0; q < n_; ++q) in_rows += rows(r_, q), out_rows += rows(q, r_);
+  Tensor in = Tensor::empty({in_rows, width}, d), out = sentinel(d, out_rows * width);
+  for (int64_t k = 0, q = 0; q < n_; ++q) {
+    for (int64_t i = 0; i < rows(r_, int(q)); ++i) {
+      for (int64_t e = 0; e < width; ++e) set(in, k++, a2av_value(r_, int(q), i, e));
+    }
+  }
+  std::unique_ptr<Work> w;
+  {
+    std::vector<int64_t> send(n_), recv(n_);
+    for (int q = 0; q < n_; ++q) send[q] = rows(r_, q), recv[q] = rows(q, r_);
+    w = world_->all_to_all_v(in, send, out.view({out_rows, width}), recv);
+    std::fill(send.begin(), send.end(), -1);  // then freed
+    std::fill(recv.begin(), recv.end(), -1);
+  }
+  Tensor t = make(DType::i32, 1, [&](int64_t) { return 1; });
+  world_->all_reduce(t, ReduceOp::sum)->wait();
+  w->wait();
+  EXPECT_EQ(get(t, 0), n_);
+  for (int64_t k = 0, q = 0; q < n_; ++q) {
+    for (int64_t i = 0; i < rows(int(q), r_); ++i) {
+      for (int64_t e = 0; e < width; ++e, ++k) {
+        ASSERT_EQ(get(out, k), a2av_value(int(q), r_, i, e)) << "from " << q << " row " << i;
+      }
+    }
+  }
+}
+
 TEST_F(Mpi, BarrierCountsTheTimeWaited) {
   world_->reset_counters();
   if (r_ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(150));
