@@ -183,12 +183,49 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<ProcessGroup> world)
 }
 
 ProcessGroup& Mesh::group(std::string_view dims) const {
+  if (dims == "ep" || dims == "ep_shard") {
+    const auto& g = dims == "ep" ? ep_group_ : ep_shard_group_;
+    LOOM_CHECK(g, "mesh: group '", dims, "' asked before add_expert_groups");
+    return *g;
+  }
   const auto [first, last] = layout_.dim_range(dims);
   return *groups_[first][last];
 }
 
+void Mesh::add_expert_groups(int ep) {
+  LOOM_CHECK(!ep_group_, "mesh: the expert groups are added once");
+  ProcessGroup& fsdp = group("dp_shard,cp");
+  LOOM_CHECK(ep >= 1 && fsdp.size() % ep == 0, "parallelism.ep = ", ep,
+             ": expected a divisor of dp_shard x cp = ", fsdp.size(),
+             " (expert parallelism borrows its ranks from the FSDP dims)");
+  ep_ = ep;
+  // Every rank's fsdp group has the same shape: the members come from its world ranks.
+  const std::vector<int>& f = fsdp.world_ranks();
+  const int r = fsdp.rank(), block = r / ep, place = r % ep;
+  std::vector<int> in_block, at_place;
+  for (int i = 0; i < ep; ++i) in_block.push_back(f[size_t(block * ep + i)]);
+  for (int b = 0; b < fsdp.size() / ep; ++b) at_place.push_back(f[size_t(b * ep + place)]);
+  // Colors unique over the world: the fsdp group's first world rank tells the groups apart.
+  const int base = f.front() * 2 * (fsdp.size() + 1);
+  auto make = [&](int color, int key, const char* name, const std::vector<int>& members) {
+    if (members.size() == 1) {
+      // Still a split on every rank of the world (collective), but a group of one is single.
+      world_->split_known(color, key, name, members);
+      return std::shared_ptr<ProcessGroup>(
+          std::make_shared<SingleProcessGroup>(name, world_->world_rank()));
+    }
+    return std::shared_ptr<ProcessGroup>(world_->split_known(color, key, name, members));
+  };
+  ep_group_ = make(base + block, place, "ep", in_block);
+  ep_shard_group_ = make(base + fsdp.size() / ep + place + 1, block, "ep_shard", at_place);
+  if (ep_group_) ep_group_->set_timeout_seconds(world_->timeout_seconds());
+  if (ep_shard_group_) ep_shard_group_->set_timeout_seconds(world_->timeout_seconds());
+}
+
 void Mesh::set_timeout_seconds(double seconds) {
   world_->set_timeout_seconds(seconds);
+  for (auto* g : {ep_group_.get(), ep_shard_group_.get()})
+    if (g) g->set_timeout_seconds(seconds);
   for (auto& row : groups_) {
     for (auto& g : row) {
       if (g) g->set_timeout_seconds(seconds);

@@ -75,6 +75,15 @@ class Mesh {
   ProcessGroup& group(std::string_view dims) const;
   ProcessGroup& world() const { return *world_; }
 
+  // Expert parallelism (a mixture of experts' experts split over `ep` ranks borrowed from the
+  // FSDP dims, as torchtitan does): group("ep") holds consecutive blocks of `ep` ranks of
+  // group("dp_shard,cp") (so the all-to-alls stay between neighbours), group("ep_shard") the
+  // ranks of that group at the same place in their blocks (the experts' FSDP group). ep must
+  // divide dp_shard x cp. Collective over the world, once; without it (or with ep = 1) both are
+  // this rank alone.
+  void add_expert_groups(int ep);
+  int ep() const { return ep_; }
+
   // Applies to every group of the mesh, the world included.
   void set_timeout_seconds(double seconds);
 
@@ -84,6 +93,8 @@ class Mesh {
   std::array<int, kMeshDims> coords_;
   // groups_[first][last]: the group over dims [first, last].
   std::array<std::array<std::shared_ptr<ProcessGroup>, kMeshDims>, kMeshDims> groups_;
+  int ep_ = 1;
+  std::shared_ptr<ProcessGroup> ep_group_, ep_shard_group_;
 };
 
 }  // namespace loom::dist

@@ -8,7 +8,7 @@
 namespace loom {
 
 Model::Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp,
-             std::vector<bool> used)
+             std::vector<bool> used, EpOptions ep)
     : compute_(compute), device_(device), shard_(shard), used_(std::move(used)) {
   LOOM_CHECK(compute == DType::f32 || compute == DType::bf16,
              "compute dtype must be float32 or bfloat16, got ", dtype_name(compute));
@@ -18,6 +18,8 @@ Model::Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOp
   par_->tp.pool = &pool_;
   if (cp.size() <= 1) cp.group = nullptr;
   par_->cp = cp;
+  if (ep.size() <= 1) ep.group = nullptr;
+  par_->ep = ep;
 }
 
 Model::~Model() = default;

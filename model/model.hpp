@@ -93,6 +93,15 @@ class Model {
   // What this rank's micro-batches measured since the last call (each one's head adds to it), then
   // forgotten. Empty for the families that measure nothing beside the loss.
   virtual std::vector<ModelMetric> take_step_metrics() { return {}; }
+  // Whether unit i (units() order) holds experts that expert parallelism splits over the ep ranks:
+  // sharded over the ranks that hold the same experts (ParallelContext::ep), not all of FSDP's.
+  virtual bool expert_unit(size_t unit) const {
+    (void)unit;
+    return false;
+  }
+  // The model's parameters that other ranks hold and this one does not (expert parallelism: the
+  // other ep ranks' experts), by global name: a checkpoint holds them too.
+  virtual std::vector<std::string> held_elsewhere() const { return {}; }
 
   DType compute_dtype() const { return compute_; }
   Device device() const { return device_; }
@@ -156,7 +165,7 @@ class Model {
   // are built on Device::elsewhere (a pipeline rank's units of other stages: names and shapes for
   // bookkeeping, no memory), and init, zeroing, the optimizer and the norm skip them.
   Model(DType compute, Device device, ShardLayout shard, TpOptions tp, CpOptions cp,
-        std::vector<bool> used = {});
+        std::vector<bool> used = {}, EpOptions ep = {});
   // Where unit i (units() order) lives: device(), or Device::elsewhere where this rank does not
   // use it.
   Device unit_device(size_t unit) const { return uses(unit) ? device_ : Device::elsewhere; }

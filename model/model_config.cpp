@@ -100,10 +100,13 @@ double ModelConfig::flops_per_token(int64_t T) const {
 
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute, Device device,
                                   ShardLayout shard, TpOptions tp, CpOptions cp,
-                                  std::vector<bool> used) {
+                                  std::vector<bool> used, EpOptions ep) {
   if (config.is_moe())
     return std::make_unique<MoeModel>(config.moe("make_model"), compute, device, shard, tp, cp,
-                                      std::move(used));
+                                      std::move(used), ep);
+  LOOM_CHECK(ep.size() <= 1, "parallelism.ep = ", ep.size(),
+             ": expert parallelism splits a mixture of experts' experts; model_type \"",
+             config.model_type(), "\" has none (expected parallelism.ep = 1)");
   if (config.is_gla())
     return std::make_unique<GlaModel>(config.gla("make_model"), compute, device, shard, tp, cp,
                                       std::move(used));

@@ -49,9 +49,10 @@ class ModelConfig {
 
 // The model of `config` (LlamaModel, GlaModel or MoeModel), its units allocated on `device`,
 // sharded by `shard`, split by `tp`, its micro-batches split by `cp`.
+// `ep`: expert parallelism (a mixture of experts only).
 std::unique_ptr<Model> make_model(const ModelConfig& config, DType compute,
                                   Device device = Device::cpu, ShardLayout shard = {},
-                                  TpOptions tp = {}, CpOptions cp = {},
-                                  std::vector<bool> used = {});
+                                  TpOptions tp = {}, CpOptions cp = {}, std::vector<bool> used = {},
+                                  EpOptions ep = {});
 
 }  // namespace loom

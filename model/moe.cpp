@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <any>
+#include <array>
 #include <string>
 #include <utility>
 
 #include "core/error.hpp"
+#include "distributed/group_sum.hpp"
 #include "model/head.hpp"
 #include "model/llama.hpp"
 #include "ops/ops.hpp"
@@ -21,6 +23,14 @@ struct MoeMicroBatch {
   double aux_loss = 0;
 };
 
+// Its auxiliary loss sums the router statistics of every sparse layer of a micro-batch: on one
+// rank until they travel between pipeline stages.
+std::vector<bool> refuse_pp(const MoeConfig& c, std::vector<bool> used) {
+  LOOM_CHECK(used.empty(), "parallelism.pp: a mixture-of-experts model (", c.model_type(),
+             ") runs without pipeline parallelism for now (expected parallelism.pp = 1)");
+  return used;
+}
+
 MoeMicroBatch& state(ActivationStore& s) {
   if (!s.extra.has_value()) s.extra = MoeMicroBatch();
   return std::any_cast<MoeMicroBatch&>(s.extra);
@@ -29,22 +39,19 @@ MoeMicroBatch& state(ActivationStore& s) {
 }  // namespace
 
 MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardLayout shard,
-                   TpOptions tp, CpOptions cp, std::vector<bool> used)
-    : Model(compute, device, shard, tp, cp, std::move(used)), config_(config) {
+                   TpOptions tp, CpOptions cp, std::vector<bool> used, EpOptions ep)
+    : Model(compute, device, shard, tp, cp, refuse_pp(config, std::move(used)), ep),
+      config_(config) {
   config_.validate("model config");
   const LlamaConfig& c = config_.base;
   const int n = tp.size(), r = tp.rank();
   LOOM_CHECK(n == 1, "parallelism.tp: a mixture-of-experts model (", config_.model_type(),
              ") runs without tensor parallelism for now (expected parallelism.tp = 1, found ", n,
              ")");
-  LOOM_CHECK(cp.size() == 1, "parallelism.cp: a mixture-of-experts model (", config_.model_type(),
-             ") runs without context parallelism for now (expected parallelism.cp = 1, found ",
-             cp.size(), "): its auxiliary loss needs the router statistics of every cp rank");
-  // Its auxiliary loss sums the router statistics of every sparse layer of a micro-batch: on one
-  // rank until they travel between pipeline stages.
-  for (size_t u = 0; u < size_t(c.num_hidden_layers) + 2; ++u)
-    LOOM_CHECK(uses(u), "parallelism.pp: a mixture-of-experts model (", config_.model_type(),
-               ") runs without pipeline parallelism for now (expected parallelism.pp = 1)");
+  LOOM_CHECK(config_.num_experts % ep.size() == 0, "parallelism.ep = ", ep.size(),
+             ": expected a divisor of the model's ", config_.num_experts, " experts (",
+             config_.family == MoeConfig::Family::mixtral ? "num_local_experts" : "num_experts",
+             "): each ep rank holds E / ep of them");
   const bool bf = compute == DType::bf16;
   const int64_t d = c.hidden_size, V = local_vocab(c.vocab_size, n);
   const int64_t real_rows = V * n == c.vocab_size ? 0 : c.vocab_size;
@@ -62,9 +69,15 @@ MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardL
       std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    blocks_.push_back(
-        std::make_unique<MoeBlock>(config_, l, bf, unit_device(size_t(l) + 1), shard, &par()));
-    block_units.push_back(&blocks_.back()->unit());
+    const Device dev = unit_device(block_units.size() + 1);
+    attention_.push_back(std::make_unique<MoeAttentionBlock>(config_, l, bf, dev, shard, &par()));
+    block_units.push_back(&attention_.back()->unit());
+    order_.push_back({l, false});
+    experts_.push_back(nullptr);
+    if (!config_.sparse(l)) continue;
+    experts_.back() = std::make_unique<MoeExpertsBlock>(config_, l, bf, dev, shard, &par());
+    block_units.push_back(&experts_.back()->unit());
+    order_.push_back({l, true});
   }
   std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
   if (!c.tie_word_embeddings) {
@@ -80,9 +93,9 @@ MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardL
                     real_rows});
     head.back().gemm_grad = true;  // only the loss's dW GEMMs write it
   }
-  set_units(std::move(embed), std::move(block_units),
-            std::make_unique<ParamUnit>("head", head, bf,
-                                        unit_device(size_t(c.num_hidden_layers) + 1), shard));
+  set_units(
+      std::move(embed), std::move(block_units),
+      std::make_unique<ParamUnit>("head", head, bf, unit_device(block_units.size() + 1), shard));
 }
 
 std::string MoeModel::describe() const {
@@ -104,6 +117,29 @@ const RouterStats& MoeModel::router_stats(const ActivationStore& s) {
 double MoeModel::aux_loss(const ActivationStore& s) {
   const auto* m = std::any_cast<MoeMicroBatch>(&s.extra);
   return m ? m->aux_loss : 0.0;
+}
+
+bool MoeModel::expert_unit(size_t unit) const {
+  return par().ep.group && unit >= 1 && unit <= order_.size() && order_[unit - 1].experts;
+}
+
+std::vector<std::string> MoeModel::held_elsewhere() const {
+  std::vector<std::string> out;
+  if (!par().ep.group) return out;
+  const int64_t El = config_.num_experts / par().ep.size(), first = par().ep.rank() * El;
+  const bool mixtral = config_.family == MoeConfig::Family::mixtral;
+  for (int64_t l = 0; l < config_.base.num_hidden_layers; ++l) {
+    if (!config_.sparse(l)) continue;
+    const std::string p =
+        str_cat("model.layers.", l, mixtral ? ".block_sparse_moe.experts." : ".mlp.experts.");
+    for (int64_t e = 0; e < config_.num_experts; ++e) {
+      if (e >= first && e < first + El) continue;
+      for (const char* w :
+           mixtral ? std::array{"w1", "w2", "w3"} : std::array{"gate_proj", "up_proj", "down_proj"})
+        out.push_back(str_cat(p, e, ".", w, ".weight"));
+    }
+  }
+  return out;
 }
 
 std::vector<ModelMetric> MoeModel::take_step_metrics() {
@@ -132,18 +168,37 @@ void MoeModel::prepare(ActivationStore& s, int64_t span) {
 }
 
 void MoeModel::set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) {
-  blocks_[block]->set_checkpoint(mode);
+  const SubBlock b = order_[block];
+  if (b.experts)
+    experts_[size_t(b.layer)]->set_checkpoint(mode);
+  else
+    attention_[size_t(b.layer)]->set_checkpoint(mode);
 }
 
+// An experts block reads the routing its layer's attention block (the block before it) saved.
 Tensor MoeModel::block_forward(ActivationStore& s, size_t block, const Tensor& x) {
-  if (!s.blocks[block].has_value()) s.blocks[block] = MoeBlockActs();
-  return blocks_[block]->forward(s.ctx, x, std::any_cast<MoeBlockActs&>(s.blocks[block]),
-                                 state(s).stats);
+  const SubBlock b = order_[block];
+  if (!b.experts) {
+    if (!s.blocks[block].has_value()) s.blocks[block] = MoeAttentionActs();
+    return attention_[size_t(b.layer)]->forward(
+        s.ctx, x, std::any_cast<MoeAttentionActs&>(s.blocks[block]), state(s).stats);
+  }
+  if (!s.blocks[block].has_value()) s.blocks[block] = MoeExpertsActs();
+  return experts_[size_t(b.layer)]->forward(
+      s.ctx, std::any_cast<MoeAttentionActs&>(s.blocks[block - 1]).routing,
+      std::any_cast<MoeExpertsActs&>(s.blocks[block]));
 }
 
 void MoeModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
-  blocks_[block]->backward(s.ctx, dy, std::any_cast<MoeBlockActs&>(s.blocks[block]),
-                           state(s).stats);
+  const SubBlock b = order_[block];
+  if (!b.experts) {
+    attention_[size_t(b.layer)]->backward(
+        s.ctx, dy, std::any_cast<MoeAttentionActs&>(s.blocks[block]), state(s).stats);
+    return;
+  }
+  experts_[size_t(b.layer)]->backward(s.ctx, dy,
+                                      std::any_cast<MoeAttentionActs&>(s.blocks[block - 1]).routing,
+                                      std::any_cast<MoeExpertsActs&>(s.blocks[block]));
 }
 
 Tensor MoeModel::embedding_forward(ActivationStore& s) {
@@ -163,40 +218,49 @@ void MoeModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
 // choices that went to expert e (summing to k), P_e = the mean probability of e. The training
 // loss is the cross-entropy's mean plus coef x aux per micro-batch: in loom's summed loss
 // (divided by the step's tokens) it weighs coef x aux x the micro-batch's tokens. f_e is a count:
-// the gradient flows through P only, d/dp = coef x tokens x E x f_e / N for every row.
+// the gradient flows through P only, d/dp = coef x tokens x E x f_e / N for every row. Under
+// context parallelism the micro-batch's tokens are spread over the cp ranks: the statistics are
+// summed over them first (2E + 1 numbers), each rank adds its tokens' share of the term.
 void MoeModel::add_aux_loss(ActivationStore& s) {
   MoeMicroBatch& m = state(s);
-  const RouterStats& st = m.stats;
+  RouterStats& st = m.stats;
   const int64_t E = config_.num_experts;
   if (config_.num_sparse_layers() == 0) return;
   const bool train_aux = config_.output_router_logits && config_.router_aux_loss_coef > 0;
+  const int cp = par().cp.size();
+  std::vector<double> sums(size_t(2 * E + 1), 0.0);
+  if (!st.counts.empty()) {
+    std::copy(st.counts.begin(), st.counts.end(), sums.begin());
+    std::copy(st.prob_sum.begin(), st.prob_sum.end(), sums.begin() + E);
+    sums.back() = double(st.rows);
+  }
+  if (cp > 1) sums = group_sum_each(par().cp.group, sums);  // on meta too: the same traffic
+  step_.micro_batches += 1;
   if (!ops::computes(device_)) {
     // Nothing routed on meta; the step's metrics still travel (the same collectives as a run).
-    step_.micro_batches += 1;
-    if (train_aux) m.stats.dprob = Tensor::empty({E}, DType::f32, device_);  // booked only
+    if (train_aux) st.dprob = Tensor::empty({E}, DType::f32, device_);  // booked only
     return;
   }
-  const double N = double(st.rows), tokens = double(s.ctx.tokens());
+  const double N = sums.back(), tokens = double(s.ctx.tokens()) * cp;
   double aux = 0;
-  for (int64_t e = 0; e < E; ++e) aux += (st.counts[size_t(e)] / N) * (st.prob_sum[size_t(e)] / N);
+  for (int64_t e = 0; e < E; ++e) aux += (sums[size_t(e)] / N) * (sums[size_t(E + e)] / N);
   m.aux_loss = double(E) * aux;
   step_.aux += m.aux_loss;
   for (double r : st.load_max_over_mean) step_.load = std::max(step_.load, r);
   step_.dropped += double(st.dropped);
-  step_.choices += N * double(config_.num_experts_per_tok);
-  step_.micro_batches += 1;
+  step_.choices += double(st.rows) * double(config_.num_experts_per_tok);
   if (!train_aux) return;
   const double coef = config_.router_aux_loss_coef;
-  s.loss += coef * m.aux_loss * tokens;
+  s.loss += coef * m.aux_loss * double(s.ctx.tokens());  // this rank's tokens' share
   Tensor g = Tensor::empty({E}, DType::f32, Device::cpu);
   for (int64_t e = 0; e < E; ++e)
     g.data<float>()[e] =
-        float(double(s.grad_scale) * coef * tokens * double(E) * st.counts[size_t(e)] / (N * N));
+        float(double(s.grad_scale) * coef * tokens * double(E) * sums[size_t(e)] / (N * N));
   if (device_ == Device::cpu) {
-    m.stats.dprob = g;
+    st.dprob = g;
   } else {
-    m.stats.dprob = Tensor::empty({E}, DType::f32, device_);
-    ops::copy(g, m.stats.dprob);
+    st.dprob = Tensor::empty({E}, DType::f32, device_);
+    ops::copy(g, st.dprob);
   }
 }
 
@@ -207,7 +271,7 @@ Tensor MoeModel::head_forward_backward(ActivationStore& s) {
   const LlamaModel::LossChunks chunks = LlamaModel::loss_chunks(c, s.ctx.B, s.ctx.T, compute_);
   const LossHead head{.tp = par().tp,
                       .plan = moe_plan(),
-                      .precision = MoeBlock::kPrecision,
+                      .precision = MoeAttentionBlock::kPrecision,
                       .tied = c.tie_word_embeddings,
                       .M = s.ctx.tokens(),
                       .Mx = residual_rows(s.ctx),

@@ -1,9 +1,10 @@
 #pragma once
 // The mixture-of-experts model (Qwen3-MoE, Mixtral: model/moe_config.hpp), a Model
-// (model/model.hpp): an embedding unit, MoE blocks (model/moe_block.hpp) and the shared head
-// (model/head.hpp). Each micro-batch's router statistics ride in its ActivationStore; the head
-// adds transformers' auxiliary load-balancing loss (router_aux_loss_coef x it, where
-// output_router_logits asks) and sets its gradient before any block's backward
+// (model/model.hpp): an embedding unit, per layer an attention block and, in a sparse layer, an
+// experts block (model/moe_block.hpp: two units, so that the experts can be sharded apart), and
+// the shared head (model/head.hpp). Each micro-batch's router statistics ride in its
+// ActivationStore; the head adds transformers' auxiliary load-balancing loss (router_aux_loss_coef
+// x it, where output_router_logits asks) and sets its gradient before any block's backward
 // (docs/decisions/moe.md).
 #include <cstdint>
 #include <memory>
@@ -20,9 +21,10 @@ namespace loom {
 
 class MoeModel final : public Model {
  public:
+  // `ep`: expert parallelism (each ep rank builds and runs E / ep of the experts).
   MoeModel(const MoeConfig& config, DType compute, Device device = Device::cpu,
            ShardLayout shard = {}, TpOptions tp = {}, CpOptions cp = {},
-           std::vector<bool> used = {});
+           std::vector<bool> used = {}, EpOptions ep = {});
 
   const MoeConfig& config() const { return config_; }
 
@@ -43,6 +45,8 @@ class MoeModel final : public Model {
   // expert got over the mean, in the worst sparse layer of any micro-batch (1: balanced);
   // dropped: the share of the choices over an expert's capacity.
   std::vector<ModelMetric> take_step_metrics() override;
+  bool expert_unit(size_t unit) const override;
+  std::vector<std::string> held_elsewhere() const override;
 
  private:
   const RopeTable& rope_for(int64_t T);
@@ -57,8 +61,15 @@ class MoeModel final : public Model {
   // gradient per expert probability set.
   void add_aux_loss(ActivationStore& s);
 
+  // The model's blocks in order: layer l's attention block, then its experts block if sparse.
+  struct SubBlock {
+    int64_t layer;
+    bool experts;
+  };
   MoeConfig config_;
-  std::vector<std::unique_ptr<MoeBlock>> blocks_;
+  std::vector<SubBlock> order_;
+  std::vector<std::unique_ptr<MoeAttentionBlock>> attention_;  // per layer
+  std::vector<std::unique_ptr<MoeExpertsBlock>> experts_;      // per layer (null: dense)
   struct StepSums {
     double aux = 0, load = 0, dropped = 0, choices = 0;
     int64_t micro_batches = 0;

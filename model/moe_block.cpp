@@ -17,86 +17,100 @@ std::vector<ParamSpec> with_plan(std::vector<ParamSpec> specs) {
   return specs;
 }
 
-// The block's parameters in Hugging Face's names, in the unit's order: the attention's, then the
-// FFN's. A sparse layer's experts: each expert's gate and up adjacent (one fused GEMM matrix),
-// expert by expert, then the down projections.
-std::vector<ParamSpec> block_specs(const MoeConfig& c, int64_t layer, bool sparse) {
-  const std::string p = "model.layers." + std::to_string(layer) + ".";
+std::string layer_prefix(int64_t layer) {
+  return "model.layers." + std::to_string(layer) + ".";
+}
+
+// Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init).
+float out_std(const MoeConfig& c) {
+  return 0.02f / std::sqrt(2.0f * float(c.base.num_hidden_layers));
+}
+
+ParamSpec norm_spec(std::string name, int64_t n) {
+  return ParamSpec{std::move(name), {n}, Init::ones, 0, false, true};
+}
+
+ParamSpec gemm_spec(std::string name, int64_t rows, int64_t cols, float std) {
+  ParamSpec s{std::move(name), {rows, cols}, Init::normal, std, true, false};
+  s.gemm_grad = true;
+  return s;
+}
+
+// The attention block's parameters, in the unit's order: the attention's, post_attention_layernorm,
+// then the dense MLP's or the router.
+std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool sparse) {
+  const std::string p = layer_prefix(layer);
   const LlamaConfig& b = c.base;
   const int64_t d = b.hidden_size, hd = c.head_dim;
   const int64_t q = b.num_attention_heads * hd, kv = b.num_key_value_heads * hd;
-  // Output projections of the residual branches start smaller (GPT-2 / Megatron scaled init).
-  const float out_std = 0.02f / std::sqrt(2.0f * float(b.num_hidden_layers));
-  auto norm = [](std::string name, int64_t n) {
-    return ParamSpec{std::move(name), {n}, Init::ones, 0, false, true};
-  };
-  auto gemm = [](std::string name, int64_t rows, int64_t cols, float std) {
-    ParamSpec s{std::move(name), {rows, cols}, Init::normal, std, true, false};
-    s.gemm_grad = true;
-    return s;
-  };
-  std::vector<ParamSpec> specs{norm(p + "input_layernorm.weight", d),
-                               gemm(p + "self_attn.q_proj.weight", q, d, 0.02f),
-                               gemm(p + "self_attn.k_proj.weight", kv, d, 0.02f),
-                               gemm(p + "self_attn.v_proj.weight", kv, d, 0.02f),
-                               gemm(p + "self_attn.o_proj.weight", d, q, out_std)};
+  std::vector<ParamSpec> specs{norm_spec(p + "input_layernorm.weight", d),
+                               gemm_spec(p + "self_attn.q_proj.weight", q, d, 0.02f),
+                               gemm_spec(p + "self_attn.k_proj.weight", kv, d, 0.02f),
+                               gemm_spec(p + "self_attn.v_proj.weight", kv, d, 0.02f),
+                               gemm_spec(p + "self_attn.o_proj.weight", d, q, out_std(c))};
   if (c.qk_norm()) {
-    specs.push_back(norm(p + "self_attn.q_norm.weight", hd));
-    specs.push_back(norm(p + "self_attn.k_norm.weight", hd));
+    specs.push_back(norm_spec(p + "self_attn.q_norm.weight", hd));
+    specs.push_back(norm_spec(p + "self_attn.k_norm.weight", hd));
   }
-  specs.push_back(norm(p + "post_attention_layernorm.weight", d));
+  specs.push_back(norm_spec(p + "post_attention_layernorm.weight", d));
   if (!sparse) {
     const int64_t F = b.intermediate_size;
-    specs.push_back(gemm(p + "mlp.gate_proj.weight", F, d, 0.02f));
-    specs.push_back(gemm(p + "mlp.up_proj.weight", F, d, 0.02f));
-    specs.push_back(gemm(p + "mlp.down_proj.weight", d, F, out_std));
-    return with_plan(std::move(specs));
+    specs.push_back(gemm_spec(p + "mlp.gate_proj.weight", F, d, 0.02f));
+    specs.push_back(gemm_spec(p + "mlp.up_proj.weight", F, d, 0.02f));
+    specs.push_back(gemm_spec(p + "mlp.down_proj.weight", d, F, out_std(c)));
+  } else {
+    const bool mixtral = c.family == MoeConfig::Family::mixtral;
+    specs.push_back(gemm_spec(p + (mixtral ? "block_sparse_moe." : "mlp.") + "gate.weight",
+                              c.num_experts, d, 0.02f));
   }
+  return with_plan(std::move(specs));
+}
+
+// The experts' parameters: expert by expert its gate and up (adjacent: one fused GEMM matrix),
+// then every expert's down. An expert that gets no token writes no gradient: the experts'
+// gradients are zeroed each step and their GEMMs add (ParamSpec::gemm_grad false).
+// Experts [first, first + count) (their global indices in the names).
+std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first,
+                                    int64_t count) {
   const bool mixtral = c.family == MoeConfig::Family::mixtral;
-  const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
-  const int64_t F = c.moe_intermediate_size, E = c.num_experts;
-  specs.push_back(gemm(moe + "gate.weight", E, d, 0.02f));
-  // An expert that gets no token writes no gradient: the experts' gradients are zeroed each step
-  // and their GEMMs add (ParamSpec::gemm_grad false).
+  const std::string p = layer_prefix(layer) + (mixtral ? "block_sparse_moe." : "mlp.");
+  const int64_t d = c.base.hidden_size, F = c.moe_intermediate_size;
   auto expert = [&](int64_t e, const char* qwen, const char* mix, int64_t rows, int64_t cols,
                     float std) {
     ParamSpec s =
-        gemm(moe + "experts." + std::to_string(e) + "." + (mixtral ? mix : qwen) + ".weight", rows,
-             cols, std);
+        gemm_spec(p + "experts." + std::to_string(e) + "." + (mixtral ? mix : qwen) + ".weight",
+                  rows, cols, std);
     s.gemm_grad = false;
     return s;
   };
-  for (int64_t e = 0; e < E; ++e) {
+  std::vector<ParamSpec> specs;
+  for (int64_t e = first; e < first + count; ++e) {
     specs.push_back(expert(e, "gate_proj", "w1", F, d, 0.02f));
     specs.push_back(expert(e, "up_proj", "w3", F, d, 0.02f));
   }
-  for (int64_t e = 0; e < E; ++e) specs.push_back(expert(e, "down_proj", "w2", d, F, out_std));
+  for (int64_t e = first; e < first + count; ++e)
+    specs.push_back(expert(e, "down_proj", "w2", d, F, out_std(c)));
   return with_plan(std::move(specs));
 }
 
 }  // namespace
 
-MoeBlock::MoeBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device, ShardLayout shard,
-                   const ParallelContext* par)
+MoeAttentionBlock::MoeAttentionBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
+                                     ShardLayout shard, const ParallelContext* par)
     : c_(c),
       par_(par ? par : &no_parallelism()),
       sparse_(c.sparse(layer)),
       norm2_(c.qk_norm() ? 7 : 5),
-      unit_("layers." + std::to_string(layer), block_specs(c, layer, sparse_), bf16, device,
-            shard) {
-  // Tensor parallelism splits no MoE parameter yet (docs/decisions/moe.md).
-  LOOM_CHECK(!par_->tp.on() || par_->tp.opt.size() == 1,
-             "parallelism.tp: a mixture-of-experts model (", c.model_type(),
-             ") runs without tensor parallelism for now (expected parallelism.tp = 1)");
-}
+      unit_("layers." + std::to_string(layer), attention_specs(c, layer, sparse_), bf16, device,
+            shard) {}
 
-Attention MoeBlock::attention(const StepContext& ctx) const {
+Attention MoeAttentionBlock::attention(const StepContext& ctx) const {
   return Attention::of(*par_, ctx, 0, 1, 4, c_.qk_norm() ? 5 : Attention::kNone,
                        c_.base.hidden_size, c_.head_dim, c_.base.num_attention_heads,
                        c_.base.num_key_value_heads, float(c_.base.rms_norm_eps));
 }
 
-Mlp MoeBlock::mlp(const StepContext& ctx) const {
+Mlp MoeAttentionBlock::mlp(const StepContext& ctx) const {
   const Attention at = attention(ctx);
   return {par_->tp,   norm2_,      norm2_ + 1,
           norm2_ + 3, kPrecision,  at.M,
@@ -104,62 +118,95 @@ Mlp MoeBlock::mlp(const StepContext& ctx) const {
           at.eps,     ctx.compute, at.keep_gathered};
 }
 
-MoeFfn MoeBlock::moe(const StepContext& ctx) const {
-  const int64_t E = c_.num_experts;
+MoeRouter MoeAttentionBlock::router(const StepContext& ctx) const {
   return {.norm = norm2_,
           .router = norm2_ + 1,
-          .gate = norm2_ + 2,
-          .down = norm2_ + 2 + 2 * size_t(E),
           .M = ctx.tokens(),
           .d = c_.base.hidden_size,
-          .E = E,
+          .E = c_.num_experts,
           .k = c_.num_experts_per_tok,
-          .F = c_.moe_intermediate_size,
           .renormalize = c_.norm_topk_prob,
           .capacity = 0,
           .eps = float(c_.base.rms_norm_eps),
           .compute = ctx.compute};
 }
 
-Tensor MoeBlock::forward(const StepContext& ctx, const Tensor& x, MoeBlockActs& a,
-                         RouterStats& stats) const {
-  // In bf16 the residual stream enters each block rounded to bf16 (as LlamaBlock::forward).
+Tensor MoeAttentionBlock::forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,
+                                  RouterStats& stats) const {
+  // In bf16 the residual stream enters each layer rounded to bf16 (as LlamaBlock::forward).
   const bool round = ctx.compute != DType::f32;
   a.attn.x = round ? Tensor::empty(x.shape(), ctx.compute, x.device()) : x;
-  Tensor out = run_forward(ctx, x, a, ac_, true, stats, round);
+  Tensor out = run_forward(ctx, x, a, ac_, true, &stats, round);
   if (ac_ == ActivationCheckpoint::Mode::full) {
-    Tensor input = a.attn.x;
-    a = MoeBlockActs();
-    a.attn.x = input;
+    // The input stays, and a sparse layer's routing (the experts block reads it first).
+    MoeAttentionActs kept;
+    kept.attn.x = a.attn.x;
+    kept.routing = std::move(a.routing);
+    a = std::move(kept);
   }
   return out;
 }
 
-Tensor MoeBlock::run_forward(const StepContext& ctx, const Tensor& x, MoeBlockActs& a,
-                             ActivationCheckpoint::Mode mode, bool output, RouterStats& stats,
-                             bool round_input) const {
+// With `stats` null (a recomputation) a sparse layer's routing is kept as it is.
+Tensor MoeAttentionBlock::run_forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,
+                                      ActivationCheckpoint::Mode mode, bool output,
+                                      RouterStats* stats, bool round_input) const {
   Tensor h = attention(ctx).forward(unit_, ctx, x, a.attn, mode, round_input);
   if (!sparse_) {
     a.mlp.h = h;
     return mlp(ctx).forward(unit_, a.mlp, mode, output);
   }
-  a.moe.h = h;
-  return moe(ctx).forward(unit_, a.moe, stats, output);
+  if (stats) {
+    a.routing.h = h;
+    router(ctx).forward(unit_, a.routing, *stats);
+  }
+  return h;
 }
 
-void MoeBlock::backward(const StepContext& ctx, Tensor& dy, MoeBlockActs& a, RouterStats& stats) {
-  if (!a.mlp.h.defined() && !a.moe.h.defined()) {
-    // `full` saved the input only: the forward runs again, its router statistics counted once
-    // (in the first forward).
-    RouterStats again;
-    run_forward(ctx, ops::to_f32(a.attn.x), a, ActivationCheckpoint::Mode::none, false, again);
+void MoeAttentionBlock::backward(const StepContext& ctx, Tensor& dy, MoeAttentionActs& a,
+                                 const RouterStats& stats) {
+  if (!a.attn.rstd1.defined()) {
+    // `full` saved the input only: the attention (and a dense MLP) runs again.
+    run_forward(ctx, ops::to_f32(a.attn.x), a, ActivationCheckpoint::Mode::none, false, nullptr);
   }
   if (sparse_)
-    moe(ctx).backward(unit_, dy, a.moe, stats);
+    router(ctx).backward(unit_, dy, a.routing, stats);
   else
     mlp(ctx).backward(unit_, dy, a.mlp);
   attention(ctx).backward(unit_, ctx, dy, a.attn);
-  a = MoeBlockActs();
+  a = MoeAttentionActs();
+}
+
+MoeExpertsBlock::MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
+                                 ShardLayout shard, const ParallelContext* par)
+    : c_(c),
+      par_(par ? par : &no_parallelism()),
+      unit_("layers." + std::to_string(layer) + ".experts",
+            expert_specs(c, layer, par_->ep.rank() * (c.num_experts / par_->ep.size()),
+                         c.num_experts / par_->ep.size()),
+            bf16, device, par_->ep.group ? par_->ep.shard : shard) {}
+
+MoeExperts MoeExpertsBlock::experts(const StepContext& ctx) const {
+  return {.ep = par_->ep.group,
+          .M = ctx.tokens(),
+          .d = c_.base.hidden_size,
+          .E = c_.num_experts,
+          .k = c_.num_experts_per_tok,
+          .F = c_.moe_intermediate_size,
+          .compute = ctx.compute};
+}
+
+Tensor MoeExpertsBlock::forward(const StepContext& ctx, const MoeRouting& routing,
+                                MoeExpertsActs& a) const {
+  Tensor y = experts(ctx).forward(unit_, routing, a);
+  if (ac_ == ActivationCheckpoint::Mode::full) a = MoeExpertsActs();
+  return y;
+}
+
+void MoeExpertsBlock::backward(const StepContext& ctx, const Tensor& dy, MoeRouting& routing,
+                               MoeExpertsActs& a) {
+  if (!a.xs.defined()) experts(ctx).forward(unit_, routing, a, false);
+  experts(ctx).backward(unit_, dy, routing, a);
 }
 
 }  // namespace loom

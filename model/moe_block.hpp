@@ -1,10 +1,16 @@
 #pragma once
-// The transformer block of the mixture-of-experts families (Qwen3-MoE, Mixtral): Llama's
-// attention branch (model/attention.hpp; Qwen3's q/k norms as its config says) and, by layer,
-// the experts (model/moe_ffn.hpp) or a dense SwiGLU MLP (model/mlp.hpp; Qwen3's
-// mlp_only_layers), with Hugging Face's parameter names. Activation checkpointing `full` keeps
-// the block's input only; `op` is `none` for the experts' branch (its router state is small
-// beside the rows it would recompute).
+// The layers of the mixture-of-experts families (Qwen3-MoE, Mixtral), each one or two of the
+// model's blocks, with Hugging Face's parameter names:
+// - MoeAttentionBlock (unit "layers.L"): Llama's attention branch (model/attention.hpp; Qwen3's
+//   q/k norms as the config says), then a dense SwiGLU MLP (model/mlp.hpp; Qwen3's
+//   mlp_only_layers) or, in a sparse layer, the router half of the experts' branch
+//   (model/moe_ffn.hpp: norm, router, the tokens grouped by expert, handed on in MoeRouting);
+// - MoeExpertsBlock (unit "layers.L.experts", sparse layers only): the experts, alone in their unit
+//   so that expert parallelism can shard them over another group than the rest.
+// Activation checkpointing `full`: the attention block keeps its input (and a sparse layer's
+// routing, which the experts block reads before the attention block's backward recomputes), the
+// experts block keeps nothing (its backward routes the rows through the experts again); `op` is
+// `none` for both halves of the experts' branch.
 #include <cstdint>
 
 #include "core/tensor.hpp"
@@ -18,46 +24,73 @@
 
 namespace loom {
 
-// Saved activations of one block.
-struct MoeBlockActs {
+// Saved activations of an attention block.
+struct MoeAttentionActs {
   AttentionActs attn;
-  MlpActs mlp;     // a dense layer's
-  MoeFfnActs moe;  // a sparse layer's
-  size_t bytes() const { return attn.bytes() + mlp.bytes() + moe.bytes(); }
+  MlpActs mlp;         // a dense layer's
+  MoeRouting routing;  // a sparse layer's
+  size_t bytes() const { return attn.bytes() + mlp.bytes() + routing.bytes(); }
 };
 
-class MoeBlock {
+class MoeAttentionBlock {
  public:
-  MoeBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device, ShardLayout shard = {},
-           const ParallelContext* par = nullptr);
+  MoeAttentionBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
+                    ShardLayout shard = {}, const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }
-  const ParamUnit& unit() const { return unit_; }
   bool sparse() const { return sparse_; }
   void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
 
-  // x [M, d] -> output [M, d] (a new tensor); saves into `acts`, the router's statistics into
-  // `stats`. In bf16, x is rounded to bf16 in place.
-  Tensor forward(const StepContext& ctx, const Tensor& x, MoeBlockActs& acts,
+  // x [M, d] -> the dense layer's output, or a sparse layer's attention residual h (which the
+  // experts block adds its branch to; acts.routing holds the router's decisions). The router's
+  // statistics go to `stats`. In bf16, x is rounded to bf16 in place.
+  Tensor forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& acts,
                  RouterStats& stats) const;
-  // dy [M, d] is turned in place into the gradient w.r.t. the block's input; parameter gradients
-  // accumulate (the auxiliary loss's through stats.dprob). Recomputes what forward did not save,
-  // then frees `acts`.
-  void backward(const StepContext& ctx, Tensor& dy, MoeBlockActs& acts, RouterStats& stats);
+  // dy [M, d] (w.r.t. the block's output; a sparse layer's: w.r.t. the experts block's, after its
+  // backward set acts.routing.dxn and dweights) -> w.r.t. the block's input, in place; parameter
+  // gradients accumulate. Then frees `acts`.
+  void backward(const StepContext& ctx, Tensor& dy, MoeAttentionActs& acts,
+                const RouterStats& stats);
 
   static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
 
  private:
-  Tensor run_forward(const StepContext& ctx, const Tensor& x, MoeBlockActs& a,
-                     ActivationCheckpoint::Mode mode, bool output, RouterStats& stats,
+  Tensor run_forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,
+                     ActivationCheckpoint::Mode mode, bool output, RouterStats* stats,
                      bool round_input = false) const;
   Attention attention(const StepContext& ctx) const;
   Mlp mlp(const StepContext& ctx) const;
-  MoeFfn moe(const StepContext& ctx) const;
+  MoeRouter router(const StepContext& ctx) const;
 
   const MoeConfig& c_;
   const ParallelContext* par_;
   bool sparse_;
-  size_t norm2_;  // the index of post_attention_layernorm; the branch's parameters follow it
+  size_t norm2_;  // the index of post_attention_layernorm; the MLP's or router's follow it
+  ParamUnit unit_;
+  ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
+};
+
+class MoeExpertsBlock {
+ public:
+  // With expert parallelism (par->ep) the unit holds this ep rank's E / ep experts (their global
+  // names), sharded by par->ep.shard.
+  MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
+                  ShardLayout shard = {}, const ParallelContext* par = nullptr);
+  ParamUnit& unit() { return unit_; }
+  void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
+
+  // h (the attention block's output) -> h + the experts' branch, from `routing`.
+  Tensor forward(const StepContext& ctx, const MoeRouting& routing, MoeExpertsActs& acts) const;
+  // dy passes through to h unchanged; sets routing.dxn and routing.dweights for the router's
+  // backward; parameter gradients accumulate. Recomputes what forward did not save, then frees
+  // `acts`.
+  void backward(const StepContext& ctx, const Tensor& dy, MoeRouting& routing,
+                MoeExpertsActs& acts);
+
+ private:
+  MoeExperts experts(const StepContext& ctx) const;
+
+  const MoeConfig& c_;
+  const ParallelContext* par_;
   ParamUnit unit_;
   ActivationCheckpoint::Mode ac_ = ActivationCheckpoint::Mode::none;
 };

@@ -1,12 +1,13 @@
 #pragma once
 // The mixture-of-experts feed-forward branch of a pre-norm block (Qwen3-MoE's sparse MLP,
 // Mixtral's block_sparse_moe): out = h + sum over each token's k chosen experts of
-// weight x expert(xn), xn = rmsnorm(h), an expert a SwiGLU MLP. The router is a linear layer,
-// softmax, top-k (ties to the lower expert), optionally renormalized; tokens are grouped by expert
-// (a stable counting sort), each expert's rows run through its GEMMs (ops::grouped_linear), and
-// the outputs are combined back by weight. Dropless unless a capacity is given. Forward beside
-// backward; the router's statistics feed the auxiliary load-balancing loss
-// (docs/decisions/moe.md).
+// weight x expert(xn), xn = rmsnorm(h), an expert a SwiGLU MLP. In two halves, each in its own
+// parameter unit (expert parallelism shards the experts over another group than the rest):
+// MoeRouter (the norm, the router GEMM, softmax, top-k with ties to the lower expert, the tokens
+// grouped by expert by a stable counting sort) and MoeExperts (each expert's rows through its
+// GEMMs, ops::grouped_linear, combined back by weight). Dropless unless a capacity is given. What
+// the router decided travels to the experts in MoeRouting, and the gradients back the same way.
+// The router's statistics feed the auxiliary load-balancing loss (docs/decisions/moe.md).
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -15,7 +16,7 @@
 #include "model/norm_input.hpp"
 #include "model/param_unit.hpp"
 #include "ops/ops.hpp"
-#include "parallel/layers/activation_checkpoint.hpp"
+#include "parallel/layers/expert_parallel.hpp"
 
 namespace loom {
 
@@ -35,46 +36,68 @@ struct RouterStats {
   Tensor dprob;
 };
 
-// What the branch's backward reads.
-struct MoeFfnActs {
-  Tensor h;        // the branch's input, the residual stream after attention [M, d]
+// One sparse layer's routing of a micro-batch: what the router saves for its backward and hands
+// to the experts, and what the experts' backward hands back.
+struct MoeRouting {
+  Tensor h;        // the branch's input, the residual stream after attention [M, d] (f32)
   Tensor rstd;     // the norm's [M]
   Tensor xn;       // the norm output, as the GEMMs read it [M, d]
   Tensor probs;    // the router's softmax [M, E] f32
   Tensor experts;  // [M, k] i32
   Tensor weights;  // [M, k] f32
   ops::MoePermutation perm;
-  Tensor xs;   // xn's rows by expert [N, d]
-  Tensor gu;   // the experts' gate and up projections [N, 2F]
-  Tensor act;  // silu(gate) * up [N, F]
-  Tensor ys;   // the experts' outputs [N, d]
+  // Set by the experts' backward for the router's: d(xn) through the experts [M, d] f32, and
+  // d(weights) [M, k] f32.
+  Tensor dxn, dweights;
   size_t bytes() const;
 };
 
-struct MoeFfn {
-  // Its parameters' indices in the block's unit: the norm, the router, the first expert's
-  // gate (gate_e, up_e of expert e at gate + 2e: one fused matrix each) and the first expert's
-  // down (down_e at down + e).
-  size_t norm, router, gate, down;
-  int64_t M, d, E, k, F;  // rows, hidden size, experts, choices per token, each expert's ffn size
+// The router half: its parameters' indices in the unit that holds them.
+struct MoeRouter {
+  size_t norm, router;
+  int64_t M, d, E, k;  // rows, hidden size, experts, choices per token
   bool renormalize;
   int64_t capacity;  // rows per expert at most; 0: dropless
   float eps;
   DType compute;
 
-  // a.h [M, d] -> h + the branch [M, d] (a new tensor); saves into `a`, adds the router's
-  // statistics to `stats`. Without `output` the combine is skipped (a `full` block's
-  // recomputation) and an empty tensor returned.
-  Tensor forward(const ParamUnit& unit, MoeFfnActs& a, RouterStats& stats,
-                 bool output = true) const;
-  // dy: the gradient w.r.t. the branch's output, to which the gradient through the branch is
-  // added in place; parameter gradients accumulate (stats.dprob: the auxiliary loss's). Then
-  // frees `a`.
-  void backward(ParamUnit& unit, Tensor& dy, MoeFfnActs& a, const RouterStats& stats) const;
+  // r.h [M, d] set by the caller: the norm, the router and the grouping into `r`; the router's
+  // statistics added to `stats`.
+  void forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats) const;
+  // After the experts' backward (r.dxn, r.dweights): the router (stats.dprob: the auxiliary
+  // loss's gradient) and the norm; dy, the gradient w.r.t. the block's output, gets the gradient
+  // through the branch added (the residual's passes straight through). Frees `r`.
+  void backward(ParamUnit& unit, Tensor& dy, MoeRouting& r, const RouterStats& stats) const;
+};
 
-  static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
+// What the experts' backward reads.
+struct MoeExpertsActs {
+  ExpertExchange exchange;  // with expert parallelism: this layer's
+  Tensor xs;                // xn's rows by (this rank's) expert [N, d]
+  Tensor gu;                // the experts' gate and up projections [N, 2F]
+  Tensor act;               // silu(gate) * up [N, F]
+  Tensor ys;                // the experts' outputs [N, d]
+  size_t bytes() const;
+};
+
+// The experts half: this rank's experts (all of them, or with expert parallelism E / ep of them:
+// parallel/layers/expert_parallel.hpp), local expert e's gate and up (one fused matrix) parameter
+// 2e of its unit, its down parameter 2 El + e.
+struct MoeExperts {
+  dist::ProcessGroup* ep;  // nullptr: no expert parallelism
+  int64_t M, d, E, k, F;   // rows, hidden size, experts (all), choices per token, expert's ffn
+  DType compute;
+
+  // r.h + the branch [M, d] (a new tensor), from the routing; saves into `a`. Without `output` the
+  // combine is skipped (a recomputation for backward) and an empty tensor returned.
+  Tensor forward(const ParamUnit& unit, const MoeRouting& r, MoeExpertsActs& a,
+                 bool output = true) const;
+  // dy: the gradient w.r.t. the block's output (left as it is: the residual's passes through to
+  // r.h); sets r.dxn and r.dweights, parameter gradients accumulate. Frees `a`.
+  void backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r, MoeExpertsActs& a) const;
 
  private:
+  int64_t local() const;  // this rank's experts
   std::vector<Tensor> weights(const ParamUnit& unit, size_t first, size_t step) const;
 };
 

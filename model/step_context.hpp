@@ -6,16 +6,29 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "distributed/process_group.hpp"
+#include "model/param_unit.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/context_parallel.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
 
 namespace loom {
 
+// Expert parallelism (a mixture of experts): the ranks its experts are split over (nullptr:
+// none; each rank holds experts [rank E / ep, (rank + 1) E / ep)) and how its expert units are
+// sharded (over the data-parallel ranks that hold the same experts).
+struct EpOptions {
+  dist::ProcessGroup* group = nullptr;
+  ShardLayout shard;
+  int size() const { return group ? group->size() : 1; }
+  int rank() const { return group ? group->rank() : 0; }
+};
+
 // The parallelism a model's layers run under (null groups: none).
 struct ParallelContext {
   TpRuntime tp;
   CpOptions cp;
+  EpOptions ep;
 };
 // The context of a block built without one (every block shares it).
 inline const ParallelContext& no_parallelism() {

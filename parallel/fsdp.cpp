@@ -22,7 +22,7 @@ struct Fsdp::UnitState {
 };
 
 Fsdp::Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
-           const FsdpConfig& config)
+           const FsdpConfig& config, dist::ProcessGroup* expert_shard)
     : model_(model),
       units_(model.units()),
       shard_(shard),
@@ -35,11 +35,18 @@ Fsdp::Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicat
   LOOM_CHECK(config.reduce_dtype == DType::f32 || config.reduce_dtype == DType::bf16,
              "FSDP: reduce dtype must be float32 or bfloat16, got ",
              dtype_name(config.reduce_dtype));
-  for (ParamUnit* u : units_)
-    LOOM_CHECK(u->shard_layout().count == shard.size() && u->shard_layout().rank == shard.rank(),
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const bool experts = model.expert_unit(i);
+    LOOM_CHECK(!experts || expert_shard, "FSDP: unit ", units_[i]->name(),
+               " holds experts but no expert shard group was given");
+    dist::ProcessGroup& g = experts ? *expert_shard : shard;
+    groups_.push_back(&g);
+    const ParamUnit* u = units_[i];
+    LOOM_CHECK(u->shard_layout().count == g.size() && u->shard_layout().rank == g.rank(),
                "FSDP: unit ", u->name(), " is sharded as rank ", u->shard_layout().rank, " of ",
-               u->shard_layout().count, " but the shard group is ", shard.describe(),
-               " with this rank ", shard.rank());
+               u->shard_layout().count, " but its shard group is ", g.describe(),
+               " with this rank ", g.rank());
+  }
   model_.set_hooks(this);
 }
 
@@ -68,9 +75,9 @@ void Fsdp::issue_gather(size_t i) {
   u.materialize_weights();
   UnitState& s = state_[i];
   const Tensor in = u.gather_input();
-  s.gather = shard_.all_gather(in, u.full_weights());
+  s.gather = groups_[i]->all_gather(in, u.full_weights());
   s.gather_at = ops::ops_run();
-  if (u.needs_side()) s.side = shard_.all_reduce(u.side_f32(), dist::ReduceOp::sum);
+  if (u.needs_side()) s.side = groups_[i]->all_reduce(u.side_f32(), dist::ReduceOp::sum);
 }
 
 void Fsdp::complete_gather(size_t i) {
@@ -172,6 +179,8 @@ void Fsdp::reduce(size_t i) {
   LOOM_CHECK(u.grads_materialized(), "FSDP: unit ", u.name(),
              " is to be reduce-scattered but holds no full gradient");
   u.check_grads_written();
+  // Whole on this rank (experts on an expert shard group of one): its gradient is complete.
+  if (!u.shard_layout().sharded()) return;
   // A unit reduces once per micro-batch (per step under pp's step mode); the previous reduction
   // finished in finish_backward() or complete_pending(), but its buffers must not be overwritten
   // while MPI may still read them.
@@ -182,7 +191,7 @@ void Fsdp::reduce(size_t i) {
   const MemoryUseScope use(u.device(), MemoryUse::communication);
   s.reduce_in = config_.reduce_dtype == DType::f32 ? u.grad_flat() : u.grad_flat().to(DType::bf16);
   s.reduce_out = Tensor::empty({u.shard_numel()}, config_.reduce_dtype, u.device());
-  s.reduce = shard_.reduce_scatter(s.reduce_in, s.reduce_out, dist::ReduceOp::sum);
+  s.reduce = groups_[i]->reduce_scatter(s.reduce_in, s.reduce_out, dist::ReduceOp::sum);
   s.reduce_at = ops::ops_run();
   if (!keep_gathered_) u.release_weights();
   u.release_grads();  // the f32 buffer lives on in reduce_in while it is being reduced

@@ -53,9 +53,12 @@ struct FsdpConfig {
 
 class Fsdp final : public UnitHooks {
  public:
-  // The model must be sharded over `shard` (ShardLayout{shard.rank(), shard.size()}).
+  // The model must be sharded over `shard` (ShardLayout{shard.rank(), shard.size()}), but the
+  // units Model::expert_unit names, which are sharded over `expert_shard` (expert parallelism: the
+  // ranks of `shard` that hold the same experts; of size 1 they are whole on each rank and their
+  // gradients complete without a reduce-scatter).
   Fsdp(Model& model, dist::ProcessGroup& shard, dist::ProcessGroup* replicate,
-       const FsdpConfig& config);
+       const FsdpConfig& config, dist::ProcessGroup* expert_shard = nullptr);
   ~Fsdp() override;
   Fsdp(const Fsdp&) = delete;
   Fsdp& operator=(const Fsdp&) = delete;
@@ -95,6 +98,8 @@ class Fsdp final : public UnitHooks {
   }
 
   dist::ProcessGroup& shard_group() { return shard_; }
+  // The group unit i is sharded over.
+  dist::ProcessGroup& group(size_t unit) { return *groups_[unit]; }
   // Whether after_forward(unit) releases the unit's full weights (so backward gathers it again).
   bool reshard_after_forward(size_t unit) const;
 
@@ -110,6 +115,7 @@ class Fsdp final : public UnitHooks {
   Model& model_;
   std::vector<ParamUnit*> units_;
   dist::ProcessGroup& shard_;
+  std::vector<dist::ProcessGroup*> groups_;  // per unit: shard_ or the experts'
   dist::ProcessGroup* replicate_;
   FsdpConfig config_;
   bool tied_;

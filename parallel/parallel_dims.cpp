@@ -25,6 +25,11 @@ void ParallelDims::validate(int64_t seq_len, bool one_process) const {
                " loom train ...`)");
   }
 
+  // (An unresolved dp_shard is checked when the mesh adds the expert groups.)
+  LOOM_CHECK(ep == 1 || (!one_process && (dp_shard == -1 || fsdp() % ep == 0)),
+             "parallelism.ep = ", ep,
+             ": expected a divisor of dp_shard x cp = ", one_process ? 1 : fsdp(),
+             " (expert parallelism borrows its ranks from the FSDP dims)");
   // Refused here, before any work, when seq_len does not split (the kernel's own message; the
   // check is cp_positions').
   if (cp > 1) cp_positions(seq_len, cp, 0, tp > 1 && sequence_parallel ? tp : 1);
@@ -61,6 +66,10 @@ ParallelGroups parallel_groups(dist::Mesh* mesh) {
   g.replicate = &mesh->group("dp_replicate");
   if (mesh->size("tp") > 1) g.tp = &mesh->group("tp");
   if (mesh->size("pp") > 1) g.pp = &mesh->group("pp");
+  if (mesh->ep() > 1) {
+    g.ep = &mesh->group("ep");
+    g.expert_shard = &mesh->group("ep_shard");
+  }
   return g;
 }
 

@@ -13,6 +13,7 @@ namespace loom {
 struct ParallelDims {
   // As configured, dp_shard = -1 meaning "what the world leaves"; resolved() fills it in.
   int64_t dp_replicate = 1, dp_shard = -1, cp = 1, tp = 1, pp = 1;
+  int64_t ep = 1;                 // borrowed from dp_shard x cp: adds no rank
   bool sequence_parallel = true;  // tp_sequence_parallel
 
   // The ranks the settings ask for (an unresolved dp_shard counts as 1).
@@ -54,7 +55,11 @@ struct ParallelGroups {
   dist::ProcessGroup* tp = nullptr;         // the tensor-parallel group when its size is > 1
   dist::ProcessGroup* cp = nullptr;         // the context-parallel group when its size is > 1
   dist::ProcessGroup* pp = nullptr;         // the pipeline-parallel group when its size is > 1
-  int64_t rank = 0, size = 1;               // this rank's place in `dp`
+  // Expert parallelism (the mesh's add_expert_groups): the ranks the experts are split over, and
+  // the experts' FSDP group (the ranks of `shard` that hold the same experts) when ep > 1.
+  dist::ProcessGroup* ep = nullptr;
+  dist::ProcessGroup* expert_shard = nullptr;
+  int64_t rank = 0, size = 1;  // this rank's place in `dp`
 };
 ParallelGroups parallel_groups(dist::Mesh* mesh);
 

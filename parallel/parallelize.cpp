@@ -33,7 +33,8 @@ void apply_ac(Model& model, const ActivationCheckpoint& ac) {
 }
 
 void apply_fsdp(ParallelModel& m, const parallel::FsdpConfig& fc) {
-  m.fsdp = std::make_unique<parallel::Fsdp>(*m.model, *m.groups.shard, m.groups.replicate, fc);
+  m.fsdp = std::make_unique<parallel::Fsdp>(*m.model, *m.groups.shard, m.groups.replicate, fc,
+                                            m.groups.expert_shard);
 }
 
 void apply_ddp(ParallelModel& m, DType reduce) {
@@ -91,6 +92,9 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
   const CpOptions cp = apply_cp(groups, options);
   std::optional<PpPlan> pp_plan;
   std::vector<bool> used;
+  LOOM_CHECK(!groups.pp || !config.is_moe(), "parallelism.pp: a mixture-of-experts model (",
+             config.model_type(), ") runs without pipeline parallelism for now (expected ",
+             "parallelism.pp = 1)");
   if (groups.pp) {
     pp_plan = plan_pp(config, groups, options);
     used.assign(size_t(config.num_hidden_layers()) + 2, false);
@@ -98,7 +102,12 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
                                   config.tie_word_embeddings()))
       used[u] = true;
   }
-  m.model = make_model(config, compute, options.device, layout, tp, cp, std::move(used));
+  EpOptions ep;
+  if (groups.ep) {
+    ep.group = groups.ep;
+    ep.shard = {groups.expert_shard->rank(), groups.expert_shard->size(), options.cpu_offload};
+  }
+  m.model = make_model(config, compute, options.device, layout, tp, cp, std::move(used), ep);
   check_plan(*m.model, m.model->tp_plan());
   apply_ac(*m.model, options.ac);
   if (groups.shard)

@@ -1033,6 +1033,11 @@ TrainState load_checkpoint(const std::string& dir, Model& model, AdamW& optimize
       mnames.insert(p.spec.name + ".exp_avg");
       mnames.insert(p.spec.name + ".exp_avg_sq");
     }
+  for (const std::string& n : model.held_elsewhere()) {
+    names.insert(n);
+    mnames.insert(n + ".exp_avg");
+    mnames.insert(n + ".exp_avg_sq");
+  }
   for (const std::string& n : ckpt.names())
     LOOM_CHECK(names.count(n) || (ckpt.sharded() && mnames.count(n)), dir, ": tensor '", n, "' (",
                ckpt.where(n),

@@ -84,6 +84,7 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"parallelism", "tp", &c.parallelism.tp},
       {"parallelism", "cp", &c.parallelism.cp},
       {"parallelism", "pp", &c.parallelism.pp},
+      {"parallelism", "ep", &c.parallelism.ep},
       {"parallelism",
        "fsdp_reshard_after_forward",
        &c.parallelism.fsdp_reshard_after_forward,
@@ -319,6 +320,7 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
   check(p.tp >= 1, "parallelism.tp", "a positive integer", p.tp);
   check(p.cp >= 1, "parallelism.cp", "a positive integer", p.cp);
   check(p.pp >= 1, "parallelism.pp", "a positive integer", p.pp);
+  check(p.ep >= 1, "parallelism.ep", "a positive integer (1: no expert parallelism)", p.ep);
   check(p.pp_microbatches >= 0, "parallelism.pp_microbatches",
         "a non-negative integer (0 = pp x pp_stages_per_rank)", p.pp_microbatches);
   check(p.pp_stages_per_rank >= 0, "parallelism.pp_stages_per_rank",

@@ -85,6 +85,9 @@ struct JobConfig {
     int64_t tp = 1;
     int64_t cp = 1;
     int64_t pp = 1;
+    // Expert parallelism (mixture of experts): the experts split over ep ranks borrowed from
+    // dp_shard x cp (distributed/mesh.hpp add_expert_groups).
+    int64_t ep = 1;
     std::string fsdp_reshard_after_forward = "default";  // default | always | never
     bool tp_sequence_parallel = true;
     bool tp_recompute_allgather = false;

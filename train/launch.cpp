@@ -123,6 +123,7 @@ DistRuntime start_distributed(const JobConfig& job, const std::string& command) 
       check_ranks_agree(*world, job);
       // Every rank checks the shape against the world size and fails alike.
       rt.mesh = std::make_unique<dist::Mesh>(dims.mesh_shape(), std::move(world));
+      if (job.parallelism.ep > 1) rt.mesh->add_expert_groups(int(job.parallelism.ep));
       rt.mesh->set_timeout_seconds(job.job.collective_timeout_s);
     }
   }
@@ -137,6 +138,7 @@ ParallelDims parallel_dims(const JobConfig& job) {
           .cp = p.cp,
           .tp = p.tp,
           .pp = p.pp,
+          .ep = p.ep,
           .sequence_parallel = p.tp_sequence_parallel};
 }
 

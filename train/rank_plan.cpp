@@ -115,10 +115,12 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   std::vector<int> everyone(static_cast<size_t>(j.world));
   std::iota(everyone.begin(), everyone.end(), 0);
   std::unique_ptr<dist::Mesh> mesh;
-  if (j.world > 1)
+  if (j.world > 1) {
     mesh = std::make_unique<dist::Mesh>(
         parallel_dims(job).resolved(j.world).mesh_shape(),
         std::make_shared<dist::SimProcessGroup>("world", rank, everyone, log));
+    if (job.parallelism.ep > 1) mesh->add_expert_groups(int(job.parallelism.ep));
+  }
 
   const DType compute = dtype_from_name(job.training.mixed_precision_param);
   ParallelizeOptions options = parallelize_options(job);
