@@ -79,6 +79,11 @@ std::vector<dist::ProcessGroup*> mesh_groups(const dist::Mesh& mesh) {
       dist::ProcessGroup* g = &mesh.group(dims);
       if (g->size() > 1 && seen.insert(g).second) out.push_back(g);
     }
+  if (mesh.ep() > 1)
+    for (const char* dims : {"ep", "ep_shard"}) {
+      dist::ProcessGroup* g = &mesh.group(dims);
+      if (g->size() > 1 && seen.insert(g).second) out.push_back(g);
+    }
   return out;
 }
 
