@@ -253,6 +253,23 @@ void Backend::moe_combine_backward(const Tensor& /*dy*/, const Tensor& /*ys*/,
   missing("moe_combine_backward");
 }
 
+void Backend::add_bias(Tensor& /*y*/, const Tensor& /*b*/) {
+  missing("add_bias");
+}
+
+void Backend::bias_grad(const Tensor& /*dy*/, Tensor& /*db*/) {
+  missing("bias_grad");
+}
+
+void Backend::sigmoid_gate_forward(const Tensor& /*z*/, const Tensor& /*ys*/, Tensor& /*y*/) {
+  missing("sigmoid_gate_forward");
+}
+
+void Backend::sigmoid_gate_backward(const Tensor& /*dy*/, const Tensor& /*z*/, const Tensor& /*ys*/,
+                                    Tensor& /*dys*/, Tensor& /*dz*/) {
+  missing("sigmoid_gate_backward");
+}
+
 double Backend::linear_cross_entropy(const LinearCrossEntropy& /*a*/, bool /*dw_overwrite*/) {
   missing("linear_cross_entropy");
 }

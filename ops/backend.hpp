@@ -129,6 +129,13 @@ class Backend {
   virtual void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
                                     const Tensor& pos, Tensor& dys, Tensor& dweights);
 
+  // ---- biases and gates (Qwen2-MoE)
+  virtual void add_bias(Tensor& y, const Tensor& b);
+  virtual void bias_grad(const Tensor& dy, Tensor& db);
+  virtual void sigmoid_gate_forward(const Tensor& z, const Tensor& ys, Tensor& y);
+  virtual void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys,
+                                     Tensor& dys, Tensor& dz);
+
   // ---- loss (dw_overwrite: the first write of the head's gradient)
   virtual double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite);
   virtual void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,

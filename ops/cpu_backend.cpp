@@ -9,6 +9,7 @@
 #include "kernels/cpu/attention_bf16.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "kernels/cpu/attention_decode.hpp"
+#include "kernels/cpu/bias_gate.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/cpu/embedding.hpp"
@@ -303,6 +304,32 @@ class CpuBackend final : public Backend {
                                 f(dweights));
     else
       cpu::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, f(dys), f(dweights));
+  }
+
+  void add_bias(Tensor& y, const Tensor& b) override {
+    cpu::add_bias(f(y), rows(y), y.size(1), stride(y), f(b));
+  }
+  void bias_grad(const Tensor& dy, Tensor& db) override {
+    cpu::bias_grad(f(dy), rows(dy), dy.size(1), stride(dy), f(db));
+  }
+  void sigmoid_gate_forward(const Tensor& z, const Tensor& ys, Tensor& y) override {
+    if (ys.dtype() == DType::bf16)
+      cpu::sigmoid_gate_forward(f(z), ys.data<bf16>(), rows(y), y.size(1), f(y));
+    else
+      cpu::sigmoid_gate_forward(f(z), f(ys), rows(y), y.size(1), f(y));
+  }
+  void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, Tensor& dys,
+                             Tensor& dz) override {
+    const int64_t M = rows(dy), d = dy.size(1);
+    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
+    if (ys16 && dys16)
+      cpu::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, dys.data<bf16>(), f(dz));
+    else if (ys16)
+      cpu::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, f(dys), f(dz));
+    else if (dys16)
+      cpu::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, dys.data<bf16>(), f(dz));
+    else
+      cpu::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, f(dys), f(dz));
   }
 
   double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {

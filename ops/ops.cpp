@@ -1021,6 +1021,81 @@ void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const 
   }
 }
 
+// ---- biases and gates (Qwen2-MoE) --------------------------------------------------------------
+
+namespace {
+
+// A 2-d f32 matrix, contiguous or a strided view with unit column stride and rows that do not
+// overlap (a column slice of a fused GEMM's output).
+void check_view(const char* op, const char* name, const Tensor& t) {
+  LOOM_CHECK(t.defined() && t.ndim() == 2 && t.dtype() == DType::f32 && t.strides()[1] == 1 &&
+                 t.strides()[0] >= t.size(1),
+             op, ": ", name,
+             " must be a 2-d float32 tensor (or a column slice of one: unit column stride), got ",
+             describe(t));
+}
+
+}  // namespace
+
+void add_bias(Tensor& y, const Tensor& b) {
+  const char* op = "add_bias";
+  check_view(op, "y", y);
+  check_tensor(op, "b", b, {y.size(1)}, DType::f32);
+  check_device(op, {&y, &b});
+  on(
+      op, y.device(),
+      [&] { return streaming(DType::f32, 2 * bytes(y) + bytes(b), double(y.numel()), 1); },
+      [&](Backend& be) { be.add_bias(y, b); });
+}
+
+void bias_grad(const Tensor& dy, Tensor& db) {
+  const char* op = "bias_grad";
+  check_view(op, "dy", dy);
+  check_tensor(op, "db", db, {dy.size(1)}, DType::f32);
+  check_device(op, {&dy, &db});
+  on(
+      op, dy.device(),
+      [&] { return streaming(DType::f32, bytes(dy) + 2 * bytes(db), double(dy.numel()), 1); },
+      [&](Backend& be) { be.bias_grad(dy, db); });
+}
+
+void sigmoid_gate_forward(const Tensor& z, const Tensor& ys, Tensor& y) {
+  const char* op = "sigmoid_gate_forward";
+  check_matrix(op, "y", y, DType::f32);
+  const int64_t M = y.size(0), d = y.size(1);
+  check_tensor(op, "ys", ys, {M, d}, DType::f32, DType::bf16);
+  check_tensor(op, "z", z, {M, 1}, DType::f32);
+  check_device(op, {&y, &ys, &z});
+  on(
+      op, y.device(),
+      // y read and written, ys and z read; a product and a sum per element (the sigmoid per row
+      // is lost in the rows' d elements).
+      [&] {
+        return streaming(DType::f32, bytes(z) + bytes(ys) + 2 * bytes(y), double(y.numel()), 2);
+      },
+      [&](Backend& be) { be.sigmoid_gate_forward(z, ys, y); });
+}
+
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, Tensor& dys,
+                           Tensor& dz) {
+  const char* op = "sigmoid_gate_backward";
+  check_matrix(op, "dy", dy, DType::f32);
+  const int64_t M = dy.size(0), d = dy.size(1);
+  check_tensor(op, "z", z, {M, 1}, DType::f32);
+  check_tensor(op, "ys", ys, {M, d}, DType::f32, DType::bf16);
+  check_tensor(op, "dys", dys, {M, d}, DType::f32, DType::bf16);
+  check_tensor(op, "dz", dz, {M, 1}, DType::f32);
+  check_device(op, {&dy, &z, &ys, &dys, &dz});
+  on(
+      op, dy.device(),
+      // Per element: the dot product's multiply-add and the scaled copy.
+      [&] {
+        const double moved = bytes(dy) + bytes(z) + bytes(ys) + bytes(dys) + bytes(dz);
+        return streaming(DType::f32, moved, double(dy.numel()), 3);
+      },
+      [&](Backend& be) { be.sigmoid_gate_backward(dy, z, ys, dys, dz); });
+}
+
 double linear_cross_entropy(const LinearCrossEntropy& a) {
   if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch, alive for the call (the real run's allocator counts it): one chunk of

@@ -336,6 +336,25 @@ void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const 
                              std::span<const int64_t> counts, std::span<const WeightGrad> dw,
                              Tensor& dx);
 
+// ---- biases and gates (Qwen2-MoE; kernels/cpu/bias_gate.hpp) ------------------------------------
+// Every tensor f32 unless said otherwise, all on one device. On cpu the bits do not depend on the
+// thread count.
+// y [M, N] += b [N] on every row (the attention's q, k and v biases): y a 2-d f32 tensor or a
+// strided 2-d view (a column slice of a fused GEMM's output), b f32 with N elements, contiguous.
+void add_bias(Tensor& y, const Tensor& b);
+// db [N] += the column sums of dy [M, N] (a strided 2-d view allowed), each column summed in
+// double in row order and added once (the same bits for any thread count).
+void bias_grad(const Tensor& dy, Tensor& db);
+// Qwen2-MoE's shared expert: y [M, d] += sigmoid(z[t]) * ys[t, :] on each row t, z [M, 1] (the
+// gate's logit), ys [M, d] f32 or bf16 (read widened); contiguous. The sigmoid is stable for any
+// |z| (e^-|z| only); each element is the f32 product rounded, then added.
+void sigmoid_gate_forward(const Tensor& z, const Tensor& ys, Tensor& y);
+// Its backward for dy [M, d]: dys [M, d] = sigmoid(z[t]) * dy[t] (f32, or bf16 rounded: a GEMM's
+// input); dz [M, 1] overwritten = (dy[t] . ys[t]) * s (1 - s), the dot accumulated in double;
+// contiguous.
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, Tensor& dys,
+                           Tensor& dz);
+
 // ---- loss -------------------------------------------------------------------------------------
 // The output projection fused with cross-entropy (kernels/cpu/cross_entropy.hpp): x [N, D],
 // w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
