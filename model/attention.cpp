@@ -22,8 +22,8 @@ size_t AttentionActs::bytes() const {
 }
 
 Attention Attention::of(const ParallelContext& par, const StepContext& ctx, size_t norm, size_t q,
-                        size_t o, size_t qk_norm, int64_t d, int64_t hd, int64_t heads,
-                        int64_t kv_heads, float eps) {
+                        size_t o, size_t qk_norm, size_t qkv_bias, int64_t d, int64_t hd,
+                        int64_t heads, int64_t kv_heads, float eps) {
   const TpRuntime& tp = par.tp;
   const int tpn = tp.on() ? tp.opt.size() : 1;
   const int64_t M = ctx.tokens();
@@ -32,6 +32,7 @@ Attention Attention::of(const ParallelContext& par, const StepContext& ctx, size
           .q = q,
           .o = o,
           .qk_norm = qk_norm,
+          .qkv_bias = qkv_bias,
           .M = M,
           .Mx = tp.sp() ? M / tpn : M,
           .d = d,
@@ -41,6 +42,27 @@ Attention Attention::of(const ParallelContext& par, const StepContext& ctx, size
           .eps = eps,
           .compute = ctx.compute,
           .keep_gathered = !tp.opt.recompute_allgather};
+}
+
+void Attention::add_biases(const ParamUnit& unit, Tensor& qkv) const {
+  const auto& P = unit.params();
+  int64_t col = 0;
+  for (int64_t i = 0; i < 3; ++i) {
+    const int64_t n = (i == 0 ? Hq : Hkv) * hd;
+    Tensor cols = qkv.narrow(1, col, n);
+    ops::add_bias(cols, P[qkv_bias + size_t(i)].value);
+    col += n;
+  }
+}
+
+void Attention::bias_grads(ParamUnit& unit, const Tensor& dqkv) const {
+  auto& P = unit.params();
+  int64_t col = 0;
+  for (int64_t i = 0; i < 3; ++i) {
+    const int64_t n = (i == 0 ? Hq : Hkv) * hd;
+    ops::bias_grad(dqkv.narrow(1, col, n), P[qkv_bias + size_t(i)].grad);
+    col += n;
+  }
 }
 
 // Qwen3's q/k norms on the f32 GEMM output, in place: each head of q (and of k) over head_dim,
@@ -123,9 +145,9 @@ void Attention::attend(const StepContext& ctx, Tensor& qkv, AttentionActs& a) co
 }
 
 // In bf16 without cp, dq and dk come out not yet rotated back: the caller rotates them as it rounds
-// dqkv for the GEMM. Not with q/k norms: their backward reads dq and dk rotated back.
+// dqkv for the GEMM. Not with q/k norms or biases: their backward reads dq and dk rotated back.
 bool Attention::unrotated_dqkv(const StepContext& ctx) const {
-  return par.cp.size() == 1 && ctx.compute == DType::bf16 && qk_norm == kNone;
+  return par.cp.size() == 1 && ctx.compute == DType::bf16 && qk_norm == kNone && qkv_bias == kNone;
 }
 
 void Attention::attend_backward(const StepContext& ctx, AttentionActs& a, const Tensor& dattn,
@@ -184,6 +206,7 @@ Tensor Attention::forward(const ParamUnit& unit, const StepContext& ctx, const T
     Tensor qkv = f32({M, nqkv()}, dev);
     column_parallel_forward(par.tp, xn1, unit.gemm_weight(q), keep, a.xn1, qkv);
     if (op) a.xn1 = Tensor();
+    if (qkv_bias != kNone) add_biases(unit, qkv);
     if (qk_norm != kNone) qk_norm_forward(unit, qkv, a);
     attend(ctx, qkv, a);
   }
@@ -204,6 +227,7 @@ void Attention::backward(ParamUnit& unit, const StepContext& ctx, Tensor& dy,
     a.lse = Tensor();
   }
   if (qk_norm != kNone) qk_norm_backward(unit, dqkv, a);
+  if (qkv_bias != kNone) bias_grads(unit, dqkv);
   // The saved input as the forward read it: the bf16 copy, read widened (exactly) by the norm's
   // backward; widened here only where the norm output must be recomputed from it.
   const Tensor x = a.xn1.defined() ? a.x : ops::to_f32(a.x);

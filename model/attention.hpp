@@ -3,7 +3,8 @@
 // attention (Llama's block, the MoE families' block): h = x + o(attention(rope(qkv(norm(x))))),
 // q, k, v one fused column-parallel GEMM, o row-parallel (tensor parallelism; with sequence
 // parallelism x and h hold this tp rank's rows), ring attention across cp ranks. Qwen3's q/k norms
-// (an RMSNorm over head_dim per head of q and of k, before RoPE) are an option. Forward beside
+// (an RMSNorm over head_dim per head of q and of k, before RoPE) and Qwen2's q/k/v projection
+// biases are options. Forward beside
 // backward; what the backward reads is saved in the block's AttentionActs.
 #include <cstddef>
 #include <cstdint>
@@ -38,6 +39,8 @@ struct Attention {
   // q/k norms: the index of q_norm (k_norm follows it); kNone without.
   static constexpr size_t kNone = size_t(-1);
   size_t qk_norm = kNone;
+  // q/k/v biases: the index of q_proj.bias (k's and v's follow it); kNone without.
+  size_t qkv_bias = kNone;
   int64_t M, Mx, d, hd, Hq, Hkv;  // rows (Mx: of x, M / tp under SP), this rank's heads
   float eps;
   DType compute;
@@ -47,8 +50,8 @@ struct Attention {
 
   // Its rows and heads on this tp rank for a micro-batch of `ctx`.
   static Attention of(const ParallelContext& par, const StepContext& ctx, size_t norm, size_t q,
-                      size_t o, size_t qk_norm, int64_t d, int64_t hd, int64_t heads,
-                      int64_t kv_heads, float eps);
+                      size_t o, size_t qk_norm, size_t qkv_bias, int64_t d, int64_t hd,
+                      int64_t heads, int64_t kv_heads, float eps);
 
   // x [Mx, d] -> h = x + the branch (a new f32 tensor); saves into `a`. `mode` says what to keep:
   // `op` drops xn1 after its GEMM (neither `op` nor `full` keeps a gathered GEMM input: it goes to
@@ -72,6 +75,9 @@ struct Attention {
   // back as it rounds dqkv for the GEMM).
   bool unrotated_dqkv(const StepContext& ctx) const;
   void qk_norm_forward(const ParamUnit& unit, Tensor& qkv, AttentionActs& a) const;
+  // The biases added to the GEMM's q, k and v columns; their gradients from dqkv's.
+  void add_biases(const ParamUnit& unit, Tensor& qkv) const;
+  void bias_grads(ParamUnit& unit, const Tensor& dqkv) const;
   void qk_norm_backward(ParamUnit& unit, Tensor& dqkv, AttentionActs& a) const;
 };
 

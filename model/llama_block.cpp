@@ -46,8 +46,9 @@ LlamaBlock::LlamaBlock(const LlamaConfig& c, int64_t layer, bool bf16, Device de
             block_specs(c, layer, par_->tp.opt.rank(), par_->tp.opt.size()), bf16, device, shard) {}
 
 Attention LlamaBlock::attention(const StepContext& ctx) const {
-  return Attention::of(*par_, ctx, kNorm1, kQ, kO, Attention::kNone, c_.hidden_size, c_.head_dim(),
-                       c_.num_attention_heads, c_.num_key_value_heads, float(c_.rms_norm_eps));
+  return Attention::of(*par_, ctx, kNorm1, kQ, kO, Attention::kNone, Attention::kNone,
+                       c_.hidden_size, c_.head_dim(), c_.num_attention_heads,
+                       c_.num_key_value_heads, float(c_.rms_norm_eps));
 }
 
 Mlp LlamaBlock::mlp(const StepContext& ctx) const {

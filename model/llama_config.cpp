@@ -24,6 +24,13 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
   // A GLA config (model/gla_config.hpp) lacks Llama's fields; say what it is instead.
   LOOM_CHECK(!(j.contains("model_type") && j["model_type"] == "gla"), source,
              ": field 'model_type': \"gla\" is a GLA model (model/gla_config.hpp), not a Llama");
+  // A mixture of experts of another model_type would otherwise load as its dense skeleton.
+  for (const char* k :
+       {"num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"})
+    LOOM_CHECK(!present(j, k), source, ": field '", k, "': a mixture of experts, but model_type ",
+               j.contains("model_type") ? j["model_type"].dump() : std::string("(none)"),
+               " is read as a Llama (the mixtures loom builds: \"qwen3_moe\", \"qwen2_moe\", ",
+               "\"mixtral\")");
   LlamaConfig c;
   c.hidden_size = required_int(j, "hidden_size", source);
   c.intermediate_size = required_int(j, "intermediate_size", source);

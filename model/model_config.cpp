@@ -21,7 +21,8 @@ ModelConfig ModelConfig::from_json(const std::string& text, const std::string& s
   if (j.is_object() && j.contains("model_type") && j["model_type"] == "gla")
     return GlaConfig::from_json(text, source);
   if (j.is_object() && j.contains("model_type") &&
-      (j["model_type"] == "qwen3_moe" || j["model_type"] == "mixtral"))
+      (j["model_type"] == "qwen3_moe" || j["model_type"] == "qwen2_moe" ||
+       j["model_type"] == "mixtral"))
     return MoeConfig::from_json(text, source);
   return LlamaConfig::from_json(text, source);
 }

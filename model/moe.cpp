@@ -130,8 +130,7 @@ std::vector<std::string> MoeModel::held_elsewhere() const {
   const bool mixtral = config_.family == MoeConfig::Family::mixtral;
   for (int64_t l = 0; l < config_.base.num_hidden_layers; ++l) {
     if (!config_.sparse(l)) continue;
-    const std::string p =
-        str_cat("model.layers.", l, mixtral ? ".block_sparse_moe.experts." : ".mlp.experts.");
+    const std::string p = str_cat("model.layers.", l, ".", config_.moe_prefix(), "experts.");
     for (int64_t e = 0; e < config_.num_experts; ++e) {
       if (e >= first && e < first + El) continue;
       for (const char* w :

@@ -52,6 +52,10 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
     specs.push_back(norm_spec(p + "self_attn.q_norm.weight", hd));
     specs.push_back(norm_spec(p + "self_attn.k_norm.weight", hd));
   }
+  if (c.qkv_bias())  // zeros at first, as transformers initializes a Linear's bias
+    for (auto [n, rows] : {std::pair{"q", q}, std::pair{"k", kv}, std::pair{"v", kv}})
+      specs.push_back(
+          ParamSpec{p + "self_attn." + n + "_proj.bias", {rows}, Init::normal, 0.0f, false, true});
   specs.push_back(norm_spec(p + "post_attention_layernorm.weight", d));
   if (!sparse) {
     const int64_t F = b.intermediate_size;
@@ -59,9 +63,15 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
     specs.push_back(gemm_spec(p + "mlp.up_proj.weight", F, d, 0.02f));
     specs.push_back(gemm_spec(p + "mlp.down_proj.weight", d, F, out_std(c)));
   } else {
-    const bool mixtral = c.family == MoeConfig::Family::mixtral;
-    specs.push_back(gemm_spec(p + (mixtral ? "block_sparse_moe." : "mlp.") + "gate.weight",
-                              c.num_experts, d, 0.02f));
+    const std::string m = p + c.moe_prefix();
+    specs.push_back(gemm_spec(m + "gate.weight", c.num_experts, d, 0.02f));
+    if (const int64_t Fs = c.shared_expert_intermediate_size) {
+      // Qwen2-MoE's shared expert (gate and up adjacent: one fused matrix) and its gate.
+      specs.push_back(gemm_spec(m + "shared_expert.gate_proj.weight", Fs, d, 0.02f));
+      specs.push_back(gemm_spec(m + "shared_expert.up_proj.weight", Fs, d, 0.02f));
+      specs.push_back(gemm_spec(m + "shared_expert.down_proj.weight", d, Fs, out_std(c)));
+      specs.push_back(gemm_spec(m + "shared_expert_gate.weight", 1, d, 0.02f));
+    }
   }
   return with_plan(std::move(specs));
 }
@@ -73,7 +83,7 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
 std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first,
                                     int64_t count) {
   const bool mixtral = c.family == MoeConfig::Family::mixtral;
-  const std::string p = layer_prefix(layer) + (mixtral ? "block_sparse_moe." : "mlp.");
+  const std::string p = layer_prefix(layer) + c.moe_prefix();
   const int64_t d = c.base.hidden_size, F = c.moe_intermediate_size;
   auto expert = [&](int64_t e, const char* qwen, const char* mix, int64_t rows, int64_t cols,
                     float std) {
@@ -100,12 +110,13 @@ MoeAttentionBlock::MoeAttentionBlock(const MoeConfig& c, int64_t layer, bool bf1
     : c_(c),
       par_(par ? par : &no_parallelism()),
       sparse_(c.sparse(layer)),
-      norm2_(c.qk_norm() ? 7 : 5),
+      norm2_(5 + (c.qk_norm() ? 2 : 0) + (c.qkv_bias() ? 3 : 0)),
       unit_("layers." + std::to_string(layer), attention_specs(c, layer, sparse_), bf16, device,
             shard) {}
 
 Attention MoeAttentionBlock::attention(const StepContext& ctx) const {
   return Attention::of(*par_, ctx, 0, 1, 4, c_.qk_norm() ? 5 : Attention::kNone,
+                       c_.qkv_bias() ? 5 + (c_.qk_norm() ? 2 : 0) : Attention::kNone,
                        c_.base.hidden_size, c_.head_dim, c_.base.num_attention_heads,
                        c_.base.num_key_value_heads, float(c_.base.rms_norm_eps));
 }
@@ -121,6 +132,8 @@ Mlp MoeAttentionBlock::mlp(const StepContext& ctx) const {
 MoeRouter MoeAttentionBlock::router(const StepContext& ctx) const {
   return {.norm = norm2_,
           .router = norm2_ + 1,
+          .shared = c_.shared_expert_intermediate_size > 0 ? norm2_ + 2 : MoeRouter::kNone,
+          .shared_ffn = c_.shared_expert_intermediate_size,
           .M = ctx.tokens(),
           .d = c_.base.hidden_size,
           .E = c_.num_experts,

@@ -19,6 +19,18 @@ int64_t required_int(const json& obj, const char* key, const std::string& source
 
 }  // namespace
 
+const char* MoeConfig::model_type() const {
+  switch (family) {
+    case Family::qwen3_moe:
+      return "qwen3_moe";
+    case Family::qwen2_moe:
+      return "qwen2_moe";
+    case Family::mixtral:
+      return "mixtral";
+  }
+  return "?";
+}
+
 bool MoeConfig::sparse(int64_t layer) const {
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
     return false;
@@ -34,14 +46,16 @@ int64_t MoeConfig::num_sparse_layers() const {
 MoeConfig MoeConfig::from_json(const std::string& text, const std::string& source) {
   json j = parse_object(text, source, "a Hugging Face config.json");
   LOOM_CHECK(present(j, "model_type") && j["model_type"].is_string(), source,
-             ": missing field 'model_type' (expected \"qwen3_moe\" or \"mixtral\")");
+             ": missing field 'model_type' (expected \"qwen3_moe\", \"qwen2_moe\" or \"mixtral\")");
   MoeConfig c;
   const std::string type = j["model_type"].get<std::string>();
   if (type == "mixtral")
     c.family = Family::mixtral;
+  else if (type == "qwen2_moe")
+    c.family = Family::qwen2_moe;
   else
-    LOOM_CHECK(type == "qwen3_moe", source, ": field 'model_type': expected \"qwen3_moe\" or ",
-               "\"mixtral\", found \"", type, "\"");
+    LOOM_CHECK(type == "qwen3_moe", source, ": field 'model_type': expected \"qwen3_moe\", ",
+               "\"qwen2_moe\" or \"mixtral\", found \"", type, "\"");
 
   // Sliding-window attention would load silently and be wrong: loom's attention is full causal.
   if (present(j, "use_sliding_window"))
@@ -54,19 +68,40 @@ MoeConfig MoeConfig::from_json(const std::string& text, const std::string& sourc
 
   // The attention, embedding and head as a Llama reads them; head_dim is the family's own.
   json llama = j;
-  llama.erase("head_dim");
+  for (const char* k : {"head_dim", "num_experts", "num_local_experts", "moe_intermediate_size"})
+    llama.erase(k);
   c.base = LlamaConfig::from_json(llama.dump(), source);
-  if (c.family == Family::qwen3_moe) {
-    // transformers' Qwen3-MoE takes head_dim from the file; a default here could silently differ.
-    LOOM_CHECK(present(j, "head_dim"), source,
-               ": missing required field 'head_dim' (expected a positive even integer)");
-    c.head_dim = get_int(j, "head_dim", source, "head_dim");
+  if (c.family != Family::mixtral) {
+    if (c.family == Family::qwen3_moe) {
+      // transformers' Qwen3-MoE takes head_dim from the file; a default could silently differ.
+      LOOM_CHECK(present(j, "head_dim"), source,
+                 ": missing required field 'head_dim' (expected a positive even integer)");
+      c.head_dim = get_int(j, "head_dim", source, "head_dim");
+    } else {
+      // Qwen2-MoE's attention takes hidden_size / num_attention_heads.
+      c.head_dim = c.base.head_dim();
+      if (present(j, "head_dim"))
+        LOOM_CHECK(get_int(j, "head_dim", source, "head_dim") == c.head_dim, source,
+                   ": field 'head_dim': expected hidden_size / num_attention_heads = ", c.head_dim,
+                   " (Qwen2-MoE's), found ", j["head_dim"].dump());
+      // transformers' default; Qwen2-MoE always has its shared expert.
+      c.shared_expert_intermediate_size = 5632;
+    }
     c.num_experts = required_int(j, "num_experts", source);
     c.num_experts_per_tok = required_int(j, "num_experts_per_tok", source);
     c.moe_intermediate_size = required_int(j, "moe_intermediate_size", source);
     read(j, "norm_topk_prob", source, c.norm_topk_prob);
     read(j, "decoder_sparse_step", source, c.decoder_sparse_step);
-    read(j, "shared_expert_intermediate_size", source, c.shared_expert_intermediate_size);
+    if (c.family == Family::qwen2_moe)
+      read(j, "shared_expert_intermediate_size", source, c.shared_expert_intermediate_size);
+    else if (present(j, "shared_expert_intermediate_size"))
+      // transformers' Qwen3-MoE has none and ignores the key: a model that asks for one would load
+      // there without it.
+      LOOM_CHECK(get_int(j, "shared_expert_intermediate_size", source,
+                         "shared_expert_intermediate_size") == 0,
+                 source,
+                 ": field 'shared_expert_intermediate_size': qwen3_moe has no shared expert ",
+                 "(Qwen2-MoE's is model_type \"qwen2_moe\"; expected 0 or absent)");
     if (present(j, "mlp_only_layers")) {
       const json& v = j["mlp_only_layers"];
       LOOM_CHECK(v.is_array(), source,
@@ -95,7 +130,7 @@ void MoeConfig::validate(const std::string& source) const {
   auto positive = [&](int64_t v, const char* field) {
     LOOM_CHECK(v > 0, source, ": field '", field, "': expected a positive integer, found ", v);
   };
-  const bool q = family == Family::qwen3_moe;
+  const bool q = family != Family::mixtral;
   positive(head_dim, "head_dim");
   LOOM_CHECK(head_dim % 2 == 0, source, ": field 'head_dim': expected an even number for RoPE, ",
              "found ", head_dim);
@@ -109,9 +144,13 @@ void MoeConfig::validate(const std::string& source) const {
   for (int64_t l : mlp_only_layers)
     LOOM_CHECK(l >= 0 && l < base.num_hidden_layers, source, ": field 'mlp_only_layers': layer ", l,
                " is not one of the ", base.num_hidden_layers, " layers");
-  LOOM_CHECK(shared_expert_intermediate_size == 0, source,
-             ": field 'shared_expert_intermediate_size': a shared expert is not built yet ",
-             "(expected 0 or absent, found ", shared_expert_intermediate_size, ")");
+  if (family == Family::qwen2_moe)
+    positive(shared_expert_intermediate_size, "shared_expert_intermediate_size");
+  else
+    LOOM_CHECK(
+        shared_expert_intermediate_size == 0, source,
+        ": field 'shared_expert_intermediate_size': only qwen2_moe has a shared expert, found ",
+        shared_expert_intermediate_size);
   LOOM_CHECK(router_aux_loss_coef >= 0, source,
              ": field 'router_aux_loss_coef': expected a number >= 0, found ",
              router_aux_loss_coef);
@@ -119,8 +158,10 @@ void MoeConfig::validate(const std::string& source) const {
 
 std::string MoeConfig::to_json() const {
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(base.to_json());
-  const bool q = family == Family::qwen3_moe;
-  j["architectures"] = {q ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM"};
+  const bool q = family != Family::mixtral;
+  j["architectures"] = {family == Family::qwen3_moe   ? "Qwen3MoeForCausalLM"
+                        : family == Family::qwen2_moe ? "Qwen2MoeForCausalLM"
+                                                      : "MixtralForCausalLM"};
   j["model_type"] = model_type();
   j["head_dim"] = head_dim;
   j.erase("mlp_bias");
@@ -132,6 +173,8 @@ std::string MoeConfig::to_json() const {
     j["decoder_sparse_step"] = decoder_sparse_step;
     j["mlp_only_layers"] = mlp_only_layers;
     j["use_sliding_window"] = false;
+    if (family == Family::qwen2_moe)
+      j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
   } else {
     j["num_local_experts"] = num_experts;
     j["num_experts_per_tok"] = num_experts_per_tok;
@@ -145,11 +188,14 @@ std::string MoeConfig::to_json() const {
 int64_t MoeConfig::num_params() const {
   const int64_t d = base.hidden_size, V = base.vocab_size, L = base.num_hidden_layers;
   const int64_t Ls = num_sparse_layers();
-  const int64_t attn = d * (base.num_attention_heads + 2 * base.num_key_value_heads) * head_dim +
-                       base.num_attention_heads * head_dim * d + 2 * d +
-                       (qk_norm() ? 2 * head_dim : 0);
+  const int64_t qkv = (base.num_attention_heads + 2 * base.num_key_value_heads) * head_dim;
+  const int64_t attn = d * qkv + base.num_attention_heads * head_dim * d + 2 * d +
+                       (qk_norm() ? 2 * head_dim : 0) + (qkv_bias() ? qkv : 0);
   const int64_t dense = 3 * d * base.intermediate_size;
-  const int64_t moe = num_experts * d + num_experts * 3 * d * moe_intermediate_size;
+  const int64_t shared = shared_expert_intermediate_size > 0
+                             ? 3 * d * shared_expert_intermediate_size + d  // and its gate
+                             : 0;
+  const int64_t moe = num_experts * d + num_experts * 3 * d * moe_intermediate_size + shared;
   return V * d + L * attn + (L - Ls) * dense + Ls * moe + d +
          (base.tie_word_embeddings ? 0 : V * d);
 }

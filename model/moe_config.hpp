@@ -1,7 +1,9 @@
 #pragma once
 // The shape of a mixture-of-experts model, read from a Hugging Face config.json of model_type
 // "qwen3_moe" (Qwen3-MoE: q/k norms, mlp_only_layers / decoder_sparse_step for dense layers,
-// norm_topk_prob) or "mixtral" (every layer sparse, top-k always renormalized). The attention,
+// norm_topk_prob), "qwen2_moe" (Qwen2-MoE / Qwen1.5-MoE: the same routing and layer rule, q/k/v
+// projection biases and a shared expert with a sigmoid gate, no q/k norms) or "mixtral" (every
+// layer sparse, top-k always renormalized). The attention,
 // embedding, dense FFN and head are a Llama's (`base`), with head_dim free of hidden_size /
 // num_attention_heads (Qwen3's 128 beside hidden 2048 and 32 heads). docs/decisions/moe.md.
 #include <cstdint>
@@ -13,7 +15,7 @@
 namespace loom {
 
 struct MoeConfig {
-  enum class Family { qwen3_moe, mixtral };
+  enum class Family { qwen3_moe, qwen2_moe, mixtral };
   Family family = Family::qwen3_moe;
   // The attention and dense parts. base.intermediate_size is the dense layers' FFN (Qwen3's
   // mlp_only_layers; Mixtral has none: its intermediate_size is the experts').
@@ -22,8 +24,7 @@ struct MoeConfig {
   int64_t num_experts = 0;            // qwen3_moe's num_experts, mixtral's num_local_experts
   int64_t num_experts_per_tok = 0;    // k
   int64_t moe_intermediate_size = 0;  // each expert's FFN
-  // Qwen2-MoE's shared expert (read so that a config that asks for one is refused by name: not
-  // built yet).
+  // Qwen2-MoE's shared expert, in every sparse layer (0: none, the other families).
   int64_t shared_expert_intermediate_size = 0;
   bool norm_topk_prob = false;  // renormalize the top-k weights (mixtral: always)
   int64_t decoder_sparse_step = 1;
@@ -32,8 +33,13 @@ struct MoeConfig {
   // Whether training adds router_aux_loss_coef x the load-balancing loss (transformers' switch).
   bool output_router_logits = false;
 
-  const char* model_type() const { return family == Family::mixtral ? "mixtral" : "qwen3_moe"; }
+  const char* model_type() const;
   bool qk_norm() const { return family == Family::qwen3_moe; }
+  bool qkv_bias() const { return family == Family::qwen2_moe; }
+  // The names' prefix of a sparse layer's experts branch: "mlp." or Mixtral's "block_sparse_moe.".
+  const char* moe_prefix() const {
+    return family == Family::mixtral ? "block_sparse_moe." : "mlp.";
+  }
   // Whether layer `l` has the experts (else a dense SwiGLU MLP): transformers' rule.
   bool sparse(int64_t layer) const;
   int64_t num_sparse_layers() const;

@@ -22,8 +22,8 @@ size_t bytes_of(std::initializer_list<const Tensor*> ts) {
 }  // namespace
 
 size_t MoeRouting::bytes() const {
-  return bytes_of(
-      {&h, &rstd, &xn, &probs, &experts, &weights, &perm.order, &perm.pos, &dxn, &dweights});
+  return bytes_of({&h, &rstd, &xn, &probs, &experts, &weights, &perm.order, &perm.pos, &shared_gu,
+                   &shared_act, &shared_y, &shared_z, &dxn, &dweights});
 }
 
 size_t MoeExpertsActs::bytes() const {
@@ -43,6 +43,7 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   Tensor prob_sum = Tensor::zeros({E}, DType::f32, dev);
   ops::moe_route(r.probs, Tensor(), renormalize, r.probs, r.experts, r.weights, prob_sum);
   r.perm = ops::moe_permute(r.experts, E, capacity);
+  if (shared != kNone) shared_forward(unit, r);
   if (!ops::computes(dev)) return;  // nothing to count on meta: the planner prices the balance
   const Tensor ps = prob_sum.on_host();
   if (stats.counts.empty()) {
@@ -62,10 +63,48 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   stats.load_max_over_mean.push_back(double(most) * double(E) / double(M * k));
 }
 
+// Qwen2-MoE's shared expert on every token: sigmoid(xn . gate) x down(silu(gate_proj(xn)) x
+// up_proj(xn)), its GEMMs writing the compute dtype as the experts'.
+void MoeRouter::shared_forward(const ParamUnit& unit, MoeRouting& r) const {
+  const Device dev = r.xn.device();
+  r.shared_gu = Tensor::empty({M, 2 * shared_ffn}, compute, dev);
+  ops::linear(r.xn, unit.gemm_weight(shared), r.shared_gu);
+  r.shared_act = Tensor::empty({M, shared_ffn}, compute, dev);
+  ops::swiglu_forward(r.shared_gu, r.shared_act);
+  r.shared_y = Tensor::empty({M, d}, compute, dev);
+  ops::linear(r.shared_act, unit.gemm_weight(shared + 2), r.shared_y);
+  r.shared_z = f32({M, 1}, dev);
+  ops::linear(r.xn, unit.gemm_weight(shared + 3), r.shared_z);
+}
+
+void MoeRouter::shared_backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r) const {
+  const Device dev = dy.device();
+  Tensor dys = Tensor::empty({M, d}, compute, dev), dz = f32({M, 1}, dev);
+  ops::sigmoid_gate_backward(dy, r.shared_z, r.shared_y, dys, dz);
+  r.shared_y = Tensor();
+  Tensor dx = f32({M, d}, dev);
+  ops::linear_backward(in_compute(dz, compute), r.xn, unit.gemm_weight(shared + 3),
+                       unit.weight_grad(shared + 3), dx);
+  ops::add_inplace(r.dxn, dx);
+  r.shared_z = Tensor();
+  {
+    Tensor dact = f32({M, shared_ffn}, dev);
+    ops::linear_backward(dys, r.shared_act, unit.gemm_weight(shared + 2),
+                         unit.weight_grad(shared + 2), dact);
+    r.shared_act = Tensor();
+    ops::swiglu_backward(dact, r.shared_gu, r.shared_gu);
+  }
+  ops::linear_backward(in_compute(r.shared_gu, compute), r.xn, unit.gemm_weight(shared),
+                       unit.weight_grad(shared, 2), dx);
+  r.shared_gu = Tensor();
+  ops::add_inplace(r.dxn, dx);
+}
+
 void MoeRouter::backward(ParamUnit& unit, Tensor& dy, MoeRouting& r,
                          const RouterStats& stats) const {
   const Device dev = dy.device();
   auto& P = unit.params();
+  if (shared != kNone) shared_backward(unit, dy, r);
   // Through the weights' renormalization and the softmax, the auxiliary loss's gradient added per
   // probability, then the router's GEMM; its input gradient joins the experts'.
   ops::moe_route_backward(r.probs, r.experts, r.weights, r.dweights, renormalize, stats.dprob,
@@ -118,6 +157,7 @@ Tensor MoeExperts::forward(const ParamUnit& unit, const MoeRouting& r, MoeExpert
   if (!output) return Tensor();
   Tensor y = f32({M, d}, dev);
   ops::copy(r.h, y);
+  if (r.shared_z.defined()) ops::sigmoid_gate_forward(r.shared_z, r.shared_y, y);
   ops::moe_combine(a.ys, r.weights, r.perm.pos, y);
   return y;
 }

@@ -46,15 +46,23 @@ struct MoeRouting {
   Tensor experts;  // [M, k] i32
   Tensor weights;  // [M, k] f32
   ops::MoePermutation perm;
+  // Qwen2-MoE's shared expert: its gate/up [M, 2Fs], SwiGLU [M, Fs] and output [M, d] in the
+  // compute dtype, and its gate's logit [M, 1] f32 (the experts' forward adds sigmoid(z) x its
+  // output).
+  Tensor shared_gu, shared_act, shared_y, shared_z;
   // Set by the experts' backward for the router's: d(xn) through the experts [M, d] f32, and
   // d(weights) [M, k] f32.
   Tensor dxn, dweights;
   size_t bytes() const;
 };
 
-// The router half: its parameters' indices in the unit that holds them.
+// The router half: its parameters' indices in the unit that holds them (with Qwen2-MoE's shared
+// expert: its gate and up (one fused matrix), its down, and its gate, adjacent from `shared`).
 struct MoeRouter {
+  static constexpr size_t kNone = size_t(-1);
   size_t norm, router;
+  size_t shared = kNone;
+  int64_t shared_ffn = 0;
   int64_t M, d, E, k;  // rows, hidden size, experts, choices per token
   bool renormalize;
   int64_t capacity;  // rows per expert at most; 0: dropless
@@ -64,10 +72,14 @@ struct MoeRouter {
   // r.h [M, d] set by the caller: the norm, the router and the grouping into `r`; the router's
   // statistics added to `stats`.
   void forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats) const;
-  // After the experts' backward (r.dxn, r.dweights): the router (stats.dprob: the auxiliary
-  // loss's gradient) and the norm; dy, the gradient w.r.t. the block's output, gets the gradient
-  // through the branch added (the residual's passes straight through). Frees `r`.
+  // After the experts' backward (r.dxn, r.dweights): the shared expert, the router (stats.dprob:
+  // the auxiliary loss's gradient) and the norm; dy, the gradient w.r.t. the block's output, gets
+  // the gradient through the branch added (the residual's passes straight through). Frees `r`.
   void backward(ParamUnit& unit, Tensor& dy, MoeRouting& r, const RouterStats& stats) const;
+
+ private:
+  void shared_forward(const ParamUnit& unit, MoeRouting& r) const;
+  void shared_backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r) const;
 };
 
 // What the experts' backward reads.

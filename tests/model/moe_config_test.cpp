@@ -101,6 +101,49 @@ TEST(MoeConfig, Mixtral8x7bMatchesItsPublishedSize) {
   EXPECT_NEAR(double(c.num_active_params()) / 1e9, 12.9, 0.05);
 }
 
+// Qwen1.5-MoE-A2.7B's (model_type qwen2_moe): q/k/v biases and a shared expert.
+json qwen2_moe_a27b() {
+  return json{{"architectures", {"Qwen2MoeForCausalLM"}},
+              {"model_type", "qwen2_moe"},
+              {"hidden_size", 2048},
+              {"intermediate_size", 5632},
+              {"moe_intermediate_size", 1408},
+              {"shared_expert_intermediate_size", 5632},
+              {"num_hidden_layers", 24},
+              {"num_attention_heads", 16},
+              {"num_key_value_heads", 16},
+              {"num_experts", 60},
+              {"num_experts_per_tok", 4},
+              {"norm_topk_prob", false},
+              {"decoder_sparse_step", 1},
+              {"router_aux_loss_coef", 0.001},
+              {"vocab_size", 151936},
+              {"max_position_embeddings", 8192},
+              {"rms_norm_eps", 1e-6},
+              {"rope_theta", 1000000.0},
+              {"tie_word_embeddings", false},
+              {"use_sliding_window", false},
+              {"hidden_act", "silu"}};
+}
+
+TEST(MoeConfig, Qwen2MoeA27bMatchesItsPublishedSize) {
+  const MoeConfig c = read(qwen2_moe_a27b());
+  EXPECT_EQ(c.family, MoeConfig::Family::qwen2_moe);
+  EXPECT_TRUE(c.qkv_bias());
+  EXPECT_FALSE(c.qk_norm());
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 5632);
+  // Published: 14.3B parameters, 2.7B activated.
+  EXPECT_NEAR(double(c.num_params()) / 1e9, 14.3, 0.05);
+  EXPECT_NEAR(double(c.num_active_params()) / 1e9, 2.7, 0.05);
+  json j = qwen2_moe_a27b();
+  j["head_dim"] = 64;
+  expect_bad(j, {"head_dim", "128"});
+  j = qwen2_moe_a27b();
+  j.erase("shared_expert_intermediate_size");  // transformers' default
+  EXPECT_EQ(read(j).shared_expert_intermediate_size, 5632);
+}
+
 TEST(MoeConfig, SparseLayersFollowTransformersRule) {
   json j = qwen3_30b_a3b();
   j["num_hidden_layers"] = 6;
@@ -114,7 +157,7 @@ TEST(MoeConfig, SparseLayersFollowTransformersRule) {
 }
 
 TEST(MoeConfig, RoundTripsThroughItsJson) {
-  for (const json& j : {qwen3_30b_a3b(), mixtral_8x7b()}) {
+  for (const json& j : {qwen3_30b_a3b(), qwen2_moe_a27b(), mixtral_8x7b()}) {
     const MoeConfig a = read(j);
     const MoeConfig b = MoeConfig::from_json(a.to_json(), "again.json");
     EXPECT_EQ(a.to_json(), b.to_json());
@@ -144,7 +187,7 @@ TEST(MoeConfig, BadInputNamesTheField) {
   expect_bad(j, {"mlp_only_layers", "48"});
   j = qwen3_30b_a3b();
   j["shared_expert_intermediate_size"] = 512;
-  expect_bad(j, {"shared_expert_intermediate_size", "512"});
+  expect_bad(j, {"shared_expert_intermediate_size", "qwen2_moe"});
   j = qwen3_30b_a3b();
   j["attention_bias"] = true;
   expect_bad(j, {"attention_bias"});
@@ -160,6 +203,9 @@ TEST(MoeConfig, BadInputNamesTheField) {
   j = qwen3_30b_a3b();
   j["model_type"] = "deepseek_v3";
   expect_error([&] { read(j); }, {"cfg.json", "model_type", "deepseek_v3"});
+  // Read through the model-type dispatch, a mixture of another type is not taken for a Llama.
+  expect_error([&] { loom::ModelConfig::from_json(j.dump(), "cfg.json"); },
+               {"cfg.json", "num_experts", "deepseek_v3", "qwen2_moe"});
 }
 
 TEST(MoeConfig, BuiltModelHoldsTheCountedParameters) {
@@ -181,4 +227,11 @@ TEST(MoeConfig, BuiltModelHoldsTheCountedParameters) {
     loom::MoeModel m(c, loom::DType::f32, loom::Device::meta);
     EXPECT_EQ(m.num_params(), c.num_params()) << "tied " << tied;
   }
+  json q2 = j;
+  q2["model_type"] = "qwen2_moe";
+  q2["head_dim"] = 16;
+  q2["shared_expert_intermediate_size"] = 40;
+  const MoeConfig c2 = read(q2);
+  loom::MoeModel m2(c2, loom::DType::f32, loom::Device::meta);
+  EXPECT_EQ(m2.num_params(), c2.num_params());
 }

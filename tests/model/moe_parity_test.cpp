@@ -83,12 +83,14 @@ Run run_loom(const MoeConfig& c, int64_t B, int64_t T, DType compute, const fs::
              bool write_files) {
   MoeModel model(c, compute);
   model.init_weights(7);
-  // Perturb the norm weights so their gradients are not the trivial all-ones case.
+  // Perturb the norm weights so their gradients are not the trivial all-ones case, and the biases
+  // (zeros at first) so that they add something.
   for (ParamUnit* u : model.units())
     for (auto& p : u->params())
-      if (p.spec.init == Init::ones) {
+      if (p.spec.init == Init::ones || p.spec.name.ends_with(".bias")) {
         std::vector<float> r(size_t(p.value.numel()));
-        philox_normal(philox_key(9, p.spec.name), 0, int64_t(r.size()), 1.0f, 0.1f, r.data());
+        const float mean = p.spec.init == Init::ones ? 1.0f : 0.0f;
+        philox_normal(philox_key(9, p.spec.name), 0, int64_t(r.size()), mean, 0.1f, r.data());
         std::copy(r.begin(), r.end(), p.value.data<float>());
       }
   for (ParamUnit* u : model.units()) u->refresh_bf16();
@@ -195,6 +197,16 @@ TEST(MoeTorchParity, Qwen3MoeWithoutRenormalization) {
   c.mlp_only_layers = {};
   c.decoder_sparse_step = 2;  // layers 1 sparse, 0 and 2 dense
   check_parity(c, 2, 29, "qwen3_moe_sparse_step");
+}
+
+// Qwen2-MoE: q/k/v biases, the shared expert with its sigmoid gate, no q/k norms.
+TEST(MoeTorchParity, Qwen2MoeSharedExpert) {
+  MoeConfig c = qwen3_moe();
+  c.family = MoeConfig::Family::qwen2_moe;
+  c.head_dim = 16;  // hidden / heads
+  c.shared_expert_intermediate_size = 56;
+  c.norm_topk_prob = false;
+  check_parity(c, 2, 33, "qwen2_moe");
 }
 
 TEST(MoeTorchParity, MixtralTied) {

@@ -7,7 +7,7 @@ modeling_mixtral.py, modeling_qwen2_moe.py for the shared expert) with their par
 nothing of loom and nothing of torch_llama.py (only the safetensors helper st.py).
 
   torch_moe.py --dir D [--dtype float32|bfloat16] [--threads 2]
-      reads D/config.json (HF; model_type "qwen3_moe" or "mixtral"), D/model.safetensors, D/tokens.bin
+      reads D/config.json (HF; model_type "qwen3_moe", "qwen2_moe" or "mixtral"), D/model.safetensors, D/tokens.bin
       (int32 [B, T+1]) and D/tokens.json ({"batch": B, "seq_len": T}); inputs = first T tokens of a
       row, targets = last T (target < 0 is ignored). Writes D/torch_out.safetensors:
         <every parameter name>  F32, its gradient (no lm_head.weight when tied; zeros for an expert
@@ -24,14 +24,17 @@ nothing of loom and nothing of torch_llama.py (only the safetensors helper st.py
 
 Semantics:
   Decoder: Llama-style pre-norm (RMSNorm in float32), rotate_half RoPE (rope_theta, optional llama3
-  rope_scaling), GQA causal softmax attention, no biases, SwiGLU MLPs, final norm model.norm.weight,
-  lm_head.weight or tied model.embed_tokens.weight.
+  rope_scaling), GQA causal softmax attention, no biases (but Qwen2-MoE's q/k/v), SwiGLU MLPs, final
+  norm model.norm.weight, lm_head.weight or tied model.embed_tokens.weight.
+  qwen2_moe: Qwen3-MoE's routing and layer rule without q/k norms, with q/k/v projection biases
+    (self_attn.{q,k,v}_proj.bias, always present) and the shared expert (always present; below);
+    head_dim = hidden_size / num_attention_heads.
   qwen3_moe: q_norm / k_norm (RMSNorm over head_dim, weight [head_dim], eps rms_norm_eps) applied per
     head to q and k BEFORE RoPE. Layer l is sparse iff l not in mlp_only_layers and num_experts > 0
     and (l + 1) % decoder_sparse_step == 0; dense layers: mlp.{gate,up,down}_proj (intermediate_size).
     Sparse: router mlp.gate.weight [E, C]; experts mlp.experts.{e}.{gate,up,down}_proj
     (moe_intermediate_size); normalized top-k iff norm_topk_prob (default false). Optional Qwen2-MoE
-    shared expert iff shared_expert_intermediate_size > 0: mlp.shared_expert.{gate,up,down}_proj and
+    shared expert (qwen2_moe only, shared_expert_intermediate_size): mlp.shared_expert.{gate,up,down}_proj and
     mlp.shared_expert_gate.weight [1, C]; out += sigmoid(x . shared_expert_gate) * shared_expert(x).
   mixtral: no q/k norms, every layer sparse: block_sparse_moe.gate.weight [num_local_experts, C],
     experts block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down) (intermediate_size); top-k
@@ -58,7 +61,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
 
-_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "qwen2_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
 
 class Config:
@@ -68,24 +72,31 @@ class Config:
     def __init__(self, d):
         self.kind = d.get("model_type")
         if self.kind not in _EXPERT_NAMES:
-            raise ValueError(f"config.json: model_type {self.kind!r} unsupported (qwen3_moe or mixtral)")
+            raise ValueError(f"config.json: model_type {self.kind!r} unsupported (qwen3_moe, qwen2_moe or mixtral)")
         mixtral = self.kind == "mixtral"
+        qwen2 = self.kind == "qwen2_moe"
         g = lambda k, default: d[k] if d.get(k) is not None else default  # noqa: E731
         self.dim = int(d["hidden_size"])
         self.n_layers = int(d["num_hidden_layers"])
         self.n_heads = int(d["num_attention_heads"])
         self.n_kv_heads = int(g("num_key_value_heads", self.n_heads))
         self.head_dim = int(g("head_dim", self.dim // self.n_heads))
+        if qwen2 and self.head_dim != self.dim // self.n_heads:
+            raise ValueError(f"config.json: head_dim {self.head_dim}: Qwen2-MoE's is hidden_size // num_attention_heads")
         self.vocab = int(d["vocab_size"])
         self.eps = float(g("rms_norm_eps", 1e-5 if mixtral else 1e-6))
         self.theta = float(g("rope_theta", 1e6 if mixtral else 10000.0))
         self.rope_scaling = d.get("rope_scaling")
         self.tied = bool(g("tie_word_embeddings", False))
-        self.top_k = int(g("num_experts_per_tok", 2 if mixtral else 8))
+        self.top_k = int(g("num_experts_per_tok", 2 if mixtral else 4 if qwen2 else 8))
         self.aux_coef = float(g("router_aux_loss_coef", 0.001))
         self.output_router_logits = bool(g("output_router_logits", False))
-        self.qk_norm = not mixtral
+        self.qk_norm = self.kind == "qwen3_moe"
+        # Qwen2-MoE's q, k and v projections always have biases (modeling_qwen2_moe: bias=True).
+        self.qkv_bias = qwen2
         for key in ("attention_bias", "qkv_bias", "mlp_bias", "use_sliding_window"):
+            if qwen2 and key == "qkv_bias":
+                continue
             if d.get(key):
                 raise ValueError(f"config.json: {key} = {d[key]!r} is not supported (expected false)")
         if g("hidden_act", "silu") != "silu":
@@ -106,11 +117,15 @@ class Config:
             self.moe_prefix = "block_sparse_moe."
         else:
             self.sliding_window = None
-            self.n_experts = int(g("num_experts", 128))
-            self.moe_ffn = int(g("moe_intermediate_size", 768))
+            self.n_experts = int(g("num_experts", 60 if qwen2 else 128))
+            self.moe_ffn = int(g("moe_intermediate_size", 1408 if qwen2 else 768))
             self.ffn = int(d["intermediate_size"])
             self.norm_topk = bool(g("norm_topk_prob", False))
-            self.shared_ffn = int(g("shared_expert_intermediate_size", 0))
+            # Qwen2-MoE always has its shared expert; Qwen3-MoE never (transformers ignores the key).
+            self.shared_ffn = int(g("shared_expert_intermediate_size", 5632)) if qwen2 else 0
+            if not qwen2 and int(g("shared_expert_intermediate_size", 0)) > 0:
+                raise ValueError("config.json: shared_expert_intermediate_size > 0: qwen3_moe has no shared "
+                                 "expert (Qwen2-MoE's is model_type qwen2_moe)")
             step = int(g("decoder_sparse_step", 1))
             if step <= 0:
                 raise ValueError(f"config.json: decoder_sparse_step {step} must be positive")
@@ -142,6 +157,10 @@ class Config:
             s[p + "self_attn.k_proj.weight"] = (K * D, C)
             s[p + "self_attn.v_proj.weight"] = (K * D, C)
             s[p + "self_attn.o_proj.weight"] = (C, H * D)
+            if self.qkv_bias:
+                s[p + "self_attn.q_proj.bias"] = (H * D,)
+                s[p + "self_attn.k_proj.bias"] = (K * D,)
+                s[p + "self_attn.v_proj.bias"] = (K * D,)
             if self.qk_norm:
                 s[p + "self_attn.q_norm.weight"] = (D,)
                 s[p + "self_attn.k_norm.weight"] = (D,)
@@ -302,9 +321,10 @@ class MoEModel:
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, P[p + "input_layernorm.weight"], cfg.eps)
-            q = F.linear(h, P[p + "self_attn.q_proj.weight"]).view(B, T, H, D)
-            k = F.linear(h, P[p + "self_attn.k_proj.weight"]).view(B, T, Hkv, D)
-            v = F.linear(h, P[p + "self_attn.v_proj.weight"]).view(B, T, Hkv, D).transpose(1, 2)
+            q = F.linear(h, P[p + "self_attn.q_proj.weight"], P.get(p + "self_attn.q_proj.bias")).view(B, T, H, D)
+            k = F.linear(h, P[p + "self_attn.k_proj.weight"], P.get(p + "self_attn.k_proj.bias")).view(B, T, Hkv, D)
+            v = F.linear(h, P[p + "self_attn.v_proj.weight"],
+                         P.get(p + "self_attn.v_proj.bias")).view(B, T, Hkv, D).transpose(1, 2)
             if cfg.qk_norm:  # Qwen3: per head over head_dim, before RoPE
                 q = rms_norm(q, P[p + "self_attn.q_norm.weight"], cfg.eps)
                 k = rms_norm(k, P[p + "self_attn.k_norm.weight"], cfg.eps)
@@ -339,11 +359,13 @@ class MoEModel:
 
 
 def init_params(cfg, seed=0, std=0.02, dtype=torch.float32):
-    """Random parameters: N(0, std) matrices, norm weights 1 + N(0, 0.1) (never exactly ones)."""
+    """Random parameters: N(0, std) matrices and biases, norm weights 1 + N(0, 0.1) (never exactly ones)."""
     g = torch.Generator().manual_seed(seed)
     P = {}
     for name, shape in cfg.param_shapes().items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            P[name] = std * torch.randn(shape, generator=g, dtype=torch.float64)
+        elif len(shape) == 1:
             P[name] = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
         else:
             P[name] = std * torch.randn(shape, generator=g, dtype=torch.float64)
@@ -519,7 +541,8 @@ def _naive_model_np(cfg, P, inputs, targets, qk_norm_after_rope=False):
             qn = P.get(p + "self_attn.q_norm.weight")
             kn = P.get(p + "self_attn.k_norm.weight")
             h = np.array([norm(r, P[p + "input_layernorm.weight"]) for r in x])
-            q, k, v = (h @ P[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+            q, k, v = (h @ P[p + f"self_attn.{n}_proj.weight"].T + P.get(p + f"self_attn.{n}_proj.bias", 0.0)
+                       for n in "qkv")
             att = np.zeros((T, H * D))
             for hh in range(H):
                 g = hh // (H // Hkv)
@@ -568,8 +591,8 @@ def _tiny_config(kind, shared=False):
          "sliding_window": 4096,
          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.25,
                           "high_freq_factor": 8.0, "original_max_position_embeddings": 400}}
-    if shared:
-        d["shared_expert_intermediate_size"] = 20
+    if shared:  # Qwen2-MoE: the shared expert and q/k/v biases, no q/k norms, head_dim = hidden / heads
+        d.update({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 20, "head_dim": 4})
     return d
 
 
@@ -655,7 +678,7 @@ def selftest():
     # The MoE block against the per-token loop (fp64), for each routing variant.
     variants = [("qwen3_moe norm_topk", _tiny_config("qwen3_moe"), {}),
                 ("qwen3_moe no norm_topk", _tiny_config("qwen3_moe"), {"norm_topk_prob": False}),
-                ("qwen3_moe shared expert", _tiny_config("qwen3_moe", shared=True), {"norm_topk_prob": False}),
+                ("qwen2_moe shared expert", _tiny_config("qwen3_moe", shared=True), {"norm_topk_prob": False}),
                 ("mixtral", _tiny_config("mixtral"), {})]
     for what, d, over in variants:
         cfg = Config({**d, **over})
@@ -667,7 +690,7 @@ def selftest():
         ref = np.array([_naive_moe_token(cfg, Pn, m, row)[0] for row in x.numpy()])
         err = float(np.abs(got.numpy() - ref).max())
         check(err < 1e-12, f"MoE block = naive per-token loop: {what} (max err {err:.1e})")
-        if what == "qwen3_moe shared expert":
+        if what == "qwen2_moe shared expert":
             # Equal router logits: every token takes experts 0..k-1 with weight 1/E each (no renorm).
             Pz = dict(P, **{m + "gate.weight": torch.zeros_like(P[m + "gate.weight"])})
             got0, lz = moe_block(cfg, Pz, m, x)
@@ -694,7 +717,7 @@ def selftest():
 
     # Whole models in fp64 against the naive numpy model; q/k norm placement; gradcheck.
     B, T = 2, 6
-    for what, d in (("qwen3_moe", _tiny_config("qwen3_moe")), ("qwen3_moe+shared", _tiny_config("qwen3_moe", True)),
+    for what, d in (("qwen3_moe", _tiny_config("qwen3_moe")), ("qwen2_moe", _tiny_config("qwen3_moe", True)),
                     ("mixtral", _tiny_config("mixtral"))):
         cfg = Config(d)
         tokens = torch.randint(0, cfg.vocab, (B, T + 1), generator=g)
@@ -721,12 +744,15 @@ def selftest():
             names += ["model.layers.1.self_attn.q_norm.weight", "model.layers.2.self_attn.k_norm.weight"]
         if cfg.shared_ffn:
             names += [m + "shared_expert_gate.weight", m + "shared_expert.up_proj.weight"]
+        if cfg.qkv_bias:
+            names += ["model.layers.1.self_attn.q_proj.bias", "model.layers.2.self_attn.v_proj.bias"]
         rest = {n: v for n, v in P.items() if n not in names}
         fn = lambda *ts: model.losses({**rest, **dict(zip(names, ts))}, inputs, targets)["loss"]  # noqa: E731
         ok = torch.autograd.gradcheck(fn, [P[n].clone().requires_grad_(True) for n in names],
                                       eps=1e-6, atol=1e-8, rtol=1e-6, raise_exception=False)
         check(ok and margin > 1e-4, f"{what}: fp64 gradients = central finite differences (gradcheck; router, expert, "
-              f"embedding{', q/k norm' if cfg.qk_norm else ''}{', shared expert' if cfg.shared_ffn else ''}; "
+              f"embedding{', q/k norm' if cfg.qk_norm else ''}{', shared expert' if cfg.shared_ffn else ''}"
+              f"{', q/v bias' if cfg.qkv_bias else ''}; "
               f"top-k margin {margin:.1e})")
         if not cfg.output_router_logits:
             cfg_aux = Config({**d, "output_router_logits": True})
@@ -736,7 +762,8 @@ def selftest():
 
     # Unsupported configs are rejected, naming the key.
     bad = [("attention_bias", True), ("qkv_bias", True), ("use_sliding_window", True), ("hidden_act", "gelu"),
-           ("model_type", "qwen2_moe"), ("router_jitter_noise", 0.1)]
+           ("model_type", "qwen2_moe_xl"), ("router_jitter_noise", 0.1),
+           ("shared_expert_intermediate_size", 8)]
     ok = True
     for key, val in bad:
         try:
@@ -753,7 +780,7 @@ def selftest():
 
     # The CLI path (files in, files out), float32 and bf16 autocast, against fp64 autograd.
     B, T = 2, 7
-    for what, d in (("qwen3_moe", _tiny_config("qwen3_moe")), ("qwen3_moe+shared", _tiny_config("qwen3_moe", True)),
+    for what, d in (("qwen3_moe", _tiny_config("qwen3_moe")), ("qwen2_moe", _tiny_config("qwen3_moe", True)),
                     ("mixtral", _tiny_config("mixtral"))):
         cfg = Config(d)
         tokens = torch.randint(0, cfg.vocab, (B, T + 1), generator=g)
@@ -790,11 +817,14 @@ def selftest():
                       f"{what} {dt}: output names/dtypes/shapes")
                 errl = max(abs(out[k][0] - ref[k].item()) / abs(ref[k].item()) for k in scal)
                 errlg = _rel_l2(out["logits"], ref["logits"].detach().numpy())
-                errg = max(_rel_l2(out[n], Pr[n].grad.numpy()) if Pr[n].grad is not None
-                           else float(np.abs(out[n]).max()) for n in names)  # unrouted expert: zeros
+                # The k bias's gradient nearly cancels (q . b_k shifts a query's scores alike but for
+                # RoPE's rotation): in bf16 its rounding is most of it (0.13 rel-L2 seen); f32 checks it.
+                graded = [n for n in names if dt == "float32" or not n.endswith("k_proj.bias")]
+                errg, worst = max((_rel_l2(out[n], Pr[n].grad.numpy()) if Pr[n].grad is not None
+                                   else float(np.abs(out[n]).max()), n) for n in graded)  # unrouted: zeros
                 check(errl < tol_l and errlg < tol_l and errg < tol_g and (dt != "float32" or routing.flips == 0),
                       f"{what} {dt}: loss/ce/aux worst rel err {errl:.1e}, logits rel-L2 {errlg:.1e} < {tol_l:.0e}, "
-                      f"worst grad rel-L2 {errg:.1e} < {tol_g:.0e} (top-k margin {margin:.1e}, "
+                      f"worst grad rel-L2 {errg:.1e} < {tol_g:.0e} ({worst}; top-k margin {margin:.1e}, "
                       f"{routing.flips} top-k rows differ from fp64{', replayed' if dt != 'float32' else ''})")
 
     print("selftest:", "FAILED " + str(len(fails)) if fails else "all passed")
