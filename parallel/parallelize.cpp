@@ -92,9 +92,6 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
   const CpOptions cp = apply_cp(groups, options);
   std::optional<PpPlan> pp_plan;
   std::vector<bool> used;
-  LOOM_CHECK(!groups.pp || !config.is_moe(), "parallelism.pp: a mixture-of-experts model (",
-             config.model_type(), ") runs without pipeline parallelism for now (expected ",
-             "parallelism.pp = 1)");
   if (groups.pp) {
     pp_plan = plan_pp(config, groups, options);
     used.assign(size_t(config.num_hidden_layers()) + 2, false);
