@@ -5,6 +5,24 @@
 
 namespace loom {
 
+VocabSpecs llama_vocab_specs(std::span<const PlanEntry> plan, int64_t vocab, int64_t d, bool tied,
+                             int tp_rank, int tp) {
+  const int64_t V = local_vocab(vocab, tp);
+  const int64_t real_rows = V * tp == vocab ? 0 : vocab;
+  auto rows_of = [&](const char* name, bool f32_value) {
+    return ParamSpec{name,    {V, d}, Init::normal, 0.02f, true, f32_value, split_of(plan, name),
+                     tp_rank, tp,     real_rows};
+  };
+  VocabSpecs out{rows_of("model.embed_tokens.weight", true),
+                 {{"model.norm.weight", {d}, Init::ones, 0, false, true}}};
+  if (!tied) {
+    out.head.push_back(rows_of("lm_head.weight", false));
+    // Only the loss's dW GEMMs write the output head's gradient (ParamUnit::zero_grad).
+    out.head.back().gemm_grad = true;
+  }
+  return out;
+}
+
 bool vocab_parallel_output(std::span<const PlanEntry> plan, const std::string& name) {
   const TpStyle style = style_of(plan, name);
   LOOM_CHECK(style != TpStyle::row, "output head: the plan makes ", name,

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/tensor.hpp"
 #include "model/norm_input.hpp"
@@ -17,6 +18,18 @@
 #include "parallel/layers/tensor_parallel.hpp"
 
 namespace loom {
+
+// The embedding's and the head's parameters under Llama's names (model.embed_tokens, then
+// model.norm and, untied, lm_head), split as `plan` says over `tp` ranks (this one `tp_rank`). A
+// vocabulary that tp does not divide is padded to the next multiple of tp (Megatron's
+// make-vocab-size-divisible-by): the padding rows are zero, their logits are masked out of the
+// loss, and checkpoints hold the real rows only (ParamSpec::global_rows).
+struct VocabSpecs {
+  ParamSpec embedding;
+  std::vector<ParamSpec> head;
+};
+VocabSpecs llama_vocab_specs(std::span<const PlanEntry> plan, int64_t vocab, int64_t d, bool tied,
+                             int tp_rank, int tp);
 
 // Whether the plan splits the output projection's weight `name` by vocabulary rows over tp (the
 // loss parallel: column-parallel) rather than keeping it whole on every rank (replicated); a

@@ -35,45 +35,18 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, 
           std::string(what) == "num_key_value_heads" ? "; kv heads are not replicated" : "", ")");
   }
   const bool bf = compute == DType::bf16;
-  // A vocabulary that tp does not divide is padded to the next multiple of tp (Megatron's
-  // make-vocab-size-divisible-by): the padding rows are zero, their logits are masked out of the
-  // loss, and checkpoints hold the real rows only (ParamSpec::global_rows).
-  const int64_t d = config_.hidden_size, V = local_vocab(config_.vocab_size, n);
-  const int64_t real_rows = V * n == config_.vocab_size ? 0 : config_.vocab_size;
-  const ParamSpec emb{"model.embed_tokens.weight",
-                      {V, d},
-                      Init::normal,
-                      0.02f,
-                      true,
-                      true,
-                      split_of(llama_plan(), "model.embed_tokens.weight"),
-                      r,
-                      n,
-                      real_rows};
-  auto embed =
-      std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
+  const VocabSpecs vs = llama_vocab_specs(llama_plan(), config_.vocab_size, config_.hidden_size,
+                                          config_.tie_word_embeddings, r, n);
+  auto embed = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{vs.embedding}, bf,
+                                           unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
     blocks_.push_back(
         std::make_unique<LlamaBlock>(config_, l, bf, unit_device(size_t(l) + 1), shard, &par()));
     block_units.push_back(&blocks_.back()->unit());
   }
-  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
-  if (!config_.tie_word_embeddings)
-    head.push_back({"lm_head.weight",
-                    {V, d},
-                    Init::normal,
-                    0.02f,
-                    true,
-                    false,
-                    split_of(llama_plan(), "lm_head.weight"),
-                    r,
-                    n,
-                    real_rows});
-  // Only the loss's dW GEMMs write the output head's gradient (ParamUnit::zero_grad).
-  if (!config_.tie_word_embeddings) head.back().gemm_grad = true;
   set_units(std::move(embed), std::move(block_units),
-            std::make_unique<ParamUnit>("head", head, bf,
+            std::make_unique<ParamUnit>("head", vs.head, bf,
                                         unit_device(size_t(config_.num_hidden_layers) + 1), shard));
 }
 

@@ -53,20 +53,10 @@ MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardL
              config_.family == MoeConfig::Family::mixtral ? "num_local_experts" : "num_experts",
              "): each ep rank holds E / ep of them");
   const bool bf = compute == DType::bf16;
-  const int64_t d = c.hidden_size, V = local_vocab(c.vocab_size, n);
-  const int64_t real_rows = V * n == c.vocab_size ? 0 : c.vocab_size;
-  const ParamSpec emb{"model.embed_tokens.weight",
-                      {V, d},
-                      Init::normal,
-                      0.02f,
-                      true,
-                      true,
-                      split_of(moe_plan(), "model.embed_tokens.weight"),
-                      r,
-                      n,
-                      real_rows};
-  auto embed =
-      std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{emb}, bf, unit_device(0), shard);
+  const VocabSpecs vs =
+      llama_vocab_specs(moe_plan(), c.vocab_size, c.hidden_size, c.tie_word_embeddings, r, n);
+  auto embed = std::make_unique<ParamUnit>("embed", std::vector<ParamSpec>{vs.embedding}, bf,
+                                           unit_device(0), shard);
   std::vector<ParamUnit*> block_units;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const Device dev = unit_device(block_units.size() + 1);
@@ -79,23 +69,9 @@ MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardL
     block_units.push_back(&experts_.back()->unit());
     order_.push_back({l, true});
   }
-  std::vector<ParamSpec> head{{"model.norm.weight", {d}, Init::ones, 0, false, true}};
-  if (!c.tie_word_embeddings) {
-    head.push_back({"lm_head.weight",
-                    {V, d},
-                    Init::normal,
-                    0.02f,
-                    true,
-                    false,
-                    split_of(moe_plan(), "lm_head.weight"),
-                    r,
-                    n,
-                    real_rows});
-    head.back().gemm_grad = true;  // only the loss's dW GEMMs write it
-  }
-  set_units(
-      std::move(embed), std::move(block_units),
-      std::make_unique<ParamUnit>("head", head, bf, unit_device(block_units.size() + 1), shard));
+  const size_t head = block_units.size() + 1;
+  set_units(std::move(embed), std::move(block_units),
+            std::make_unique<ParamUnit>("head", vs.head, bf, unit_device(head), shard));
 }
 
 std::string MoeModel::describe() const {
