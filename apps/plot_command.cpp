@@ -26,17 +26,21 @@ namespace fs = std::filesystem;
 
 const char* kPlotUsage =
     "usage: loom plot METRICS.jsonl [MORE.jsonl ...] --output FILE.(png|svg|pdf) [--title T]\n"
-    "                 [--panels loss,throughput,mfu,memory] [--log-y]\n"
+    "                 [--panels loss,throughput,mfu,memory,aux,load,dropped] [--log-y]\n"
     "  draws each metric against \"step\", one colour per file, a panel per metric that a file "
     "has:\n"
     "    loss        \"loss\" (line) and \"val_loss\" (dashed, with markers)\n"
     "    throughput  \"tokens_per_s\"\n"
     "    mfu         \"mfu\", in % (0, not measured, is left out)\n"
     "    memory      \"peak_allocated_bytes\", in MiB (GiB from 16 GiB)\n"
+    "    aux         \"aux_loss\": a mixture of experts' auxiliary load-balancing loss\n"
+    "    load        \"expert_load\": the most tokens an expert got over the mean, worst layer\n"
+    "    dropped     \"dropped\": the share of routed tokens over an expert's capacity (asked "
+    "only)\n"
     "  --panels picks and orders the panels; --log-y puts the loss on a log axis\n";
 
 // The panels, in their default order, and the metrics.jsonl key each draws.
-enum Metric : size_t { kLoss, kThroughput, kMfu, kMemory, kNumMetrics };
+enum Metric : size_t { kLoss, kThroughput, kMfu, kMemory, kAux, kLoad, kDropped, kNumMetrics };
 struct MetricInfo {
   const char* panel;  // the name --panels takes
   const char* key;
@@ -48,6 +52,10 @@ constexpr MetricInfo kMetrics[kNumMetrics] = {
     {"throughput", "tokens_per_s", "throughput", "tokens/s"},
     {"mfu", "mfu", "model FLOPs utilization", "MFU (%)"},
     {"memory", "peak_allocated_bytes", "peak memory", ""},  // the unit is chosen from the data
+    // A mixture of experts' (model/moe.hpp take_step_metrics).
+    {"aux", "aux_loss", "auxiliary loss", "load-balancing loss"},
+    {"load", "expert_load", "expert load", "max / mean tokens"},
+    {"dropped", "dropped", "dropped tokens", "share"},
 };
 
 struct RunMetrics {
@@ -90,7 +98,7 @@ RunMetrics read_metrics(const std::string& path) {
   for (const auto& s : r.series) any = any || !s.empty();
   LOOM_CHECK(any, path,
              ": no rows with \"step\" and \"loss\" (or \"val_loss\", \"tokens_per_s\", \"mfu\", "
-             "\"peak_allocated_bytes\")");
+             "\"peak_allocated_bytes\", \"aux_loss\", \"expert_load\", \"dropped\")");
   auto by_step = [](const plot::Point& a, const plot::Point& b) { return a.x < b.x; };
   for (auto& s : r.series) std::stable_sort(s.begin(), s.end(), by_step);
   std::stable_sort(r.val_loss.begin(), r.val_loss.end(), by_step);
@@ -194,7 +202,8 @@ int plot_command(const Args& args) {
   }
   const bool chosen = !panels.empty();
   const std::vector<Metric> metrics =
-      chosen ? parse_panels(panels) : std::vector<Metric>{kLoss, kThroughput, kMfu, kMemory};
+      chosen ? parse_panels(panels)
+             : std::vector<Metric>{kLoss, kThroughput, kMfu, kMemory, kAux, kLoad};
 
   plot::Figure fig;
   fig.title = title;

@@ -405,12 +405,13 @@ Format format_of(const std::string& path) {
 Size figure_size(size_t panels) {
   if (panels <= 1) return {1000, 640};
   if (panels == 2) return {1400, 560};
-  return {1400, 1000};
+  if (panels <= 4) return {1400, 1000};
+  return {1400, 1440};  // three rows (a mixture of experts' auxiliary loss and load)
 }
 
 std::string render(const Figure& f, Format format) {
-  if (f.panels.empty() || f.panels.size() > 4)
-    throw std::invalid_argument("plot: a figure has one to four panels, not " +
+  if (f.panels.empty() || f.panels.size() > 6)
+    throw std::invalid_argument("plot: a figure has one to six panels, not " +
                                 std::to_string(f.panels.size()));
   const Size size = figure_size(f.panels.size());
   std::string out;  // outlives the surface, which writes to it until it is finished

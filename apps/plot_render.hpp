@@ -30,7 +30,7 @@ struct Figure {
   std::string title;  // above all panels; none when empty
   std::string x_label = "step";
   std::vector<std::string> runs;  // legend entries, in colour order
-  std::vector<Panel> panels;      // one to four: alone, side by side, or two by two
+  std::vector<Panel> panels;      // one to six: alone, side by side, or two a row
 };
 
 enum class Format { png, svg, pdf };

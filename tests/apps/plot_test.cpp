@@ -297,7 +297,7 @@ TEST(PlotRender, RefusesWhatItCannotDraw) {
   f.panels[0].curves[0].points[2].y = 0;
   EXPECT_THROW(render(f, Format::png), std::invalid_argument);
   EXPECT_THROW(render(Figure{}, Format::png), std::invalid_argument);
-  EXPECT_THROW(render(two_runs(5), Format::svg), std::invalid_argument);
+  EXPECT_THROW(render(two_runs(7), Format::svg), std::invalid_argument);
   Figure empty = two_runs(1);
   for (auto& c : empty.panels[0].curves) c.points = {{1, NAN}};
   EXPECT_THROW(render(empty, Format::pdf), std::invalid_argument);
@@ -373,6 +373,35 @@ TEST_F(PlotCommand, PanelsForTheMetricsTrainWrites) {
   img = decode_png(read_file(dir_ / "two.png"));
   EXPECT_EQ(img.width, 1400);
   EXPECT_EQ(img.height, 560);
+}
+
+TEST_F(PlotCommand, MixtureOfExpertsPanels) {
+  // A mixture of experts' metrics.jsonl (model/moe.hpp take_step_metrics) adds the auxiliary loss
+  // and the expert load to the default panels; the dropped share only when asked for.
+  {
+    std::ofstream f(dir_ / "moe.jsonl");
+    for (int s = 1; s <= 30; ++s)
+      f << "{\"step\": " << s << ", \"loss\": " << 6.0 - 0.05 * s
+        << ", \"tokens_per_s\": " << 1000 + s
+        << ", \"mfu\": 0, \"peak_allocated_bytes\": " << (8 << 20)
+        << ", \"aux_loss\": " << 2.0 + 0.01 * (s % 3) << ", \"expert_load\": " << 1.5 + 0.02 * s
+        << ", \"dropped\": 0}\n";
+  }
+  auto r = run_loom("plot " + path("moe.jsonl") + " --output " + path("moe.png"), dir_);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("5 panel(s), 150 points"), std::string::npos) << r.err;  // no MFU
+  const Image img = decode_png(read_file(dir_ / "moe.png"));
+  EXPECT_EQ(img.width, 1400);
+  EXPECT_EQ(img.height, 1440);  // three rows of two
+  r = run_loom(
+      "plot " + path("moe.jsonl") + " --panels aux,load,dropped --output " + path("moe3.svg"),
+      dir_);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("3 panel(s), 90 points"), std::string::npos) << r.err;
+  // A dense run has no auxiliary loss to draw.
+  r = run_loom("plot " + path("run-a.jsonl") + " --panels aux --output " + path("x.png"), dir_);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("--panels: no input has \"aux_loss\""), std::string::npos) << r.err;
 }
 
 TEST_F(PlotCommand, NullBreaksTheLine) {
