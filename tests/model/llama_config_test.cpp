@@ -10,7 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/read_file.hpp"
 #include "model/gla_config.hpp"
+#include "model/moe_config.hpp"
 #include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -98,8 +100,15 @@ TEST(LlamaConfig, EveryShippedConfigParses) {
   for (const auto& e : fs::directory_iterator(dir)) {
     if (e.path().extension() != ".json") continue;
     std::ifstream f(e.path());
-    if (json::parse(f).value("model_type", "") == "gla") {  // a GLA preset, read by GlaConfig
+    const std::string type = json::parse(f).value("model_type", "");
+    if (type == "gla") {  // a GLA preset, read by GlaConfig
       EXPECT_NO_THROW(loom::GlaConfig::from_file(e.path().string())) << e.path();
+      continue;
+    }
+    if (type == "qwen3_moe" || type == "qwen2_moe" || type == "mixtral") {  // by MoeConfig
+      EXPECT_NO_THROW(loom::MoeConfig::from_json(loom::read_file(e.path().string(), "config"),
+                                                 e.path().string()))
+          << e.path();
       continue;
     }
     EXPECT_NO_THROW(LlamaConfig::from_file(e.path().string())) << e.path();
