@@ -33,4 +33,19 @@ inline bf16 float_to_bf16(float f) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// An element of a kernel templated on its storage read as f32 and written from f32 (bf16: rounded
+// to nearest even).
+inline float load_f32(float v) {
+  return v;
+}
+inline float load_f32(bf16 v) {
+  return bf16_to_float(v);
+}
+inline void store_f32(float& dst, float v) {
+  dst = v;
+}
+inline void store_f32(bf16& dst, float v) {
+  dst = float_to_bf16(v);
+}
+
 }  // namespace loom

@@ -3,17 +3,45 @@
 // finite differences, and running a kernel test on every CPU tier (for_each_isa, TEST_ALL_ISAS).
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
 
 namespace loom::test {
+
+// bf16 test data: rounded copies, widened back, and bit-for-bit comparison.
+inline std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
+  return out;
+}
+inline std::vector<float> widen(const std::vector<bf16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
+  return out;
+}
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+// Runs body with n OpenMP threads, restoring the count (a kernel's bits must not depend on it).
+template <class Body>
+void with_threads(int n, Body&& body) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(n);
+  body();
+  omp_set_num_threads(saved);
+}
 
 inline std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
   std::mt19937_64 rng(seed);

@@ -19,19 +19,6 @@ constexpr int64_t kParallelMin = int64_t{1} << 14;
 // cache lines of each row).
 constexpr int64_t kColBlock = 64;
 
-inline float get(float v) {
-  return v;
-}
-inline float get(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void put(float& dst, float v) {
-  dst = v;
-}
-inline void put(bf16& dst, float v) {
-  dst = float_to_bf16(v);
-}
-
 // Validates up front: an exception must not leave an OpenMP region.
 void check_matrix(const char* what, int64_t M, int64_t N, int64_t ld) {
   LOOM_CHECK(M >= 0, what, ": row count M must be >= 0, got ", M);
@@ -54,7 +41,7 @@ void gate_forward_t(const float* z, const Y* ys, int64_t M, int64_t d, float* y)
     const float s = sigmoid(z[t]);
     const Y* __restrict r = ys + t * d;
     float* __restrict out = y + t * d;
-    for (int64_t c = 0; c < d; ++c) out[c] += s * get(r[c]);
+    for (int64_t c = 0; c < d; ++c) out[c] += s * load_f32(r[c]);
   }
 }
 
@@ -70,8 +57,8 @@ void gate_backward_t(const float* dy, const float* z, const Y* ys, int64_t M, in
     D* __restrict out = dys + t * d;
     double dot = 0;
     for (int64_t c = 0; c < d; ++c) {
-      dot += double(g[c]) * double(get(r[c]));
-      put(out[c], s * g[c]);
+      dot += double(g[c]) * double(load_f32(r[c]));
+      store_f32(out[c], s * g[c]);
     }
     dz[t] = float(dot * sigmoid_slope(z[t]));
   }

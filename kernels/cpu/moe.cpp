@@ -18,19 +18,6 @@ namespace {
 
 constexpr int64_t kParallelMin = int64_t{1} << 14;
 
-inline float get(float v) {
-  return v;
-}
-inline float get(bf16 v) {
-  return bf16_to_float(v);
-}
-inline void put(float& dst, float v) {
-  dst = v;
-}
-inline void put(bf16& dst, float v) {
-  dst = float_to_bf16(v);
-}
-
 // Validates up front: an exception must not leave an OpenMP region.
 void check_router(const char* what, int64_t M, int64_t E, int64_t k) {
   LOOM_CHECK(M >= 0, what, ": token count M must be >= 0, got ", M);
@@ -86,7 +73,7 @@ void combine_t(const Y* ys, int64_t N, const float* weights, const int32_t* pos,
       if (p < 0) continue;
       const float w = weights[t * k + j];
       const Y* __restrict r = ys + int64_t(p) * d;
-      for (int64_t c = 0; c < d; ++c) yt[c] += w * get(r[c]);
+      for (int64_t c = 0; c < d; ++c) yt[c] += w * load_f32(r[c]);
     }
   }
 }
@@ -111,8 +98,8 @@ void combine_backward_t(const float* dy, const Y* ys, int64_t N, const float* we
       D* __restrict out = dys + int64_t(p) * d;
       double dot = 0;
       for (int64_t c = 0; c < d; ++c) {
-        dot += double(g[c]) * double(get(r[c]));
-        put(out[c], w * g[c]);
+        dot += double(g[c]) * double(load_f32(r[c]));
+        store_f32(out[c], w * g[c]);
       }
       dweights[t * k + j] = float(dot);
     }

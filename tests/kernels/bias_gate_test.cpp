@@ -16,33 +16,12 @@
 #include "tests/test_util.hpp"
 
 using namespace loom;
+using loom::test::same_bits;
+using loom::test::to_bf16;
+using loom::test::widen;
+using loom::test::with_threads;
 
 namespace {
-
-std::vector<bf16> to_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
-  return out;
-}
-std::vector<float> widen(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
-  return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-// Runs body with n OpenMP threads, restoring the count.
-template <class Body>
-void with_threads(int n, Body&& body) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(n);
-  body();
-  omp_set_num_threads(saved);
-}
 
 double sigmoid64(double z) {
   return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : std::exp(z) / (1.0 + std::exp(z));

@@ -19,6 +19,10 @@
 #include "tests/test_util.hpp"
 
 using namespace loom;
+using loom::test::same_bits;
+using loom::test::to_bf16;
+using loom::test::widen;
+using loom::test::with_threads;
 
 namespace {
 
@@ -50,31 +54,6 @@ std::vector<double> softmax(const double* x, int64_t E) {
   for (int64_t e = 0; e < E; ++e) s += p[size_t(e)] = std::exp(x[e] - m);
   for (double& v : p) v /= s;
   return p;
-}
-
-std::vector<bf16> to_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
-  return out;
-}
-std::vector<float> widen(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
-  return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-// Runs body with 1 and then 2 OpenMP threads, restoring the count.
-template <class Body>
-void with_threads(int n, Body&& body) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(n);
-  body();
-  omp_set_num_threads(saved);
 }
 
 // The permutation of random (skewed) choices.

@@ -14,6 +14,7 @@
 #include "tests/test_util.hpp"
 
 using namespace loom;
+using loom::test::same_bits;
 
 namespace {
 
@@ -28,11 +29,6 @@ template <class T = float>
 std::vector<T> values(const Tensor& t) {
   const T* p = t.data<T>();
   return std::vector<T>(p, p + t.numel());
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 Tensor meta(const Shape& s, DType dt = DType::f32) {

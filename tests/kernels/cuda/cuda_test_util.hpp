@@ -13,6 +13,7 @@
 #include "core/dtype.hpp"
 #include "core/tensor.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "tests/test_util.hpp"
 
 namespace loom::test {
 
@@ -76,16 +77,9 @@ inline std::vector<bf16> to_host_bf16(const Tensor& d) {
 }
 
 // ---- bf16 helpers and offset device arrays (the kernel tests share them)
+// (widen and same_bits: tests/test_util.hpp.)
 inline std::vector<bf16> round_bf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
-  return out;
-}
-
-inline std::vector<float> widen(const std::vector<bf16>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
-  return out;
+  return to_bf16(v);
 }
 
 // A device array holding v `off` elements into its buffer (off > 0: a pointer that is not 16-byte
@@ -113,13 +107,6 @@ inline Dev dev(const std::vector<float>& v, int64_t off = 0, DType dt = DType::f
 
 inline Dev nan_dev(int64_t n, int64_t off = 0, DType dt = DType::f32) {
   return {test::nan_device(n + off, dt), off};
-}
-
-inline bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].bits != b[i].bits) return false;
-  return true;
 }
 
 // bf16 bits as a position on the number line: neighbours differ by one (+0 and -0 both 0).
