@@ -211,6 +211,8 @@ void TensorBoardWriter::step(const StepMetrics& m) {
   add_scalar(s, "tokens_per_s", m.tokens_per_s);
   add_scalar(s, "mfu", m.mfu);
   add_scalar(s, "peak_allocated_bytes", double(m.peak_allocated_bytes));
+  // The model's own (a mixture of experts' auxiliary loss, expert load, dropped share).
+  for (const StepMetrics::Extra& x : m.extra) add_scalar(s, x.name.c_str(), x.value);
   write(e.SerializeAsString());
 }
 

@@ -121,7 +121,12 @@ TEST(TensorBoardWriter, FreshRunWritesVersionConfigAndSteps) {
   {
     TensorBoardWriter w({dir, -1, "[job]\nname = \"x\"\n"});
     path = w.path();
-    for (int64_t s = 1; s <= 3; ++s) w.step(metrics_of(s));
+    for (int64_t s = 1; s <= 3; ++s) {
+      StepMetrics m = metrics_of(s);
+      // A mixture of experts' own metrics follow, under their metrics.jsonl names.
+      if (s == 3) m.extra = {{"aux_loss", "aux", 2.25}, {"expert_load", "load", 1.5}};
+      w.step(m);
+    }
     w.validation(3, 4.5);
   }
   ASSERT_EQ(tensorboard_event_files(dir), std::vector<std::string>{path});
@@ -154,6 +159,12 @@ TEST(TensorBoardWriter, FreshRunWritesVersionConfigAndSteps) {
     EXPECT_EQ(v.value(i).tag(), want[size_t(i)].first);
     EXPECT_EQ(v.value(i).simple_value(), want[size_t(i)].second) << want[size_t(i)].first;
   }
+  const auto& moe = ev[4].summary();
+  ASSERT_EQ(moe.value_size(), 8);
+  EXPECT_EQ(moe.value(6).tag(), "aux_loss");
+  EXPECT_EQ(moe.value(6).simple_value(), 2.25f);
+  EXPECT_EQ(moe.value(7).tag(), "expert_load");
+  EXPECT_EQ(moe.value(7).simple_value(), 1.5f);
   EXPECT_EQ(ev[5].step(), 3);
   EXPECT_EQ(ev[5].summary().value(0).tag(), "val_loss");
   EXPECT_EQ(ev[5].summary().value(0).simple_value(), 4.5f);
