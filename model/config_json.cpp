@@ -63,4 +63,10 @@ void read(const json& j, const char* key, const std::string& source, bool& out) 
   if (present(j, key)) out = get_bool(j, key, source, key);
 }
 
+int64_t required_int(const json& obj, const char* key, const std::string& source) {
+  LOOM_CHECK(present(obj, key), source, ": missing required field '", key,
+             "' (expected a positive integer)");
+  return get_int(obj, key, source, key);
+}
+
 }  // namespace loom::config_json

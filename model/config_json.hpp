@@ -29,6 +29,9 @@ double get_number(const json& obj, const char* key, const std::string& source,
 bool get_bool(const json& obj, const char* key, const std::string& source,
               const std::string& field);
 
+// A field that must be there: loom::Error naming `source` and the key when it is absent or null.
+int64_t required_int(const json& obj, const char* key, const std::string& source);
+
 // Each reader leaves `out` at its default when the key is absent or null.
 void read(const json& j, const char* key, const std::string& source, int64_t& out);
 void read(const json& j, const char* key, const std::string& source, double& out);

@@ -10,12 +10,6 @@ namespace {
 
 using namespace config_json;
 
-int64_t required_int(const json& obj, const char* key, const std::string& source) {
-  LOOM_CHECK(present(obj, key), source, ": missing required field '", key,
-             "' (expected a positive integer)");
-  return get_int(obj, key, source, key);
-}
-
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& source) {
