@@ -103,15 +103,12 @@ std::vector<std::string> MoeModel::held_elsewhere() const {
   std::vector<std::string> out;
   if (!par().ep.group) return out;
   const int64_t El = config_.num_experts / par().ep.size(), first = par().ep.rank() * El;
-  const bool mixtral = config_.family == MoeConfig::Family::mixtral;
+  using M = MoeConfig::ExpertMatrix;
   for (int64_t l = 0; l < config_.base.num_hidden_layers; ++l) {
     if (!config_.sparse(l)) continue;
-    const std::string p = str_cat("model.layers.", l, ".", config_.moe_prefix(), "experts.");
     for (int64_t e = 0; e < config_.num_experts; ++e) {
       if (e >= first && e < first + El) continue;
-      for (const char* w :
-           mixtral ? std::array{"w1", "w2", "w3"} : std::array{"gate_proj", "up_proj", "down_proj"})
-        out.push_back(str_cat(p, e, ".", w, ".weight"));
+      for (M m : {M::gate, M::up, M::down}) out.push_back(config_.expert_param(l, e, m));
     }
   }
   return out;

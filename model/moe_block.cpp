@@ -82,24 +82,20 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
 // Experts [first, first + count) (their global indices in the names).
 std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first,
                                     int64_t count) {
-  const bool mixtral = c.family == MoeConfig::Family::mixtral;
-  const std::string p = layer_prefix(layer) + c.moe_prefix();
+  using M = MoeConfig::ExpertMatrix;
   const int64_t d = c.base.hidden_size, F = c.moe_intermediate_size;
-  auto expert = [&](int64_t e, const char* qwen, const char* mix, int64_t rows, int64_t cols,
-                    float std) {
-    ParamSpec s =
-        gemm_spec(p + "experts." + std::to_string(e) + "." + (mixtral ? mix : qwen) + ".weight",
-                  rows, cols, std);
+  auto expert = [&](int64_t e, M m, int64_t rows, int64_t cols, float std) {
+    ParamSpec s = gemm_spec(c.expert_param(layer, e, m), rows, cols, std);
     s.gemm_grad = false;
     return s;
   };
   std::vector<ParamSpec> specs;
   for (int64_t e = first; e < first + count; ++e) {
-    specs.push_back(expert(e, "gate_proj", "w1", F, d, 0.02f));
-    specs.push_back(expert(e, "up_proj", "w3", F, d, 0.02f));
+    specs.push_back(expert(e, M::gate, F, d, 0.02f));
+    specs.push_back(expert(e, M::up, F, d, 0.02f));
   }
   for (int64_t e = first; e < first + count; ++e)
-    specs.push_back(expert(e, "down_proj", "w2", d, F, out_std(c)));
+    specs.push_back(expert(e, M::down, d, F, out_std(c)));
   return with_plan(std::move(specs));
 }
 

@@ -25,6 +25,14 @@ const char* MoeConfig::model_type() const {
   return "?";
 }
 
+std::string MoeConfig::expert_param(int64_t layer, int64_t expert, ExpertMatrix m) const {
+  static constexpr const char* kQwen[] = {"gate_proj", "up_proj", "down_proj"};
+  static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
+  const char* w = (family == Family::mixtral ? kMixtral : kQwen)[int(m)];
+  return "model.layers." + std::to_string(layer) + "." + moe_prefix() + "experts." +
+         std::to_string(expert) + "." + w + ".weight";
+}
+
 bool MoeConfig::sparse(int64_t layer) const {
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
     return false;

@@ -40,6 +40,9 @@ struct MoeConfig {
   const char* moe_prefix() const {
     return family == Family::mixtral ? "block_sparse_moe." : "mlp.";
   }
+  // The global name of one of an expert's matrices (Mixtral's w1, w3, w2 for gate, up, down).
+  enum class ExpertMatrix { gate, up, down };
+  std::string expert_param(int64_t layer, int64_t expert, ExpertMatrix m) const;
   // Whether layer `l` has the experts (else a dense SwiGLU MLP): transformers' rule.
   bool sparse(int64_t layer) const;
   int64_t num_sparse_layers() const;
