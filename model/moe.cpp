@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <any>
-#include <array>
 #include <string>
 #include <utility>
 
