@@ -63,7 +63,8 @@ void Model::load_units(const SafetensorsDir& dir) {
     float* base = h.data<float>();
     if (!u->sharded()) {
       for (auto& p : u->params()) {
-        if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+        if (p.spec.split == TpSplit::none || p.spec.split == TpSplit::experts ||
+            p.spec.tp_count == 1)
           dir.read_f32(p.spec.name, p.spec.shape, base + p.offset);
         else
           read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape), base + p.offset);

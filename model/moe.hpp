@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/head.hpp"
 #include "model/model.hpp"
 #include "model/moe_block.hpp"
 #include "model/moe_config.hpp"
@@ -50,6 +51,9 @@ class MoeModel final : public Model {
 
  private:
   const RopeTable& rope_for(int64_t T);
+  int64_t vocab_first() const {
+    return vocab_begin(config_.base.vocab_size, par().tp.opt.rank(), par().tp.opt.size());
+  }
   void prepare(ActivationStore& s, int64_t span) override;
   void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) override;
   Tensor embedding_forward(ActivationStore& s) override;

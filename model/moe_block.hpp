@@ -24,6 +24,13 @@
 
 namespace loom {
 
+// The tp ranks a layer splits over (1 without tensor parallelism).
+int tp_size(const ParallelContext& par);
+// The experts each rank holds and computes, E / (ep x tp), and the first one's global index: ep
+// rank j holds experts [j E/ep, (j + 1) E/ep), divided over its tp ranks in rank order.
+int64_t local_experts(const MoeConfig& c, const ParallelContext& par);
+int64_t first_expert(const MoeConfig& c, const ParallelContext& par);
+
 // Saved activations of an attention block.
 struct MoeAttentionActs {
   AttentionActs attn;
@@ -72,7 +79,7 @@ class MoeAttentionBlock {
 class MoeExpertsBlock {
  public:
   // With expert parallelism (par->ep) the unit holds this ep rank's E / ep experts (their global
-  // names), sharded by par->ep.shard.
+  // names), sharded by par->ep.shard; under tp this tp rank's slice of them (first_expert).
   MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
                   ShardLayout shard = {}, const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }

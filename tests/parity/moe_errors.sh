@@ -1,8 +1,9 @@
 #!/bin/bash
 # A mixture of experts refuses, on every rank and before any step, the layouts it does not build
 # or cannot split, naming the key and the numbers: ep not dividing the experts or dp_shard x cp,
-# ep on one process or on a model without experts, tensor and pipeline parallelism (not built for
-# MoE yet); and loom generate refuses a MoE checkpoint by name. The dividing layouts train.
+# ep on one process or on a model without experts, tensor parallelism without sequence parallelism
+# or with ep x tp not dividing the experts, pipeline parallelism (not built for MoE yet); and loom
+# generate refuses a MoE checkpoint by name. The dividing layouts train.
 #   moe_errors.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -17,9 +18,11 @@ expect 4 "parallelism.ep = 4: expected a divisor of the model's 6 experts" --par
 expect 4 "parallelism.ep = 3: expected a divisor of dp_shard x cp = 4" --parallelism.dp_shard=4 --parallelism.ep=3
 expect 1 "parallelism.ep = 2: expected a divisor of dp_shard x cp = 1" --parallelism.ep=2
 expect 2 "model_type \"llama\" has none" --parallelism.dp_shard=2 --parallelism.ep=2 --model.config=debug
-expect 2 "runs without tensor parallelism for now" --parallelism.tp=2
+expect 2 "parallelism.tp_sequence_parallel = false: a mixture-of-experts model" --parallelism.tp=2 --parallelism.tp_sequence_parallel=false
+expect 4 "parallelism.ep x parallelism.tp = 2 x 2: expected a divisor of the model's 6 experts" --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.tp=2 --model.config="$work/six.json"
 expect 2 "runs without pipeline parallelism for now" --parallelism.pp=2
 works 2 --parallelism.dp_shard=2 --parallelism.ep=2 --model.config="$work/six.json"
+works 2 --parallelism.tp=2 --model.config="$work/six.json"
 works 4 --parallelism.dp_shard=4 --parallelism.ep=2 --checkpoint.dir="$work/ck" --checkpoint.interval=1
 rc=0
 "$loom" generate --checkpoint "$work/ck/step-00000001" --tokenizer "$work/tok.json" --prompt "In the" \
