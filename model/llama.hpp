@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/head.hpp"
 #include "model/llama_block.hpp"
 #include "model/llama_config.hpp"
 #include "model/llama_plan.hpp"
-#include "model/head.hpp"
 #include "model/model.hpp"
 #include "model/param_unit.hpp"
 #include "parallel/layers/activation_checkpoint.hpp"

@@ -43,7 +43,8 @@ void check_tp(const MoeConfig& c, const TpOptions& tp, int ep) {
              "rows; the router and the experts read them gathered); expected true");
   const LlamaConfig& b = c.base;
   std::vector<std::pair<const char*, int64_t>> split{
-      {"num_attention_heads", b.num_attention_heads}, {"num_key_value_heads", b.num_key_value_heads}};
+      {"num_attention_heads", b.num_attention_heads},
+      {"num_key_value_heads", b.num_key_value_heads}};
   if (c.num_sparse_layers() < b.num_hidden_layers)
     split.push_back({"intermediate_size", b.intermediate_size});
   if (c.shared_expert_intermediate_size > 0)

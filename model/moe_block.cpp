@@ -90,8 +90,8 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
 // then every expert's down. An expert that gets no token writes no gradient: the experts'
 // gradients are zeroed each step and their GEMMs add (ParamSpec::gemm_grad false).
 // Experts [first, first + count) (their global indices in the names).
-std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first,
-                                    int64_t count, const TpRuntime& tp) {
+std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first, int64_t count,
+                                    const TpRuntime& tp) {
   using M = MoeConfig::ExpertMatrix;
   const int64_t d = c.base.hidden_size, F = c.moe_intermediate_size;
   auto expert = [&](int64_t e, M m, int64_t rows, int64_t cols, float std) {
@@ -108,7 +108,6 @@ std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t f
     specs.push_back(expert(e, M::down, d, F, out_std(c)));
   return with_plan(std::move(specs), tp);
 }
-
 
 }  // namespace
 
@@ -219,8 +218,8 @@ MoeExpertsBlock::MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, D
     : c_(c),
       par_(par ? par : &no_parallelism()),
       unit_("layers." + std::to_string(layer) + ".experts",
-            expert_specs(c, layer, first_expert(c, *par_), local_experts(c, *par_), par_->tp),
-            bf16, device, par_->ep.group ? par_->ep.shard : shard) {}
+            expert_specs(c, layer, first_expert(c, *par_), local_experts(c, *par_), par_->tp), bf16,
+            device, par_->ep.group ? par_->ep.shard : shard) {}
 
 MoeExperts MoeExpertsBlock::experts(const StepContext& ctx) const {
   const int64_t M = ctx.tokens();

@@ -106,8 +106,8 @@ struct MoeExpertsActs {
 // parallel/layers/expert_parallel.hpp), local expert e's gate and up (one fused matrix) parameter
 // 2e of its unit, its down parameter 2 El + e.
 struct MoeExperts {
-  dist::ProcessGroup* ep;  // nullptr: no expert parallelism
-  const TpRuntime& tp;     // on: this rank computes its slice of the experts (tp_expert_slice)
+  dist::ProcessGroup* ep;     // nullptr: no expert parallelism
+  const TpRuntime& tp;        // on: this rank computes its slice of the experts (tp_expert_slice)
   int64_t M, Mx, d, E, k, F;  // as MoeRouter's; F: an expert's ffn
   DType compute;
 
