@@ -16,8 +16,8 @@ int64_t ExpertExchange::rows() const {
 
 namespace {
 
-// PlannedExpertLoad's load while one lives (1: balanced).
-double planned_load = 1;
+// The innermost PlannedExpertLoad's load on this thread (1: balanced).
+thread_local double planned_load = 1;
 
 // N rows (the sum of `counts`) re-spread for the planner: `load` x N / n of them over rank me's
 // El experts, the rest evenly over the others' (each group's first experts one more).
@@ -36,13 +36,13 @@ std::vector<int64_t> loaded_counts(std::span<const int64_t> counts, int n, int m
 
 }  // namespace
 
-PlannedExpertLoad::PlannedExpertLoad(double load) {
+PlannedExpertLoad::PlannedExpertLoad(double load) : previous_(planned_load) {
   LOOM_CHECK(load >= 1, "planned expert load ", load, ": expected >= 1 (1: balanced)");
   planned_load = load;
 }
 
 PlannedExpertLoad::~PlannedExpertLoad() {
-  planned_load = 1;
+  planned_load = previous_;
 }
 
 ExpertExchange expert_exchange(dist::ProcessGroup& ep, std::span<const int64_t> counts,

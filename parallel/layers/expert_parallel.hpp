@@ -38,14 +38,17 @@ ExpertExchange expert_exchange(dist::ProcessGroup& ep, std::span<const int64_t> 
 // line): while one lives, this rank's experts get `load` x N / ep of every rank's N rows, this
 // rank's own included (load 1: the balanced counts as they come; at most ep: every row), the
 // rest spread evenly over the other ranks' experts. What the rank then receives, regroups and
-// computes is that of the most loaded rank of a real run at that load. One at a time, on the
-// planning thread.
+// computes is that of the most loaded rank of a real run at that load. Per thread (the planning
+// one); the innermost holds.
 class PlannedExpertLoad {
  public:
   explicit PlannedExpertLoad(double load);
   ~PlannedExpertLoad();
   PlannedExpertLoad(const PlannedExpertLoad&) = delete;
   PlannedExpertLoad& operator=(const PlannedExpertLoad&) = delete;
+
+ private:
+  double previous_;
 };
 
 // Rows sorted by expert [sum(send_rows), W] -> this rank's experts' rows [R, W], by local expert.
