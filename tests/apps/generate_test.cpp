@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "core/read_file.hpp"
 #include "data/tokenizer.hpp"
 #include "model/gla.hpp"
 #include "model/llama.hpp"
@@ -78,24 +79,12 @@ class GenerateCommand : public ::testing::Test {
     write_safetensors((d / "model.safetensors").string(), w);
   }
 
-  // A Hugging Face Qwen2-MoE directory (q/k/v biases, a shared expert, a dense first layer) with
-  // the tokenizer of `from`.
+  // A Hugging Face Qwen2-MoE directory (tests/parity/moe_qwen2_debug.json: q/k/v biases, a shared
+  // expert, a dense first layer) with the tokenizer of `from`.
   void write_moe_model(const fs::path& d, const fs::path& from, uint64_t seed) {
-    MoeConfig c;
-    c.family = MoeConfig::Family::qwen2_moe;
-    c.base.hidden_size = 64;
-    c.base.intermediate_size = 96;
-    c.base.num_hidden_layers = 2;
-    c.base.num_attention_heads = 4;
-    c.base.num_key_value_heads = 2;
-    c.base.vocab_size = 320;
-    c.base.max_position_embeddings = 96;
-    c.head_dim = 16;
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    c.moe_intermediate_size = 32;
-    c.shared_expert_intermediate_size = 48;
-    c.mlp_only_layers = {0};
+    const char* src = std::getenv("LOOM_SOURCE_DIR");
+    const std::string path = std::string(src ? src : ".") + "/tests/parity/moe_qwen2_debug.json";
+    const MoeConfig c = MoeConfig::from_json(read_file(path), path);
     MoeModel m(c, DType::f32);
     m.init_weights(seed);
     write_weights(d, m, c.to_json());
@@ -118,6 +107,13 @@ class GenerateCommand : public ::testing::Test {
     fs::copy_file(from / "tokenizer.json", d / "tokenizer.json");
   }
 
+  // `loom convert FROM TO`'s exit status.
+  int convert(const fs::path& from, const fs::path& to) {
+    const std::string cmd = "OMP_NUM_THREADS=1 " + bin_ + " convert " + from.string() + " " +
+                            to.string() + " > /dev/null";
+    return std::system(cmd.c_str());
+  }
+
   Result generate(const std::string& args) {
     const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
     // One thread: the model is tiny, and idle OpenMP threads spinning on a shared machine
@@ -126,6 +122,19 @@ class GenerateCommand : public ::testing::Test {
                             out.string() + " 2> " + err.string();
     const int rc = std::system(cmd.c_str());
     return {rc, slurp(out), slurp(err)};
+  }
+
+  // Generation from the model directories `a` and `b` with `args` (after --prompt 'the fox'): both
+  // run, `a` prints the prompt and something after it, and both print the same text.
+  void expect_same_text(const fs::path& a, const fs::path& b, const std::string& args) {
+    const std::string rest = " --prompt 'the fox' " + args;
+    const Result ra = generate("--checkpoint " + a.string() + rest);
+    const Result rb = generate("--checkpoint " + b.string() + rest);
+    ASSERT_EQ(ra.rc, 0) << ra.err;
+    ASSERT_EQ(rb.rc, 0) << rb.err;
+    EXPECT_EQ(ra.out.rfind("the fox", 0), 0u) << ra.out;
+    EXPECT_GT(ra.out.size(), std::string("the fox\n").size()) << "nothing was generated";
+    EXPECT_EQ(ra.out, rb.out) << args;
   }
 
   std::string bin_;
@@ -180,9 +189,7 @@ TEST_F(GenerateCommand, PicksTheLatestCompleteCheckpoint) {
 // Face directory does.
 TEST_F(GenerateCommand, ReadsLoomCheckpointsAndHuggingFaceDirectories) {
   write_model(dir_ / "m", 4);
-  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "m").string() +
-                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
-  ASSERT_EQ(std::system(convert.c_str()), 0);
+  ASSERT_EQ(convert(dir_ / "m", dir_ / "ck/step-00000000"), 0);
   ASSERT_TRUE(fs::exists(dir_ / "ck/step-00000000/loom.index.json"));
   const std::string args = " --prompt 'the fox' --max-tokens 12 --temperature 0";
   const Result hf = generate("--checkpoint " + (dir_ / "m").string() + args);
@@ -199,17 +206,8 @@ TEST_F(GenerateCommand, ReadsLoomCheckpointsAndHuggingFaceDirectories) {
 TEST_F(GenerateCommand, GlaFromFlaDirectoriesAndLoomCheckpoints) {
   write_model(dir_ / "llama", 1);
   write_gla_model(dir_ / "gla", dir_ / "llama", 5);
-  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "gla").string() +
-                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
-  ASSERT_EQ(std::system(convert.c_str()), 0);
-  const std::string args = " --prompt 'the fox' --max-tokens 12 --temperature 0";
-  const Result hf = generate("--checkpoint " + (dir_ / "gla").string() + args);
-  const Result ck = generate("--checkpoint " + (dir_ / "ck").string() + args);
-  ASSERT_EQ(hf.rc, 0) << hf.err;
-  ASSERT_EQ(ck.rc, 0) << ck.err;
-  EXPECT_EQ(hf.out.rfind("the fox", 0), 0u) << hf.out;
-  EXPECT_GT(hf.out.size(), std::string("the fox\n").size()) << "nothing was generated";
-  EXPECT_EQ(hf.out, ck.out);
+  ASSERT_EQ(convert(dir_ / "gla", dir_ / "ck/step-00000000"), 0);
+  expect_same_text(dir_ / "gla", dir_ / "ck", "--max-tokens 12 --temperature 0");
   const Result longer = generate("--checkpoint " + (dir_ / "gla").string() +
                                  " --prompt 'the fox' --max-tokens 2100 --temperature 0");
   ASSERT_EQ(longer.rc, 0) << longer.err;
@@ -222,21 +220,11 @@ TEST_F(GenerateCommand, GlaFromFlaDirectoriesAndLoomCheckpoints) {
 TEST_F(GenerateCommand, MoeFromHuggingFaceDirectoriesAndLoomCheckpoints) {
   write_model(dir_ / "llama", 1);
   write_moe_model(dir_ / "moe", dir_ / "llama", 6);
-  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "moe").string() +
-                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
-  ASSERT_EQ(std::system(convert.c_str()), 0);
-  for (const std::string sampling : {" --temperature 0", " --temperature 1 --top-p 1 --seed 4"}) {
-    const std::string args = " --prompt 'the fox' --max-tokens 12" + sampling;
-    const Result hf = generate("--checkpoint " + (dir_ / "moe").string() + args);
-    const Result ck = generate("--checkpoint " + (dir_ / "ck").string() + args);
-    ASSERT_EQ(hf.rc, 0) << hf.err;
-    ASSERT_EQ(ck.rc, 0) << ck.err;
-    EXPECT_EQ(hf.out.rfind("the fox", 0), 0u) << hf.out;
-    EXPECT_GT(hf.out.size(), std::string("the fox\n").size()) << "nothing was generated";
-    EXPECT_EQ(hf.out, ck.out) << sampling;
-  }
+  ASSERT_EQ(convert(dir_ / "moe", dir_ / "ck/step-00000000"), 0);
+  expect_same_text(dir_ / "moe", dir_ / "ck", "--max-tokens 12 --temperature 0");
+  expect_same_text(dir_ / "moe", dir_ / "ck", "--max-tokens 12 --temperature 1 --top-p 1 --seed 4");
   const std::string m = "--checkpoint " + (dir_ / "moe").string() + " --prompt 'the fox'";
-  Result r = generate(m + " --max-tokens 1000");
+  Result r = generate(m + " --max-tokens 3000");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.err.find("max_position_embeddings"), std::string::npos) << r.err;
   r = generate(m + " --max-tokens 3 --device cuda");
@@ -285,9 +273,7 @@ TEST_F(GenerateCommand, Errors) {
 // weights, or the tokenizer it carries), naming the file and both checksums; --no-verify reads it.
 TEST_F(GenerateCommand, CorruptLoomCheckpointIsRefusedUnlessNoVerify) {
   write_model(dir_ / "m", 4);
-  const std::string convert = "OMP_NUM_THREADS=1 " + bin_ + " convert " + (dir_ / "m").string() +
-                              " " + (dir_ / "ck/step-00000000").string() + " > /dev/null";
-  ASSERT_EQ(std::system(convert.c_str()), 0);
+  ASSERT_EQ(convert(dir_ / "m", dir_ / "ck/step-00000000"), 0);
   const fs::path rank0 = dir_ / "ck/step-00000000/rank-00000.safetensors";
   {
     std::fstream f(rank0, std::ios::binary | std::ios::in | std::ios::out);
