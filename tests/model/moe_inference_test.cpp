@@ -166,4 +166,12 @@ TEST(MoeInference, Errors) {
   EXPECT_THROW(MoeInference(model, 0), Error);
   MoeInference inf(model, 8);
   test::expect_cache_errors(inf, c.base.vocab_size, 7);
+  // A model sharded as FSDP holds a part of each unit: refused, naming the unit.
+  MoeModel sharded(c, DType::f32, Device::cpu, ShardLayout{.rank = 0, .count = 2});
+  try {
+    MoeInference bad(sharded, 8);
+    ADD_FAILURE() << "a sharded model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unit embed is sharded"), std::string::npos) << e.what();
+  }
 }
