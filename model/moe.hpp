@@ -28,6 +28,10 @@ class MoeModel final : public Model {
            std::vector<bool> used = {}, EpOptions ep = {});
 
   const MoeConfig& config() const { return config_; }
+  // Layer l's attention block, and its experts block (null in a dense layer): the inference path
+  // runs their branches (model/moe_inference.hpp).
+  MoeAttentionBlock& attention_block(int64_t l) { return *attention_[size_t(l)]; }
+  MoeExpertsBlock* experts_block(int64_t l) { return experts_[size_t(l)].get(); }
 
   const char* model_type() const override { return config_.model_type(); }
   std::string config_json() const override { return config_.to_json(); }

@@ -60,13 +60,16 @@ class MoeAttentionBlock {
 
   static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
 
+  // The branches on a micro-batch of `ctx` (public: the inference path runs them too, on its
+  // chunk of tokens).
+  Attention attention(const StepContext& ctx) const;
+  Mlp mlp(const StepContext& ctx) const;
+  MoeRouter router(const StepContext& ctx) const;
+
  private:
   Tensor run_forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,
                      ActivationCheckpoint::Mode mode, bool output, RouterStats* stats,
                      bool round_input = false) const;
-  Attention attention(const StepContext& ctx) const;
-  Mlp mlp(const StepContext& ctx) const;
-  MoeRouter router(const StepContext& ctx) const;
 
   const MoeConfig& c_;
   const ParallelContext* par_;
@@ -92,10 +95,10 @@ class MoeExpertsBlock {
   // `acts`.
   void backward(const StepContext& ctx, const Tensor& dy, MoeRouting& routing,
                 MoeExpertsActs& acts);
-
- private:
+  // The experts' branch on a micro-batch of `ctx` (public: the inference path runs it too).
   MoeExperts experts(const StepContext& ctx) const;
 
+ private:
   const MoeConfig& c_;
   const ParallelContext* par_;
   ParamUnit unit_;
