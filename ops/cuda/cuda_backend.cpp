@@ -1,6 +1,6 @@
 // The GPU's backend: each op on kernels/cuda (ops/backend.hpp), on the process's compute stream.
-// Built only with the CUDA backend (cmake/cuda.cmake). An op without a CUDA kernel yet is the
-// Backend's error naming it (the decode attention is next).
+// Built only with the CUDA backend (cmake/cuda.cmake). An op without a CUDA kernel would be the
+// Backend's error naming it (every op has one now).
 //
 // Host data in the op signatures (tokens, positions, the RoPE table) is copied to the device per
 // call until the ops take device tensors for them: the tokens of the call, and the RoPE table's
@@ -12,12 +12,14 @@
 #include "kernels/cuda/adamw.hpp"
 #include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/attention_decode.hpp"
+#include "kernels/cuda/bias_gate.hpp"
 #include "kernels/cuda/cast.hpp"
 #include "kernels/cuda/cross_entropy.hpp"
 #include "kernels/cuda/embedding.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "kernels/cuda/gla.hpp"
 #include "kernels/cuda/gla_ops.hpp"
+#include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/rmsnorm.hpp"
 #include "kernels/cuda/rope.hpp"
 #include "kernels/cuda/runtime.hpp"
@@ -345,6 +347,93 @@ class CudaBackend final : public Backend {
     const cpu::ShortConv s{B, rows(x) / B, x.size(1), w.numel() / x.size(1)};
     cuda::short_conv_backward(s, f(dy), stride(dy), f(x), stride(x), f(w), f(dx), stride(dx),
                               f(dw));
+  }
+
+  // Mixture of experts (kernels/cuda/moe.hpp): moe_permute's counts come back to the host (they
+  // size the experts' GEMMs), one small copy and wait per call; the other ops queue and return.
+  void moe_route(const Tensor& logits, const Tensor& bias, bool renormalize, Tensor& probs,
+                 Tensor& experts, Tensor& weights, Tensor& prob_sum) override {
+    cuda::moe_route(f(logits), f_or_null(bias), rows(logits), logits.size(1), experts.size(1),
+                    renormalize, f(probs), experts.data<int32_t>(), f(weights),
+                    f_or_null(prob_sum));
+  }
+  void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
+                          const Tensor& dweights, bool renormalize, const Tensor& dprob,
+                          Tensor& dlogits) override {
+    cuda::moe_route_backward(f(probs), experts.data<int32_t>(), f(weights), f(dweights),
+                             rows(probs), probs.size(1), experts.size(1), renormalize,
+                             f_or_null(dprob), f(dlogits));
+  }
+  int64_t moe_permute(const Tensor& experts, int64_t E, int64_t capacity, Tensor& pos,
+                      std::vector<int64_t>& counts) override {
+    counts.assign(static_cast<size_t>(E), 0);
+    return cuda::moe_permute(experts.data<int32_t>(), rows(experts), experts.size(1), E, capacity,
+                             counts.data(), pos.data<int32_t>());
+  }
+  void moe_permute_order(const Tensor& pos, Tensor& order) override {
+    cuda::moe_permute_order(pos.data<int32_t>(), pos.numel(), order.numel(), order.data<int32_t>());
+  }
+  void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs) override {
+    if (x.dtype() == DType::bf16)
+      cuda::moe_dispatch(x.data<bf16>(), rows(x), x.size(1), order.data<int32_t>(), order.numel(),
+                         k, xs.data<bf16>());
+    else
+      cuda::moe_dispatch(f(x), rows(x), x.size(1), order.data<int32_t>(), order.numel(), k, f(xs));
+  }
+  void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,
+                             bool accumulate) override {
+    cuda::moe_dispatch_backward(f(dxs), rows(dxs), pos.data<int32_t>(), rows(dx), k, dx.size(1),
+                                f(dx), accumulate);
+  }
+  void moe_combine(const Tensor& ys, const Tensor& weights, const Tensor& pos, Tensor& y) override {
+    const int64_t N = rows(ys), M = rows(y), k = weights.size(1), d = y.size(1);
+    if (ys.dtype() == DType::bf16)
+      cuda::moe_combine(ys.data<bf16>(), N, f(weights), pos.data<int32_t>(), M, k, d, f(y));
+    else
+      cuda::moe_combine(f(ys), N, f(weights), pos.data<int32_t>(), M, k, d, f(y));
+  }
+  void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
+                            const Tensor& pos, Tensor& dys, Tensor& dweights) override {
+    const int64_t N = rows(ys), M = rows(dy), k = weights.size(1), d = dy.size(1);
+    const int32_t* p = pos.data<int32_t>();
+    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
+    if (ys16 && dys16)
+      cuda::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d,
+                                 dys.data<bf16>(), f(dweights));
+    else if (ys16)
+      cuda::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d, f(dys),
+                                 f(dweights));
+    else if (dys16)
+      cuda::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, dys.data<bf16>(),
+                                 f(dweights));
+    else
+      cuda::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, f(dys), f(dweights));
+  }
+
+  void add_bias(Tensor& y, const Tensor& b) override {
+    cuda::add_bias(f(y), rows(y), y.size(1), stride(y), f(b));
+  }
+  void bias_grad(const Tensor& dy, Tensor& db) override {
+    cuda::bias_grad(f(dy), rows(dy), dy.size(1), stride(dy), f(db));
+  }
+  void sigmoid_gate_forward(const Tensor& z, const Tensor& ys, Tensor& y) override {
+    if (ys.dtype() == DType::bf16)
+      cuda::sigmoid_gate_forward(f(z), ys.data<bf16>(), rows(y), y.size(1), f(y));
+    else
+      cuda::sigmoid_gate_forward(f(z), f(ys), rows(y), y.size(1), f(y));
+  }
+  void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, Tensor& dys,
+                             Tensor& dz) override {
+    const int64_t M = rows(dy), d = dy.size(1);
+    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
+    if (ys16 && dys16)
+      cuda::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, dys.data<bf16>(), f(dz));
+    else if (ys16)
+      cuda::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, f(dys), f(dz));
+    else if (dys16)
+      cuda::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, dys.data<bf16>(), f(dz));
+    else
+      cuda::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, f(dys), f(dz));
   }
 
   // The summed loss comes back to the host: one synchronization per call until the op returns a

@@ -1,15 +1,18 @@
 // The ops on cuda tensors against the same ops on cpu tensors (ops/cuda/cuda_backend.cpp against
 // ops/cpu_backend.cpp): the dispatch, the tensors' strides and dtypes, the host data copied per
-// call, the weight gradient's first write, the op profile's GPU timing, and the error of an op
-// without a CUDA kernel. Skipped without a GPU (LOOM_REQUIRE_GPU=1 fails instead).
+// call, the weight gradient's first write, a mixture-of-experts layer's ops in the model's order
+// and Qwen2-MoE's biases and gate, the op profile's GPU timing, and the error of an op without a
+// kernel. Skipped without a GPU (LOOM_REQUIRE_GPU=1 fails instead).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "core/error.hpp"
+#include "ops/backend.hpp"
 #include "ops/ops.hpp"
 #include "tests/kernels/cuda/cuda_test_util.hpp"
 #include "tests/test_util.hpp"
@@ -187,6 +190,157 @@ TEST_F(OpsCuda, FusedLossReturnsTheCpusLoss) {
   expect_close(dw, gdw, 1e-5, "loss dw");
 }
 
+// ---- mixture of experts: a layer's ops in the model's order (model/moe_ffn.cpp) ----------------
+
+struct MoeInputs {
+  Tensor logits, bias, x, y0, dy, dprob;
+  std::vector<Tensor> w;  // each expert's [d, d] matrix
+  int64_t k = 2, capacity = 0;
+  DType dt = DType::f32;
+};
+// Every tensor the layer's forward and backward write, on one device.
+struct MoeRun {
+  Tensor probs, experts, weights, prob_sum, xs, ys, y, dys, dweights, dxs, dx, dlogits;
+  ops::MoePermutation perm;
+  std::vector<Tensor> dw;
+};
+
+Tensor on(const Tensor& h, Device dev) {
+  Tensor d = Tensor::empty(h.shape(), h.dtype(), dev);
+  d.copy_from(h);
+  return d;
+}
+
+// The router on given logits (not a GEMM's: the choice must not hang on the GEMMs' last bits), the
+// grouping, the gather, one GEMM per expert, the weighted sum, and back.
+MoeRun run_moe(const MoeInputs& in, Device dev) {
+  const int64_t M = in.logits.size(0), E = in.logits.size(1), d = in.x.size(1), k = in.k;
+  MoeRun r;
+  const Tensor logits = on(in.logits, dev), bias = on(in.bias, dev), x = on(in.x, dev);
+  std::vector<Tensor> w;
+  for (const Tensor& t : in.w) w.push_back(on(t, dev));
+  r.probs = Tensor::empty({M, E}, DType::f32, dev);
+  r.experts = Tensor::empty({M, k}, DType::i32, dev);
+  r.weights = Tensor::empty({M, k}, DType::f32, dev);
+  r.prob_sum = Tensor::zeros({E}, DType::f32, dev);
+  ops::moe_route(logits, bias, true, r.probs, r.experts, r.weights, r.prob_sum);
+  r.perm = ops::moe_permute(r.experts, E, in.capacity);
+  const int64_t N = r.perm.rows();
+  r.xs = Tensor::empty({N, d}, in.dt, dev);
+  ops::moe_dispatch(x, r.perm.order, k, r.xs);
+  r.ys = Tensor::empty({N, d}, in.dt, dev);
+  ops::grouped_linear(r.xs, w, r.perm.counts, r.ys);
+  r.y = on(in.y0, dev);
+  ops::moe_combine(r.ys, r.weights, r.perm.pos, r.y);
+
+  const Tensor dy = on(in.dy, dev);
+  r.dys = Tensor::empty({N, d}, in.dt, dev);
+  r.dweights = Tensor::empty({M, k}, DType::f32, dev);
+  ops::moe_combine_backward(dy, r.ys, r.weights, r.perm.pos, r.dys, r.dweights);
+  std::vector<ops::WeightGrad> dw;
+  for (int64_t e = 0; e < E; ++e) {
+    r.dw.push_back(Tensor::zeros({d, d}, DType::f32, dev));
+    dw.emplace_back(r.dw.back());
+  }
+  r.dxs = Tensor::empty({N, d}, DType::f32, dev);
+  ops::grouped_linear_backward(r.dys, r.xs, w, r.perm.counts, dw, r.dxs);
+  r.dx = Tensor::empty({M, d}, DType::f32, dev);
+  ops::moe_dispatch_backward(r.dxs, r.perm.pos, k, r.dx, false);
+  r.dlogits = Tensor::empty({M, E}, DType::f32, dev);
+  ops::moe_route_backward(r.probs, r.experts, r.weights, r.dweights, true, on(in.dprob, dev),
+                          r.dlogits);
+  return r;
+}
+
+std::vector<int32_t> ints(const Tensor& t) {
+  const Tensor h = t.on_host();
+  return std::vector<int32_t>(h.data<int32_t>(), h.data<int32_t>() + h.numel());
+}
+
+TEST_F(OpsCuda, MixtureOfExpertsLayerMatchesCpu) {
+  const int64_t d = 64, E = 8;
+  for (const int64_t M : {int64_t{45}, int64_t{0}})
+    for (const int64_t capacity : {int64_t{0}, int64_t{9}})
+      for (DType dt : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE("M " + std::to_string(M) + ", capacity " + std::to_string(capacity) + ", " +
+                     std::string(dtype_name(dt)));
+        MoeInputs in;
+        in.capacity = capacity;
+        in.dt = dt;
+        in.logits = random({M, E}, 1);
+        for (int64_t t = 0; t < M; ++t) in.logits.data<float>()[t * E + 3] = -30;  // no rows
+        in.bias = random({E}, 2);
+        for (int64_t e = 0; e < E; ++e) in.bias.data<float>()[e] *= 0.01f;
+        in.x = random({M, d}, 3, dt);
+        in.y0 = random({M, d}, 4);
+        in.dy = random({M, d}, 5);
+        in.dprob = random({E}, 6);
+        for (int64_t e = 0; e < E; ++e) in.w.push_back(random({d, d}, 10 + uint64_t(e), dt));
+        const MoeRun c = run_moe(in, Device::cpu), g = run_moe(in, Device::cuda);
+
+        expect_close(c.probs, g.probs, 1e-6, "moe_route probs");
+        ASSERT_EQ(ints(g.experts), ints(c.experts)) << "moe_route's choice";
+        expect_close(c.weights, g.weights, 1e-6, "moe_route weights");
+        expect_close(c.prob_sum, g.prob_sum, 1e-6, "moe_route prob_sum");
+        EXPECT_EQ(g.perm.counts, c.perm.counts);
+        EXPECT_EQ(g.perm.dropped, c.perm.dropped);
+        if (M > 0) {
+          EXPECT_EQ(c.perm.counts[3], 0) << "expert 3 has rows";
+        }
+        EXPECT_EQ(ints(g.perm.pos), ints(c.perm.pos));
+        EXPECT_EQ(ints(g.perm.order), ints(c.perm.order));
+        expect_close(c.xs, g.xs, 0, "moe_dispatch");
+        const bool f32 = dt == DType::f32;
+        expect_close(c.ys, g.ys, f32 ? 1e-5 : 4e-3, "grouped_linear");
+        expect_close(c.y, g.y, f32 ? 1e-5 : 4e-3, "moe_combine");
+        expect_close(c.dys, g.dys, f32 ? 1e-5 : 4e-3, "moe_combine_backward dys");
+        expect_close(c.dweights, g.dweights, f32 ? 1e-5 : 1e-2, "moe_combine_backward dweights");
+        expect_close(c.dxs, g.dxs, f32 ? 1e-5 : 1e-2, "grouped_linear_backward dx");
+        for (int64_t e = 0; e < E; ++e)
+          expect_close(c.dw[size_t(e)], g.dw[size_t(e)], f32 ? 1e-5 : 1e-2,
+                       ("grouped_linear_backward dw of expert " + std::to_string(e)).c_str());
+        const std::vector<float> dw3 = values(g.dw[3]);
+        EXPECT_TRUE(std::all_of(dw3.begin(), dw3.end(), [](float v) { return v == 0.0f; }))
+            << "the gradient of an expert with no rows changed";
+        expect_close(c.dx, g.dx, f32 ? 1e-5 : 1e-2, "moe_dispatch_backward");
+        expect_close(c.dlogits, g.dlogits, f32 ? 1e-5 : 1e-2, "moe_route_backward");
+      }
+}
+
+TEST_F(OpsCuda, Qwen2BiasesAndSharedExpertGate) {
+  const int64_t M = 37, q = 64, kv = 32, d = 48;
+  // The q/k/v biases on column slices of a fused GEMM's output, and their gradients.
+  Tensor qkv = random({M, q + 2 * kv}, 1), gqkv = on_gpu(qkv);
+  Tensor b = random({kv}, 2), gb = on_gpu(b);
+  Tensor k = qkv.narrow(1, q, kv), gk = gqkv.narrow(1, q, kv);
+  ops::add_bias(k, b);
+  ops::add_bias(gk, gb);
+  expect_close(qkv, gqkv, 0, "add_bias on a column slice (and the columns it must leave)");
+  Tensor db = random({kv}, 3), gdb = on_gpu(db);
+  ops::bias_grad(qkv.narrow(1, q + kv, kv), db);
+  ops::bias_grad(gqkv.narrow(1, q + kv, kv), gdb);
+  expect_close(db, gdb, 1e-6, "bias_grad on a column slice");
+  // The shared expert's sigmoid gate, ys and dys in either dtype.
+  Tensor z = random({M, 1}, 4);
+  for (int i = 0; i < 4; ++i) z.data<float>()[i * 9] = i % 2 ? -60.0f : 60.0f;  // the tails
+  const Tensor gz = on_gpu(z);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    Tensor ys = random({M, d}, 5, dt), gys = on_gpu(ys);
+    Tensor y = random({M, d}, 6), gy = on_gpu(y);
+    ops::sigmoid_gate_forward(z, ys, y);
+    ops::sigmoid_gate_forward(gz, gys, gy);
+    expect_close(y, gy, 1e-6, "sigmoid_gate_forward");
+    Tensor dy = random({M, d}, 7), gdy = on_gpu(dy);
+    auto [dys, gdys] = outputs({M, d}, dt);
+    auto [dz, gdz] = outputs({M, 1});
+    ops::sigmoid_gate_backward(dy, z, ys, dys, dz);
+    ops::sigmoid_gate_backward(gdy, gz, gys, gdys, gdz);
+    expect_close(dys, gdys, dt == DType::f32 ? 1e-6 : 4e-3, "sigmoid_gate_backward dys");
+    expect_close(dz, gdz, 1e-6, "sigmoid_gate_backward dz");
+  }
+}
+
 TEST_F(OpsCuda, ProfileTimesGpuOpsAndAMissingKernelIsNamed) {
   Tensor x = on_gpu(random({64, 64}, 1)), w = on_gpu(random({64, 64}, 2));
   Tensor y = Tensor::empty({64, 64}, DType::f32, Device::cuda);
@@ -200,9 +354,12 @@ TEST_F(OpsCuda, ProfileTimesGpuOpsAndAMissingKernelIsNamed) {
     ops::linear(x, w, y);
   }
   EXPECT_EQ(seen, std::vector<std::string>{"linear"});
+  // Every op has a CUDA kernel now: the Backend's own method, on cuda, is what an op without one
+  // would run.
+  ops::Backend bare(Device::cuda);
   try {
-    ops::attention_decode(x, w, w, 64, 1, 1, y);
-    FAIL() << "attention_decode ran on cuda without a kernel";
+    bare.attention_decode(x, w, w, 64, 1, 1, y);
+    FAIL() << "the Backend's default ran attention_decode";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("attention_decode: no kernel on device cuda"),
               std::string::npos)
