@@ -42,8 +42,7 @@ const char* kGenerateUsage =
     "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n"
     "  --device auto (the default) runs on GPU 0 where this loom has the CUDA backend and a GPU\n"
     "  is usable, else on the CPU; the weights, the KV cache (GLA: the state) and the logits stay\n"
-    "  on the device, and only the sampled token's logits come back. A mixture of experts\n"
-    "  (qwen3_moe, qwen2_moe, mixtral) runs on the CPU (its ops have no CUDA kernels yet).\n"
+    "  on the device, and only the sampled token's logits come back.\n"
     "  A loom checkpoint's files are first checked against the checksums it recorded when\n"
     "  saved (--no-verify: not).\n";
 
@@ -162,17 +161,10 @@ fs::path resolve_checkpoint(const fs::path& dir) {
        steps.empty() ? "" : " (the step-* directories found are incomplete)");
 }
 
-// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable (and the
-// model's ops have kernels there: a mixture of experts' have none yet); cuda insists, naming what
-// is missing. The GPU is started here.
-Device generate_device(const std::string& name, const ModelConfig& config) {
+// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable; cuda
+// insists, naming what is missing. The GPU is started here.
+Device generate_device(const std::string& name) {
   if (name == "cpu") return Device::cpu;
-  if (config.is_moe()) {
-    LOOM_CHECK(name == "auto", "--device cuda: model_type \"", config.model_type(),
-               "\" (a mixture of experts) generates on the CPU only for now: its routing ops have "
-               "no CUDA kernels yet (docs/decisions/moe.md); use --device cpu or auto");
-    return Device::cpu;
-  }
   const ops::GpuAvailability g = ops::gpu_availability();
   if (name == "auto" && !g.usable) return Device::cpu;
   LOOM_CHECK(g.usable, "--device cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
@@ -238,7 +230,7 @@ int generate_command(const Args& args) {
              "max_position_embeddings = ", config.max_position_embeddings());
 
   auto t_load = std::chrono::steady_clock::now();
-  const Device device = generate_device(o.device, config);
+  const Device device = generate_device(o.device);
   // Whole on this process: a checkpoint saved under any layout (expert parallelism's experts are
   // under their global names) loads into it.
   const std::unique_ptr<Model> model = make_model(config, compute, device);

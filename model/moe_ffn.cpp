@@ -50,9 +50,10 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   Tensor prob_sum = Tensor::zeros({E}, DType::f32, dev);
   ops::moe_route(r.probs, Tensor(), renormalize, r.probs, r.experts, r.weights, prob_sum);
   r.perm = ops::moe_permute(r.experts, E, capacity);
-  if (shared != kNone) shared_forward(unit, r);
-  // Nothing to count on meta: the planner prices the balance.
+  // Nothing to count on meta: the planner prices the balance. Counted right after moe_permute,
+  // which waits for its counts: on a GPU the statistics' copy then finds the stream idle.
   if (ops::computes(dev)) count(r, prob_sum, stats);
+  if (shared != kNone) shared_forward(unit, r);
   if (tp.on()) r.perm = tp_expert_slice(r.perm, ep, tp.opt.size(), tp.opt.rank());
 }
 
@@ -68,9 +69,14 @@ void MoeRouter::count(const MoeRouting& r, const Tensor& prob_sum, RouterStats& 
     stats.prob_sum[size_t(e)] += double(ps.data<float>()[e]);
     most = std::max(most, r.perm.counts[size_t(e)]);
   }
-  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask).
-  const Tensor ex = r.experts.on_host();
-  for (int64_t i = 0; i < M * k; ++i) stats.counts[size_t(ex.data<int32_t>()[i])] += 1;
+  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask): the
+  // rows kept where none was dropped (host counts), else the choices read back (from a GPU too).
+  if (r.perm.dropped == 0) {
+    for (int64_t e = 0; e < E; ++e) stats.counts[size_t(e)] += double(r.perm.counts[size_t(e)]);
+  } else {
+    const Tensor ex = r.experts.on_host();
+    for (int64_t i = 0; i < M * k; ++i) stats.counts[size_t(ex.data<int32_t>()[i])] += 1;
+  }
   stats.rows += M;
   stats.dropped += r.perm.dropped;
   stats.load_max_over_mean.push_back(double(most) * double(E) / double(M * k));

@@ -36,7 +36,8 @@ MEMCHECK_S=90 BENCH_S=60
 # The step parity runs (tests/parity/gpu_step_parity.sh NAME TOLERANCE [overrides]): 20 steps on
 # the GPU against the CPU, and checkpoints resumed across the two.
 PARITY=("llama_f32 1e-5" "llama_bf16 1e-2 --training.mixed_precision_param=bfloat16"
-        "gla_f32 1e-5 --model.config=tests/parity/gla_debug.json")
+        "gla_f32 1e-5 --model.config=tests/parity/gla_debug.json"
+        "moe_f32 1e-5 --model.config=tests/parity/moe_debug.json")
 PREFIX=/tmp/loom-prefix
 
 if [ $# -ne 1 ]; then

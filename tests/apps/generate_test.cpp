@@ -215,8 +215,7 @@ TEST_F(GenerateCommand, GlaFromFlaDirectoriesAndLoomCheckpoints) {
 
 // A mixture of experts generates with its KV cache from a Hugging Face directory and from the
 // loom checkpoint converted from it, the same text; its prompt is bounded by
-// max_position_embeddings as Llama's; --device cuda is refused by name (no CUDA kernels of the MoE
-// ops yet).
+// max_position_embeddings as Llama's. (On the GPU: tests/model/cuda/inference_cuda_test.cpp.)
 TEST_F(GenerateCommand, MoeFromHuggingFaceDirectoriesAndLoomCheckpoints) {
   write_model(dir_ / "llama", 1);
   write_moe_model(dir_ / "moe", dir_ / "llama", 6);
@@ -227,11 +226,6 @@ TEST_F(GenerateCommand, MoeFromHuggingFaceDirectoriesAndLoomCheckpoints) {
   Result r = generate(m + " --max-tokens 3000");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.err.find("max_position_embeddings"), std::string::npos) << r.err;
-  r = generate(m + " --max-tokens 3 --device cuda");
-  EXPECT_NE(r.rc, 0);
-  EXPECT_NE(r.err.find("model_type \"qwen2_moe\" (a mixture of experts) generates on the CPU only"),
-            std::string::npos)
-      << r.err;
 }
 
 TEST_F(GenerateCommand, Errors) {

@@ -1,20 +1,27 @@
 // Generation on the GPU against the CPU (skipped without a GPU; LOOM_REQUIRE_GPU=1 fails
 // instead): a tiny Llama (GQA, an odd vocabulary and head dim 24, Llama 3.1's RoPE scaling, tied
-// and untied) and a tiny GLA (with and without the short convolution), the same weights on both
+// and untied), a tiny GLA (with and without the short convolution) and the three mixtures of
+// experts' debug shapes (tests/parity/moe_*.json: the router, the grouping, the experts' GEMMs and
+// the weighted sum on the GPU; Qwen2-MoE's biases and shared expert gate), the same weights on both
 // devices, the prompt's logits (prefill: the flash attention over the prompt, GLA's chunked core)
 // and then one token at a time (the decode attention against the KV cache, GLA's recurrent state):
 // every position's logits within 1e-5 relative L2 of the CPU's, f32 with TF32 off.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "core/read_file.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "model/gla.hpp"
 #include "model/gla_inference.hpp"
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
+#include "model/moe.hpp"
+#include "model/moe_inference.hpp"
 #include "tests/kernels/cuda/cuda_test_util.hpp"
+#include "tests/model/kv_cache_checks.hpp"
 #include "tests/model/tiny_gla.hpp"
 #include "tests/test_util.hpp"
 
@@ -109,6 +116,22 @@ TEST_F(InferenceCuda, GlaMatchesCpu) {
     copy_weights(cpu, gpu);
     GlaInference a(cpu), b(gpu);
     expect_same_generation(a, b, c.vocab_size, 70, 12);  // a prompt of more than one chunk
+  }
+}
+
+// Unit-scale weights (the router's logits well apart: the two devices' GEMMs, a few ulps apart,
+// choose the same experts), the CPU model's copied to the GPU's.
+TEST_F(InferenceCuda, MixturesOfExpertsMatchCpu) {
+  const char* src = std::getenv("LOOM_SOURCE_DIR");
+  for (const char* file : {"moe_debug.json", "moe_qwen2_debug.json", "moe_mixtral_debug.json"}) {
+    SCOPED_TRACE(file);
+    const std::string path = std::string(src ? src : ".") + "/tests/parity/" + file;
+    const MoeConfig c = MoeConfig::from_json(read_file(path), path);
+    MoeModel cpu(c, DType::f32), gpu(c, DType::f32, Device::cuda);
+    test::randomize_unit_scale(cpu, 5);
+    copy_weights(cpu, gpu);
+    MoeInference a(cpu, 40), b(gpu, 40);
+    expect_same_generation(a, b, c.base.vocab_size, 13, 12);
   }
 }
 
