@@ -291,19 +291,10 @@ class CpuBackend final : public Backend {
   void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weights,
                             const Tensor& pos, Tensor& dys, Tensor& dweights) override {
     const int64_t N = rows(ys), M = rows(dy), k = weights.size(1), d = dy.size(1);
-    const int32_t* p = pos.data<int32_t>();
-    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
-    if (ys16 && dys16)
-      cpu::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d, dys.data<bf16>(),
+    with_f32_or_bf16(ys, dys, [&](const auto* y, auto* out) {
+      cpu::moe_combine_backward(f(dy), y, N, f(weights), pos.data<int32_t>(), M, k, d, out,
                                 f(dweights));
-    else if (ys16)
-      cpu::moe_combine_backward(f(dy), ys.data<bf16>(), N, f(weights), p, M, k, d, f(dys),
-                                f(dweights));
-    else if (dys16)
-      cpu::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, dys.data<bf16>(),
-                                f(dweights));
-    else
-      cpu::moe_combine_backward(f(dy), f(ys), N, f(weights), p, M, k, d, f(dys), f(dweights));
+    });
   }
 
   void add_bias(Tensor& y, const Tensor& b) override {
@@ -320,16 +311,9 @@ class CpuBackend final : public Backend {
   }
   void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, Tensor& dys,
                              Tensor& dz) override {
-    const int64_t M = rows(dy), d = dy.size(1);
-    const bool ys16 = ys.dtype() == DType::bf16, dys16 = dys.dtype() == DType::bf16;
-    if (ys16 && dys16)
-      cpu::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, dys.data<bf16>(), f(dz));
-    else if (ys16)
-      cpu::sigmoid_gate_backward(f(dy), f(z), ys.data<bf16>(), M, d, f(dys), f(dz));
-    else if (dys16)
-      cpu::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, dys.data<bf16>(), f(dz));
-    else
-      cpu::sigmoid_gate_backward(f(dy), f(z), f(ys), M, d, f(dys), f(dz));
+    with_f32_or_bf16(ys, dys, [&](const auto* y, auto* out) {
+      cpu::sigmoid_gate_backward(f(dy), f(z), y, rows(dy), dy.size(1), out, f(dz));
+    });
   }
 
   double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {

@@ -39,6 +39,22 @@ inline const float* f_or_null(const Tensor& t) {
   return t.defined() ? f(t) : nullptr;
 }
 
+// Calls fn(x, y) with the data of x (read) and y (written) typed by their dtypes, f32 or bf16
+// each: the four overloads of a kernel that reads one and writes the other (moe_combine_backward,
+// sigmoid_gate_backward).
+template <class Fn>
+void with_f32_or_bf16(const Tensor& x, Tensor& y, Fn&& fn) {
+  const bool x16 = x.dtype() == DType::bf16, y16 = y.dtype() == DType::bf16;
+  if (x16 && y16)
+    fn(static_cast<const bf16*>(x.data<bf16>()), y.data<bf16>());
+  else if (x16)
+    fn(static_cast<const bf16*>(x.data<bf16>()), y.data<float>());
+  else if (y16)
+    fn(static_cast<const float*>(x.data<float>()), y.data<bf16>());
+  else
+    fn(static_cast<const float*>(x.data<float>()), y.data<float>());
+}
+
 // The attention's softmax scale, 1/sqrt(head dim).
 inline float scale(int64_t D) {
   return 1.0f / std::sqrt(float(D));

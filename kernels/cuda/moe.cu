@@ -366,16 +366,6 @@ void combine_backward(const float* dy, const Y* ys, int64_t N, const float* weig
   check_launch(what);
 }
 
-// Offsets of a workspace carved into 256-byte aligned pieces.
-struct Carve {
-  size_t bytes = 0;
-  size_t take(size_t n) {
-    const size_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
-  }
-};
-
 }  // namespace
 
 void moe_route(const float* logits, const float* bias, int64_t M, int64_t E, int64_t k,
@@ -417,18 +407,17 @@ int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int
   std::fill(counts, counts + E, int64_t{0});
   if (n == 0) return 0;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  Carve c;
-  const size_t o_hist = c.take(size_t(chunks * E) * sizeof(int32_t)),
-               o_start = c.take(size_t(E) * sizeof(int32_t)),
-               o_out = c.take(size_t(E + 1) * sizeof(int64_t)), o_bad = c.take(sizeof(uint32_t));
-  // Released when this returns: the caching allocator hands the block out again only to work
-  // queued later on the same stream (runtime.hpp).
-  Tensor ws = Tensor::empty({int64_t((c.bytes + 3) / 4)}, DType::i32, Device::cuda);
-  char* base = static_cast<char*>(ws.raw());
-  auto* hist = reinterpret_cast<int32_t*>(base + o_hist);
-  auto* start = reinterpret_cast<int32_t*>(base + o_start);
-  auto* out = reinterpret_cast<int64_t*>(base + o_out);
-  auto* bad = reinterpret_cast<uint32_t*>(base + o_bad);
+  // Scratch, released when this returns: the caching allocator hands a block out again only to
+  // work queued later on the same stream (runtime.hpp). out: the counts then the bad assignment,
+  // E + 1 int64 (two int32 elements each), the one copy home.
+  Tensor t_hist = Tensor::empty({chunks * E}, DType::i32, Device::cuda);
+  Tensor t_start = Tensor::empty({E}, DType::i32, Device::cuda);
+  Tensor t_out = Tensor::empty({2 * (E + 1)}, DType::i32, Device::cuda);
+  Tensor t_bad = Tensor::empty({1}, DType::i32, Device::cuda);
+  int32_t* hist = t_hist.data<int32_t>();
+  int32_t* start = t_start.data<int32_t>();
+  auto* out = static_cast<int64_t*>(t_out.raw());
+  auto* bad = static_cast<uint32_t*>(t_bad.raw());
   const size_t shared = size_t(E) * sizeof(int32_t);
 
   LOOM_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(uint32_t), stream()), what);
