@@ -17,6 +17,7 @@
 #include "plan/search.hpp"
 #include "plan/time_model.hpp"
 #include "train/config.hpp"
+#include "train/launch.hpp"
 #include "train/rank_plan.hpp"
 
 namespace loom {
@@ -195,7 +196,7 @@ int plan_command(const Args& args) {
 
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
-  PlanJob j{job, ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir)), world};
+  PlanJob j{job, job_model_config(job, resolve_model_config(job.model.config, toml_dir)), world};
   const dist::MeshLayout layout = plan_layout(j);
   const std::vector<int> ranks =
       ranks_arg.empty() ? representative_ranks(layout) : parse_ranks(ranks_arg, world);

@@ -13,6 +13,7 @@
 
 #include "core/tensor.hpp"
 #include "model/model.hpp"
+#include "model/moe_balance.hpp"
 #include "model/moe_block.hpp"
 #include "model/moe_config.hpp"
 #include "model/moe_plan.hpp"
@@ -45,7 +46,13 @@ class MoeModel final : public Model {
   // expert got over the mean, in the worst sparse layer of any micro-batch (1: balanced);
   // dropped: the share of the choices over an expert's capacity.
   std::vector<ModelMetric> take_step_metrics() override;
+  // The auxiliary-loss-free bias and the runaway-router warning (model/moe_balance.hpp).
+  std::vector<std::string> after_update(dist::ProcessGroup* dp) override;
+  const ExpertBalance& balance() const { return balance_; }
   bool expert_unit(size_t unit) const override;
+  // A directory without the selection-only biases (a Hugging Face Qwen-MoE or Mixtral) starts
+  // them at zero.
+  void load_hf(const SafetensorsDir& dir) override;
   std::vector<std::string> held_elsewhere() const override;
 
  private:
@@ -74,6 +81,7 @@ class MoeModel final : public Model {
     double aux = 0, load = 0, dropped = 0, choices = 0;
     int64_t micro_batches = 0;
   } step_;
+  ExpertBalance balance_;
   RopeTable rope_;
 };
 

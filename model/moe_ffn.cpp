@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "distributed/process_group.hpp"
+#include "model/moe_capacity.hpp"
 
 namespace loom {
 
@@ -41,8 +42,9 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   r.experts = Tensor::empty({M, k}, DType::i32, dev);
   r.weights = f32({M, k}, dev);
   Tensor prob_sum = Tensor::zeros({E}, DType::f32, dev);
-  ops::moe_route(r.probs, Tensor(), renormalize, r.probs, r.experts, r.weights, prob_sum);
-  r.perm = ops::moe_permute(r.experts, E, capacity);
+  ops::moe_route(r.probs, bias == kNone ? Tensor() : unit.params()[bias].value, renormalize,
+                 r.probs, r.experts, r.weights, prob_sum);
+  r.perm = permute(r.experts);
   if (shared != kNone) shared_forward(unit, r);
   if (!ops::computes(dev)) return;  // nothing to count on meta: the planner prices the balance
   const Tensor ps = prob_sum.on_host();
@@ -57,10 +59,21 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   }
   // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask).
   const Tensor ex = r.experts.on_host();
-  for (int64_t i = 0; i < M * k; ++i) stats.counts[size_t(ex.data<int32_t>()[i])] += 1;
+  const size_t layer = stats.layer_counts.size();
+  stats.layer_counts.resize(layer + size_t(E), 0.0);
+  for (int64_t i = 0; i < M * k; ++i) {
+    const size_t e = size_t(ex.data<int32_t>()[i]);
+    stats.counts[e] += 1;
+    stats.layer_counts[layer + e] += 1;
+  }
   stats.rows += M;
   stats.dropped += r.perm.dropped;
   stats.load_max_over_mean.push_back(double(most) * double(E) / double(M * k));
+}
+
+ops::MoePermutation MoeRouter::permute(const Tensor& experts) const {
+  if (capacity == 0 || !cp || cp->size() == 1) return ops::moe_permute(experts, E, capacity);
+  return ops::moe_permute(experts, E, cp_capacities(*cp, *ctx, experts, E, capacity));
 }
 
 // Qwen2-MoE's shared expert on every token: sigmoid(xn . gate) x down(silu(gate_proj(xn)) x
