@@ -9,6 +9,7 @@
 #include "distributed/group_sum.hpp"
 #include "model/head.hpp"
 #include "model/llama.hpp"
+#include "model/safetensors.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
 
@@ -105,7 +106,14 @@ double MoeModel::aux_loss(const ActivationStore& s) {
 }
 
 void MoeModel::load_hf(const SafetensorsDir& dir) {
-  load_units(dir, [](const std::string& n) { return n.ends_with(".e_score_correction_bias"); });
+  auto is_bias = [](const std::string& n) { return n.ends_with(".e_score_correction_bias"); };
+  // A bias the model would not read changes the routing the weights were trained with.
+  if (!config_.expert_bias)
+    for (const std::string& n : dir.names())
+      LOOM_CHECK(!is_bias(n), "the weights hold '", n,
+                 "' (a selection-only bias) but the model has none: build it from their "
+                 "config.json (\"loom_expert_bias\": true) or with moe.bias_update_rate > 0");
+  load_units(dir, is_bias);
 }
 
 bool MoeModel::expert_unit(size_t unit) const {

@@ -8,6 +8,8 @@
 # (--parallelism.ep > 1) the tokens the all-to-alls carry, and the rows each rank's experts
 # compute, follow the routing, which the meta run does not know (it prices a balanced router): the
 # ep group's bytes and the peaks are printed, not compared; every other group's bytes still are.
+# So do the rows a capacity keeps (--moe.capacity_factor > 0: the meta run drops nothing where a
+# balanced router stays under it): the peaks are printed, not compared.
 # --ref:* overrides (the parity reference's) are ignored.
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3 np=$4
@@ -42,7 +44,10 @@ fi
 grep '^{' "$work/real.out" | tail -1 >"$work/real.json"
 routed=0
 for a in "${args[@]}"; do
-  case $a in --parallelism.ep=1) ;; --parallelism.ep=*) routed=1 ;; esac
+  case $a in
+    --parallelism.ep=1 | --moe.capacity_factor=0 | --moe.capacity_factor=0.0) ;;
+    --parallelism.ep=* | --moe.capacity_factor=*) routed=1 ;;
+  esac
 done
 python3 - "$work/plan.json" "$work/real.json" "$routed" <<'PY'
 import json, sys
