@@ -45,7 +45,7 @@ for layout in "1 --training.local_batch_size=1 --training.grad_accum_steps=4" \
   resume_step11 "$work/ckb" "$want" 1e-6 rel "ep 2, bias + capacity" $layout || status=1
 done
 cp -r "$work/ckb" "$work/ckz"
-python3 - "$src/tests/parity" "$work/ckz/step-00000010" <<'PY'
+/usr/bin/python3 - "$src/tests/parity" "$work/ckz/step-00000010" <<'PY'
 import glob, sys
 sys.path.insert(0, sys.argv[1])
 import st
