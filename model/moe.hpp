@@ -42,8 +42,9 @@ class MoeModel final : public Model {
   // load-balancing loss, after the head's backward; 0 without sparse layers).
   static const RouterStats& router_stats(const ActivationStore& s);
   static double aux_loss(const ActivationStore& s);
-  // aux_loss: the auxiliary loss's mean over the micro-batches; expert_load: the most rows any
-  // expert got over the mean, in the worst sparse layer of any micro-batch (1: balanced);
+  // aux_loss: the auxiliary loss's mean over the micro-batches; expert_load: the most choices any
+  // expert got over the mean (before a capacity drops any), in the worst sparse layer of any
+  // micro-batch (1: balanced);
   // dropped: the share of the choices over an expert's capacity.
   std::vector<ModelMetric> take_step_metrics() override;
   // The auxiliary-loss-free bias and the runaway-router warning (model/moe_balance.hpp).

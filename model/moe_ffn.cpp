@@ -52,12 +52,9 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
     stats.counts.assign(size_t(E), 0);
     stats.prob_sum.assign(size_t(E), 0);
   }
-  int64_t most = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    stats.prob_sum[size_t(e)] += double(ps.data<float>()[e]);
-    most = std::max(most, r.perm.counts[size_t(e)]);
-  }
-  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask).
+  for (int64_t e = 0; e < E; ++e) stats.prob_sum[size_t(e)] += double(ps.data<float>()[e]);
+  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask); so
+  // does the load (the router's, which a capacity bounds the computed rows of).
   const Tensor ex = r.experts.on_host();
   const size_t layer = stats.layer_counts.size();
   stats.layer_counts.resize(layer + size_t(E), 0.0);
@@ -68,7 +65,9 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   }
   stats.rows += M;
   stats.dropped += r.perm.dropped;
-  stats.load_max_over_mean.push_back(double(most) * double(E) / double(M * k));
+  const double most =
+      *std::max_element(stats.layer_counts.begin() + long(layer), stats.layer_counts.end());
+  stats.load_max_over_mean.push_back(most * double(E) / double(M * k));
 }
 
 ops::MoePermutation MoeRouter::permute(const Tensor& experts) const {

@@ -30,7 +30,8 @@ struct RouterStats {
   std::vector<double> prob_sum;  // [E]: the router probabilities summed over tokens
   int64_t rows = 0;              // tokens routed, over the sparse layers
   int64_t dropped = 0;           // choices over an expert's capacity
-  // Per sparse layer: the most tokens any expert got, over the mean (1: balanced).
+  // Per sparse layer: the most tokens any expert was chosen by (before a capacity drops any),
+  // over the mean (1: balanced).
   std::vector<double> load_max_over_mean;
   // Per sparse layer in the order they ran, its E choice counts (the bias's load, model/
   // moe_balance.hpp).
