@@ -14,6 +14,7 @@
 #include "model/moe_capacity.hpp"
 #include "model/safetensors.hpp"
 #include "parallel/layers/context_parallel.hpp"
+#include "tests/model/tiny_moe.hpp"
 #include "tests/support/thread_process_group.hpp"
 #include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
@@ -24,22 +25,7 @@ namespace {
 
 // Qwen3-MoE-shaped and small: a dense first layer, two sparse ones of 8 experts, top-2.
 MoeConfig tiny() {
-  MoeConfig c;
-  c.family = MoeConfig::Family::qwen3_moe;
-  c.base.hidden_size = 32;
-  c.base.intermediate_size = 48;
-  c.base.num_hidden_layers = 3;
-  c.base.num_attention_heads = 4;
-  c.base.num_key_value_heads = 2;
-  c.base.vocab_size = 97;
-  c.base.rms_norm_eps = 1e-6;
-  c.base.rope_theta = 1000000;
-  c.base.max_position_embeddings = 256;
-  c.head_dim = 8;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.norm_topk_prob = true;
+  MoeConfig c = test::TinyMoe{}.config();
   c.mlp_only_layers = {0};
   return c;
 }
@@ -265,7 +251,7 @@ TEST(MoeBalance, RunawayRouterWarnsAndCountsDrops) {
     if (factor > 0) {
       EXPECT_GE(metric(s1, "dropped"), 2 * 96.0 / 512);  // expert 0's 128 - 32 at least, per layer
     }
-    EXPECT_EQ(metric(s1, "expert_load"), 4.0);           // the router's choices, dropped or not
+    EXPECT_EQ(metric(s1, "expert_load"), 4.0);  // the router's choices, dropped or not
     std::printf("capacity factor %g: dropped %.4f of the choices, warned: %s\n", factor,
                 metric(s1, "dropped"), s1.lines[0].c_str());
     EXPECT_TRUE(step(m, batch).lines.empty());  // held while it lasts

@@ -16,12 +16,8 @@ source "$(dirname "$0")/setup.sh"
 parity_setup moe_restart
 common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/moe_debug.json")
-"${mpi[@]}" -np 4 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=1 \
-  --parallelism.dp_shard=4 --parallelism.ep=4 --checkpoint.dir="$work/ck" \
-  --checkpoint.interval=10 --checkpoint.keep=0 --metrics.jsonl="$work/full.jsonl" \
-  >"$work/full.log" 2>&1 || { cat "$work/full.log"; exit 1; }
-rm -rf "$work/ck/step-00000012"
-want=$(step_loss "$work/full.jsonl" 11)
+straight12 "$work/ck" full 4 --training.local_batch_size=1 --parallelism.dp_shard=4 \
+  --parallelism.ep=4
 status=0
 # Micro-batches of one sample everywhere: the auxiliary loss is a function of a micro-batch's
 # tokens (transformers' per forward call), so a layout that put two samples in one would add a
@@ -34,12 +30,8 @@ for layout in "2 --parallelism.dp_shard=2 --parallelism.ep=2 --training.local_ba
 done
 
 common+=(--moe.bias_update_rate=1e-2 --moe.capacity_factor=1.0)
-"${mpi[@]}" -np 2 "$loom" train "${common[@]}" --training.steps=12 --training.local_batch_size=1 \
-  --training.grad_accum_steps=2 --parallelism.dp_shard=2 --parallelism.ep=2 \
-  --checkpoint.dir="$work/ckb" --checkpoint.interval=10 --checkpoint.keep=0 \
-  --metrics.jsonl="$work/bias.jsonl" >"$work/bias.log" 2>&1 || { cat "$work/bias.log"; exit 1; }
-rm -rf "$work/ckb/step-00000012"
-want=$(step_loss "$work/bias.jsonl" 11)
+straight12 "$work/ckb" bias 2 --training.local_batch_size=1 --training.grad_accum_steps=2 \
+  --parallelism.dp_shard=2 --parallelism.ep=2
 for layout in "1 --training.local_batch_size=1 --training.grad_accum_steps=4" \
   "2 --parallelism.dp_shard=2 --training.local_batch_size=1 --training.grad_accum_steps=2"; do
   resume_step11 "$work/ckb" "$want" 1e-6 rel "ep 2, bias + capacity" $layout || status=1

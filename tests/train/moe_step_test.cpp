@@ -6,6 +6,7 @@
 
 #include "model/moe.hpp"
 #include "parallel/parallelize.hpp"
+#include "tests/model/tiny_moe.hpp"
 #include "tests/test_util.hpp"
 #include "train/optimizer.hpp"
 #include "train/step.hpp"
@@ -14,22 +15,16 @@ using namespace loom;
 
 namespace {
 
+// Mixtral-shaped: two sparse layers of 4 experts, top-2, with the bias.
 MoeConfig tiny(double rate) {
-  MoeConfig c;
-  c.family = MoeConfig::Family::mixtral;
-  c.base.hidden_size = 32;
-  c.base.intermediate_size = 24;
-  c.base.num_hidden_layers = 2;
-  c.base.num_attention_heads = 4;
-  c.base.num_key_value_heads = 4;
-  c.base.vocab_size = 61;
-  c.base.rope_theta = 10000;
-  c.base.max_position_embeddings = 64;
-  c.head_dim = 8;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 24;
-  c.norm_topk_prob = true;
+  MoeConfig c = test::TinyMoe{.family = MoeConfig::Family::mixtral,
+                              .ffn = 24,
+                              .layers = 2,
+                              .kv_heads = 4,
+                              .experts = 4,
+                              .moe_ffn = 24,
+                              .vocab = 61}
+                    .config();
   c.expert_bias = true;
   c.training.bias_update_rate = rate;
   return c;
@@ -56,12 +51,12 @@ TEST(MoeStep, AdamWLeavesTheBiasToItsRule) {
         bias_and_router.emplace_back(&p, &u->params()[u->params().size() - 2]);
   ASSERT_EQ(bias_and_router.size(), 2u);
   ASSERT_TRUE(bias_and_router[0].second->spec.name.ends_with("block_sparse_moe.gate.weight"));
-  std::vector<float> bias(4, 0.0f);
   for (int s = 0; s < 3; ++s) {
     const std::vector<float> router = values(bias_and_router[0].second->value);
     std::vector<std::vector<float>> before;
     for (auto [b, r] : bias_and_router) before.push_back(values(b->value));
-    const StepResult res = step.run(1, [&](int64_t) -> const MicroBatch& { return mb; }, 0.05);
+    const StepResult res = step.run(
+        1, [&](int64_t) -> const MicroBatch& { return mb; }, 0.05);
     ASSERT_TRUE(res.updated);
     EXPECT_NE(values(bias_and_router[0].second->value), router);  // AdamW ran
     const std::vector<double>& loads = moe.balance().step_loads();
@@ -88,7 +83,8 @@ TEST(MoeStep, RunawayRouterWarningIsAStepNote) {
   AdamW adamw(par.model->units(), AdamWConfig{});
   TrainStep step(par, adamw, 1.0, 32);
   MicroBatch mb{2, 16, test::random_tokens(32, 61, 1), test::random_tokens(32, 61, 2)};
-  const StepResult r = step.run(1, [&](int64_t) -> const MicroBatch& { return mb; }, 1e-3);
+  const StepResult r = step.run(
+      1, [&](int64_t) -> const MicroBatch& { return mb; }, 1e-3);
   ASSERT_EQ(r.notes.size(), 2u);
   EXPECT_NE(r.notes[1].find("layer 1's router is running away: expert 2 got 32 of the step's 32"),
             std::string::npos)
