@@ -39,7 +39,6 @@ MoeConfig mixtral() {
                               .kv_heads = 4,
                               .head_dim = 12,
                               .experts = 4,
-                              .moe_ffn = 56,
                               .vocab = 257}
                     .config();
   c.base.rms_norm_eps = 1e-5;

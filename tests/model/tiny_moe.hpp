@@ -11,7 +11,7 @@ namespace loom::test {
 struct TinyMoe {
   MoeConfig::Family family = MoeConfig::Family::qwen3_moe;
   int64_t hidden = 32, ffn = 48, layers = 3, heads = 4, kv_heads = 2, head_dim = 8;
-  int64_t experts = 8, top_k = 2, moe_ffn = 16, vocab = 97;
+  int64_t experts = 8, top_k = 2, moe_ffn = 16, vocab = 97;  // moe_ffn: not Mixtral's
 
   MoeConfig config() const {
     MoeConfig c;
@@ -28,7 +28,8 @@ struct TinyMoe {
     c.head_dim = head_dim;
     c.num_experts = experts;
     c.num_experts_per_tok = top_k;
-    c.moe_intermediate_size = moe_ffn;
+    // Mixtral's experts are its intermediate_size (config.json has no other field).
+    c.moe_intermediate_size = family == MoeConfig::Family::mixtral ? ffn : moe_ffn;
     c.norm_topk_prob = true;
     return c;
   }

@@ -17,14 +17,10 @@ namespace {
 
 // Mixtral-shaped: two sparse layers of 4 experts, top-2, with the bias.
 MoeConfig tiny(double rate) {
-  MoeConfig c = test::TinyMoe{.family = MoeConfig::Family::mixtral,
-                              .ffn = 24,
-                              .layers = 2,
-                              .kv_heads = 4,
-                              .experts = 4,
-                              .moe_ffn = 24,
-                              .vocab = 61}
-                    .config();
+  using F = MoeConfig::Family;
+  MoeConfig c =
+      test::TinyMoe{.family = F::mixtral, .layers = 2, .kv_heads = 4, .experts = 4, .vocab = 61}
+          .config();
   c.expert_bias = true;
   c.training.bias_update_rate = rate;
   return c;
