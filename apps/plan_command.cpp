@@ -3,8 +3,10 @@
 // the bytes of each group it communicates on, and the FLOPs of its kernels. `--ranks all` plans
 // every rank (the parity checks compare each with the real run); the default plans the
 // representative ranks.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 
 #include "apps/commands.hpp"
 #include "core/error.hpp"
+#include "plan/expert_load.hpp"
 #include "plan/hardware.hpp"
 #include "plan/layout_plan.hpp"
 #include "plan/search.hpp"
@@ -92,17 +95,71 @@ nlohmann::json rank_json(const RankPlan& p) {
           {"groups", groups}};
 }
 
+// A mixture of experts' routing, the load the figures assume and their worst case (dropless).
+nlohmann::json worst_json(const std::optional<plan::EpWorstCase>& w) {
+  if (!w) return nullptr;
+  return {{"load", w->load},
+          {"peak_allocated_bytes", w->peak},
+          {"peak_reserved_bytes", w->reserved},
+          {"fits", w->fits}};
+}
+
+void print_routing(const PlanJob& j, const std::optional<plan::EpWorstCase>& w,
+                   const plan::Hardware& hw, const char* indent) {
+  if (!j.model.is_moe()) return;
+  const double GiB = 1024.0 * 1024.0 * 1024.0;
+  const int64_t ep = j.job.parallelism.ep;
+  if (ep <= 1) {
+    std::printf(
+        "%sexperts: without ep each rank computes its own tokens' choices, however they route: "
+        "the figures hold for any routing (dropless)\n",
+        indent);
+    return;
+  }
+  if (j.ep_load == 1)
+    std::printf(
+        "%sexperts: balanced routing assumed: each ep rank's experts get 1/%lld of every rank's "
+        "rows (load 1, no headroom; --ep-load L plans the most loaded rank at L times that)\n",
+        indent, (long long)ep);
+  else
+    std::printf(
+        "%sexperts: the planned ranks are the most loaded: their experts get %.2f x 1/%lld of "
+        "every rank's rows (--ep-load)\n",
+        indent, j.ep_load, (long long)ep);
+  if (!w) return;
+  const MoeConfig& c = j.model.moe("plan");
+  char fit[64] = "fits";
+  if (!w->fits) std::snprintf(fit, sizeof fit, "DOES NOT FIT %.1f GiB", hw.capacity / GiB);
+  std::printf(
+      "%sexperts, worst case dropless (every rank's tokens send %lld of their %lld choices to one "
+      "rank's %lld experts: load %.2f): peak allocated %.2f GiB%s, reserved %.2f GiB: %s\n",
+      indent, (long long)std::min(c.num_experts_per_tok, c.num_experts / ep),
+      (long long)c.num_experts_per_tok, (long long)(c.num_experts / ep), w->load, w->peak / GiB,
+      w->fits ? "" : "+", w->reserved / GiB, fit);
+}
+
 int search_command(const PlanJob& j, const plan::Hardware& hw, bool oversubscribed, bool json) {
   const plan::SearchResult r = plan::search_layouts(j, hw, oversubscribed);
   const double GiB = 1024.0 * 1024.0 * 1024.0;
+  // The first layout's routing: what its figures assume and, under ep, their worst case.
+  std::optional<plan::EpWorstCase> worst;
+  std::optional<PlanJob> first;
+  if (!r.entries.empty() && r.entries.front().fits) {
+    first = j;
+    first->job = r.entries.front().job;
+    worst =
+        plan::ep_worst_case(*first, representative_ranks(plan_layout(*first)), hw, oversubscribed);
+  }
   if (json) {
     nlohmann::json out = {{"world", j.world},
                           {"hardware", hw.name},
                           {"refused", r.refused},
+                          {"first_ep_worst_case", worst_json(worst)},
                           {"layouts", nlohmann::json::array()}};
     for (const auto& e : r.entries)
       out["layouts"].push_back({{"layout", e.layout},
                                 {"fits", e.fits},
+                                {"ep", e.job.parallelism.ep},
                                 {"cpu_offload", e.job.training.enable_cpu_offload},
                                 {"peak_allocated_bytes", e.peak},
                                 {"peak_reserved_bytes", e.reserved},
@@ -138,6 +195,10 @@ int search_command(const PlanJob& j, const plan::Hardware& hw, bool oversubscrib
       std::printf("  %-62s %10.2f %10.0f %10.3f %12.0f %5.1f%%\n", e.layout.c_str(), e.peak / GiB,
                   e.job_tokens, e.step, e.tokens_per_s, 100 * e.mfu);
     }
+    if (first) {
+      if (first->model.is_moe()) std::printf("  first layout:\n");
+      print_routing(*first, worst, hw, "    ");
+    }
   }
   return !r.entries.empty() && r.entries.front().fits ? 0 : 2;
 }
@@ -149,7 +210,7 @@ int plan_command(const Args& args) {
     return plan_calibrate_command(Args(args.begin() + 1, args.end()));
   const char* usage =
       "usage: loom plan --config FILE --world N [--ranks all|R,R...] [--hardware NAME|FILE] "
-      "[--oversubscribed] [--search] [--json] "
+      "[--oversubscribed] [--search] [--json] [--ep-load L] "
       "[--section.key=value ...]";
   if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
     std::printf("%s\n", usage);
@@ -157,6 +218,7 @@ int plan_command(const Args& args) {
   }
   std::string config_path, ranks_arg, hardware = "cpu-local";
   int world = 0;
+  double ep_load = 1;
   bool json = false, oversubscribed = false, search = false;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -188,6 +250,19 @@ int plan_command(const Args& args) {
       LOOM_CHECK(world >= 1, "plan --world: '", v, "' is not a positive number of ranks");
     } else if (a == "--ranks" || a.rfind("--ranks=", 0) == 0) {
       ranks_arg = value("--ranks");
+    } else if (a == "--ep-load" || a.rfind("--ep-load=", 0) == 0) {
+      // The most loaded ep rank's experts, over the balanced share (PlanJob::ep_load).
+      const std::string v = value("--ep-load");
+      try {
+        size_t used = 0;
+        ep_load = std::stod(v, &used);
+        if (used != v.size()) ep_load = 0;
+      } catch (const std::exception&) {
+        ep_load = 0;
+      }
+      LOOM_CHECK(ep_load >= 1, "plan --ep-load: '", v,
+                 "' is not a load >= 1 (1: balanced routing; the rows the most loaded ep rank's "
+                 "experts get over 1/ep of every rank's)");
     } else {
       overrides.push_back(a);
     }
@@ -197,6 +272,17 @@ int plan_command(const Args& args) {
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
   PlanJob j{job, job_model_config(job, resolve_model_config(job.model.config, toml_dir)), world};
+  if (ep_load != 1) {
+    LOOM_CHECK(!search, "plan --ep-load: not with --search (which plans every ep, balanced)");
+    const double most = plan::worst_ep_load(j);
+    LOOM_CHECK(j.model.is_moe() && job.parallelism.ep > 1 && ep_load <= most, "plan --ep-load ",
+               ep_load, ": expected a load from 1 to ", most,
+               j.model.is_moe() && job.parallelism.ep > 1
+                   ? " (each token's k choices are distinct experts: one ep rank's get at most "
+                     "ep x min(k, E / ep) / k of the balanced rows)"
+                   : " (a load needs a mixture of experts under parallelism.ep > 1)");
+    j.ep_load = ep_load;
+  }
   const dist::MeshLayout layout = plan_layout(j);
   const std::vector<int> ranks =
       ranks_arg.empty() ? representative_ranks(layout) : parse_ranks(ranks_arg, world);
@@ -204,6 +290,7 @@ int plan_command(const Args& args) {
   const plan::Hardware hw = plan::load_hardware(hardware);
   if (search) return search_command(j, hw, oversubscribed, json);
   const plan::LayoutPlan lp = plan::plan_whole(j, ranks, hw, oversubscribed);
+  const std::optional<plan::EpWorstCase> worst = plan::ep_worst_case(j, ranks, hw, oversubscribed);
   const std::vector<RankPlan>& plans = lp.ranks;
   const std::vector<plan::StepTime>& times = lp.times;
   const int pp = layout.size("pp");
@@ -220,6 +307,8 @@ int plan_command(const Args& args) {
                           {"ranks", nlohmann::json::array()}};
     out["hardware"] = hw.name;
     out["fits"] = fits;
+    out["ep_load"] = j.ep_load;
+    out["ep_worst_case"] = worst_json(worst);
     for (size_t i = 0; i < plans.size(); ++i) {
       nlohmann::json r = rank_json(plans[i]);
       r["time"] = time_json(times[i], job_tokens, model_flops_per_token, world * hw.peak(compute));
@@ -275,7 +364,9 @@ int plan_command(const Args& args) {
         job_tokens / t.step,
         100 * model_flops_per_token * job_tokens / t.step / (world * hw.peak(compute)));
   }
-  std::printf("\n  %s\n",
+  std::printf("\n");
+  print_routing(j, worst, hw, "  ");
+  std::printf("  %s\n",
               fits ? "every planned rank fits" : "some rank does not fit in the hardware's memory");
   return fits ? 0 : 2;
 }

@@ -5,7 +5,12 @@
 # plus two `--search` runs (405B on 64 x h100-sxm-80g at seq 4096, 8B on 8 x h100-96g-500w at
 # seq 8192) timed, and for torchtitan's 8B with FSDP 8 x CP 1/2/4/8 the longest sequence loom
 # plans to fit (secant on the planned peak over seq_len in steps of 2048 x cp, each step verified
-# by a plan: the answer fits and one step more does not).
+# by a plan: the answer fits and one step more does not). A mixture of experts (issue 37): NeMo
+# AutoModel's Qwen3-30B-A3B pre-training on 8 H100s, FSDP 8 x EP 8 (the performance summary of
+# https://docs.nvidia.com/nemo/automodel/latest/performance-summary.html, its settings in
+# NVIDIA-NeMo/Automodel examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml), planned as
+# published and by `--search` (which tries every ep), with the worst case a dropless router
+# allows beside the balanced figure (both AutoModel and loom's meta run route balanced).
 #
 # Prints one markdown table: loom's layout and settings, planned peak allocated and reserved GiB
 # (max over the planned ranks), fits, predicted tokens/s per GPU and step time, the published
@@ -16,8 +21,10 @@
 # nothing is tuned to match.
 #   bench/plan_published.sh [LOOM]
 # Environment: CP_DEGREES (default "1 2 4 8"; empty: none) limits the longest-sequence searches;
-# ROWS=0 skips the table and the two searches. On this machine (2 cores) the table and searches
-# take about 2.5 minutes, the CP searches 20 s.
+# ROWS=0 skips the table and the searches, ROWS=moe keeps only the mixture-of-experts rows. On
+# this machine (2 cores) the dense table and searches take about 2.5 minutes, the CP searches
+# 20 s, the mixture-of-experts rows and search about 4 minutes (the search plans 70 layouts of 16
+# micro-batches).
 # Writes nothing; one plan at a time, one OpenMP thread.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,7 +36,7 @@ exec /usr/bin/python3 - "$loom" "$src" "${CP_DEGREES-1 2 4 8}" "${ROWS:-1}" <<'E
 import json, subprocess, sys, time, tomllib
 
 loom, src, cp_degrees = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split()]
-with_rows = sys.argv[4] != "0"
+with_rows, moe_only = sys.argv[4] != "0", sys.argv[4] == "moe"
 config = f"{src}/configs/default.toml"
 GiB, GB = float(2**30), 1e9
 
@@ -96,6 +103,12 @@ def row(name, world, hw, over, pub, pub_mem=None, pub_mem_kind="reserved", pub_t
         # plan_whole planned it again under the capacity: the allocator gave its cache back.
         split += (f"; reserved {s['reserved']:.1f} GiB held within the capacity by "
                   f"{s['flushes']} cache flushes a step")
+    worst = d.get("ep_worst_case")
+    if worst:
+        # A mixture of experts under ep: the peak if one rank's experts got every choice they can.
+        extra += (f"; routing balanced (load 1); worst case dropless (load {worst['load']:g}): "
+                  f"{worst['peak_allocated_bytes'] / GiB:.1f} GiB"
+                  f"{'' if worst['fits'] else '+, does not fit'}")
     details.append(f"- {name}: {s['role']} peak {s['alloc']:.1f} GiB = {split}; "
                    f"compute {s['compute']:.2f} s, exposed comm {s['exposed']:.2f} s{extra}, "
                    f"MFU {s['mfu']:.1%}; planned in {dt:.1f} s")
@@ -120,7 +133,11 @@ def search(name, world, hw, over, pub, notes=""):
                    f"in {dt:.1f} s; first three: " +
                    "; ".join(f"{l['layout']} {l['peak_allocated_bytes'] / GiB:.1f} GiB "
                              f"{l['job_tokens_per_s'] / world:.0f} tok/s/GPU"
-                             + ("" if l["fits"] else " no fit") for l in L[:3]))
+                             + ("" if l["fits"] else " no fit") for l in L[:3]) +
+                   (f"; the first's worst case dropless (load {w['load']:g}): "
+                    f"{w['peak_allocated_bytes'] / GiB:.1f} GiB"
+                    f"{'' if w['fits'] else '+, does not fit'}"
+                    if (w := d.get("first_ep_worst_case")) else ""))
     return dt
 
 
@@ -162,8 +179,8 @@ def longest_seq(cp, hw):
 
 t_all = time.monotonic()
 sxm, tt = "h100-sxm-80g", "h100-96g-500w"
-t405 = t8 = None
-if with_rows:
+t405 = t8 = tmoe = None
+if with_rows and not moe_only:
     row("Lambda 405B FSDP 64, seq 4096, CPU offload", 64, sxm,
         dict(common("llama3-405b", 4096, 1, "full", dp_shard=64),
              **{"training.enable_cpu_offload": "true"}),
@@ -210,6 +227,26 @@ if with_rows:
         common("llama3-70b", 8192, 1, "none", dp_shard=1, tp=8, pp=4, pp_schedule="1f1b"),
         "OOM without a buffer pool (no figure published)", notes="m = pp (loom's default), no AC, "
         "no DP: the seed gives only TP 8 x PP 4, seq 8k, mb 1")
+if with_rows:
+    # NeMo AutoModel's Qwen3 MoE 30B row (DGX-H100, BF16): GBS 512 = 8 GPUs x LBS 4 x GA 16,
+    # seq 4096, TP 1 PP 1 CP 1, EP 8, FSDP 8, activation checkpointing on, fake balanced gate,
+    # 21.773 s a step, 277 model TFLOP/s/GPU, 12,040 tokens/s/GPU; no memory figure.
+    qwen = dict(common("qwen3-30b-a3b", 4096, 4, "full"), **{"training.grad_accum_steps": 16})
+    moe_note = ("TE + DeepEP not in loom (loom's all-to-alls block the compute); both route "
+                "balanced; AutoModel counts 23.0 GFLOP a token, loom 27.9")
+    pub_moe = "12,040 tok/s/GPU (21.77 s/step, 277 TFLOP/s/GPU); memory not published"
+    row("NeMo AutoModel Qwen3-30B-A3B FSDP 8 x EP 8, bs 4 x GA 16, seq 4096", 8, sxm,
+        dict(qwen, **{"parallelism.dp_shard": 8, "parallelism.ep": 8}), pub_moe, None,
+        "reserved", 12040, moe_note + "; loom's f32 masters, gradients and AdamW moments "
+        "(63.6 GiB a rank) leave too little for bs 4: AutoModel's config asks no f32 masters")
+    # The nearest layout that fits in loom: the same global batch (512 x 4096) at bs 1 x GA 64.
+    row("the same, bs 1 x GA 64 (fits in loom)", 8, sxm,
+        dict(qwen, **{"training.local_batch_size": 1, "training.grad_accum_steps": 64,
+                      "parallelism.dp_shard": 8, "parallelism.ep": 8}), pub_moe, None,
+        "reserved", 12040, moe_note)
+    tmoe = search("loom --search Qwen3-30B-A3B, 8 H100 80 GB, bs 4 x GA 16, seq 4096", 8, sxm,
+                  qwen, "(AutoModel: FSDP 8 x EP 8, AC, 12,040)",
+                  "AC full set; the search varies AC and ep (TP and PP refused for experts)")
 
     print(f"\n| row | loom layout, settings | alloc GiB | reserved GiB | fits | tok/s/GPU (step) "
           f"| published | loom/published: memory / tok/s | notes |")
@@ -243,5 +280,7 @@ if details:
 print(f"\nload average after: {open('/proc/loadavg').read().split()[:3]}")
 if t405 is not None:
     print(f"--search times: 405B on 64: {t405:.1f} s; 8B on 8: {t8:.1f} s (limit 60 s each)")
+if tmoe is not None:
+    print(f"--search time: Qwen3-30B-A3B on 8 (GA 16): {tmoe:.1f} s")
 print(f"all: {time.monotonic() - t_all:.0f} s")
 EOF

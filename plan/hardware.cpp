@@ -373,10 +373,20 @@ double collective_seconds(CollectiveKind kind, uint64_t bytes_sent, int group_si
     default:
       break;
   }
+  if (group_size <= 1) return 0;
+  const double n = group_size;
+  if (spans && (kind == CollectiveKind::all_to_all || kind == CollectiveKind::all_to_all_v)) {
+    // Not a ring: each rank sends each peer its own share directly, so the shares for the other
+    // nodes' ranks leave through the rank's own NIC while those for its node's ranks cross the
+    // intra-node link at the same time (expert parallelism's exchange, its peers equally loaded).
+    const double sent = double(bytes_sent), others = n - 1;
+    const double out = sent * (n - node_ranks) / others / l.bandwidth;
+    const double in = sent * (node_ranks - 1) / others / hw.intra_node.bandwidth;
+    return std::max(out, in) + (n - 1) * alpha;
+  }
   const double beta =
       spans ? std::min(l.bandwidth * double(node_ranks), hw.intra_node.bandwidth) : l.bandwidth;
-  const double n = group_size, transfer = double(bytes_sent) / beta;
-  if (group_size <= 1) return 0;
+  const double transfer = double(bytes_sent) / beta;
   switch (kind) {
     case CollectiveKind::all_gather:
     case CollectiveKind::reduce_scatter:

@@ -120,8 +120,12 @@ double optimizer_seconds(double bytes, const Hardware& hw, bool on_host = false)
 // link is the slowest the group spans: inter_node when it spans nodes (`node_ranks` > 0: that
 // many of the group's ranks on each node). inter_node's bandwidth is one rank's NIC; a
 // collective across nodes runs one ring per NIC (NCCL's channels on a rail-optimized fabric),
-// so it moves node_ranks NICs' worth, at most the intra-node link's; a send uses one NIC.
-//   all_gather, reduce_scatter, all_to_all(_v): bytes/beta + (n-1) alpha
+// so it moves node_ranks NICs' worth, at most the intra-node link's; a send uses one NIC. An
+// all-to-all is no ring: across nodes the share of its bytes for the other nodes' ranks,
+// (n - node_ranks) / (n - 1), goes through the rank's own NIC, beside the rest on the node's link.
+//   all_gather, reduce_scatter, all_to_all(_v) within a node: bytes/beta + (n-1) alpha
+//   all_to_all(_v) across nodes: max(bytes x (n - r) / (n - 1) / NIC, bytes x (r - 1) / (n - 1) /
+//     intra-node beta) + (n-1) alpha, r = node_ranks
 //   all_reduce (reduce-scatter then all-gather): bytes/beta + 2(n-1) alpha
 //   broadcast (pipelined ring): bytes/beta + (n-1) alpha
 //   send, recv: alpha + bytes/beta;  barrier: ceil(log2 n) alpha

@@ -15,6 +15,18 @@ std::vector<int64_t> divisors_up_to(int64_t n, int64_t cap) {
   return out;
 }
 
+// The expert-parallel degrees of a mixture of experts over `fsdp` = dp_shard x cp ranks: the
+// divisors of its E experts that divide fsdp (MoeModel's and ParallelDims' rules); {1} for a
+// model without experts.
+std::vector<int64_t> ep_degrees(const ModelConfig& model, int64_t fsdp) {
+  if (!model.is_moe()) return {1};
+  const int64_t E = model.moe("plan --search").num_experts;
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d <= std::min(E, fsdp); ++d)
+    if (E % d == 0 && fsdp % d == 0) out.push_back(d);
+  return out;
+}
+
 // Plans layout `j` into `res` (a refusal is counted instead); whether it fits.
 bool plan_entry(const PlanJob& j, const std::string& name, const Hardware& hw, bool oversubscribed,
                 DType compute, SearchResult& res) {
@@ -65,37 +77,41 @@ SearchResult search_layouts(const PlanJob& base, const Hardware& hw, bool oversu
         const std::vector<std::string> schedules =
             pp > 1 ? std::vector<std::string>{"1f1b", "interleaved_1f1b"}
                    : std::vector<std::string>{"1f1b"};
-        for (const std::string& schedule : schedules) {
-          // Offloaded from the most checkpointing to the least: each needs more memory than the
-          // one before, so the first that does not fit ends the retries.
-          bool offload_fits = true;
-          for (const char* ac : {"full", "selective", "none"}) {
-            PlanJob j = base;
-            auto& p = j.job.parallelism;
-            p.dp_replicate = 1;
-            p.dp_shard = n / tp / cp / pp;
-            p.tp = tp, p.cp = cp, p.pp = pp;
-            p.pp_schedule = schedule;
-            p.pp_microbatches = 0;  // the schedule's own (pp x its stages per rank)
-            p.pp_stages_per_rank = 0;
-            j.job.activation_checkpoint.mode = ac;
-            j.job.activation_checkpoint.selective_option = "op";
-            const std::string name = str_cat("fsdp ", p.dp_shard, " x tp ", tp, " x cp ", cp,
-                                             " x pp ", pp, pp > 1 ? " " + schedule : std::string(),
-                                             ", ac ", std::string(ac) == "selective" ? "op" : ac);
-            // A layout that does not fit is tried again with its shards offloaded to the host
-            // (where it shards them): slower than itself, so only worth it where it does not fit.
-            const bool fits =
-                plan_entry(j, j.job.training.enable_cpu_offload ? name + ", cpu offload" : name, hw,
-                           oversubscribed, compute, res);
-            if (!fits && offload_fits && !j.job.training.enable_cpu_offload &&
-                p.dp_shard * cp > 1) {
-              j.job.training.enable_cpu_offload = true;
-              offload_fits =
-                  plan_entry(j, name + ", cpu offload", hw, oversubscribed, compute, res);
+        for (const std::string& schedule : schedules)
+          for (int64_t ep : ep_degrees(base.model, n / tp / pp)) {
+            // Offloaded from the most checkpointing to the least: each needs more memory than the
+            // one before, so the first that does not fit ends the retries.
+            bool offload_fits = true;
+            for (const char* ac : {"full", "selective", "none"}) {
+              PlanJob j = base;
+              auto& p = j.job.parallelism;
+              p.dp_replicate = 1;
+              p.dp_shard = n / tp / cp / pp;
+              p.tp = tp, p.cp = cp, p.pp = pp, p.ep = ep;
+              p.pp_schedule = schedule;
+              p.pp_microbatches = 0;  // the schedule's own (pp x its stages per rank)
+              p.pp_stages_per_rank = 0;
+              j.job.activation_checkpoint.mode = ac;
+              j.job.activation_checkpoint.selective_option = "op";
+              // ep borrows its ranks from fsdp x cp: a setting of the layout, not a factor of it.
+              const std::string name =
+                  str_cat("fsdp ", p.dp_shard, " x tp ", tp, " x cp ", cp, " x pp ", pp,
+                          pp > 1 ? " " + schedule : std::string(),
+                          base.model.is_moe() ? str_cat(", ep ", ep) : std::string(), ", ac ",
+                          std::string(ac) == "selective" ? "op" : ac);
+              // A layout that does not fit is tried again with its shards offloaded to the host
+              // (where it shards them): slower than itself, so only worth it where it does not fit.
+              const bool fits =
+                  plan_entry(j, j.job.training.enable_cpu_offload ? name + ", cpu offload" : name,
+                             hw, oversubscribed, compute, res);
+              if (!fits && offload_fits && !j.job.training.enable_cpu_offload &&
+                  p.dp_shard * cp > 1) {
+                j.job.training.enable_cpu_offload = true;
+                offload_fits =
+                    plan_entry(j, name + ", cpu offload", hw, oversubscribed, compute, res);
+              }
             }
           }
-        }
       }
   std::stable_sort(res.entries.begin(), res.entries.end(),
                    [](const SearchEntry& a, const SearchEntry& b) {

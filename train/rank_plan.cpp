@@ -12,6 +12,7 @@
 #include "core/error.hpp"
 #include "core/trace.hpp"
 #include "distributed/sim_process_group.hpp"
+#include "parallel/layers/expert_parallel.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/pipeline/simulate.hpp"
 #include "train/launch.hpp"
@@ -116,6 +117,7 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   host.empty_cache();
   host.reset_peak();
 
+  const PlannedExpertLoad load(j.ep_load);
   auto log = std::make_shared<dist::SimLog>();
   std::vector<int> everyone(static_cast<size_t>(j.world));
   std::iota(everyone.begin(), everyone.end(), 0);

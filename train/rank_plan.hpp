@@ -106,6 +106,10 @@ struct PlanJob {
   // the limit the caching allocator gives its cache back before it fails, so reserved memory
   // stays within it while the allocated bytes fit.
   size_t memory_limit = 0;
+  // A mixture of experts under ep: the load of the planned rank's experts, the rows they get
+  // over the balanced N / ep of every rank's N (1: balanced, what a meta run prices, since it
+  // routes nothing; PlannedExpertLoad in parallel/layers/expert_parallel.hpp).
+  double ep_load = 1;
 };
 
 // The mesh layout of the job (loom::Error naming the key when the world does not fit it).

@@ -1,5 +1,7 @@
 #include "parallel/layers/expert_parallel.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "core/error.hpp"
@@ -12,12 +14,48 @@ int64_t ExpertExchange::rows() const {
   return std::accumulate(local_counts.begin(), local_counts.end(), int64_t(0));
 }
 
+namespace {
+
+// The innermost PlannedExpertLoad's load on this thread (1: balanced).
+thread_local double planned_load = 1;
+
+// N rows (the sum of `counts`) re-spread for the planner: `load` x N / n of them over rank me's
+// El experts, the rest evenly over the others' (each group's first experts one more).
+std::vector<int64_t> loaded_counts(std::span<const int64_t> counts, int n, int me, double load) {
+  const int64_t E = int64_t(counts.size()), El = E / n;
+  const int64_t N = std::accumulate(counts.begin(), counts.end(), int64_t(0));
+  const int64_t hot = std::min(N, int64_t(std::llround(load * double(N) / n))), rest = N - hot;
+  std::vector<int64_t> out(static_cast<size_t>(E));
+  for (int64_t e = 0, o = 0; e < E; ++e) {
+    const bool mine = e / El == me;
+    const int64_t rows = mine ? hot : rest, over = mine ? El : E - El, i = mine ? e % El : o++;
+    out[size_t(e)] = over > 0 ? rows / over + (i < rows % over ? 1 : 0) : 0;
+  }
+  return out;
+}
+
+}  // namespace
+
+PlannedExpertLoad::PlannedExpertLoad(double load) : previous_(planned_load) {
+  LOOM_CHECK(load >= 1, "planned expert load ", load, ": expected >= 1 (1: balanced)");
+  planned_load = load;
+}
+
+PlannedExpertLoad::~PlannedExpertLoad() {
+  planned_load = previous_;
+}
+
 ExpertExchange expert_exchange(dist::ProcessGroup& ep, std::span<const int64_t> counts,
                                Device device) {
   const int n = ep.size(), me = ep.rank();
   const int64_t E = int64_t(counts.size());
   LOOM_CHECK(E % n == 0, "expert parallelism: ", E, " experts do not split over ", ep.describe());
   const int64_t El = E / n;
+  std::vector<int64_t> loaded;
+  if (!ops::computes(device) && planned_load != 1) {
+    loaded = loaded_counts(counts, n, me, planned_load);
+    counts = loaded;
+  }
   ExpertExchange x;
   Tensor send = Tensor::empty({E}, DType::i32), recv = Tensor::empty({E}, DType::i32);
   for (int64_t e = 0; e < E; ++e) send.data<int32_t>()[e] = int32_t(counts[size_t(e)]);

@@ -30,9 +30,27 @@ struct ExpertExchange {
 
 // The exchange for rows sorted by expert with `counts` [E] per expert (all of them, on this rank).
 // One all-to-all of E int32 over `ep`. On meta (nothing routed) every rank is taken to receive
-// what it sends (the balanced case the planner prices); the all-to-all is still issued.
+// what it sends (the balanced case the planner prices, or the load PlannedExpertLoad sets); the
+// all-to-all is still issued.
 ExpertExchange expert_exchange(dist::ProcessGroup& ep, std::span<const int64_t> counts,
                                Device device);
+// The planner's routing on meta, where nothing is routed (`loom plan --ep-load`, its worst-case
+// line): while one lives, this rank's experts get `load` x N / ep of every rank's N rows, this
+// rank's own included (load 1: the balanced counts as they come; at most ep: every row), the
+// rest spread evenly over the other ranks' experts. What the rank then receives, regroups and
+// computes is that of the most loaded rank of a real run at that load. Per thread (the planning
+// one); the innermost holds.
+class PlannedExpertLoad {
+ public:
+  explicit PlannedExpertLoad(double load);
+  ~PlannedExpertLoad();
+  PlannedExpertLoad(const PlannedExpertLoad&) = delete;
+  PlannedExpertLoad& operator=(const PlannedExpertLoad&) = delete;
+
+ private:
+  double previous_;
+};
+
 // Rows sorted by expert [sum(send_rows), W] -> this rank's experts' rows [R, W], by local expert.
 Tensor expert_dispatch(dist::ProcessGroup& ep, const ExpertExchange& x, const Tensor& rows);
 // The reverse: rows by local expert [R, W] -> back to where they came from, [sum(send_rows), W].

@@ -162,6 +162,16 @@ TEST(Hardware, CollectivesFollowTheRingFormulas) {
   EXPECT_STREQ(collective_name(CollectiveKind::all_to_all_v), "all_to_all_v");
   EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all_v, sent, 8, false, hw),
                    collective_seconds(CollectiveKind::all_to_all, sent, 8, false, hw));
+  // Across nodes an all-to-all is no ring: of 16 ranks, 8 on each node (expert parallelism over
+  // two nodes), a rank's shares for the 8 on the other node leave through its own NIC (8/15 of
+  // its bytes at B) while those for the 7 beside it cross the node's link (7/15 at b).
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all_v, 15000000, 16, 8, hw),
+                   8e6 / B + 15 * A);
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all, 15000000, 16, 8, hw),
+                   8e6 / B + 15 * A);
+  // Alone on its node, every share goes through the NIC: as a ring over one NIC.
+  EXPECT_DOUBLE_EQ(collective_seconds(CollectiveKind::all_to_all_v, sent, 8, 1, hw),
+                   collective_seconds(CollectiveKind::all_gather, sent, 8, 1, hw));
 }
 
 TEST(Hardware, KernelSecondsIsARoofline) {

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <string>
 
 #include "plan/calibrate.hpp"
+#include "plan/expert_load.hpp"
 #include "plan/layout_plan.hpp"
 #include "plan/search.hpp"
 #include "train/config.hpp"
@@ -46,6 +48,9 @@ TEST(PlanSearch, OrdersFittingLayoutsByThroughput) {
     EXPECT_FALSE(seen_unfit) << e.layout << " fits but is listed after one that does not";
     EXPECT_GT(e.step, 0) << e.layout;
     EXPECT_GT(e.peak, 0u) << e.layout;
+    // A model without experts: no ep tried, none named.
+    EXPECT_EQ(e.job.parallelism.ep, 1) << e.layout;
+    EXPECT_EQ(e.layout.find("ep"), std::string::npos) << e.layout;
     if (i > 0 && r.entries[i - 1].fits) {
       EXPECT_GE(r.entries[i - 1].tokens_per_s, e.tokens_per_s) << e.layout;
     }
@@ -229,4 +234,107 @@ TEST(Calibrate, StepGemmShapesAreTheModelsWithTheirSplits) {
   }
   EXPECT_GT(gemms, 0u);
   EXPECT_LT(shapes.size(), gemms * 12 + 1);  // each shape once
+}
+
+namespace {
+
+// The debug job with a mixture of experts of 64 experts of 256 x 256 (top-2) over two layers.
+PlanJob moe_job(int world, std::vector<std::string> overrides = {}) {
+  overrides.push_back("--model.config=" + source_dir() + "/tests/plan/moe_many_experts.json");
+  return debug_job(world, overrides);
+}
+
+uint64_t group_bytes(const RankPlan& p, const std::string& name) {
+  for (const GroupTraffic& g : p.groups)
+    if (g.name == name) return g.bytes();
+  ADD_FAILURE() << "no group " << name << " in the plan of rank " << p.rank;
+  return 0;
+}
+
+}  // namespace
+
+// A mixture of experts: every ep dividing its experts and dp_shard x cp is tried and named. Here
+// 64 experts of 256 x 256 over 4 ranks and 256 tokens a micro-batch: FSDP's gathers of every
+// expert outweigh the all-to-alls of the routed rows, so the fastest layout shards the experts.
+TEST(PlanSearch, TriesEveryExpertParallelDegree) {
+  const plan::Hardware hw =
+      plan::load_hardware(source_dir() + "/configs/hardware/h100-sxm-80g.toml");
+  const plan::SearchResult r =
+      plan::search_layouts(moe_job(4, {"--training.mixed_precision_param=bfloat16"}), hw, false);
+  ASSERT_FALSE(r.entries.empty());
+  std::set<std::pair<int64_t, int64_t>> planned;  // (cp, ep) of the fitting layouts
+  for (const plan::SearchEntry& e : r.entries) {
+    const auto& p = e.job.parallelism;
+    EXPECT_NE(e.layout.find(str_cat(", ep ", p.ep, ",")), std::string::npos) << e.layout;
+    EXPECT_EQ(64 % p.ep, 0) << e.layout;
+    EXPECT_EQ(p.dp_shard * p.cp % p.ep, 0) << e.layout;
+    if (e.fits && !e.job.training.enable_cpu_offload) planned.insert({p.cp, p.ep});
+  }
+  // tp and pp are refused for experts (for now); cp 1, 2 and 4 each with ep 1, 2 and 4.
+  for (int64_t cp : {1, 2, 4})
+    for (int64_t ep : {1, 2, 4})
+      EXPECT_TRUE(planned.count({cp, ep})) << "cp " << cp << " ep " << ep << " not planned";
+  const plan::SearchEntry& best = r.entries.front();
+  ASSERT_TRUE(best.fits);
+  EXPECT_GT(best.job.parallelism.ep, 1) << best.layout;
+  // The same layout without ep is planned, and slower.
+  std::string without = best.layout;
+  without.replace(without.find(", ep "), str_cat(", ep ", best.job.parallelism.ep).size(),
+                  ", ep 1");
+  const auto it = std::find_if(r.entries.begin(), r.entries.end(),
+                               [&](const plan::SearchEntry& e) { return e.layout == without; });
+  ASSERT_NE(it, r.entries.end()) << without;
+  EXPECT_LT(it->tokens_per_s, best.tokens_per_s) << without;
+}
+
+// The most loaded rank's experts (PlanJob::ep_load): its exchange, GEMMs and activations follow
+// the load, up to the worst a dropless router allows (every token's k choices on its experts).
+TEST(PlanExperts, WorstLoadBoundsTheRouting) {
+  const plan::Hardware hw =
+      plan::load_hardware(source_dir() + "/configs/hardware/h100-sxm-80g.toml");
+  const int ep = 4;
+  const PlanJob j = moe_job(
+      ep, {"--parallelism.dp_shard=4", "--parallelism.ep=4",
+           "--training.mixed_precision_param=float32", "--activation_checkpoint.mode=none"});
+  // Top-2 of 16 local experts: both choices of every rank's tokens can land on one rank.
+  EXPECT_DOUBLE_EQ(plan::worst_ep_load(j), 4.0);
+  // Mixtral's 8 experts over ep 8: one expert a rank, so at most one of each token's 2 choices.
+  PlanJob mixtral = debug_job(
+      8, {"--model.config=mixtral-8x7b", "--parallelism.dp_shard=8", "--parallelism.ep=8"});
+  EXPECT_DOUBLE_EQ(plan::worst_ep_load(mixtral), 4.0);
+  mixtral.job.parallelism.ep = 2;
+  EXPECT_DOUBLE_EQ(plan::worst_ep_load(mixtral), 2.0);
+  // Without ep, or without experts, nothing to skew.
+  EXPECT_DOUBLE_EQ(plan::worst_ep_load(moe_job(4, {"--parallelism.dp_shard=4"})), 1.0);
+  EXPECT_FALSE(plan::ep_worst_case(debug_job(1), {0}, hw, false));
+
+  // The ep group's bytes per step: per sparse layer and micro-batch, out with the rows for the
+  // other ranks' experts (N - hot of the N = B T k choices, forward and backward) and back with
+  // the rows the other ranks sent (ep - 1) hot, f32 rows of d = 256 (the counts' all-to-all
+  // aside): the load moves 8 d (ep - 2) (hot_L - hot_1).
+  const int64_t N = 4 * 64 * 2, d = 256, layers = 2;
+  const RankPlan balanced = plan_rank(j, 0);
+  PlanJob twice = j;
+  twice.ep_load = 2;
+  const RankPlan loaded = plan_rank(twice, 0);
+  EXPECT_EQ(group_bytes(loaded, "ep") - group_bytes(balanced, "ep"),
+            uint64_t(8 * d * (ep - 2) * (2 * N / ep - N / ep) * layers));
+  EXPECT_GT(loaded.peak_allocated, balanced.peak_allocated);
+  // The worst case: every row on the planned rank's experts.
+  const std::vector<int> ranks = representative_ranks(plan_layout(j));
+  const auto worst = plan::ep_worst_case(j, ranks, hw, false);
+  ASSERT_TRUE(worst);
+  EXPECT_DOUBLE_EQ(worst->load, 4.0);
+  EXPECT_TRUE(worst->fits);
+  PlanJob all = j;
+  all.ep_load = 4;
+  const RankPlan hot = plan_rank(all, 0);
+  EXPECT_EQ(group_bytes(hot, "ep") - group_bytes(balanced, "ep"),
+            uint64_t(8 * d * (ep - 2) * (N - N / ep) * layers));
+  EXPECT_GT(worst->peak, loaded.peak_allocated);
+  EXPECT_GE(worst->peak, hot.peak_allocated);
+  // The balanced plan is the meta run's own.
+  PlanJob one = j;
+  one.ep_load = 1;
+  EXPECT_EQ(plan_rank(one, 0).peak_allocated, balanced.peak_allocated);
 }

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "distributed/sim_process_group.hpp"
 #include "tests/support/thread_process_group.hpp"
 
 namespace loom {
@@ -82,6 +83,40 @@ TEST(ExpertParallel, RowsReachTheirExpertsAndComeBack) {
       EXPECT_EQ(g.counters().bytes_sent, want) << "rank " << me;
     });
   }
+}
+
+// On meta (the planner) nothing is routed: the exchange takes every rank to send this one what it
+// sends itself, the balanced counts as they come, or under PlannedExpertLoad(L) L x N / ep of
+// every rank's N rows (its own included), the rest over the other ranks' experts.
+TEST(ExpertParallel, PlannedLoadSkewsTheMetaExchange) {
+  const int n = 4, me = 1;
+  const int64_t E = 8, N = 32;
+  dist::SimProcessGroup ep("ep", me, {0, 1, 2, 3}, std::make_shared<dist::SimLog>());
+  const std::vector<int64_t> counts(size_t(E), N / E);
+  auto check = [&](int64_t hot) {
+    const ExpertExchange x = expert_exchange(ep, counts, Device::meta);
+    EXPECT_EQ(x.rows(), n * hot);
+    EXPECT_EQ(x.local_counts, std::vector<int64_t>(2, n * hot / 2));
+    EXPECT_EQ(x.recv_rows, std::vector<int64_t>(size_t(n), hot));
+    EXPECT_EQ(x.send_rows[size_t(me)], hot);
+    EXPECT_EQ(std::accumulate(x.send_rows.begin(), x.send_rows.end(), int64_t(0)), N);
+    EXPECT_EQ(x.to_local.numel(), n * hot);
+  };
+  check(N / n);  // balanced
+  {
+    const PlannedExpertLoad twice(2);
+    check(2 * N / n);
+    {
+      const PlannedExpertLoad all(4);  // every row on this rank's experts
+      check(N);
+      // The rest of each rank's rows spread over the other ranks' experts: none left here.
+      EXPECT_EQ(expert_exchange(ep, counts, Device::meta).send_rows,
+                std::vector<int64_t>({0, N, 0, 0}));
+    }
+    check(2 * N / n);  // the enclosing load again
+  }
+  check(N / n);
+  EXPECT_THROW(PlannedExpertLoad(0.5), Error);
 }
 
 }  // namespace
