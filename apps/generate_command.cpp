@@ -19,6 +19,8 @@
 #include "model/llama.hpp"
 #include "model/llama_inference.hpp"
 #include "model/model_config.hpp"
+#include "model/moe.hpp"
+#include "model/moe_inference.hpp"
 #include "model/safetensors.hpp"
 #include "ops/devices.hpp"
 #include "train/checkpoint.hpp"
@@ -40,7 +42,8 @@ const char* kGenerateUsage =
     "  seed is random (printed on stderr). --dtype bfloat16 runs the GEMMs in bf16.\n"
     "  --device auto (the default) runs on GPU 0 where this loom has the CUDA backend and a GPU\n"
     "  is usable, else on the CPU; the weights, the KV cache (GLA: the state) and the logits stay\n"
-    "  on the device, and only the sampled token's logits come back.\n"
+    "  on the device, and only the sampled token's logits come back. A mixture of experts\n"
+    "  (qwen3_moe, qwen2_moe, mixtral) runs on the CPU (its ops have no CUDA kernels yet).\n"
     "  A loom checkpoint's files are first checked against the checksums it recorded when\n"
     "  saved (--no-verify: not).\n";
 
@@ -159,10 +162,17 @@ fs::path resolve_checkpoint(const fs::path& dir) {
        steps.empty() ? "" : " (the step-* directories found are incomplete)");
 }
 
-// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable; cuda
-// insists, naming what is missing. The GPU is started here.
-Device generate_device(const std::string& name) {
+// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable (and the
+// model's ops have kernels there: a mixture of experts' have none yet); cuda insists, naming what
+// is missing. The GPU is started here.
+Device generate_device(const std::string& name, const ModelConfig& config) {
   if (name == "cpu") return Device::cpu;
+  if (config.is_moe()) {
+    LOOM_CHECK(name == "auto", "--device cuda: model_type \"", config.model_type(),
+               "\" (a mixture of experts) generates on the CPU only for now: its routing ops have "
+               "no CUDA kernels yet (docs/decisions/moe.md); use --device cpu or auto");
+    return Device::cpu;
+  }
   const ops::GpuAvailability g = ops::gpu_availability();
   if (name == "auto" && !g.usable) return Device::cpu;
   LOOM_CHECK(g.usable, "--device cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
@@ -227,24 +237,25 @@ int generate_command(const Args& args) {
              " exceeds the model's ",
              "max_position_embeddings = ", config.max_position_embeddings());
 
-  LOOM_CHECK(!config.is_moe(), "loom generate: model_type \"", config.model_type(),
-             "\" (a mixture of experts) cannot generate yet: its inference path is not built "
-             "(docs/decisions/moe.md)");
   auto t_load = std::chrono::steady_clock::now();
-  const Device device = generate_device(o.device);
+  const Device device = generate_device(o.device, config);
+  // Whole on this process: a checkpoint saved under any layout (expert parallelism's experts are
+  // under their global names) loads into it.
   const std::unique_ptr<Model> model = make_model(config, compute, device);
   model->load_hf(SafetensorsDir(dir.string()));
-  // Llama: a KV cache; the last token drawn is never fed back, so the cache needs one position
-  // less than it holds. GLA: the recurrent state.
-  std::unique_ptr<LlamaInference> llama;
+  // Llama and the mixtures of experts: a KV cache; the last token drawn is never fed back, so the
+  // cache needs one position less than it holds. GLA: the recurrent state.
+  const int64_t cache_len = n_prompt + std::max<int64_t>(o.max_tokens - 1, 0);
+  std::unique_ptr<KvCacheDecoder> cached;
   std::unique_ptr<GlaInference> gla;
   if (config.is_gla())
     gla = std::make_unique<GlaInference>(static_cast<GlaModel&>(*model));
+  else if (config.is_moe())
+    cached = std::make_unique<MoeInference>(static_cast<MoeModel&>(*model), cache_len);
   else
-    llama = std::make_unique<LlamaInference>(static_cast<LlamaModel&>(*model),
-                                             n_prompt + std::max<int64_t>(o.max_tokens - 1, 0));
+    cached = std::make_unique<LlamaInference>(static_cast<LlamaModel&>(*model), cache_len);
   auto feed = [&](const int32_t* tokens, int64_t n) {
-    return gla ? gla->forward(tokens, n) : llama->forward(tokens, n);
+    return gla ? gla->forward(tokens, n) : cached->forward(tokens, n);
   };
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();

@@ -24,7 +24,7 @@ enum class BufferPurpose {
   row_out_rs,      // SP: this rank's rows of that sum (a reduce-scatter of row_out)
   ag_dy,           // SP: an output gradient's rows of every tp rank, all-gathered (the backward
                    // of row-parallel linear and of the vocab-parallel embedding)
-  norm_grad,       // SP: a replicated norm's weight gradient, summed over tp
+  norm_grad,       // a replicated parameter's gradient (a norm's, a router's), summed over tp
   gla_gnorm_grad,  // GLA's gated head norm's weight gradient, summed over tp
   ce_lse_all,      // the vocab-parallel loss: the log-sum-exps of every tp rank [tp, N]
   ce_target,       // the vocab-parallel loss: the target logits [N], summed over tp

@@ -99,8 +99,12 @@ void Attention::qk_norm_backward(ParamUnit& unit, Tensor& dqkv, AttentionActs& a
     Tensor view = dqkv.narrow(1, col, heads * hd);
     ops::copy_rows(view, dy);
     ops::copy_rows(a.qk.narrow(1, col, heads * hd), raw);
-    ops::gated_rmsnorm_backward(dy, raw, Tensor(), P[w].value, a.qk_rstd.narrow(0, row, M * heads),
-                                heads, dx, none, P[w].grad);
+    // The norm's weight is replicated while each tp rank holds its heads: a partial gradient.
+    tp_summed_weight_grad(par.tp, P[w].grad, [&](const ops::WeightGrad& dw) {
+      Tensor g = dw.t;
+      ops::gated_rmsnorm_backward(dy, raw, Tensor(), P[w].value,
+                                  a.qk_rstd.narrow(0, row, M * heads), heads, dx, none, g);
+    });
     ops::copy_rows(dx, view);
     col += heads * hd;
     row += M * heads;

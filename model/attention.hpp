@@ -66,6 +66,12 @@ struct Attention {
   // The norms, GEMMs and SwiGLU write the compute dtype themselves (no f32 copies).
   static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
 
+  // On the f32 output of the q/k/v GEMM [M, (Hq + 2 Hkv) hd], in place (public: the inference
+  // path runs them on its chunk): the q, k and v biases added to their columns; Qwen3's q/k norms
+  // (their inputs saved into `a`).
+  void add_biases(const ParamUnit& unit, Tensor& qkv) const;
+  void qk_norm_forward(const ParamUnit& unit, Tensor& qkv, AttentionActs& a) const;
+
  private:
   int64_t nqkv() const { return (Hq + 2 * Hkv) * hd; }
   void attend(const StepContext& ctx, Tensor& qkv, AttentionActs& a) const;
@@ -74,9 +80,7 @@ struct Attention {
   // Whether the bf16 kernels leave dq and dk rotated as the forward's (the caller rotates them
   // back as it rounds dqkv for the GEMM).
   bool unrotated_dqkv(const StepContext& ctx) const;
-  void qk_norm_forward(const ParamUnit& unit, Tensor& qkv, AttentionActs& a) const;
-  // The biases added to the GEMM's q, k and v columns; their gradients from dqkv's.
-  void add_biases(const ParamUnit& unit, Tensor& qkv) const;
+  // The biases' gradients from dqkv's.
   void bias_grads(ParamUnit& unit, const Tensor& dqkv) const;
   void qk_norm_backward(ParamUnit& unit, Tensor& dqkv, AttentionActs& a) const;
 };

@@ -30,6 +30,10 @@ struct VocabSpecs {
 };
 VocabSpecs llama_vocab_specs(std::span<const PlanEntry> plan, int64_t vocab, int64_t d, bool tied,
                              int tp_rank, int tp);
+// The first vocabulary row of this tp rank's part of a vocabulary-parallel embedding (or head).
+inline int64_t vocab_begin(int64_t vocab, int tp_rank, int tp) {
+  return int64_t(tp_rank) * local_vocab(vocab, tp);
+}
 
 // Whether the plan splits the output projection's weight `name` by vocabulary rows over tp (the
 // loss parallel: column-parallel) rather than keeping it whole on every rank (replicated); a

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/head.hpp"
 #include "model/llama_block.hpp"
 #include "model/llama_config.hpp"
 #include "model/llama_plan.hpp"
@@ -58,8 +59,9 @@ class LlamaModel final : public Model {
   Tensor block_forward(ActivationStore& s, size_t block, const Tensor& x) override;
   void block_backward(ActivationStore& s, size_t block, Tensor& dy) override;
   Tensor head_forward_backward(ActivationStore& s) override;
-  int64_t vocab_rows() const { return local_vocab(config_.vocab_size, tp().size()); }
-  int64_t vocab_begin() const { return int64_t(tp().rank()) * vocab_rows(); }
+  int64_t vocab_begin() const {
+    return loom::vocab_begin(config_.vocab_size, tp().rank(), tp().size());
+  }
 
   LlamaConfig config_;
   std::vector<std::unique_ptr<LlamaBlock>> blocks_;

@@ -1,51 +1,26 @@
 #pragma once
-// Generation with a KV cache: runs the weights of a LlamaModel (read in place, never copied)
-// forward only. The prompt goes through in one pass (prefill), then one token at a time; each
-// layer keeps the keys (after RoPE) and values of every position so far, so a new token costs
-// one pass over the weights plus attention over the cache.
+// Generation with a KV cache for a LlamaModel (model/kv_cache.hpp: the prompt in one pass, then
+// one token at a time, each layer's keys and values cached), and the sampler that draws the
+// tokens from the logits.
 #include <cstdint>
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/kv_cache.hpp"
 #include "model/llama.hpp"
 
 namespace loom {
 
-class LlamaInference {
+class LlamaInference final : public KvCacheDecoder {
  public:
   // A cache of `max_len` positions (at most the model's max_position_embeddings) for batch 1.
   // The model must outlive this object; its weights are read at every forward.
   LlamaInference(LlamaModel& model, int64_t max_len);
 
-  int64_t length() const { return len_; }  // positions in the cache
-  int64_t max_len() const { return max_len_; }
-  void reset() { len_ = 0; }  // forget the sequence (the cache is overwritten from position 0)
-
-  // Appends `n` tokens at positions [length(), length() + n) and returns the logits [V] of the
-  // last one, or with all_logits the logits [n, V] of every new position, on the model's device
-  // (cpu or cuda: the cache and every buffer live there). The result is a view of an internal
-  // buffer, valid until the next call.
-  Tensor forward(const int32_t* tokens, int64_t n, bool all_logits = false);
-
  private:
-  struct Layer {
-    const ParamUnit* unit;
-    Tensor k, v;  // [max_len, Hkv, hd]
-  };
-  // A GEMM input in the compute dtype: `x` itself in f32, else its rounding into `scratch`.
-  Tensor gemm_input(const Tensor& x, Tensor& scratch) const;
-  Tensor f32(const Shape& s) const;  // on the model's device
+  void run_layers(Tensor& x) override;
 
   const LlamaConfig& c_;
-  DType compute_;
-  Device device_;
-  int64_t max_len_, len_ = 0;
-  const ParamUnit* embed_;
-  const ParamUnit* head_;
-  std::vector<Layer> layers_;
-  RopeTable rope_;
-  std::vector<int32_t> positions_;
-  Tensor logits_;
 };
 
 // Draws tokens from logits: temperature 0 is argmax; otherwise softmax(logits / temperature)

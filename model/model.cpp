@@ -71,7 +71,8 @@ void Model::load_units(const SafetensorsDir& dir,
       for (auto& p : u->params()) {
         if (absent(p.spec.name))
           std::fill_n(base + p.offset, shape_numel(p.spec.shape), 0.0f);
-        else if (p.spec.split == TpSplit::none || p.spec.tp_count == 1)
+        else if (p.spec.split == TpSplit::none || p.spec.split == TpSplit::experts ||
+                 p.spec.tp_count == 1)
           dir.read_f32(p.spec.name, p.spec.shape, base + p.offset);
         else
           read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape), base + p.offset);

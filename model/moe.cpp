@@ -31,6 +31,35 @@ std::vector<bool> refuse_pp(const MoeConfig& c, std::vector<bool> used) {
   return used;
 }
 
+// Tensor parallelism splits the heads, a dense layer's and a shared expert's ffn and the experts
+// (whole, E / (ep x tp) per rank); the router and the experts read every row of the tp group,
+// gathered from the ranks' rows: sequence parallelism is required.
+void check_tp(const MoeConfig& c, const TpOptions& tp, int ep) {
+  const int n = tp.size();
+  if (n == 1) return;
+  LOOM_CHECK(tp.sequence_parallel,
+             "parallelism.tp_sequence_parallel = false: a mixture-of-experts model (",
+             c.model_type(),
+             ") runs tensor parallelism with sequence parallelism (each tp rank normalizes its "
+             "rows; the router and the experts read them gathered); expected true");
+  const LlamaConfig& b = c.base;
+  std::vector<std::pair<const char*, int64_t>> split{
+      {"num_attention_heads", b.num_attention_heads},
+      {"num_key_value_heads", b.num_key_value_heads}};
+  if (c.num_sparse_layers() < b.num_hidden_layers)
+    split.push_back({"intermediate_size", b.intermediate_size});
+  if (c.shared_expert_intermediate_size > 0)
+    split.push_back({"shared_expert_intermediate_size", c.shared_expert_intermediate_size});
+  for (auto [what, v] : split)
+    LOOM_CHECK(v % n == 0, "tensor parallelism: model ", what, " = ", v,
+               " is not divisible by parallelism.tp = ", n, " (every tp rank holds ", what,
+               " / tp)");
+  LOOM_CHECK(c.num_experts % (int64_t(ep) * n) == 0, "parallelism.ep x parallelism.tp = ", ep,
+             " x ", n, ": expected a divisor of the model's ", c.num_experts, " experts (",
+             c.family == MoeConfig::Family::mixtral ? "num_local_experts" : "num_experts",
+             "): each tp rank of an ep rank computes E / (ep x tp) of them");
+}
+
 std::vector<int64_t> sparse_layers(const MoeConfig& c) {
   std::vector<int64_t> out;
   for (int64_t l = 0; l < c.base.num_hidden_layers; ++l)
@@ -55,13 +84,11 @@ MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardL
   config_.validate("model config");
   const LlamaConfig& c = config_.base;
   const int n = tp.size(), r = tp.rank();
-  LOOM_CHECK(n == 1, "parallelism.tp: a mixture-of-experts model (", config_.model_type(),
-             ") runs without tensor parallelism for now (expected parallelism.tp = 1, found ", n,
-             ")");
   LOOM_CHECK(config_.num_experts % ep.size() == 0, "parallelism.ep = ", ep.size(),
              ": expected a divisor of the model's ", config_.num_experts, " experts (",
              config_.family == MoeConfig::Family::mixtral ? "num_local_experts" : "num_experts",
              "): each ep rank holds E / ep of them");
+  check_tp(config_, tp, ep.size());
   const bool bf = compute == DType::bf16;
   const VocabSpecs vs =
       llama_vocab_specs(moe_plan(), c.vocab_size, c.hidden_size, c.tie_word_embeddings, r, n);
@@ -122,8 +149,8 @@ bool MoeModel::expert_unit(size_t unit) const {
 
 std::vector<std::string> MoeModel::held_elsewhere() const {
   std::vector<std::string> out;
-  if (!par().ep.group) return out;
-  const int64_t El = config_.num_experts / par().ep.size(), first = par().ep.rank() * El;
+  const int64_t El = local_experts(config_, par()), first = first_expert(config_, par());
+  if (El == config_.num_experts) return out;
   using M = MoeConfig::ExpertMatrix;
   for (int64_t l = 0; l < config_.base.num_hidden_layers; ++l) {
     if (!config_.sparse(l)) continue;
@@ -206,12 +233,12 @@ void MoeModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
 Tensor MoeModel::embedding_forward(ActivationStore& s) {
   Tensor x = Tensor::empty({residual_rows(s.ctx), config_.base.hidden_size}, DType::f32, device_);
   vocab_parallel_embedding_forward(par().tp, s.inputs, s.ctx.tokens(),
-                                   embed_unit().params()[0].value, 0, x);
+                                   embed_unit().params()[0].value, vocab_first(), x);
   return x;
 }
 
 void MoeModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
-  vocab_parallel_embedding_backward(par().tp, s.inputs, s.ctx.tokens(), dx, 0,
+  vocab_parallel_embedding_backward(par().tp, s.inputs, s.ctx.tokens(), dx, vocab_first(),
                                     embed_unit().params()[0].grad);
 }
 

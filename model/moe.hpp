@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "model/head.hpp"
 #include "model/model.hpp"
 #include "model/moe_balance.hpp"
 #include "model/moe_block.hpp"
@@ -28,6 +29,10 @@ class MoeModel final : public Model {
            std::vector<bool> used = {}, EpOptions ep = {});
 
   const MoeConfig& config() const { return config_; }
+  // Layer l's attention block, and its experts block (null in a dense layer): the inference path
+  // runs their branches (model/moe_inference.hpp).
+  MoeAttentionBlock& attention_block(int64_t l) { return *attention_[size_t(l)]; }
+  MoeExpertsBlock* experts_block(int64_t l) { return experts_[size_t(l)].get(); }
 
   const char* model_type() const override { return config_.model_type(); }
   std::string config_json() const override { return config_.to_json(); }
@@ -58,6 +63,9 @@ class MoeModel final : public Model {
 
  private:
   const RopeTable& rope_for(int64_t T);
+  int64_t vocab_first() const {
+    return vocab_begin(config_.base.vocab_size, par().tp.opt.rank(), par().tp.opt.size());
+  }
   void prepare(ActivationStore& s, int64_t span) override;
   void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) override;
   Tensor embedding_forward(ActivationStore& s) override;

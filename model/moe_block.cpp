@@ -12,9 +12,18 @@ namespace loom {
 
 namespace {
 
-// Each parameter split as the plan says (on one tp rank: the style only; the model refuses tp > 1).
-std::vector<ParamSpec> with_plan(std::vector<ParamSpec> specs) {
-  for (ParamSpec& s : specs) s.split = split_of(moe_plan(), s.name);
+// Each parameter split as the plan says, `specs` holding the whole tensors' shapes: this tp rank's
+// rows (column-parallel) or columns (row-parallel); the experts are whole (the caller builds this
+// rank's).
+std::vector<ParamSpec> with_plan(std::vector<ParamSpec> specs, const TpRuntime& tp) {
+  const int n = tp.on() ? tp.opt.size() : 1;
+  for (ParamSpec& s : specs) {
+    s.split = split_of(moe_plan(), s.name);
+    s.tp_rank = tp.on() ? tp.opt.rank() : 0;
+    s.tp_count = n;
+    if (s.split == TpSplit::rows) s.shape[0] /= n;
+    if (s.split == TpSplit::cols) s.shape[1] /= n;
+  }
   return specs;
 }
 
@@ -39,7 +48,8 @@ ParamSpec gemm_spec(std::string name, int64_t rows, int64_t cols, float std) {
 
 // The attention block's parameters, in the unit's order: the attention's, post_attention_layernorm,
 // then the dense MLP's or the router.
-std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool sparse) {
+std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool sparse,
+                                       const TpRuntime& tp) {
   const std::string p = layer_prefix(layer);
   const LlamaConfig& b = c.base;
   const int64_t d = b.hidden_size, hd = c.head_dim;
@@ -79,15 +89,15 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
       specs.push_back(ParamSpec{
           m + "gate.e_score_correction_bias", {c.num_experts}, Init::normal, 0.0f, false, true});
   }
-  return with_plan(std::move(specs));
+  return with_plan(std::move(specs), tp);
 }
 
 // The experts' parameters: expert by expert its gate and up (adjacent: one fused GEMM matrix),
 // then every expert's down. An expert that gets no token writes no gradient: the experts'
 // gradients are zeroed each step and their GEMMs add (ParamSpec::gemm_grad false).
 // Experts [first, first + count) (their global indices in the names).
-std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first,
-                                    int64_t count) {
+std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t first, int64_t count,
+                                    const TpRuntime& tp) {
   using M = MoeConfig::ExpertMatrix;
   const int64_t d = c.base.hidden_size, F = c.moe_intermediate_size;
   auto expert = [&](int64_t e, M m, int64_t rows, int64_t cols, float std) {
@@ -102,10 +112,23 @@ std::vector<ParamSpec> expert_specs(const MoeConfig& c, int64_t layer, int64_t f
   }
   for (int64_t e = first; e < first + count; ++e)
     specs.push_back(expert(e, M::down, d, F, out_std(c)));
-  return with_plan(std::move(specs));
+  return with_plan(std::move(specs), tp);
 }
 
 }  // namespace
+
+int tp_size(const ParallelContext& par) {
+  return par.tp.on() ? par.tp.opt.size() : 1;
+}
+
+int64_t local_experts(const MoeConfig& c, const ParallelContext& par) {
+  return c.num_experts / par.ep.size() / tp_size(par);
+}
+
+int64_t first_expert(const MoeConfig& c, const ParallelContext& par) {
+  const int64_t block = c.num_experts / par.ep.size();
+  return par.ep.rank() * block + (par.tp.on() ? par.tp.opt.rank() : 0) * local_experts(c, par);
+}
 
 MoeAttentionBlock::MoeAttentionBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
                                      ShardLayout shard, const ParallelContext* par)
@@ -113,8 +136,8 @@ MoeAttentionBlock::MoeAttentionBlock(const MoeConfig& c, int64_t layer, bool bf1
       par_(par ? par : &no_parallelism()),
       sparse_(c.sparse(layer)),
       norm2_(5 + (c.qk_norm() ? 2 : 0) + (c.qkv_bias() ? 3 : 0)),
-      unit_("layers." + std::to_string(layer), attention_specs(c, layer, sparse_), bf16, device,
-            shard) {}
+      unit_("layers." + std::to_string(layer), attention_specs(c, layer, sparse_, par_->tp), bf16,
+            device, shard) {}
 
 Attention MoeAttentionBlock::attention(const StepContext& ctx) const {
   return Attention::of(*par_, ctx, 0, 1, 4, c_.qk_norm() ? 5 : Attention::kNone,
@@ -127,19 +150,23 @@ Mlp MoeAttentionBlock::mlp(const StepContext& ctx) const {
   const Attention at = attention(ctx);
   return {par_->tp,   norm2_,      norm2_ + 1,
           norm2_ + 3, kPrecision,  at.M,
-          at.Mx,      at.d,        c_.base.intermediate_size,
+          at.Mx,      at.d,        c_.base.intermediate_size / tp_size(*par_),
           at.eps,     ctx.compute, at.keep_gathered};
 }
 
 MoeRouter MoeAttentionBlock::router(const StepContext& ctx) const {
-  return {.norm = norm2_,
+  const Attention at = attention(ctx);
+  return {.tp = par_->tp,
+          .norm = norm2_,
           .router = norm2_ + 1,
           .shared = c_.shared_expert_intermediate_size > 0 ? norm2_ + 2 : MoeRouter::kNone,
-          .shared_ffn = c_.shared_expert_intermediate_size,
-          .M = ctx.tokens(),
+          .shared_ffn = c_.shared_expert_intermediate_size / tp_size(*par_),
+          .M = at.M,
+          .Mx = at.Mx,
           .d = c_.base.hidden_size,
           .E = c_.num_experts,
           .k = c_.num_experts_per_tok,
+          .ep = par_->ep.size(),
           .renormalize = c_.norm_topk_prob,
           .capacity = expert_capacity(c_.training.capacity_factor, ctx.tokens() * par_->cp.size(),
                                       c_.num_experts_per_tok, c_.num_experts),
@@ -206,13 +233,15 @@ MoeExpertsBlock::MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, D
     : c_(c),
       par_(par ? par : &no_parallelism()),
       unit_("layers." + std::to_string(layer) + ".experts",
-            expert_specs(c, layer, par_->ep.rank() * (c.num_experts / par_->ep.size()),
-                         c.num_experts / par_->ep.size()),
-            bf16, device, par_->ep.group ? par_->ep.shard : shard) {}
+            expert_specs(c, layer, first_expert(c, *par_), local_experts(c, *par_), par_->tp), bf16,
+            device, par_->ep.group ? par_->ep.shard : shard) {}
 
 MoeExperts MoeExpertsBlock::experts(const StepContext& ctx) const {
+  const int64_t M = ctx.tokens();
   return {.ep = par_->ep.group,
-          .M = ctx.tokens(),
+          .tp = par_->tp,
+          .M = M,
+          .Mx = par_->tp.sp() ? M / tp_size(*par_) : M,
           .d = c_.base.hidden_size,
           .E = c_.num_experts,
           .k = c_.num_experts_per_tok,

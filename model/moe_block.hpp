@@ -24,6 +24,13 @@
 
 namespace loom {
 
+// The tp ranks a layer splits over (1 without tensor parallelism).
+int tp_size(const ParallelContext& par);
+// The experts each rank holds and computes, E / (ep x tp), and the first one's global index: ep
+// rank j holds experts [j E/ep, (j + 1) E/ep), divided over its tp ranks in rank order.
+int64_t local_experts(const MoeConfig& c, const ParallelContext& par);
+int64_t first_expert(const MoeConfig& c, const ParallelContext& par);
+
 // Saved activations of an attention block.
 struct MoeAttentionActs {
   AttentionActs attn;
@@ -55,13 +62,16 @@ class MoeAttentionBlock {
 
   static constexpr BranchPrecision kPrecision = BranchPrecision::rounded_outputs;
 
+  // The branches on a micro-batch of `ctx` (public: the inference path runs them too, on its
+  // chunk of tokens).
+  Attention attention(const StepContext& ctx) const;
+  Mlp mlp(const StepContext& ctx) const;
+  MoeRouter router(const StepContext& ctx) const;
+
  private:
   Tensor run_forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,
                      ActivationCheckpoint::Mode mode, bool output, RouterStats* stats,
                      bool round_input = false) const;
-  Attention attention(const StepContext& ctx) const;
-  Mlp mlp(const StepContext& ctx) const;
-  MoeRouter router(const StepContext& ctx) const;
 
   const MoeConfig& c_;
   const ParallelContext* par_;
@@ -74,7 +84,7 @@ class MoeAttentionBlock {
 class MoeExpertsBlock {
  public:
   // With expert parallelism (par->ep) the unit holds this ep rank's E / ep experts (their global
-  // names), sharded by par->ep.shard.
+  // names), sharded by par->ep.shard; under tp this tp rank's slice of them (first_expert).
   MoeExpertsBlock(const MoeConfig& c, int64_t layer, bool bf16, Device device,
                   ShardLayout shard = {}, const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }
@@ -87,10 +97,10 @@ class MoeExpertsBlock {
   // `acts`.
   void backward(const StepContext& ctx, const Tensor& dy, MoeRouting& routing,
                 MoeExpertsActs& acts);
-
- private:
+  // The experts' branch on a micro-batch of `ctx` (public: the inference path runs it too).
   MoeExperts experts(const StepContext& ctx) const;
 
+ private:
   const MoeConfig& c_;
   const ParallelContext* par_;
   ParamUnit unit_;

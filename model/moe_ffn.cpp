@@ -24,7 +24,7 @@ size_t bytes_of(std::initializer_list<const Tensor*> ts) {
 
 size_t MoeRouting::bytes() const {
   return bytes_of({&h, &rstd, &xn, &probs, &experts, &weights, &perm.order, &perm.pos, &shared_gu,
-                   &shared_act, &shared_y, &shared_z, &dxn, &dweights});
+                   &shared_act, &shared_y, &shared_z, &dxn, &dweights, &dy_all});
 }
 
 size_t MoeExpertsActs::bytes() const {
@@ -33,9 +33,16 @@ size_t MoeExpertsActs::bytes() const {
 
 void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats) const {
   const Device dev = r.h.device();
-  r.rstd = f32({M}, dev);
-  r.xn = Tensor::empty({M, d}, compute, dev);
+  r.rstd = f32({Mx}, dev);
+  r.xn = Tensor::empty({Mx, d}, compute, dev);
   ops::rmsnorm_forward(r.h, unit.params()[norm].value, eps, r.xn, r.rstd);
+  if (tp.on()) {
+    // Every row of the tp group, kept for the backward (the router, the experts and a shared
+    // expert read it).
+    Tensor mine = std::move(r.xn);
+    r.xn = Tensor::empty({M, d}, compute, dev);
+    tp_gather_rows(tp, mine, r.xn);
+  }
   // The router, in f32 from the GEMM on.
   r.probs = f32({M, E}, dev);
   ops::linear(r.xn, unit.gemm_weight(router), r.probs);
@@ -46,7 +53,13 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
                  r.probs, r.experts, r.weights, prob_sum);
   r.perm = permute(r.experts);
   if (shared != kNone) shared_forward(unit, r);
-  if (!ops::computes(dev)) return;  // nothing to count on meta: the planner prices the balance
+  // Nothing to count on meta: the planner prices the balance.
+  if (ops::computes(dev)) count(r, prob_sum, stats);
+  if (tp.on()) r.perm = tp_expert_slice(r.perm, ep, tp.opt.size(), tp.opt.rank());
+}
+
+// Under tp every rank counts the same rows (every row of the tp group).
+void MoeRouter::count(const MoeRouting& r, const Tensor& prob_sum, RouterStats& stats) const {
   const Tensor ps = prob_sum.on_host();
   if (stats.counts.empty()) {
     stats.counts.assign(size_t(E), 0);
@@ -89,14 +102,17 @@ void MoeRouter::shared_forward(const ParamUnit& unit, MoeRouting& r) const {
   ops::linear(r.xn, unit.gemm_weight(shared + 3), r.shared_z);
 }
 
+// dy: every row's. Under tp the gate's logit gradient is this rank's part (its part of the shared
+// expert's output), and so the gate's weight gradient.
 void MoeRouter::shared_backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r) const {
   const Device dev = dy.device();
   Tensor dys = Tensor::empty({M, d}, compute, dev), dz = f32({M, 1}, dev);
   ops::sigmoid_gate_backward(dy, r.shared_z, r.shared_y, dys, dz);
   r.shared_y = Tensor();
   Tensor dx = f32({M, d}, dev);
-  ops::linear_backward(in_compute(dz, compute), r.xn, unit.gemm_weight(shared + 3),
-                       unit.weight_grad(shared + 3), dx);
+  tp_summed_weight_grad(tp, unit.weight_grad(shared + 3), [&](const ops::WeightGrad& dw) {
+    ops::linear_backward(in_compute(dz, compute), r.xn, unit.gemm_weight(shared + 3), dw, dx);
+  });
   ops::add_inplace(r.dxn, dx);
   r.shared_z = Tensor();
   {
@@ -116,24 +132,33 @@ void MoeRouter::backward(ParamUnit& unit, Tensor& dy, MoeRouting& r,
                          const RouterStats& stats) const {
   const Device dev = dy.device();
   auto& P = unit.params();
-  if (shared != kNone) shared_backward(unit, dy, r);
+  if (shared != kNone) shared_backward(unit, tp.on() ? r.dy_all : dy, r);
+  r.dy_all = Tensor();
   // Through the weights' renormalization and the softmax, the auxiliary loss's gradient added per
-  // probability, then the router's GEMM; its input gradient joins the experts'.
-  ops::moe_route_backward(r.probs, r.experts, r.weights, r.dweights, renormalize, stats.dprob,
-                          r.probs);
+  // probability, then the router's GEMM; its input gradient joins the experts'. Under tp every
+  // rank routed the same rows and the gradients of xn are summed over tp: one rank adds the
+  // auxiliary loss's, and the router's weight gradient is each rank's part (its experts').
+  const bool aux_here = !tp.on() || tp.opt.rank() == 0;
+  ops::moe_route_backward(r.probs, r.experts, r.weights, r.dweights, renormalize,
+                          aux_here ? stats.dprob : Tensor(), r.probs);
   r.dweights = Tensor();
   Tensor dx = f32({M, d}, dev);
-  ops::linear_backward(in_compute(r.probs, compute), r.xn, unit.gemm_weight(router),
-                       unit.weight_grad(router), dx);
+  tp_summed_weight_grad(tp, unit.weight_grad(router), [&](const ops::WeightGrad& dw) {
+    ops::linear_backward(in_compute(r.probs, compute), r.xn, unit.gemm_weight(router), dw, dx);
+  });
   r.probs = Tensor();
   ops::add_inplace(r.dxn, dx);
   dx = Tensor();
-  ops::rmsnorm_backward(r.dxn, r.h, P[norm].value, r.rstd, dy, P[norm].grad);
+  // Under tp: this rank's rows of the sum over tp.
+  const Tensor dxn = tp.on() ? tp_sum_partial(tp, r.dxn) : r.dxn;
+  tp_summed_norm_grad(tp, P[norm].grad, [&](Tensor& g) {
+    ops::rmsnorm_backward(dxn, r.h, P[norm].value, r.rstd, dy, g);
+  });
   r = MoeRouting();
 }
 
 int64_t MoeExperts::local() const {
-  return ep ? E / ep->size() : E;
+  return E / (ep ? ep->size() : 1) / (tp.on() ? tp.opt.size() : 1);
 }
 
 // Each local expert's GEMM weight: parameter first + e * step of the unit.
@@ -167,10 +192,14 @@ Tensor MoeExperts::forward(const ParamUnit& unit, const MoeRouting& r, MoeExpert
   ops::grouped_linear(a.act, weights(unit, 2 * size_t(local()), 1), counts, a.ys);
   if (ep) a.ys = expert_combine(*ep, a.exchange, a.ys);
   if (!output) return Tensor();
-  Tensor y = f32({M, d}, dev);
+  Tensor y = f32({Mx, d}, dev);
   ops::copy(r.h, y);
-  if (r.shared_z.defined()) ops::sigmoid_gate_forward(r.shared_z, r.shared_y, y);
-  ops::moe_combine(a.ys, r.weights, r.perm.pos, y);
+  // Under tp this rank's part of every row's branch, then its rows of the sum over tp.
+  Tensor branch = y;
+  if (tp.on()) branch = Tensor::zeros({M, d}, DType::f32, dev);
+  if (r.shared_z.defined()) ops::sigmoid_gate_forward(r.shared_z, r.shared_y, branch);
+  ops::moe_combine(a.ys, r.weights, r.perm.pos, branch);
+  if (tp.on()) ops::add_inplace(y, tp_sum_partial(tp, branch));
   return y;
 }
 
@@ -182,9 +211,14 @@ void MoeExperts::backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r,
   std::span<const int64_t> counts = ep ? std::span<const int64_t>(a.exchange.local_counts)
                                        : std::span<const int64_t>(r.perm.counts);
   r.dweights = f32({M, k}, dev);
+  if (tp.on()) {
+    r.dy_all = f32({M, d}, dev);
+    tp_gather_rows(tp, dy, r.dy_all);
+  }
   {
     Tensor dys = Tensor::empty({N, d}, compute, dev);
-    ops::moe_combine_backward(dy, a.ys, r.weights, r.perm.pos, dys, r.dweights);
+    ops::moe_combine_backward(tp.on() ? r.dy_all : dy, a.ys, r.weights, r.perm.pos, dys,
+                              r.dweights);
     a.ys = Tensor();
     if (ep) dys = expert_dispatch(*ep, a.exchange, dys);
     Tensor dact = f32({dys.size(0), F}, dev);

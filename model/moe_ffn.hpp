@@ -8,6 +8,10 @@
 // GEMMs, ops::grouped_linear, combined back by weight). Dropless unless a capacity is given. What
 // the router decided travels to the experts in MoeRouting, and the gradients back the same way.
 // The router's statistics feed the auxiliary load-balancing loss (docs/decisions/moe.md).
+// Under tensor parallelism (with SP) the norm runs on this rank's rows, its output is gathered,
+// every tp rank routes every row of its tp group and computes its slice of the experts (and of a
+// shared expert, split as Llama's MLP); the branch's partial outputs are reduce-scattered back to
+// each rank's rows (Megatron's all-gather token dispatcher; docs/decisions/moe.md).
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -44,9 +48,9 @@ struct RouterStats {
 // One sparse layer's routing of a micro-batch: what the router saves for its backward and hands
 // to the experts, and what the experts' backward hands back.
 struct MoeRouting {
-  Tensor h;        // the branch's input, the residual stream after attention [M, d] (f32)
-  Tensor rstd;     // the norm's [M]
-  Tensor xn;       // the norm output, as the GEMMs read it [M, d]
+  Tensor h;        // the branch's input, the residual stream after attention [Mx, d] (f32)
+  Tensor rstd;     // the norm's [Mx]
+  Tensor xn;       // the norm output, as the GEMMs read it, every row of the tp group [M, d]
   Tensor probs;    // the router's softmax [M, E] f32
   Tensor experts;  // [M, k] i32
   Tensor weights;  // [M, k] f32
@@ -56,8 +60,9 @@ struct MoeRouting {
   // output).
   Tensor shared_gu, shared_act, shared_y, shared_z;
   // Set by the experts' backward for the router's: d(xn) through the experts [M, d] f32, and
-  // d(weights) [M, k] f32.
-  Tensor dxn, dweights;
+  // d(weights) [M, k] f32 (under tp: this rank's parts, summed over tp later), and under tp the
+  // gradient w.r.t. the block's output, every row [M, d] f32.
+  Tensor dxn, dweights, dy_all;
   size_t bytes() const;
 };
 
@@ -65,10 +70,14 @@ struct MoeRouting {
 // expert: its gate and up (one fused matrix), its down, and its gate, adjacent from `shared`).
 struct MoeRouter {
   static constexpr size_t kNone = size_t(-1);
+  const TpRuntime& tp;
   size_t norm, router;
   size_t shared = kNone;
-  int64_t shared_ffn = 0;
-  int64_t M, d, E, k;  // rows, hidden size, experts, choices per token
+  int64_t shared_ffn = 0;  // this tp rank's part of the shared expert's
+  // Rows routed (every row of the tp group), rows of h (M / tp under SP), hidden size, experts,
+  // choices per token, expert-parallel ranks.
+  int64_t M, Mx, d, E, k;
+  int ep;
   bool renormalize;
   // Rows per expert at most in the micro-batch (over the cp ranks: cp_capacities); 0: dropless.
   int64_t capacity;
@@ -78,7 +87,7 @@ struct MoeRouter {
   dist::ProcessGroup* cp = nullptr;  // context parallelism: the micro-batch's other ranks
   const StepContext* ctx = nullptr;  // their positions (a capacity under cp reads them)
 
-  // r.h [M, d] set by the caller: the norm, the router and the grouping into `r`; the router's
+  // r.h [Mx, d] set by the caller: the norm, the router and the grouping into `r`; the router's
   // statistics added to `stats`.
   void forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats) const;
   // After the experts' backward (r.dxn, r.dweights): the shared expert, the router (stats.dprob:
@@ -89,6 +98,7 @@ struct MoeRouter {
  private:
   // The tokens grouped by expert, at most `capacity` rows each over the micro-batch.
   ops::MoePermutation permute(const Tensor& experts) const;
+  void count(const MoeRouting& r, const Tensor& prob_sum, RouterStats& stats) const;
   void shared_forward(const ParamUnit& unit, MoeRouting& r) const;
   void shared_backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r) const;
 };
@@ -107,11 +117,12 @@ struct MoeExpertsActs {
 // parallel/layers/expert_parallel.hpp), local expert e's gate and up (one fused matrix) parameter
 // 2e of its unit, its down parameter 2 El + e.
 struct MoeExperts {
-  dist::ProcessGroup* ep;  // nullptr: no expert parallelism
-  int64_t M, d, E, k, F;   // rows, hidden size, experts (all), choices per token, expert's ffn
+  dist::ProcessGroup* ep;     // nullptr: no expert parallelism
+  const TpRuntime& tp;        // on: this rank computes its slice of the experts (tp_expert_slice)
+  int64_t M, Mx, d, E, k, F;  // as MoeRouter's; F: an expert's ffn
   DType compute;
 
-  // r.h + the branch [M, d] (a new tensor), from the routing; saves into `a`. Without `output` the
+  // r.h + the branch [Mx, d] (a new tensor), from the routing; saves into `a`. Without `output` the
   // combine is skipped (a recomputation for backward) and an empty tensor returned.
   Tensor forward(const ParamUnit& unit, const MoeRouting& r, MoeExpertsActs& a,
                  bool output = true) const;

@@ -36,7 +36,9 @@ enum class Init { normal, ones };
 // How tensor parallelism splits a parameter (docs/design.md decision 5, Megatron): `rows` (column
 // parallel: q, k, v, gate, up; the vocabulary rows of the embedding and the output head) keeps
 // rows [rank R/tp, (rank + 1) R/tp), `cols` (row parallel: o, down) columns [rank C/tp, ...).
-enum class TpSplit { none, rows, cols };
+// `experts`: a mixture of experts' expert matrix, whole, held by one tp rank of each group (the
+// experts are divided over tp: docs/decisions/moe.md), so its name says whose it is.
+enum class TpSplit { none, rows, cols, experts };
 
 struct ParamSpec {
   std::string name;  // global Hugging Face name
@@ -70,7 +72,7 @@ struct ParamSpec {
 template <class Fn>
 void ParamSpec::for_global_runs(int64_t local_begin, int64_t count, Fn&& fn) const {
   const int64_t local_numel = shape_numel(shape);
-  if (split == TpSplit::none || tp_count == 1) {
+  if (split == TpSplit::none || split == TpSplit::experts || tp_count == 1) {
     fn(local_begin, count, local_begin);
   } else if (split == TpSplit::rows) {
     fn(int64_t(tp_rank) * local_numel + local_begin, count, local_begin);

@@ -13,6 +13,8 @@ TpStyle style_of_split(TpSplit s) {
       return TpStyle::column;
     case TpSplit::cols:
       return TpStyle::row;
+    case TpSplit::experts:
+      return TpStyle::experts;
     case TpSplit::none:
       break;
   }
@@ -27,6 +29,8 @@ const char* tp_style_name(TpStyle s) {
       return "column-parallel";
     case TpStyle::row:
       return "row-parallel";
+    case TpStyle::experts:
+      return "experts divided over tp";
     case TpStyle::replicated:
       break;
   }
@@ -70,6 +74,8 @@ TpSplit split_of(std::span<const PlanEntry> plan, const std::string& name) {
       return TpSplit::rows;
     case TpStyle::row:
       return TpSplit::cols;
+    case TpStyle::experts:
+      return TpSplit::experts;
     case TpStyle::replicated:
       break;
   }

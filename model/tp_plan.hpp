@@ -17,6 +17,7 @@ enum class TpStyle {
   column,      // output rows split over tp (ParamSpec TpSplit::rows): q, k, v, gate, up, vocab
   row,         // input columns split over tp (TpSplit::cols): o, down; outputs summed over tp
   replicated,  // whole on every tp rank (TpSplit::none); with SP the gradient is summed over tp
+  experts,     // a mixture of experts' experts divided over tp, each whole (TpSplit::experts)
 };
 const char* tp_style_name(TpStyle s);
 

@@ -15,8 +15,11 @@ namespace loom::ops {
 inline int64_t rows(const Tensor& t) {
   return t.size(0);
 }
+// The elements of a row (a tensor of no rows, an expert that got no token, has them too).
 inline int64_t cols(const Tensor& t) {
-  return t.numel() / t.size(0);
+  int64_t n = 1;
+  for (size_t i = 1; i < t.shape().size(); ++i) n *= t.shape()[i];
+  return n;
 }
 inline int64_t stride(const Tensor& t) {
   return t.ndim() > 1 ? t.strides()[0] : t.numel();

@@ -127,4 +127,44 @@ Tensor expert_combine(dist::ProcessGroup& ep, const ExpertExchange& x, const Ten
   return back;
 }
 
+ops::MoePermutation tp_expert_slice(const ops::MoePermutation& perm, int ep, int tp, int tp_rank) {
+  const int64_t E = int64_t(perm.counts.size());
+  LOOM_CHECK(E % (int64_t(ep) * tp) == 0, "tensor parallelism in a sparse layer: ", E,
+             " experts do not split over ep ", ep, " x tp ", tp);
+  const int64_t block = E / ep, El = block / tp;
+  std::vector<int64_t> start(static_cast<size_t>(E) + 1, 0);  // each expert's first sorted row
+  for (int64_t e = 0; e < E; ++e) start[size_t(e + 1)] = start[size_t(e)] + perm.counts[size_t(e)];
+  ops::MoePermutation out;
+  out.dropped = perm.dropped;
+  // Sorted row ranges [begin, end) of this rank's experts, ep block by ep block.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int j = 0; j < ep; ++j) {
+    const int64_t first = j * block + int64_t(tp_rank) * El;
+    for (int64_t e = first; e < first + El; ++e) out.counts.push_back(perm.counts[size_t(e)]);
+    ranges.push_back({start[size_t(first)], start[size_t(first + El)]});
+  }
+  const Device dev = perm.order.device();
+  const int64_t N = out.rows(), choices = perm.pos.numel();
+  out.order = Tensor::empty({N}, DType::i32, dev);
+  out.pos = Tensor::empty({choices}, DType::i32, dev);
+  if (!ops::computes(dev)) return out;
+  // Built on the host, then moved where the rows are.
+  const Tensor order = perm.order.on_host(), pos = perm.pos.on_host();
+  Tensor o = Tensor::empty({N}, DType::i32), p = Tensor::empty({choices}, DType::i32);
+  std::vector<int32_t> renumber(static_cast<size_t>(perm.rows()), -1);  // sorted row -> mine
+  int32_t at = 0;
+  for (auto [begin, end] : ranges)
+    for (int64_t i = begin; i < end; ++i, ++at) {
+      o.data<int32_t>()[at] = order.data<int32_t>()[i];
+      renumber[size_t(i)] = at;
+    }
+  for (int64_t c = 0; c < choices; ++c) {
+    const int32_t q = pos.data<int32_t>()[c];
+    p.data<int32_t>()[c] = q < 0 ? -1 : renumber[size_t(q)];
+  }
+  ops::copy(o, out.order);
+  ops::copy(p, out.pos);
+  return out;
+}
+
 }  // namespace loom

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "ops/ops.hpp"
 
 namespace loom {
 
@@ -55,5 +56,13 @@ class PlannedExpertLoad {
 Tensor expert_dispatch(dist::ProcessGroup& ep, const ExpertExchange& x, const Tensor& rows);
 // The reverse: rows by local expert [R, W] -> back to where they came from, [sum(send_rows), W].
 Tensor expert_combine(dist::ProcessGroup& ep, const ExpertExchange& x, const Tensor& rows);
+
+// Tensor parallelism inside a sparse layer (docs/decisions/moe.md): every tp rank routes every row
+// of its tp group (gathered) and computes a slice of each ep rank's experts, tp rank t of ep rank
+// j holding experts j E/ep + t E/(ep tp) + [0, E/(ep tp)). `perm` (over all E experts) -> the
+// permutation of the choices this tp rank computes: their rows in the same order (ep block by ep
+// block, expert by expert), counts [E / tp] (each ep block's slice: the exchange then sees E / tp
+// experts), pos -1 (not here: the combine skips them) for the choices of the other tp ranks.
+ops::MoePermutation tp_expert_slice(const ops::MoePermutation& perm, int ep, int tp, int tp_rank);
 
 }  // namespace loom

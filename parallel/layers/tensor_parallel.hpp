@@ -91,6 +91,28 @@ void tp_summed_norm_grad(const TpRuntime& tp, Tensor& grad, Fn&& fn) {
   ops::add_inplace(grad, part);
 }
 
+// A replicated parameter's gradient of which each tp rank computes a part, with or without SP (a
+// head norm's share of this rank's heads, a router's share of this rank's experts): fn(part)
+// writes the rank's part into a zeroed buffer, whose sum over tp is written to dw (added, or
+// copied where dw holds nothing yet). Without tp, fn(dw) directly.
+template <class Fn>
+void tp_summed_weight_grad(const TpRuntime& tp, const ops::WeightGrad& dw, Fn&& fn) {
+  if (!tp.on()) {
+    fn(dw);
+    return;
+  }
+  Tensor part =
+      tp_pooled(tp, dist::BufferPurpose::norm_grad, dw.t.shape(), DType::f32, dw.t.device());
+  part.zero_();
+  fn(ops::WeightGrad(part));
+  tp_all_reduce(tp, part);
+  Tensor grad = dw.t;  // a view of the gradient
+  if (dw.take_first_write())
+    ops::copy(part, grad);
+  else
+    ops::add_inplace(grad, part);
+}
+
 // Rows of a vocabulary-parallel table on each of `tp` ranks: the vocabulary padded to a multiple
 // of tp (Megatron's make-vocab-size-divisible-by).
 inline int64_t local_vocab(int64_t vocab, int tp) {

@@ -10,6 +10,7 @@
 
 #include "core/philox.hpp"
 #include "kernels/cpu/rope.hpp"
+#include "tests/model/kv_cache_checks.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -38,34 +39,7 @@ LlamaConfig tiny_config(bool tied, bool llama3_rope) {
   return c;
 }
 
-// Weights of unit scale (std 1/sqrt(fan-in), norms around 1), so every layer moves the logits:
-// with the 0.02 training init the signal would be too small for a comparison to mean much.
-void randomize(LlamaModel& m, uint64_t seed) {
-  for (ParamUnit* u : m.units()) {
-    for (auto& p : u->params()) {
-      float* v = p.value.data<float>();
-      const int64_t n = p.value.numel();
-      const uint64_t key = philox_key(seed, p.spec.name);
-      if (p.spec.shape.size() == 1) {
-        philox_normal(key, 0, n, 1.0f, 0.2f, v);
-      } else {
-        const float fan_in = float(p.spec.shape[1]);
-        // The embedding is read as activations (rows of unit norm-ish scale), the rest as maps.
-        const bool is_embed = p.spec.name == "model.embed_tokens.weight";
-        philox_normal(key, 0, n, 0.0f, is_embed ? 1.0f : 1.0f / std::sqrt(fan_in), v);
-      }
-    }
-    u->refresh_bf16();
-  }
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  std::vector<float> u(static_cast<size_t>(n));
-  philox_uniform(philox_key(seed, "tokens"), 0, n, u.data());
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) t[size_t(i)] = int32_t(u[size_t(i)] * float(V));
-  return t;
-}
+using test::uniform_tokens;
 
 using Mat = std::vector<double>;
 
@@ -176,9 +150,9 @@ double row_error(const float* got, const Mat& ref, int64_t t0, int64_t rows, int
 void check_against_naive(bool tied, bool llama3, uint64_t seed) {
   const LlamaConfig c = tiny_config(tied, llama3);
   LlamaModel model(c, DType::f32);
-  randomize(model, seed);
+  test::randomize_unit_scale(model, seed);
   const int64_t T = 23, prompt = 9, V = c.vocab_size;
-  const auto tokens = random_tokens(T, V, seed);
+  const auto tokens = uniform_tokens(T, V, seed);
   const Mat ref = naive_logits(model, tokens);
 
   LlamaInference inf(model, 40);
@@ -220,21 +194,9 @@ TEST(LlamaInference, LossEqualsTrainingForward) {
   // tokens: both read the same units the same way.
   const LlamaConfig c = tiny_config(false, true);
   LlamaModel model(c, DType::f32);
-  randomize(model, 3);
-  const int64_t T = 31, V = c.vocab_size;
-  const auto seq = random_tokens(T + 1, V, 3);
-  LlamaInference inf(model, T);
-  Tensor logits = inf.forward(seq.data(), T, true);
-  double loss = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* l = logits.data<float>() + t * V;
-    double mx = -INFINITY, sum = 0;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(l[v]));
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(double(l[v]) - mx);
-    loss += mx + std::log(sum) - double(l[seq[size_t(t + 1)]]);
-  }
-  const double train = model.forward_backward(seq.data(), seq.data() + 1, 1, T, 1.0f);
-  EXPECT_LT(std::abs(loss - train) / std::abs(train), 1e-5) << loss << " vs " << train;
+  test::randomize_unit_scale(model, 3);
+  LlamaInference inf(model, 31);
+  test::expect_training_loss(model, inf, 31, c.vocab_size, 3);
 }
 
 TEST(LlamaInference, Bf16CloseToNaive) {
@@ -243,9 +205,9 @@ TEST(LlamaInference, Bf16CloseToNaive) {
   // O(1).
   const LlamaConfig c = tiny_config(false, false);
   LlamaModel model(c, DType::bf16);
-  randomize(model, 4);
+  test::randomize_unit_scale(model, 4);
   const int64_t T = 17, V = c.vocab_size;
-  const auto tokens = random_tokens(T, V, 4);
+  const auto tokens = uniform_tokens(T, V, 4);
   const Mat ref = naive_logits(model, tokens);
   LlamaInference inf(model, T);
   Tensor all = inf.forward(tokens.data(), 10, true);
@@ -259,18 +221,11 @@ TEST(LlamaInference, Bf16CloseToNaive) {
 TEST(LlamaInference, Errors) {
   const LlamaConfig c = tiny_config(false, false);
   LlamaModel model(c, DType::f32);
-  randomize(model, 5);
+  test::randomize_unit_scale(model, 5);
   EXPECT_THROW(LlamaInference(model, c.max_position_embeddings + 1), Error);
   EXPECT_THROW(LlamaInference(model, 0), Error);
   LlamaInference inf(model, 8);
-  const auto tokens = random_tokens(9, c.vocab_size, 5);
-  EXPECT_THROW(inf.forward(tokens.data(), 9), Error);  // beyond the cache
-  inf.forward(tokens.data(), 6);
-  EXPECT_THROW(inf.forward(tokens.data(), 3), Error);  // 6 + 3 > 8
-  EXPECT_NO_THROW(inf.forward(tokens.data(), 2));
-  inf.reset();
-  const int32_t bad = int32_t(c.vocab_size);
-  EXPECT_THROW(inf.forward(&bad, 1), Error);
+  test::expect_cache_errors(inf, c.vocab_size, 5);
 }
 
 TEST(Sampling, TemperatureZeroIsArgmax) {
@@ -363,7 +318,7 @@ TEST(Sampling, FixedSeedGivesTheSameTokens) {
   auto generate = [&](uint64_t seed) {
     LlamaInference inf(model, 48);
     Sampler s(seed, 1.0f, 0.95f);
-    std::vector<int32_t> out = random_tokens(5, c.vocab_size, 6);
+    std::vector<int32_t> out = uniform_tokens(5, c.vocab_size, 6);
     Tensor logits = inf.forward(out.data(), 5);
     for (int i = 0; i < 40; ++i) {
       out.push_back(s.sample(logits.data<float>(), c.vocab_size));

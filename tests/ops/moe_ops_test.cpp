@@ -395,3 +395,36 @@ TEST(MoeOps, MetaPermutesBalancedAndComputesNothing) {
                                          "moe_dispatch_backward"};
   EXPECT_EQ(ops_seen, want);
 }
+
+// A rank whose experts got no token (expert or tensor parallelism over few experts): the experts'
+// path runs on zero rows, writes nothing and leaves the weights' gradients as they were.
+TEST(MoeOps, ARankWithoutRowsComputesNothing) {
+  const int64_t K = 6, F = 4, d = 5;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const std::vector<int64_t> counts = {0, 0};
+    const Tensor xs = Tensor::empty({0, K}, dt);
+    std::vector<Tensor> w{ops::to_compute(random({2 * F, K}, 60), dt),
+                          ops::to_compute(random({2 * F, K}, 61), dt)};
+    Tensor gu = Tensor::empty({0, 2 * F}, dt), act = Tensor::empty({0, F}, dt);
+    ops::grouped_linear(xs, w, counts, gu);
+    ops::swiglu_forward(gu, act);
+    const Tensor dact = Tensor::empty({0, F}, DType::f32);
+    ops::swiglu_backward(dact, gu, gu);
+    Tensor g0 = random({2 * F, K}, 62), g1 = random({2 * F, K}, 63);
+    const std::vector<float> before = values(g0);
+    std::vector<ops::WeightGrad> grads{ops::WeightGrad(g0), ops::WeightGrad(g1)};
+    Tensor dxs = Tensor::empty({0, K}, DType::f32);
+    ops::grouped_linear_backward(gu, xs, w, counts, grads, dxs);
+    EXPECT_TRUE(same_bits(values(g0), before));
+    // Every token's choices are another rank's: the combine adds nothing.
+    const int64_t M = 3, k = 2;
+    Tensor pos = Tensor::empty({M * k}, DType::i32);
+    for (int64_t i = 0; i < M * k; ++i) pos.data<int32_t>()[i] = -1;
+    const Tensor weights = random({M, k}, 64), ys = Tensor::empty({0, d}, dt);
+    Tensor y = random({M, d}, 65);
+    const std::vector<float> y_before = values(y);
+    ops::moe_combine(ys, weights, pos, y);
+    EXPECT_TRUE(same_bits(values(y), y_before));
+  }
+}

@@ -1,7 +1,8 @@
 #!/bin/bash
 # A mixture-of-experts checkpoint saved under expert parallelism 4 (dp_shard 4, each rank holding 2
 # of the 8 experts whole) resumes under ep 2 (4 experts per rank), ep 2 x FSDP 4 (the experts
-# also sharded), FSDP 2 without ep and one process, with the next-step loss of the uninterrupted
+# also sharded), ep 2 x tp 2 and tp 2 (each tp rank holding its slice of the experts), FSDP 2
+# without ep and one process, with the next-step loss of the uninterrupted
 # run within 1e-6 relative (restart_layouts.sh says why not to the last digit). Each rank's file
 # holds its own experts under their global names: the resumed layout reads the slices it holds
 # now from whichever files hold them.
@@ -25,6 +26,8 @@ status=0
 for layout in "2 --parallelism.dp_shard=2 --parallelism.ep=2 --training.local_batch_size=1 --training.grad_accum_steps=2" \
   "4 --parallelism.dp_shard=4 --parallelism.ep=2 --training.local_batch_size=1" \
   "2 --parallelism.dp_shard=2 --training.local_batch_size=1 --training.grad_accum_steps=2" \
+  "4 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.tp=2 --training.local_batch_size=1 --training.grad_accum_steps=2" \
+  "2 --parallelism.tp=2 --training.local_batch_size=1 --training.grad_accum_steps=4" \
   "1 --training.local_batch_size=1 --training.grad_accum_steps=4"; do
   resume_step11 "$work/ck" "$want" 1e-6 rel "ep 4" $layout || status=1
 done

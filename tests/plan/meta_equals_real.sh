@@ -10,6 +10,9 @@
 # ep group's bytes and the peaks are printed, not compared; every other group's bytes still are.
 # So do the rows a capacity keeps (--moe.capacity_factor > 0: the meta run drops nothing where a
 # balanced router stays under it): the peaks are printed, not compared.
+# Under tensor parallelism a mixture of experts' tp ranks each compute their slice of the experts
+# for the same tokens: the rows each computes follow the routing too (the peaks are printed), the
+# tp group's bytes (gathers and reduce-scatters of every row) do not (compared).
 # --ref:* overrides (the parity reference's) are ignored.
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3 np=$4
@@ -42,18 +45,23 @@ else
   "${bench[@]}" </dev/null >"$work/real.out" 2>&1 || { cat "$work/real.out"; exit 1; }
 fi
 grep '^{' "$work/real.out" | tail -1 >"$work/real.json"
-routed=0
+routed=0 tp=1 experts=0
 for a in "${args[@]}"; do
   case $a in
     --parallelism.ep=1 | --moe.capacity_factor=0 | --moe.capacity_factor=0.0) ;;
     --parallelism.ep=* | --moe.capacity_factor=*) routed=1 ;;
+    --parallelism.tp=*) tp=${a#*=} ;;
+    --model.config=*) grep -qE '"num_(local_)?experts"' "${a#*=}" 2>/dev/null && experts=1 ;;
   esac
 done
-python3 - "$work/plan.json" "$work/real.json" "$routed" <<'PY'
+routed_rows=$routed
+[ "$tp" != 1 ] && [ "$experts" = 1 ] && routed_rows=1
+python3 - "$work/plan.json" "$work/real.json" "$routed" "$routed_rows" <<'PY'
 import json, sys
 plan = json.load(open(sys.argv[1]))
 real = json.load(open(sys.argv[2]))
-routed = sys.argv[3] == "1"
+routed = sys.argv[3] == "1"  # the ep group's bytes follow the routing
+routed_rows = sys.argv[4] == "1"  # each rank's expert rows (so its peak) follow the routing
 # One process: bench prints one object for its only rank.
 ranks = {r["rank"]: r for r in (real["ranks"] if "ranks" in real else [dict(real, rank=0, groups={})])}
 ok = len(ranks) == len(plan["ranks"])
@@ -62,10 +70,10 @@ if not ok:
 for p in plan["ranks"]:
     r = ranks[p["rank"]]
     pa, ra = p["peak_allocated_bytes"], r["peak_allocated_bytes"]
-    note = "  (follows the routing: not compared)" if routed and pa != ra else ""
+    note = "  (follows the routing: not compared)" if routed_rows and pa != ra else ""
     print(f"rank {p['rank']}: peak allocated plan {pa} real {ra}" +
-          ("" if pa == ra or routed else "  MISMATCH") + note)
-    ok = ok and (pa == ra or routed)
+          ("" if pa == ra or routed_rows else "  MISMATCH") + note)
+    ok = ok and (pa == ra or routed_rows)
     # CPU offload: the host pool holds the states from the start.
     if p.get("host_bytes", 0) != r.get("host_peak_bytes", 0):
         print(f"  host memory: plan {p.get('host_bytes', 0)} real {r.get('host_peak_bytes', 0)}"
