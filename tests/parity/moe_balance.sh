@@ -9,6 +9,7 @@
 #   ep 2, dropless and with moe.capacity_factor = 1.0: every run finishes, rank 0 warns once per
 #   sparse layer (held while it lasts), the dropless runs drop nothing and the capacity runs at
 #   least expert 0's excess, (M - C) / (M k) = (256 - 64) / 512 = 0.375 of the choices.
+# loom generate reads the export with its bias.
 #   moe_balance.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -57,6 +58,10 @@ for n in names:
 st.save(sys.argv[2], t, meta=st.metadata(sys.argv[2]))
 print("exported biases after one step: +-1e-3; set to +10 on expert 0:", ", ".join(names))
 PY
+
+# loom generate builds the model from the export's config.json: with the bias, read back.
+"$loom" generate --checkpoint "$hf" --tokenizer "$work/tok.json" --prompt "In the" --max-tokens 4 \
+  --seed 1 >"$work/gen.log" 2>&1 || { cat "$work/gen.log"; fail "loom generate of the export"; }
 
 runaway() {  # runaway NAME NP ARGS...: trains 3 steps from the runaway directory
   local name=$1 np=$2
