@@ -211,7 +211,7 @@ int bench_command(const Args& args) {
   LOOM_CHECK(!config_path.empty(), "bench step needs --config FILE");
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
-  const ModelConfig mc = ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir));
+  const ModelConfig mc = job_model_config(job, resolve_model_config(job.model.config, toml_dir));
   const DType compute = dtype_from_name(job.training.mixed_precision_param);
   const int64_t B = job.training.local_batch_size, T = job.training.seq_len;
   const int warmup = int(job.bench.warmup_steps), steps = int(job.bench.steps);

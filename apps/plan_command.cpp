@@ -20,6 +20,7 @@
 #include "plan/search.hpp"
 #include "plan/time_model.hpp"
 #include "train/config.hpp"
+#include "train/launch.hpp"
 #include "train/rank_plan.hpp"
 
 namespace loom {
@@ -270,7 +271,7 @@ int plan_command(const Args& args) {
 
   const JobConfig job = load_job_config(config_path, overrides);
   const std::string toml_dir = std::filesystem::path(config_path).parent_path().string();
-  PlanJob j{job, ModelConfig::from_file(resolve_model_config(job.model.config, toml_dir)), world};
+  PlanJob j{job, job_model_config(job, resolve_model_config(job.model.config, toml_dir)), world};
   if (ep_load != 1) {
     LOOM_CHECK(!search, "plan --ep-load: not with --search (which plans every ep, balanced)");
     const double most = plan::worst_ep_load(j);

@@ -1,5 +1,6 @@
 #include "model/model.hpp"
 
+#include <algorithm>
 #include <utility>
 
 #include "core/error.hpp"
@@ -52,7 +53,12 @@ void Model::init_weights(uint64_t seed) {
     if (uses(i)) all[i]->init_weights(seed);
 }
 
-void Model::load_units(const SafetensorsDir& dir) {
+void Model::load_units(const SafetensorsDir& dir,
+                       const std::function<bool(const std::string&)>& zero_if_absent) {
+  // A parameter the directory lacks that may start at zero reads as zeros.
+  auto absent = [&](const std::string& name) {
+    return zero_if_absent && !dir.has(name) && zero_if_absent(name);
+  };
   auto all = units();
   for (size_t i = 0; i < all.size(); ++i) {
     if (!uses(i)) continue;
@@ -63,8 +69,10 @@ void Model::load_units(const SafetensorsDir& dir) {
     float* base = h.data<float>();
     if (!u->sharded()) {
       for (auto& p : u->params()) {
-        if (p.spec.split == TpSplit::none || p.spec.split == TpSplit::experts ||
-            p.spec.tp_count == 1)
+        if (absent(p.spec.name))
+          std::fill_n(base + p.offset, shape_numel(p.spec.shape), 0.0f);
+        else if (p.spec.split == TpSplit::none || p.spec.split == TpSplit::experts ||
+                 p.spec.tp_count == 1)
           dir.read_f32(p.spec.name, p.spec.shape, base + p.offset);
         else
           read_param_slice(dir, p.spec.name, p.spec, 0, shape_numel(p.spec.shape), base + p.offset);
@@ -72,7 +80,10 @@ void Model::load_units(const SafetensorsDir& dir) {
     } else {
       for (const ShardSlice& s : u->shard_slices()) {
         const ParamSpec& spec = u->params()[s.param].spec;
-        read_param_slice(dir, spec.name, spec, s.begin, s.count, base + s.shard_offset);
+        if (absent(spec.name))
+          std::fill_n(base + s.shard_offset, s.count, 0.0f);
+        else
+          read_param_slice(dir, spec.name, spec, s.begin, s.count, base + s.shard_offset);
       }
     }
     if (buffer.device() != Device::cpu) buffer.copy_from(h);

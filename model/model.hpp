@@ -12,6 +12,7 @@
 // by running it on the meta device (train/rank_plan.hpp), not declared by the model.
 #include <any>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -93,6 +94,14 @@ class Model {
   // What this rank's micro-batches measured since the last call (each one's head adds to it), then
   // forgotten. Empty for the families that measure nothing beside the loss.
   virtual std::vector<ModelMetric> take_step_metrics() { return {}; }
+  // After the step's optimizer update, on every rank of the step (it may run collectives, on meta
+  // too): the model's own state that follows from what the window take_step_metrics closed
+  // measured (MoE: the auxiliary-loss-free bias), and lines for the log. `dp`: the data-parallel
+  // group the step's micro-batches are spread over (with the model's cp group).
+  virtual std::vector<std::string> after_update(dist::ProcessGroup* dp) {
+    (void)dp;
+    return {};
+  }
   // Whether unit i (units() order) holds experts that expert parallelism splits over the ep ranks:
   // sharded over the ranks that hold the same experts (ParallelContext::ep), not all of FSDP's.
   virtual bool expert_unit(size_t unit) const {
@@ -180,8 +189,10 @@ class Model {
   const ParamUnit& head_unit() const { return *head_; }
   size_t head_index() const { return blocks_.size() + 1; }
   // Every parameter of every unit from `dir` (global names): whole or this tp rank's slice into
-  // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones.
-  void load_units(const SafetensorsDir& dir);
+  // unsharded units (then their bf16 mirrors), this rank's shard into sharded ones. A parameter
+  // `dir` lacks reads as zeros where zero_if_absent(its name) says it may (else an error).
+  void load_units(const SafetensorsDir& dir,
+                  const std::function<bool(const std::string&)>& zero_if_absent = {});
   // Rows of the residual stream on this rank (B*T / tp with sequence parallelism).
   int64_t residual_rows(const StepContext& ctx) const;
 

@@ -32,6 +32,9 @@ class ModelConfig {
   const LlamaConfig& llama(const char* what) const;
   const GlaConfig& gla(const char* what) const;
   const MoeConfig& moe(const char* what) const;
+  // A mixture of experts' config to set loom's options on (the job's [moe]); nullptr for another
+  // family.
+  MoeConfig* moe_or_null() { return std::get_if<MoeConfig>(&c_); }
 
   void validate(const std::string& source) const;
   std::string to_json() const;

@@ -9,6 +9,7 @@
 #include "distributed/group_sum.hpp"
 #include "model/head.hpp"
 #include "model/llama.hpp"
+#include "model/safetensors.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/tensor_parallel.hpp"
 
@@ -59,6 +60,13 @@ void check_tp(const MoeConfig& c, const TpOptions& tp, int ep) {
              "): each tp rank of an ep rank computes E / (ep x tp) of them");
 }
 
+std::vector<int64_t> sparse_layers(const MoeConfig& c) {
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < c.base.num_hidden_layers; ++l)
+    if (c.sparse(l)) out.push_back(l);
+  return out;
+}
+
 MoeMicroBatch& state(ActivationStore& s) {
   if (!s.extra.has_value()) s.extra = MoeMicroBatch();
   return std::any_cast<MoeMicroBatch&>(s.extra);
@@ -69,7 +77,10 @@ MoeMicroBatch& state(ActivationStore& s) {
 MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardLayout shard,
                    TpOptions tp, CpOptions cp, std::vector<bool> used, EpOptions ep)
     : Model(compute, device, shard, tp, cp, refuse_pp(config, std::move(used)), ep),
-      config_(config) {
+      config_(config),
+      balance_(sparse_layers(config), config.num_experts, config.num_experts_per_tok,
+               config.training.bias_update_rate, config.load_warning_threshold(),
+               config.training.capacity_factor > 0) {
   config_.validate("model config");
   const LlamaConfig& c = config_.base;
   const int n = tp.size(), r = tp.rank();
@@ -121,6 +132,17 @@ double MoeModel::aux_loss(const ActivationStore& s) {
   return m ? m->aux_loss : 0.0;
 }
 
+void MoeModel::load_hf(const SafetensorsDir& dir) {
+  auto is_bias = [](const std::string& n) { return n.ends_with(".e_score_correction_bias"); };
+  // A bias the model would not read changes the routing the weights were trained with.
+  if (!config_.expert_bias)
+    for (const std::string& n : dir.names())
+      LOOM_CHECK(!is_bias(n), "the weights hold '", n,
+                 "' (a selection-only bias) but the model has none: build it from their "
+                 "config.json (\"loom_expert_bias\": true) or with moe.bias_update_rate > 0");
+  load_units(dir, is_bias);
+}
+
 bool MoeModel::expert_unit(size_t unit) const {
   return par().ep.group && unit >= 1 && unit <= order_.size() && order_[unit - 1].experts;
 }
@@ -141,11 +163,20 @@ std::vector<std::string> MoeModel::held_elsewhere() const {
 }
 
 std::vector<ModelMetric> MoeModel::take_step_metrics() {
+  balance_.close_step();
   const StepSums s = std::exchange(step_, StepSums());
   if (s.micro_batches == 0) return {};
   return {{"aux_loss", "aux", s.aux / double(s.micro_batches)},
           {"expert_load", "load", s.load},
           {"dropped", "drop", s.choices > 0 ? s.dropped / s.choices : 0.0}};
+}
+
+std::vector<std::string> MoeModel::after_update(dist::ProcessGroup* dp) {
+  std::vector<std::pair<ParamUnit*, size_t>> biases;
+  if (config_.expert_bias)
+    for (auto& a : attention_)
+      if (a->sparse()) biases.emplace_back(&a->unit(), a->bias_param());
+  return balance_.after_update(dp, par().cp.group, biases);
 }
 
 const RopeTable& MoeModel::rope_for(int64_t T) {
@@ -218,7 +249,8 @@ void MoeModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
 // (divided by the step's tokens) it weighs coef x aux x the micro-batch's tokens. f_e is a count:
 // the gradient flows through P only, d/dp = coef x tokens x E x f_e / N for every row. Under
 // context parallelism the micro-batch's tokens are spread over the cp ranks: the statistics are
-// summed over them first (2E + 1 numbers), each rank adds its tokens' share of the term.
+// summed over them first (2E + 2 numbers, the dropped choices' too), each rank adds its tokens'
+// share of the term.
 void MoeModel::add_aux_loss(ActivationStore& s) {
   MoeMicroBatch& m = state(s);
   RouterStats& st = m.stats;
@@ -226,11 +258,13 @@ void MoeModel::add_aux_loss(ActivationStore& s) {
   if (config_.num_sparse_layers() == 0) return;
   const bool train_aux = config_.output_router_logits && config_.router_aux_loss_coef > 0;
   const int cp = par().cp.size();
-  std::vector<double> sums(size_t(2 * E + 1), 0.0);
+  // counts [E], prob_sum [E], rows, dropped.
+  std::vector<double> sums(size_t(2 * E + 2), 0.0);
   if (!st.counts.empty()) {
     std::copy(st.counts.begin(), st.counts.end(), sums.begin());
     std::copy(st.prob_sum.begin(), st.prob_sum.end(), sums.begin() + E);
-    sums.back() = double(st.rows);
+    sums[size_t(2 * E)] = double(st.rows);
+    sums[size_t(2 * E + 1)] = double(st.dropped);
   }
   if (cp > 1) sums = group_sum_each(par().cp.group, sums);  // on meta too: the same traffic
   step_.micro_batches += 1;
@@ -239,14 +273,15 @@ void MoeModel::add_aux_loss(ActivationStore& s) {
     if (train_aux) st.dprob = Tensor::empty({E}, DType::f32, device_);  // booked only
     return;
   }
-  const double N = sums.back(), tokens = double(s.ctx.tokens()) * cp;
+  balance_.add(st.layer_counts);
+  const double N = sums[size_t(2 * E)], tokens = double(s.ctx.tokens()) * cp;
   double aux = 0;
   for (int64_t e = 0; e < E; ++e) aux += (sums[size_t(e)] / N) * (sums[size_t(E + e)] / N);
   m.aux_loss = double(E) * aux;
   step_.aux += m.aux_loss;
   for (double r : st.load_max_over_mean) step_.load = std::max(step_.load, r);
-  step_.dropped += double(st.dropped);
-  step_.choices += double(st.rows) * double(config_.num_experts_per_tok);
+  step_.dropped += sums[size_t(2 * E + 1)];  // the micro-batch's, over the cp ranks
+  step_.choices += N * double(config_.num_experts_per_tok);
   if (!train_aux) return;
   const double coef = config_.router_aux_loss_coef;
   s.loss += coef * m.aux_loss * double(s.ctx.tokens());  // this rank's tokens' share

@@ -14,6 +14,7 @@
 #include "core/tensor.hpp"
 #include "model/head.hpp"
 #include "model/model.hpp"
+#include "model/moe_balance.hpp"
 #include "model/moe_block.hpp"
 #include "model/moe_config.hpp"
 #include "model/moe_plan.hpp"
@@ -46,11 +47,18 @@ class MoeModel final : public Model {
   // load-balancing loss, after the head's backward; 0 without sparse layers).
   static const RouterStats& router_stats(const ActivationStore& s);
   static double aux_loss(const ActivationStore& s);
-  // aux_loss: the auxiliary loss's mean over the micro-batches; expert_load: the most rows any
-  // expert got over the mean, in the worst sparse layer of any micro-batch (1: balanced);
+  // aux_loss: the auxiliary loss's mean over the micro-batches; expert_load: the most choices any
+  // expert got over the mean (before a capacity drops any), in the worst sparse layer of any
+  // micro-batch (1: balanced);
   // dropped: the share of the choices over an expert's capacity.
   std::vector<ModelMetric> take_step_metrics() override;
+  // The auxiliary-loss-free bias and the runaway-router warning (model/moe_balance.hpp).
+  std::vector<std::string> after_update(dist::ProcessGroup* dp) override;
+  const ExpertBalance& balance() const { return balance_; }
   bool expert_unit(size_t unit) const override;
+  // A directory without the selection-only biases (a Hugging Face Qwen-MoE or Mixtral) starts
+  // them at zero.
+  void load_hf(const SafetensorsDir& dir) override;
   std::vector<std::string> held_elsewhere() const override;
 
  private:
@@ -82,6 +90,7 @@ class MoeModel final : public Model {
     double aux = 0, load = 0, dropped = 0, choices = 0;
     int64_t micro_batches = 0;
   } step_;
+  ExpertBalance balance_;
   RopeTable rope_;
 };
 

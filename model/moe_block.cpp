@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "model/moe_capacity.hpp"
 #include "model/moe_plan.hpp"
 #include "ops/ops.hpp"
 
@@ -82,6 +83,11 @@ std::vector<ParamSpec> attention_specs(const MoeConfig& c, int64_t layer, bool s
       specs.push_back(gemm_spec(m + "shared_expert.down_proj.weight", d, Fs, out_std(c)));
       specs.push_back(gemm_spec(m + "shared_expert_gate.weight", 1, d, 0.02f));
     }
+    // Last, so that no other index moves: the selection-only bias, zeros at first (no gradient
+    // and no weight decay, so AdamW leaves it as it is; the model steps it, model/moe_balance.hpp).
+    if (c.expert_bias)
+      specs.push_back(ParamSpec{
+          m + "gate.e_score_correction_bias", {c.num_experts}, Init::normal, 0.0f, false, true});
   }
   return with_plan(std::move(specs), tp);
 }
@@ -162,9 +168,18 @@ MoeRouter MoeAttentionBlock::router(const StepContext& ctx) const {
           .k = c_.num_experts_per_tok,
           .ep = par_->ep.size(),
           .renormalize = c_.norm_topk_prob,
-          .capacity = 0,
+          .capacity = expert_capacity(c_.training.capacity_factor, ctx.tokens() * par_->cp.size(),
+                                      c_.num_experts_per_tok, c_.num_experts),
           .eps = float(c_.base.rms_norm_eps),
-          .compute = ctx.compute};
+          .compute = ctx.compute,
+          .bias = c_.expert_bias ? bias_param() : MoeRouter::kNone,
+          .cp = par_->cp.group,
+          .ctx = &ctx};
+}
+
+size_t MoeAttentionBlock::bias_param() const {
+  LOOM_CHECK(sparse_ && c_.expert_bias, unit_.name(), ": no e_score_correction_bias");
+  return norm2_ + 2 + (c_.shared_expert_intermediate_size > 0 ? 4 : 0);
 }
 
 Tensor MoeAttentionBlock::forward(const StepContext& ctx, const Tensor& x, MoeAttentionActs& a,

@@ -45,6 +45,8 @@ class MoeAttentionBlock {
                     ShardLayout shard = {}, const ParallelContext* par = nullptr);
   ParamUnit& unit() { return unit_; }
   bool sparse() const { return sparse_; }
+  // A sparse layer's selection-only bias (MoeConfig::expert_bias): its index in unit().
+  size_t bias_param() const;
   void set_checkpoint(ActivationCheckpoint::Mode mode) { ac_ = mode; }
 
   // x [M, d] -> the dense layer's output, or a sparse layer's attention residual h (which the

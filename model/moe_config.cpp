@@ -123,6 +123,7 @@ MoeConfig MoeConfig::from_json(const std::string& text, const std::string& sourc
   }
   read(j, "router_aux_loss_coef", source, c.router_aux_loss_coef);
   read(j, "output_router_logits", source, c.output_router_logits);
+  read(j, "loom_expert_bias", source, c.expert_bias);
   c.validate(source);
   return c;
 }
@@ -184,7 +185,13 @@ std::string MoeConfig::to_json() const {
   }
   j["router_aux_loss_coef"] = router_aux_loss_coef;
   j["output_router_logits"] = output_router_logits;
+  if (expert_bias) j["loom_expert_bias"] = true;
   return j.dump(2) + "\n";
+}
+
+double MoeConfig::load_warning_threshold() const {
+  if (training.load_warning > 0) return training.load_warning;
+  return (1.0 + double(num_experts) / double(num_experts_per_tok)) / 2.0;
 }
 
 int64_t MoeConfig::num_params() const {
@@ -197,7 +204,8 @@ int64_t MoeConfig::num_params() const {
   const int64_t shared = shared_expert_intermediate_size > 0
                              ? 3 * d * shared_expert_intermediate_size + d  // and its gate
                              : 0;
-  const int64_t moe = num_experts * d + num_experts * 3 * d * moe_intermediate_size + shared;
+  const int64_t moe = num_experts * d + num_experts * 3 * d * moe_intermediate_size + shared +
+                      (expert_bias ? num_experts : 0);
   return V * d + L * attn + (L - Ls) * dense + Ls * moe + d +
          (base.tie_word_embeddings ? 0 : V * d);
 }

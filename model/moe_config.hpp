@@ -32,6 +32,23 @@ struct MoeConfig {
   double router_aux_loss_coef = 0.001;
   // Whether training adds router_aux_loss_coef x the load-balancing loss (transformers' switch).
   bool output_router_logits = false;
+  // DeepSeek-V3's selection-only bias per sparse layer (`<moe_prefix>gate.e_score_correction_bias`
+  // [E], f32): added to the probabilities to choose the top-k, never to the weights. loom's own
+  // field "loom_expert_bias" in config.json (written only when true: transformers' Qwen-MoE and
+  // Mixtral have no such bias and ignore the field). A job with moe.bias_update_rate > 0 turns it
+  // on.
+  bool expert_bias = false;
+
+  // loom's training options of the experts: the job's [moe] section (train/launch.hpp
+  // job_model_config), never read from or written to config.json.
+  struct Training {
+    double capacity_factor = 0;   // 0: dropless (model/moe_capacity.hpp)
+    double bias_update_rate = 0;  // the bias's step after each optimizer step; 0: it stays
+    double load_warning = 0;      // a layer's load max/mean that is warned about; 0: the default
+  } training;
+  // The load max/mean past which a layer is warned about: training.load_warning, or by default
+  // halfway between balanced (1) and every token's first choice on one expert (E / k).
+  double load_warning_threshold() const;
 
   const char* model_type() const;
   bool qk_norm() const { return family == Family::qwen3_moe; }

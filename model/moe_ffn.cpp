@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "distributed/process_group.hpp"
+#include "model/moe_capacity.hpp"
 
 namespace loom {
 
@@ -48,8 +49,9 @@ void MoeRouter::forward(const ParamUnit& unit, MoeRouting& r, RouterStats& stats
   r.experts = Tensor::empty({M, k}, DType::i32, dev);
   r.weights = f32({M, k}, dev);
   Tensor prob_sum = Tensor::zeros({E}, DType::f32, dev);
-  ops::moe_route(r.probs, Tensor(), renormalize, r.probs, r.experts, r.weights, prob_sum);
-  r.perm = ops::moe_permute(r.experts, E, capacity);
+  ops::moe_route(r.probs, bias == kNone ? Tensor() : unit.params()[bias].value, renormalize,
+                 r.probs, r.experts, r.weights, prob_sum);
+  r.perm = permute(r.experts);
   // Nothing to count on meta: the planner prices the balance. Counted right after moe_permute,
   // which waits for its counts: on a GPU the statistics' copy then finds the stream idle.
   if (ops::computes(dev)) count(r, prob_sum, stats);
@@ -64,22 +66,36 @@ void MoeRouter::count(const MoeRouting& r, const Tensor& prob_sum, RouterStats& 
     stats.counts.assign(size_t(E), 0);
     stats.prob_sum.assign(size_t(E), 0);
   }
-  int64_t most = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    stats.prob_sum[size_t(e)] += double(ps.data<float>()[e]);
-    most = std::max(most, r.perm.counts[size_t(e)]);
-  }
-  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask): the
-  // rows kept where none was dropped (host counts), else the choices read back (from a GPU too).
+  for (int64_t e = 0; e < E; ++e) stats.prob_sum[size_t(e)] += double(ps.data<float>()[e]);
+  // The auxiliary loss counts every choice, the dropped ones too (transformers' expert_mask); so
+  // does the load (the router's, which a capacity bounds the computed rows of). Where none was
+  // dropped the kept rows' counts (on the host already) are the choices'; else the choices are
+  // read back (from a GPU too).
+  const size_t layer = stats.layer_counts.size();
+  stats.layer_counts.resize(layer + size_t(E), 0.0);
   if (r.perm.dropped == 0) {
-    for (int64_t e = 0; e < E; ++e) stats.counts[size_t(e)] += double(r.perm.counts[size_t(e)]);
+    for (int64_t e = 0; e < E; ++e) {
+      stats.counts[size_t(e)] += double(r.perm.counts[size_t(e)]);
+      stats.layer_counts[layer + size_t(e)] += double(r.perm.counts[size_t(e)]);
+    }
   } else {
     const Tensor ex = r.experts.on_host();
-    for (int64_t i = 0; i < M * k; ++i) stats.counts[size_t(ex.data<int32_t>()[i])] += 1;
+    for (int64_t i = 0; i < M * k; ++i) {
+      const size_t e = size_t(ex.data<int32_t>()[i]);
+      stats.counts[e] += 1;
+      stats.layer_counts[layer + e] += 1;
+    }
   }
   stats.rows += M;
   stats.dropped += r.perm.dropped;
-  stats.load_max_over_mean.push_back(double(most) * double(E) / double(M * k));
+  const double most =
+      *std::max_element(stats.layer_counts.begin() + long(layer), stats.layer_counts.end());
+  stats.load_max_over_mean.push_back(most * double(E) / double(M * k));
+}
+
+ops::MoePermutation MoeRouter::permute(const Tensor& experts) const {
+  if (capacity == 0 || !cp || cp->size() == 1) return ops::moe_permute(experts, E, capacity);
+  return ops::moe_permute(experts, E, cp_capacities(*cp, *ctx, experts, E, capacity));
 }
 
 // Qwen2-MoE's shared expert on every token: sigmoid(xn . gate) x down(silu(gate_proj(xn)) x

@@ -19,6 +19,7 @@
 #include "core/tensor.hpp"
 #include "model/norm_input.hpp"
 #include "model/param_unit.hpp"
+#include "model/step_context.hpp"
 #include "ops/ops.hpp"
 #include "parallel/layers/expert_parallel.hpp"
 
@@ -33,8 +34,12 @@ struct RouterStats {
   std::vector<double> prob_sum;  // [E]: the router probabilities summed over tokens
   int64_t rows = 0;              // tokens routed, over the sparse layers
   int64_t dropped = 0;           // choices over an expert's capacity
-  // Per sparse layer: the most tokens any expert got, over the mean (1: balanced).
+  // Per sparse layer: the most tokens any expert was chosen by (before a capacity drops any),
+  // over the mean (1: balanced).
   std::vector<double> load_max_over_mean;
+  // Per sparse layer in the order they ran, its E choice counts (the bias's load, model/
+  // moe_balance.hpp).
+  std::vector<double> layer_counts;
   // d(loss) / d(probability of expert e), the same for every token and layer (undefined: no
   // auxiliary loss).
   Tensor dprob;
@@ -74,9 +79,13 @@ struct MoeRouter {
   int64_t M, Mx, d, E, k;
   int ep;
   bool renormalize;
-  int64_t capacity;  // rows per expert at most; 0: dropless
+  // Rows per expert at most in the micro-batch (over the cp ranks: cp_capacities); 0: dropless.
+  int64_t capacity;
   float eps;
   DType compute;
+  size_t bias = kNone;               // the selection-only bias (MoeConfig::expert_bias)
+  dist::ProcessGroup* cp = nullptr;  // context parallelism: the micro-batch's other ranks
+  const StepContext* ctx = nullptr;  // their positions (a capacity under cp reads them)
 
   // r.h [Mx, d] set by the caller: the norm, the router and the grouping into `r`; the router's
   // statistics added to `stats`.
@@ -87,6 +96,8 @@ struct MoeRouter {
   void backward(ParamUnit& unit, Tensor& dy, MoeRouting& r, const RouterStats& stats) const;
 
  private:
+  // The tokens grouped by expert, at most `capacity` rows each over the micro-batch.
+  ops::MoePermutation permute(const Tensor& experts) const;
   void count(const MoeRouting& r, const Tensor& prob_sum, RouterStats& stats) const;
   void shared_forward(const ParamUnit& unit, MoeRouting& r) const;
   void shared_backward(ParamUnit& unit, const Tensor& dy, MoeRouting& r) const;

@@ -22,6 +22,7 @@ constexpr PlanEntry kMoePlan[] = {
     {"model.layers.*.mlp.up_proj.weight", TpStyle::column},
     {"model.layers.*.mlp.down_proj.weight", TpStyle::row},
     {"model.layers.*.mlp.gate.weight", TpStyle::replicated},
+    {"model.layers.*.mlp.gate.e_score_correction_bias", TpStyle::replicated},  // loom_expert_bias
     {"model.layers.*.mlp.experts.*.gate_proj.weight", TpStyle::experts},
     {"model.layers.*.mlp.experts.*.up_proj.weight", TpStyle::experts},
     {"model.layers.*.mlp.experts.*.down_proj.weight", TpStyle::experts},
@@ -31,6 +32,7 @@ constexpr PlanEntry kMoePlan[] = {
     {"model.layers.*.mlp.shared_expert.down_proj.weight", TpStyle::row},
     {"model.layers.*.mlp.shared_expert_gate.weight", TpStyle::replicated},
     {"model.layers.*.block_sparse_moe.gate.weight", TpStyle::replicated},
+    {"model.layers.*.block_sparse_moe.gate.e_score_correction_bias", TpStyle::replicated},
     {"model.layers.*.block_sparse_moe.experts.*.w1.weight", TpStyle::experts},
     {"model.layers.*.block_sparse_moe.experts.*.w2.weight", TpStyle::experts},
     {"model.layers.*.block_sparse_moe.experts.*.w3.weight", TpStyle::experts},

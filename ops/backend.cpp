@@ -223,8 +223,9 @@ void Backend::moe_route_backward(const Tensor& /*probs*/, const Tensor& /*expert
   missing("moe_route_backward");
 }
 
-int64_t Backend::moe_permute(const Tensor& /*experts*/, int64_t /*E*/, int64_t /*capacity*/,
-                             Tensor& /*pos*/, std::vector<int64_t>& /*counts*/) {
+int64_t Backend::moe_permute(const Tensor& /*experts*/, int64_t /*E*/,
+                             std::span<const int64_t> /*capacity*/, Tensor& /*pos*/,
+                             std::vector<int64_t>& /*counts*/) {
   missing("moe_permute");
 }
 

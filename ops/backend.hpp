@@ -10,6 +10,7 @@
 // tensors', host data (tokens, positions, the RoPE table) as the op takes it today.
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "core/tensor.hpp"
@@ -119,8 +120,9 @@ class Backend {
   virtual void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor& weights,
                                   const Tensor& dweights, bool renormalize, const Tensor& dprob,
                                   Tensor& dlogits);
-  virtual int64_t moe_permute(const Tensor& experts, int64_t E, int64_t capacity, Tensor& pos,
-                              std::vector<int64_t>& counts);
+  // capacity: per expert (E values), or empty: keep every row.
+  virtual int64_t moe_permute(const Tensor& experts, int64_t E, std::span<const int64_t> capacity,
+                              Tensor& pos, std::vector<int64_t>& counts);
   virtual void moe_permute_order(const Tensor& pos, Tensor& order);
   virtual void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs);
   virtual void moe_dispatch_backward(const Tensor& dxs, const Tensor& pos, int64_t k, Tensor& dx,

@@ -260,11 +260,12 @@ class CpuBackend final : public Backend {
                             probs.size(1), experts.size(1), renormalize, f_or_null(dprob),
                             f(dlogits));
   }
-  int64_t moe_permute(const Tensor& experts, int64_t E, int64_t capacity, Tensor& pos,
-                      std::vector<int64_t>& counts) override {
+  int64_t moe_permute(const Tensor& experts, int64_t E, std::span<const int64_t> capacity,
+                      Tensor& pos, std::vector<int64_t>& counts) override {
     counts.assign(static_cast<size_t>(E), 0);
-    return cpu::moe_permute(experts.data<int32_t>(), rows(experts), experts.size(1), E, capacity,
-                            counts.data(), pos.data<int32_t>());
+    return cpu::moe_permute_per_expert(experts.data<int32_t>(), rows(experts), experts.size(1), E,
+                                       capacity.empty() ? nullptr : capacity.data(), counts.data(),
+                                       pos.data<int32_t>());
   }
   void moe_permute_order(const Tensor& pos, Tensor& order) override {
     cpu::moe_permute_order(pos.data<int32_t>(), pos.numel(), order.numel(), order.data<int32_t>());

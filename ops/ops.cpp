@@ -854,22 +854,35 @@ void moe_route_backward(const Tensor& probs, const Tensor& experts, const Tensor
 }
 
 MoePermutation moe_permute(const Tensor& experts, int64_t E, int64_t capacity) {
+  LOOM_CHECK(capacity >= 0, "moe_permute: capacity must be >= 0 (0: keep every row), got ",
+             capacity);
+  if (capacity == 0) return moe_permute(experts, E, std::span<const int64_t>());
+  const std::vector<int64_t> each(static_cast<size_t>(std::max<int64_t>(E, 0)), capacity);
+  return moe_permute(experts, E, each);
+}
+
+MoePermutation moe_permute(const Tensor& experts, int64_t E, std::span<const int64_t> capacity) {
   const char* op = "moe_permute";
   check_matrix(op, "experts", experts, DType::i32);
   LOOM_CHECK(E > 0, op, ": the expert count E must be > 0, got ", E);
-  LOOM_CHECK(capacity >= 0, op, ": capacity must be >= 0 (0: keep every row), got ", capacity);
+  LOOM_CHECK(capacity.empty() || int64_t(capacity.size()) == E, op, ": ", capacity.size(),
+             " capacities for ", E, " experts (expected one per expert, or none)");
+  for (size_t e = 0; e < capacity.size(); ++e)
+    LOOM_CHECK(capacity[e] >= 0, op, ": expert ", e, "'s capacity must be >= 0, got ", capacity[e]);
   const int64_t M = experts.size(0), k = experts.size(1), n = M * k;
   check_k(op, k, E);
   const Device device = experts.device();
   MoePermutation p;
   p.pos = Tensor::empty({n}, DType::i32, device);
   if (device == Device::meta) {
-    // No expert indices: the balanced case, N rows spread evenly (the first N % E experts one
-    // more), the rest beyond the capacity dropped.
-    const int64_t N = capacity > 0 ? std::min(n, E * capacity) : n;
+    // No expert indices: the balanced case, the rows spread evenly (the first n % E experts one
+    // more), each expert's capped by its capacity, the rest dropped.
     p.counts.resize(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) p.counts[size_t(e)] = N / E + (e < N % E ? 1 : 0);
-    p.dropped = n - N;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t even = n / E + (e < n % E ? 1 : 0);
+      p.counts[size_t(e)] = capacity.empty() ? even : std::min(even, capacity[size_t(e)]);
+    }
+    p.dropped = n - p.rows();
   }
   on(
       op, device,

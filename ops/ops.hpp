@@ -309,6 +309,9 @@ struct MoePermutation {
   int64_t rows() const;  // N: the sum of counts
 };
 MoePermutation moe_permute(const Tensor& experts, int64_t E, int64_t capacity);
+// The same with a capacity per expert (E values >= 0: expert e keeps its first capacity[e] rows;
+// empty: every row). On meta each expert's even share is capped by its capacity.
+MoePermutation moe_permute(const Tensor& experts, int64_t E, std::span<const int64_t> capacity);
 // xs [N, d] = the rows of x [M, d] in `order` (row i is token order[i] / k); one dtype.
 void moe_dispatch(const Tensor& x, const Tensor& order, int64_t k, Tensor& xs);
 // dx [M, d] f32 = (+= with accumulate) the sum of each token's kept rows of dxs [N, d] f32, in

@@ -45,6 +45,9 @@ std::vector<Key> keys_of(JobConfig& c) {
       {"model", "config", &c.model.config},
       {"model", "init_from", &c.model.init_from},
       {"model", "seed", &c.model.seed},
+      {"moe", "capacity_factor", &c.moe.capacity_factor},
+      {"moe", "bias_update_rate", &c.moe.bias_update_rate},
+      {"moe", "load_warning", &c.moe.load_warning},
       {"data", "path", &c.data.path},
       {"data", "tokenizer", &c.data.tokenizer},
       {"data", "shuffle", &c.data.shuffle},
@@ -291,6 +294,12 @@ void validate(const JobConfig& c, const std::vector<Key>& keys, const Origins& o
   check(c.job.collective_timeout_s > 0, "job.collective_timeout_s", "a positive number",
         c.job.collective_timeout_s);
   check(c.model.seed >= 0, "model.seed", "a non-negative integer", c.model.seed);
+  check(c.moe.capacity_factor >= 0, "moe.capacity_factor", "a number >= 0 (0: dropless)",
+        c.moe.capacity_factor);
+  check(c.moe.bias_update_rate >= 0, "moe.bias_update_rate", "a number >= 0 (0: off)",
+        c.moe.bias_update_rate);
+  check(c.moe.load_warning == 0 || c.moe.load_warning > 1, "moe.load_warning",
+        "a load max/mean > 1, or 0 (the default, (1 + E/k) / 2)", c.moe.load_warning);
   check(t.steps > 0, "training.steps", "a positive integer", t.steps);
   check(t.local_batch_size > 0, "training.local_batch_size", "a positive integer",
         t.local_batch_size);
@@ -402,11 +411,11 @@ std::string quote(const std::string& s) {
 }  // namespace
 
 bool JobConfig::operator==(const JobConfig& o) const {
-  return job == o.job && model == o.model && data == o.data && training == o.training &&
-         optimizer == o.optimizer && lr_scheduler == o.lr_scheduler && validation == o.validation &&
-         parallelism == o.parallelism && activation_checkpoint == o.activation_checkpoint &&
-         checkpoint == o.checkpoint && metrics == o.metrics && profiling == o.profiling &&
-         bench == o.bench && memory == o.memory;
+  return job == o.job && model == o.model && moe == o.moe && data == o.data &&
+         training == o.training && optimizer == o.optimizer && lr_scheduler == o.lr_scheduler &&
+         validation == o.validation && parallelism == o.parallelism &&
+         activation_checkpoint == o.activation_checkpoint && checkpoint == o.checkpoint &&
+         metrics == o.metrics && profiling == o.profiling && bench == o.bench && memory == o.memory;
 }
 
 JobConfig parse_job_config(const std::string& toml_text, const std::string& source,

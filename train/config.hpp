@@ -28,6 +28,22 @@ struct JobConfig {
     int64_t seed = 1234;
     bool operator==(const Model&) const = default;
   } model;
+  // A mixture of experts' training options (model/moe_config.hpp MoeConfig::Training; an error
+  // for other models unless at their defaults).
+  struct Moe {
+    // Each expert computes at most ceil(tokens x k / E x capacity_factor) of a micro-batch's
+    // choices, the first in token order; the rest are dropped (the `dropped` metric). 0: dropless.
+    double capacity_factor = 0;
+    // DeepSeek-V3's auxiliary-loss-free balancing: a selection-only bias per sparse layer, moved
+    // by this much toward the mean load after each optimizer step (b_e += rate x sign(mean -
+    // load_e)). 0: off (a bias the model already has stays as it is).
+    double bias_update_rate = 0;
+    // A sparse layer whose load max/mean over a step reaches this is reported in the log (a
+    // router running away); 0: halfway between balanced and every token to one expert,
+    // (1 + E/k) / 2.
+    double load_warning = 0;
+    bool operator==(const Moe&) const = default;
+  } moe;
   struct Data {
     std::string path;  // directory of token shards
     std::string tokenizer;

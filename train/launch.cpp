@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -175,6 +176,23 @@ int64_t pipeline_microbatches(const JobConfig& job) {
                         ? p.pp_stages_per_rank
                         : pp::default_stages_per_rank(pp::parse_schedule_kind(p.pp_schedule));
   return p.pp * v;
+}
+
+ModelConfig job_model_config(const JobConfig& job, const std::string& path) {
+  ModelConfig mc = ModelConfig::from_file(path);
+  const JobConfig::Moe& o = job.moe;
+  MoeConfig* moe = mc.moe_or_null();
+  if (!moe) {
+    for (const auto& [key, v] : {std::pair{"moe.capacity_factor", o.capacity_factor},
+                                 std::pair{"moe.bias_update_rate", o.bias_update_rate},
+                                 std::pair{"moe.load_warning", o.load_warning}})
+      LOOM_CHECK(v == 0, key, " = ", v, ": the model (", path, ", model_type \"", mc.model_type(),
+                 "\") has no experts (expected 0)");
+    return mc;
+  }
+  moe->training = {o.capacity_factor, o.bias_update_rate, o.load_warning};
+  moe->expert_bias = moe->expert_bias || o.bias_update_rate > 0;
+  return mc;
 }
 
 }  // namespace loom

@@ -35,5 +35,9 @@ ParallelizeOptions parallelize_options(const JobConfig& job);
 // The micro-batches one run of the pipeline schedule takes (1 without pp): pp_microbatches, the
 // CSV schedule's, or pp x the stages per rank. A step runs the schedule grad_accum_steps times.
 int64_t pipeline_microbatches(const JobConfig& job);
+// The model config.json at `path` (resolve_model_config) with the job's [moe] options on it
+// (MoeConfig::training; moe.bias_update_rate > 0 gives the model its selection-only bias); a key
+// of [moe] off its default is an error for a model without experts.
+ModelConfig job_model_config(const JobConfig& job, const std::string& path);
 
 }  // namespace loom

@@ -49,6 +49,7 @@ StepResult TrainStep::run(int64_t micro_batches,
     // Clipping scales the gradients as AdamW reads them (the same products as scaling them in
     // place first, one pass over them fewer).
     optimizer_.step(float(lr), clip_grad_scale(r.grad_norm, max_norm_));
+    r.notes = model_.model->after_update(model_.groups.dp);
   }
   return r;
 }

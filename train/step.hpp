@@ -20,6 +20,8 @@ struct StepResult {
   bool updated = false;  // false: the loss or the norm is not finite, and AdamW did not run
   // The model's own (Model::take_step_metrics), each the mean over the data-parallel ranks.
   std::vector<ModelMetric> model_metrics;
+  // The model's lines for the log after the update (Model::after_update: a runaway router).
+  std::vector<std::string> notes;
 };
 
 class TrainStep {

@@ -112,6 +112,8 @@ bool any_rank(dist::ProcessGroup& group, bool flag) {
 // instead.
 constexpr const char* kMathKeys[] = {
     "model.seed",  // also the data order's seed
+    "moe.capacity_factor",
+    "moe.bias_update_rate",
     "data.path",
     "data.shuffle",
     "training.seq_len",
@@ -404,7 +406,7 @@ void Trainer::State::read_config() {
              "checkpoint.resume = true needs checkpoint.dir (where to look for checkpoints)");
 
   model_config_path = resolve_model_config(j.model.config, j.base_dir);
-  mc_ = ModelConfig::from_file(model_config_path);
+  mc_ = job_model_config(j, model_config_path);
   const ModelConfig& mc = *mc_;
   mc.validate(model_config_path);
   // RoPE is defined for any position, but the model is not trained (and `loom generate` refuses
@@ -828,6 +830,7 @@ TrainResult Trainer::run() {
 
     progress.time(m, seconds_since(t0), saver->peak_allocated());
     log.step(m);
+    for (const std::string& note : r.notes) log.message(str_cat("step ", step, ": ", note));
 
     if (j.validation.interval > 0 && (step % j.validation.interval == 0 || step == N)) {
       const double v = validate();

@@ -198,9 +198,20 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
 
 int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
                     int64_t* counts, int32_t* pos) {
-  check_router("moe_permute", M, E, k);
   LOOM_CHECK(capacity >= 0, "moe_permute: capacity must be >= 0 (0: keep every row), got ",
              capacity);
+  if (capacity == 0) return moe_permute_per_expert(experts, M, k, E, nullptr, counts, pos);
+  const std::vector<int64_t> each(static_cast<size_t>(std::max<int64_t>(E, 0)), capacity);
+  return moe_permute_per_expert(experts, M, k, E, each.data(), counts, pos);
+}
+
+int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
+                               const int64_t* capacity, int64_t* counts, int32_t* pos) {
+  check_router("moe_permute", M, E, k);
+  if (capacity)
+    for (int64_t e = 0; e < E; ++e)
+      LOOM_CHECK(capacity[e] >= 0, "moe_permute: expert ", e, "'s capacity must be >= 0, got ",
+                 capacity[e]);
   const int64_t n = M * k;
   LOOM_CHECK(n <= std::numeric_limits<int32_t>::max(), "moe_permute: M*k = ", n,
              " assignments do not fit the int32 rows of pos and order");
@@ -214,7 +225,7 @@ int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int
   std::vector<int64_t> start(static_cast<size_t>(E)), next(static_cast<size_t>(E), 0);
   int64_t rows = 0;
   for (int64_t e = 0; e < E; ++e) {
-    counts[e] = capacity > 0 ? std::min(total[size_t(e)], capacity) : total[size_t(e)];
+    counts[e] = capacity ? std::min(total[size_t(e)], capacity[e]) : total[size_t(e)];
     start[size_t(e)] = rows;
     rows += counts[e];
   }

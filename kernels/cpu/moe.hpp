@@ -40,6 +40,11 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
 // number dropped. Serial (one pass over the assignments to count, one to place).
 int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
                     int64_t* counts, int32_t* pos);
+// The same with a capacity per expert: expert e keeps its first capacity[e] (>= 0) assignments;
+// capacity nullptr keeps every one. (Context parallelism: the rows a cp rank may keep of each
+// expert so that the micro-batch drops what one process would, model/moe_capacity.hpp.)
+int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
+                               const int64_t* capacity, int64_t* counts, int32_t* pos);
 // order [N] (N = the kept rows) from pos [n]: order[pos[a]] = a for every kept a. pos must map
 // the kept assignments one to one onto [0, N) (an error otherwise).
 void moe_permute_order(const int32_t* pos, int64_t n, int64_t N, int32_t* order);

@@ -176,13 +176,14 @@ __global__ void __launch_bounds__(32)
 }
 
 // One block: per expert, hist's column turned into exclusive sums over the chunks (the expert's
-// assignments before each chunk) and its kept rows counts[e] (capped by capacity > 0); then the
+// assignments before each chunk) and its kept rows counts[e] (capped by capacity[e] where a
+// capacity is given); then the
 // experts' starts, exclusive sums of counts in expert order (one thread: E is small), and the
 // recorded bad assignment copied beside the counts (out = counts [E] then bad, one copy home).
 __global__ void __launch_bounds__(kThreads)
-    permute_scan_kernel(int32_t* __restrict__ hist, int64_t chunks, int64_t E, int64_t capacity,
-                        const uint32_t* __restrict__ bad, int64_t* __restrict__ out,
-                        int32_t* __restrict__ start) {
+    permute_scan_kernel(int32_t* __restrict__ hist, int64_t chunks, int64_t E,
+                        const int64_t* __restrict__ capacity, const uint32_t* __restrict__ bad,
+                        int64_t* __restrict__ out, int32_t* __restrict__ start) {
   for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
     int64_t total = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
       hist[c * E + e] = int32_t(total);
       total += v;
     }
-    out[e] = capacity > 0 && total > capacity ? capacity : total;
+    out[e] = capacity && total > capacity[e] ? capacity[e] : total;
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -396,9 +397,21 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
 
 int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
                     int64_t* counts, int32_t* pos) {
+  LOOM_CHECK(capacity >= 0, "moe_permute: capacity must be >= 0 (0: keep every row), got ",
+             capacity);
+  if (capacity == 0) return moe_permute_per_expert(experts, M, k, E, nullptr, counts, pos);
+  const std::vector<int64_t> each(static_cast<size_t>(std::max<int64_t>(E, 0)), capacity);
+  return moe_permute_per_expert(experts, M, k, E, each.data(), counts, pos);
+}
+
+int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
+                               const int64_t* capacity, int64_t* counts, int32_t* pos) {
   const char* what = "moe_permute";
   check_router(what, M, E, k);
-  LOOM_CHECK(capacity >= 0, what, ": capacity must be >= 0 (0: keep every row), got ", capacity);
+  if (capacity)
+    for (int64_t e = 0; e < E; ++e)
+      LOOM_CHECK(capacity[e] >= 0, what, ": expert ", e, "'s capacity must be >= 0, got ",
+                 capacity[e]);
   const int64_t n = M * k;
   LOOM_CHECK(n <= INT_MAX, what, ": M*k = ", n,
              " assignments do not fit the int32 rows of pos and order");
@@ -414,6 +427,13 @@ int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int
   Tensor t_start = Tensor::empty({E}, DType::i32, Device::cuda);
   Tensor t_out = Tensor::empty({2 * (E + 1)}, DType::i32, Device::cuda);
   Tensor t_bad = Tensor::empty({1}, DType::i32, Device::cuda);
+  Tensor t_capacity;
+  if (capacity) {
+    t_capacity = Tensor::empty({2 * E}, DType::i32, Device::cuda);
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(t_capacity.raw(), capacity, size_t(E) * sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, stream()),
+                    what);
+  }
   int32_t* hist = t_hist.data<int32_t>();
   int32_t* start = t_start.data<int32_t>();
   auto* out = static_cast<int64_t*>(t_out.raw());
@@ -424,7 +444,9 @@ int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int
   permute_walk_kernel<false><<<unsigned(chunks), 32, shared, stream()>>>(
       experts, n, E, hist, nullptr, nullptr, nullptr, bad);
   check_launch(what);
-  permute_scan_kernel<<<1, kThreads, 0, stream()>>>(hist, chunks, E, capacity, bad, out, start);
+  permute_scan_kernel<<<1, kThreads, 0, stream()>>>(
+      hist, chunks, E, capacity ? static_cast<const int64_t*>(t_capacity.raw()) : nullptr, bad, out,
+      start);
   check_launch(what);
   // The counts size the experts' GEMMs on the host: the one wait of the op.
   std::vector<int64_t> host(size_t(E + 1));

@@ -46,6 +46,10 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
 // E counts and the check come back: one device-to-host copy of E + 1 integers).
 int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
                     int64_t* counts, int32_t* pos);
+// cpu::moe_permute_per_expert: capacity [E] host memory (each >= 0; nullptr: keep every row),
+// copied to the device with the call.
+int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
+                               const int64_t* capacity, int64_t* counts, int32_t* pos);
 // cpu::moe_permute_order: order[pos[a]] = a for every kept a (pos in [-1, N): moe_permute's, one
 // to one onto [0, N) by construction; a row outside [0, N) is skipped, never written).
 void moe_permute_order(const int32_t* pos, int64_t n, int64_t N, int32_t* order);

@@ -255,6 +255,56 @@ TEST(Moe, PermuteDropsBeyondCapacityInTokenOrder) {
   for (int64_t i = 0; i < p.N; ++i) EXPECT_EQ(p.pos[size_t(p.order[size_t(i)])], i);
 }
 
+// A capacity per expert (context parallelism's share of the micro-batch's): expert e keeps its
+// first capacity[e] assignments in token order, each expert by its own; a scalar capacity is the
+// same capacity for every expert.
+TEST(Moe, PermuteKeepsEachExpertsOwnCapacity) {
+  const int64_t M = 40, k = 2, E = 6;
+  const std::vector<int32_t> experts = random_experts(M, k, E, 9);
+  const std::vector<int64_t> capacity = {0, 3, 9, 1, 40, 5};
+  const size_t n = static_cast<size_t>(E);
+  std::vector<int64_t> counts(n), seen(n, 0), want_counts(n, 0);
+  std::vector<int32_t> pos(size_t(M * k));
+  const int64_t dropped = cpu::moe_permute_per_expert(experts.data(), M, k, E, capacity.data(),
+                                                      counts.data(), pos.data());
+  int64_t want_dropped = 0;
+  std::vector<int64_t> start(n, 0);
+  for (int64_t a = 0; a < M * k; ++a) {
+    const size_t e = size_t(experts[size_t(a)]);
+    if (seen[e]++ < capacity[e])
+      ++want_counts[e];
+    else
+      ++want_dropped;
+  }
+  for (int64_t e = 1; e < E; ++e)
+    start[size_t(e)] = start[size_t(e - 1)] + want_counts[size_t(e - 1)];
+  std::fill(seen.begin(), seen.end(), 0);
+  for (int64_t a = 0; a < M * k; ++a) {
+    const size_t e = size_t(experts[size_t(a)]);
+    const int64_t i = seen[e]++;
+    EXPECT_EQ(pos[size_t(a)], i < capacity[e] ? int32_t(start[e] + i) : -1) << "assignment " << a;
+  }
+  EXPECT_EQ(counts, want_counts);
+  EXPECT_EQ(dropped, want_dropped);
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(counts[0], 0);  // a capacity of 0 drops every row of that expert
+
+  const std::vector<int64_t> nine(n, 9);
+  std::vector<int64_t> c1(n), c2(n);
+  std::vector<int32_t> p1(size_t(M * k)), p2(size_t(M * k));
+  EXPECT_EQ(
+      cpu::moe_permute(experts.data(), M, k, E, 9, c1.data(), p1.data()),
+      cpu::moe_permute_per_expert(experts.data(), M, k, E, nine.data(), c2.data(), p2.data()));
+  EXPECT_EQ(c1, c2);
+  EXPECT_EQ(p1, p2);
+  const std::vector<int64_t> negative = {1, 1, -1, 1, 1, 1};
+  test::expect_error(
+      [&] {
+        cpu::moe_permute_per_expert(experts.data(), M, k, E, negative.data(), c1.data(), p1.data());
+      },
+      {"moe_permute", "expert 2", "capacity", "-1"});
+}
+
 // xs row i = x row order[i] / k, bit for bit, f32 and bf16.
 TEST(Moe, DispatchGathersRows) {
   const int64_t M = 33, k = 3, E = 5, d = 19;

@@ -13,6 +13,7 @@
 #include "core/philox.hpp"
 #include "model/moe.hpp"
 #include "model/safetensors.hpp"
+#include "tests/model/tiny_moe.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -21,22 +22,9 @@ namespace fs = std::filesystem;
 namespace {
 
 MoeConfig qwen3_moe() {
-  MoeConfig c;
-  c.family = MoeConfig::Family::qwen3_moe;
-  c.base.hidden_size = 64;
-  c.base.intermediate_size = 96;  // the dense first layer
-  c.base.num_hidden_layers = 3;
-  c.base.num_attention_heads = 4;
-  c.base.num_key_value_heads = 2;
-  c.base.vocab_size = 301;
-  c.base.rms_norm_eps = 1e-6;
-  c.base.rope_theta = 1000000;
-  c.base.max_position_embeddings = 1024;
-  c.head_dim = 24;  // not hidden / heads, as Qwen3's
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 40;
-  c.norm_topk_prob = true;
+  // head_dim 24: not hidden / heads, as Qwen3's; a dense first layer of ffn 96.
+  MoeConfig c =
+      test::TinyMoe{.hidden = 64, .ffn = 96, .head_dim = 24, .moe_ffn = 40, .vocab = 301}.config();
   c.mlp_only_layers = {0};
   c.router_aux_loss_coef = 0.01;  // larger than the default, so that the term shows
   c.output_router_logits = true;
@@ -44,22 +32,17 @@ MoeConfig qwen3_moe() {
 }
 
 MoeConfig mixtral() {
-  MoeConfig c;
-  c.family = MoeConfig::Family::mixtral;
-  c.base.hidden_size = 48;
-  c.base.intermediate_size = 56;
-  c.base.num_hidden_layers = 2;
-  c.base.num_attention_heads = 4;
-  c.base.num_key_value_heads = 4;
-  c.base.vocab_size = 257;
+  MoeConfig c = test::TinyMoe{.family = MoeConfig::Family::mixtral,
+                              .hidden = 48,
+                              .ffn = 56,
+                              .layers = 2,
+                              .kv_heads = 4,
+                              .head_dim = 12,
+                              .experts = 4,
+                              .vocab = 257}
+                    .config();
   c.base.rms_norm_eps = 1e-5;
-  c.base.rope_theta = 1000000;
   c.base.tie_word_embeddings = true;
-  c.head_dim = 12;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 56;
-  c.norm_topk_prob = true;
   // Large, so that the auxiliary loss's gradient dominates the routers' (a wrong scale fails).
   c.router_aux_loss_coef = 0.5;
   c.output_router_logits = true;

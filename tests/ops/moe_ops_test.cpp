@@ -78,6 +78,20 @@ TEST(MoeOps, CpuOpsEqualTheKernels) {
   ops::moe_route_backward(probs, experts, weights, dweights, true, dprob, dlogits);
   EXPECT_TRUE(same_bits(values(dlogits), kdl));
 
+  // A capacity per expert reaches the kernel as it is.
+  const std::vector<int64_t> each = [&] {
+    std::vector<int64_t> c;
+    for (int64_t e = 0; e < E; ++e) c.push_back(3 + 5 * (e % 4));
+    return c;
+  }();
+  const ops::MoePermutation own = ops::moe_permute(experts, E, each);
+  std::vector<int64_t> kc_own(static_cast<size_t>(E));
+  std::vector<int32_t> kpos_own(size_t(M * k));
+  EXPECT_EQ(own.dropped, cpu::moe_permute_per_expert(ke.data(), M, k, E, each.data(), kc_own.data(),
+                                                     kpos_own.data()));
+  EXPECT_EQ(own.counts, kc_own);
+  EXPECT_TRUE(same_bits(values<int32_t>(own.pos), kpos_own));
+
   const int64_t capacity = 16;
   const ops::MoePermutation p = ops::moe_permute(experts, E, capacity);
   std::vector<int64_t> kc(static_cast<size_t>(E));
@@ -260,6 +274,9 @@ TEST(MoeOps, ChecksTheirArguments) {
       {"moe_route_backward", "dweights", "[4, 2]"});
   test::expect_error([&] { ops::moe_permute(experts, 0, 0); }, {"moe_permute", "E must be > 0"});
   test::expect_error([&] { ops::moe_permute(experts, E, -2); }, {"moe_permute", "capacity", "-2"});
+  const std::vector<int64_t> short_caps(size_t(E - 1), 4);
+  test::expect_error([&] { ops::moe_permute(experts, E, short_caps); },
+                     {"moe_permute", std::to_string(E - 1) + " capacities", "one per expert"});
   test::expect_error([&] { ops::moe_permute(f32_experts, E, 0); }, {"moe_permute", "int32"});
 
   ops::moe_route(logits, none, false, probs, experts, weights, none);
@@ -331,6 +348,12 @@ TEST(MoeOps, MetaPermutesBalancedAndComputesNothing) {
   EXPECT_EQ(capped.counts, (std::vector<int64_t>{5, 5, 5}));
   EXPECT_EQ(capped.dropped, 5);
   EXPECT_EQ(capped.order.numel(), 15);
+  // A capacity per expert caps each expert's even share by its own.
+  const std::vector<int64_t> each = {2, 9, 6};
+  const ops::MoePermutation own = ops::moe_permute(experts, E, each);
+  EXPECT_EQ(own.counts, (std::vector<int64_t>{2, 7, 6}));
+  EXPECT_EQ(own.dropped, 5);
+  EXPECT_EQ(own.order.numel(), 15);
 
   std::vector<std::string> ops_seen;
   {

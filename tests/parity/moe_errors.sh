@@ -2,8 +2,9 @@
 # A mixture of experts refuses, on every rank and before any step, the layouts it does not build
 # or cannot split, naming the key and the numbers: ep not dividing the experts or dp_shard x cp,
 # ep on one process or on a model without experts, tensor parallelism without sequence parallelism
-# or with ep x tp not dividing the experts, pipeline parallelism (not built for MoE yet); and loom
-# generate runs from an ep checkpoint. The dividing layouts train.
+# or with ep x tp not dividing the experts, pipeline parallelism (not built for MoE yet), [moe] keys
+# out of range or on a model without experts; and loom generate runs from an ep checkpoint. The
+# dividing layouts train.
 #   moe_errors.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -21,6 +22,10 @@ expect 2 "model_type \"llama\" has none" --parallelism.dp_shard=2 --parallelism.
 expect 2 "parallelism.tp_sequence_parallel = false: a mixture-of-experts model" --parallelism.tp=2 --parallelism.tp_sequence_parallel=false
 expect 4 "parallelism.ep x parallelism.tp = 2 x 2: expected a divisor of the model's 6 experts" --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.tp=2 --model.config="$work/six.json"
 expect 2 "runs without pipeline parallelism for now" --parallelism.pp=2
+# [moe]: out of range, or on a model without experts.
+expect 1 "moe.capacity_factor: expected a number >= 0" --moe.capacity_factor=-1
+expect 1 "moe.load_warning: expected a load max/mean > 1" --moe.load_warning=0.5
+expect 1 "moe.bias_update_rate = 0.001: the model" --moe.bias_update_rate=1e-3 --model.config=debug
 works 2 --parallelism.dp_shard=2 --parallelism.ep=2 --model.config="$work/six.json"
 works 2 --parallelism.tp=2 --model.config="$work/six.json"
 works 4 --parallelism.dp_shard=4 --parallelism.ep=2 --checkpoint.dir="$work/ck" --checkpoint.interval=1

@@ -28,7 +28,7 @@ for a in "$@"; do
     # A pipeline run takes pp_microbatches micro-batches per accumulation step (given explicitly
     # in the pp layouts).
     --parallelism.pp_microbatches=*) ppm=${a#*=}; run_args+=("$a") ;;
-    --model.* | --training.seq_len=*) run_args+=("$a"); ref_args+=("$a") ;;  # same for both runs
+    --model.* | --moe.* | --training.seq_len=*) run_args+=("$a"); ref_args+=("$a") ;;  # same for both runs
     *) run_args+=("$a") ;;
   esac
 done

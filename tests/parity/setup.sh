@@ -28,6 +28,19 @@ step_loss() {  # step_loss METRICS STEP
   grep "\"step\": $2," "$1" | grep -o '"loss": [0-9.e-]*' | cut -d' ' -f2
 }
 
+# straight12 CKPT_DIR NAME NP ARGS...: the uninterrupted run the resumes are held to: 12 steps with
+# NP ranks and the array $common plus ARGS, saving step 10 into CKPT_DIR (step 12's save removed,
+# so that a resume takes step 10); sets `want` to its step-11 loss.
+straight12() {
+  local ck=$1 name=$2 np=$3
+  shift 3
+  "${mpi[@]}" -np "$np" "$loom" train "${common[@]}" --training.steps=12 --checkpoint.dir="$ck" \
+    --checkpoint.interval=10 --checkpoint.keep=0 --metrics.jsonl="$work/$name.jsonl" "$@" \
+    >"$work/$name.log" 2>&1 || { cat "$work/$name.log"; exit 1; }
+  rm -rf "$ck/step-00000012"
+  want=$(step_loss "$work/$name.jsonl" 11)
+}
+
 # resume_step11 CKPT_DIR WANT TOL rel|abs NAME NP ARGS...: resumes a copy of CKPT_DIR (a run
 # saved at step 10) with NP ranks and the array $common plus ARGS for 11 steps, checks that it
 # resumed from step 10 (a run that trained from scratch might pass the tolerance too), prints its

@@ -8,6 +8,8 @@
 # (--parallelism.ep > 1) the tokens the all-to-alls carry, and the rows each rank's experts
 # compute, follow the routing, which the meta run does not know (it prices a balanced router): the
 # ep group's bytes and the peaks are printed, not compared; every other group's bytes still are.
+# So do the rows a capacity keeps (--moe.capacity_factor > 0: the meta run drops nothing where a
+# balanced router stays under it): the peaks are printed, not compared.
 # Under tensor parallelism a mixture of experts' tp ranks each compute their slice of the experts
 # for the same tokens: the rows each computes follow the routing too (the peaks are printed), the
 # tp group's bytes (gathers and reduce-scatters of every row) do not (compared).
@@ -46,8 +48,8 @@ grep '^{' "$work/real.out" | tail -1 >"$work/real.json"
 routed=0 tp=1 experts=0
 for a in "${args[@]}"; do
   case $a in
-    --parallelism.ep=1) ;;
-    --parallelism.ep=*) routed=1 ;;
+    --parallelism.ep=1 | --moe.capacity_factor=0 | --moe.capacity_factor=0.0) ;;
+    --parallelism.ep=* | --moe.capacity_factor=*) routed=1 ;;
     --parallelism.tp=*) tp=${a#*=} ;;
     --model.config=*) grep -qE '"num_(local_)?experts"' "${a#*=}" 2>/dev/null && experts=1 ;;
   esac

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_isa.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/llama_config.hpp"
+#include "model/model_config.hpp"
 #include "ops/devices.hpp"
 #include "tests/temp_dir.hpp"
 #include "tests/test_util.hpp"
@@ -181,9 +182,9 @@ cp_rotate_method = "allgather"
   EXPECT_EQ(b2.optimizer.lr, 0.00012345678901234567);
   EXPECT_EQ(b2.model.seed, 9007199254740993LL);
   // Every section is written.
-  for (const char* s : {"[job]", "[model]", "[data]", "[training]", "[optimizer]", "[lr_scheduler]",
-                        "[parallelism]", "[activation_checkpoint]", "[checkpoint]", "[metrics]",
-                        "[bench]", "[memory]"})
+  for (const char* s : {"[job]", "[model]", "[moe]", "[data]", "[training]", "[optimizer]",
+                        "[lr_scheduler]", "[parallelism]", "[activation_checkpoint]",
+                        "[checkpoint]", "[metrics]", "[bench]", "[memory]"})
     EXPECT_NE(text.find(s), std::string::npos) << s;
   // A changed value makes the configs differ (operator== looks at the keys).
   b2.parallelism.cp = 2;
@@ -407,6 +408,46 @@ TEST(JobConfig, ValidationKeys) {
   expect_error([] { parse("", {"--validation.steps=0"}); },
                {"command line", "validation.steps", "positive"});
   expect_error([] { parse("[validation]\nevery = 3\n"); }, {"validation.every", "interval"});
+}
+
+// [moe]: a mixture of experts' capacity factor, bias rate and warning threshold; 0 = dropless, off
+// and the default. job_model_config puts them on the model's config (a bias rate gives the model
+// its bias), and refuses them off their defaults for a model without experts.
+TEST(JobConfig, MoeKeys) {
+  const JobConfig d = parse("");
+  EXPECT_EQ(d.moe.capacity_factor, 0);
+  EXPECT_EQ(d.moe.bias_update_rate, 0);
+  EXPECT_EQ(d.moe.load_warning, 0);
+  JobConfig c =
+      parse("[moe]\ncapacity_factor = 1.25\nbias_update_rate = 1e-3\n", {"--moe.load_warning=3"});
+  EXPECT_EQ(c.moe.capacity_factor, 1.25);
+  EXPECT_EQ(c.moe.bias_update_rate, 1e-3);
+  EXPECT_EQ(c.moe.load_warning, 3);
+  EXPECT_FALSE(c == d);
+  const std::string text = loom::to_toml(c);
+  EXPECT_NE(text.find("[moe]\ncapacity_factor = 1.25\nbias_update_rate = 0.001\nload_warning = 3"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(parse(text), c);
+  expect_error([] { parse("[moe]\ncapacity_factor = -0.5\n"); },
+               {"job.toml:2", "moe.capacity_factor", ">= 0", "-0.5"});
+  expect_error([] { parse("", {"--moe.bias_update_rate=-1"}); },
+               {"command line", "moe.bias_update_rate", ">= 0"});
+  expect_error([] { parse("", {"--moe.load_warning=1"}); }, {"moe.load_warning", "> 1"});
+
+  const std::string moe = (fs::path(source_dir()) / "tests/parity/moe_debug.json").string();
+  const loom::ModelConfig plain = loom::job_model_config(d, moe);
+  EXPECT_FALSE(plain.moe("test").expert_bias);
+  const loom::ModelConfig mc = loom::job_model_config(c, moe);
+  EXPECT_EQ(mc.moe("test").training.capacity_factor, 1.25);
+  EXPECT_EQ(mc.moe("test").training.bias_update_rate, 1e-3);
+  EXPECT_EQ(mc.moe("test").load_warning_threshold(), 3);
+  EXPECT_TRUE(mc.moe("test").expert_bias);
+  EXPECT_EQ(mc.num_params(), plain.num_params() + 2 * 8);  // two sparse layers of 8 experts
+  const std::string llama = (fs::path(source_dir()) / "configs/debug.json").string();
+  expect_error([&] { loom::job_model_config(c, llama); },
+               {"moe.capacity_factor = 1.25", "debug.json", "\"llama\"", "has no experts"});
+  EXPECT_NO_THROW(loom::job_model_config(d, llama));
 }
 
 TEST(JobConfig, ProfilingTraceKey) {

@@ -2,9 +2,10 @@
 // checked against fp64 references in tests/kernels/moe_test.cpp), on random inputs (never zeros),
 // outputs filled with NaN (or a sentinel index) first: the router (ties, a selection bias, in
 // place, Qwen3-30B-A3B's 128 experts and DeepSeek's 256), its backward bit for bit, the counting
-// sort (an expert with no rows, a capacity that drops, several chunks, a bad expert index), the
-// gather, the weighted sum and their backwards in f32 and bf16 (odd widths, a pointer that is not
-// 16-byte aligned), a zero-row input each, and a bad row index giving NaN rows, never a crash.
+// sort (an expert with no rows, a capacity that drops, one per expert, several chunks, a bad expert
+// index), the gather, the weighted sum and their backwards in f32 and bf16 (odd widths, a pointer
+// that is not 16-byte aligned), a zero-row input each, and a bad row index giving NaN rows, never
+// a crash.
 #include "kernels/cuda/moe.hpp"
 
 #include <gtest/gtest.h>
@@ -324,6 +325,39 @@ TEST_F(MoeCuda, PermuteMatchesCpu) {
     cuda::moe_permute_order(gpos.data<int32_t>(), c.M * c.k, want.N, gorder.data<int32_t>());
     expect_same(host_i32(gorder, size_t(want.N)), want.order, "order");
   }
+}
+
+// A capacity per expert (context parallelism's, model/moe_capacity.hpp): some 0, some below and
+// some above the expert's choices.
+TEST_F(MoeCuda, PermutePerExpertCapacityMatchesCpu) {
+  for (const PermuteCase& c : kPermuteCases) {
+    SCOPED_TRACE(name(c));
+    const std::vector<int32_t> experts = random_experts(c, 35 + uint64_t(c.M));
+    std::mt19937_64 rng(36);
+    std::vector<int64_t> cap(size_t(c.E));
+    for (auto& v : cap) v = int64_t(rng() % uint64_t(2 * c.M * c.k / c.E + 2));
+    cap[0] = 0;
+    std::vector<int32_t> want_pos(experts.size());
+    std::vector<int64_t> want_counts(size_t(c.E));
+    const int64_t want = cpu::moe_permute_per_expert(experts.data(), c.M, c.k, c.E, cap.data(),
+                                                     want_counts.data(), want_pos.data());
+    Tensor gex = dev_i32(experts), gpos = dev_i32(std::vector<int32_t>(experts.size(), -99));
+    std::vector<int64_t> counts(size_t(c.E), -5);
+    const int64_t dropped = cuda::moe_permute_per_expert(
+        gex.data<int32_t>(), c.M, c.k, c.E, cap.data(), counts.data(), gpos.data<int32_t>());
+    EXPECT_EQ(dropped, want);
+    EXPECT_EQ(counts, want_counts);
+    expect_same(host_i32(gpos, experts.size()), want_pos, "pos");
+  }
+  std::vector<int64_t> cap = {3, -1, 2, 2};
+  Tensor gex = dev_i32({1, 2});
+  std::vector<int64_t> counts(4);
+  test::expect_error(
+      [&] {
+        cuda::moe_permute_per_expert(gex.data<int32_t>(), 1, 2, 4, cap.data(), counts.data(),
+                                     nullptr);
+      },
+      {"moe_permute", "expert 1's capacity", "-1"});
 }
 
 TEST_F(MoeCuda, PermuteRefusesABadExpertIndexBeforeWriting) {
