@@ -395,15 +395,6 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
   check_launch(what);
 }
 
-int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
-                    int64_t* counts, int32_t* pos) {
-  LOOM_CHECK(capacity >= 0, "moe_permute: capacity must be >= 0 (0: keep every row), got ",
-             capacity);
-  if (capacity == 0) return moe_permute_per_expert(experts, M, k, E, nullptr, counts, pos);
-  const std::vector<int64_t> each(static_cast<size_t>(std::max<int64_t>(E, 0)), capacity);
-  return moe_permute_per_expert(experts, M, k, E, each.data(), counts, pos);
-}
-
 int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
                                const int64_t* capacity, int64_t* counts, int32_t* pos) {
   const char* what = "moe_permute";

@@ -38,16 +38,14 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
                         const float* dweights, int64_t M, int64_t E, int64_t k, bool renormalize,
                         const float* dprob, float* dlogits);
 
-// cpu::moe_permute: counts [E] host memory, pos [M*k] device. The stable order without a sort:
-// the assignments in chunks of consecutive ones, each chunk's per-expert counts (one warp walking
-// the chunk 32 assignments at a time), their exclusive sums per expert over the chunks and the
-// experts' starts (one block), then each assignment's rank among its expert's = its chunk's
-// offset + the earlier ones of the chunk (the warp's walk again). Waits for the stream once (the
-// E counts and the check come back: one device-to-host copy of E + 1 integers).
-int64_t moe_permute(const int32_t* experts, int64_t M, int64_t k, int64_t E, int64_t capacity,
-                    int64_t* counts, int32_t* pos);
-// cpu::moe_permute_per_expert: capacity [E] host memory (each >= 0; nullptr: keep every row),
-// copied to the device with the call.
+// cpu::moe_permute_per_expert (and cpu::moe_permute, a capacity for every expert): capacity [E]
+// host memory (each >= 0; nullptr: keep every row), copied to the device with the call; counts
+// [E] host memory, pos [M*k] device. The stable order without a sort: the assignments in chunks
+// of consecutive ones, each chunk's per-expert counts (one warp walking the chunk 32 assignments
+// at a time), their exclusive sums per expert over the chunks and the experts' starts (one
+// block), then each assignment's rank among its expert's = its chunk's offset + the earlier ones
+// of the chunk (the warp's walk again). Waits for the stream once (the E counts and the check
+// come back: one device-to-host copy of E + 1 integers).
 int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int64_t E,
                                const int64_t* capacity, int64_t* counts, int32_t* pos);
 // cpu::moe_permute_order: order[pos[a]] = a for every kept a (pos in [-1, N): moe_permute's, one

@@ -316,8 +316,10 @@ TEST_F(MoeCuda, PermuteMatchesCpu) {
 
     Tensor gex = dev_i32(experts), gpos = dev_i32(std::vector<int32_t>(experts.size(), -99));
     std::vector<int64_t> counts(size_t(c.E), -5);
-    const int64_t dropped = cuda::moe_permute(gex.data<int32_t>(), c.M, c.k, c.E, c.capacity,
-                                              counts.data(), gpos.data<int32_t>());
+    const std::vector<int64_t> each(size_t(c.E), c.capacity);
+    const int64_t dropped = cuda::moe_permute_per_expert(gex.data<int32_t>(), c.M, c.k, c.E,
+                                                         c.capacity > 0 ? each.data() : nullptr,
+                                                         counts.data(), gpos.data<int32_t>());
     EXPECT_EQ(dropped, want.dropped);
     EXPECT_EQ(counts, want.counts);
     expect_same(host_i32(gpos, experts.size()), want.pos, "pos");
@@ -370,8 +372,8 @@ TEST_F(MoeCuda, PermuteRefusesABadExpertIndexBeforeWriting) {
     std::vector<int64_t> counts(size_t(c.E));
     test::expect_error(
         [&] {
-          cuda::moe_permute(gex.data<int32_t>(), c.M, c.k, c.E, 0, counts.data(),
-                            gpos.data<int32_t>());
+          cuda::moe_permute_per_expert(gex.data<int32_t>(), c.M, c.k, c.E, nullptr, counts.data(),
+                                       gpos.data<int32_t>());
         },
         {"moe_permute", "expert index " + std::to_string(bad), "assignment 1033",
          "out of range [0, 8)"});
@@ -382,10 +384,9 @@ TEST_F(MoeCuda, PermuteRefusesABadExpertIndexBeforeWriting) {
   Tensor gex = dev_i32({1, 2});
   std::vector<int64_t> counts(4);
   test::expect_error(
-      [&] { cuda::moe_permute(gex.data<int32_t>(), 1, 2, 4, -1, counts.data(), nullptr); },
-      {"moe_permute", "capacity", "-1"});
-  test::expect_error(
-      [&] { cuda::moe_permute(gex.data<int32_t>(), 1, 5, 4, 0, counts.data(), nullptr); },
+      [&] {
+        cuda::moe_permute_per_expert(gex.data<int32_t>(), 1, 5, 4, nullptr, counts.data(), nullptr);
+      },
       {"moe_permute", "k (experts per token)", "[1, E = 4]"});
 }
 
