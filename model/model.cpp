@@ -27,6 +27,9 @@ Model::~Model() = default;
 
 void Model::set_units(std::unique_ptr<ParamUnit> embed, std::vector<ParamUnit*> blocks,
                       std::unique_ptr<ParamUnit> head) {
+  LOOM_CHECK(used_.empty() || used_.size() == blocks.size() + 2, "model: `used` has ", used_.size(),
+             " entries; expected one per unit: ", blocks.size() + 2, " (the embedding, ",
+             blocks.size(), " blocks, the head)");
   embed_ = std::move(embed);
   blocks_ = std::move(blocks);
   head_ = std::move(head);

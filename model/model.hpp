@@ -92,7 +92,9 @@ class Model {
   // Training FLOPs per token at sequence length T (the MFU convention of the model's family).
   virtual double flops_per_token(int64_t T) const = 0;
   // What this rank's micro-batches measured since the last call (each one's head adds to it), then
-  // forgotten. Empty for the families that measure nothing beside the loss.
+  // forgotten. Empty for the families that measure nothing beside the loss. The step averages
+  // them over dp and sums them over pp: a pipeline rank without the head returns the same names
+  // with zeros (what its stages measured travels to the head: the carry below).
   virtual std::vector<ModelMetric> take_step_metrics() { return {}; }
   // After the step's optimizer update, on every rank of the step (it may run collectives, on meta
   // too): the model's own state that follows from what the window take_step_metrics closed
@@ -101,6 +103,30 @@ class Model {
   virtual std::vector<std::string> after_update(dist::ProcessGroup* dp) {
     (void)dp;
     return {};
+  }
+
+  // --- A few numbers of a micro-batch that travel between pipeline stages ---
+  // For a model whose head needs what every stage's blocks measured, or whose blocks' backward
+  // needs what the head computed (MoE: the router statistics forward, the auxiliary loss's
+  // gradient per expert backward). The pipeline sends the carry as a second message beside each
+  // activation (forward) or gradient (backward) that crosses ranks; between two stages of one
+  // rank the micro-batch's store is the same and nothing moves. Its size is the config's, never
+  // the data's, so that a meta run sends the same messages. Undefined: nothing travels (Llama,
+  // GLA: no extra message).
+  // A buffer of the carry's shape on device() to receive into (its values unset).
+  virtual Tensor carry_buffer(bool backward) const {
+    (void)backward;
+    return {};
+  }
+  // The carry of micro-batch `s` after this rank's stage ran its forward (backward).
+  virtual Tensor carry_out(const ActivationStore& s, bool backward) const {
+    (void)s, (void)backward;
+    return {};
+  }
+  // The carry received from the previous stage's rank (forward) or the next one's (backward):
+  // replaces what `s` held, before this rank's stage runs.
+  virtual void carry_in(ActivationStore& s, bool backward, const Tensor& carry) {
+    (void)s, (void)backward, (void)carry;
   }
   // Whether unit i (units() order) holds experts that expert parallelism splits over the ep ranks:
   // sharded over the ranks that hold the same experts (ParallelContext::ep), not all of FSDP's.
@@ -118,7 +144,7 @@ class Model {
   size_t num_units() const { return blocks_.size() + 2; }
   // Whether this rank runs unit i (units() order): false for a pp rank's units of other stages,
   // which hold no memory (built on Device::elsewhere).
-  bool uses(size_t unit) const { return used_.empty() || used_[unit]; }
+  bool uses(size_t unit) const { return used_.empty() || (unit < used_.size() && used_[unit]); }
   size_t num_blocks() const { return blocks_.size(); }
   int64_t num_params() const;  // this rank's (its tp slices, unsharded)
 

@@ -86,6 +86,13 @@ int64_t ModelConfig::hidden_size() const {
 int64_t ModelConfig::num_hidden_layers() const {
   return std::visit([](const auto& c) { return common(c).num_hidden_layers; }, c_);
 }
+std::vector<int> ModelConfig::blocks_per_layer() const {
+  std::vector<int> out(size_t(num_hidden_layers()), 1);
+  if (is_moe())
+    for (size_t l = 0; l < out.size(); ++l)
+      out[l] += int(std::get<MoeConfig>(c_).sparse(int64_t(l)));
+  return out;
+}
 int64_t ModelConfig::max_position_embeddings() const {
   return std::visit([](const auto& c) { return common(c).max_position_embeddings; }, c_);
 }

@@ -41,6 +41,10 @@ class ModelConfig {
   int64_t vocab_size() const;
   int64_t hidden_size() const;
   int64_t num_hidden_layers() const;
+  // The model's blocks (units) of each layer, in order: one, or a mixture of experts' sparse
+  // layer's two (its attention block, then its experts block). A pipeline splits the layers, so
+  // that the two halves of a layer stay on one stage.
+  std::vector<int> blocks_per_layer() const;
   int64_t max_position_embeddings() const;
   bool tie_word_embeddings() const;
   int64_t num_params() const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <any>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -22,14 +23,6 @@ struct MoeMicroBatch {
   RouterStats stats;
   double aux_loss = 0;
 };
-
-// Its auxiliary loss sums the router statistics of every sparse layer of a micro-batch: on one
-// rank until they travel between pipeline stages.
-std::vector<bool> refuse_pp(const MoeConfig& c, std::vector<bool> used) {
-  LOOM_CHECK(used.empty(), "parallelism.pp: a mixture-of-experts model (", c.model_type(),
-             ") runs without pipeline parallelism for now (expected parallelism.pp = 1)");
-  return used;
-}
 
 // Tensor parallelism splits the heads, a dense layer's and a shared expert's ffn and the experts
 // (whole, E / (ep x tp) per rank); the router and the experts read every row of the tp group,
@@ -76,7 +69,7 @@ MoeMicroBatch& state(ActivationStore& s) {
 
 MoeModel::MoeModel(const MoeConfig& config, DType compute, Device device, ShardLayout shard,
                    TpOptions tp, CpOptions cp, std::vector<bool> used, EpOptions ep)
-    : Model(compute, device, shard, tp, cp, refuse_pp(config, std::move(used)), ep),
+    : Model(compute, device, shard, tp, cp, std::move(used), ep),
       config_(config),
       balance_(sparse_layers(config), config.num_experts, config.num_experts_per_tok,
                config.training.bias_update_rate, config.load_warning_threshold(),
@@ -165,8 +158,10 @@ std::vector<std::string> MoeModel::held_elsewhere() const {
 std::vector<ModelMetric> MoeModel::take_step_metrics() {
   balance_.close_step();
   const StepSums s = std::exchange(step_, StepSums());
-  if (s.micro_batches == 0) return {};
-  return {{"aux_loss", "aux", s.aux / double(s.micro_batches)},
+  if (config_.num_sparse_layers() == 0) return {};
+  // The same names on every rank, zeros where no head ran (a pipeline rank without the last
+  // stage: its micro-batches' statistics travelled on to the head's rank).
+  return {{"aux_loss", "aux", s.micro_batches > 0 ? s.aux / double(s.micro_batches) : 0.0},
           {"expert_load", "load", s.load},
           {"dropped", "drop", s.choices > 0 ? s.dropped / s.choices : 0.0}};
 }
@@ -256,7 +251,7 @@ void MoeModel::add_aux_loss(ActivationStore& s) {
   RouterStats& st = m.stats;
   const int64_t E = config_.num_experts;
   if (config_.num_sparse_layers() == 0) return;
-  const bool train_aux = config_.output_router_logits && config_.router_aux_loss_coef > 0;
+  const bool train_aux = trains_aux();
   const int cp = par().cp.size();
   // counts [E], prob_sum [E], rows, dropped.
   std::vector<double> sums(size_t(2 * E + 2), 0.0);
@@ -318,6 +313,63 @@ Tensor MoeModel::head_forward_backward(ActivationStore& s) {
                                     s.grad_scale, s.loss);
   add_aux_loss(s);
   return dx;
+}
+
+// Under pipeline parallelism a micro-batch's router statistics go forward with its activations, so
+// that the head's sums cover every sparse layer, added in layer order as one process adds them,
+// and the auxiliary loss's gradient per expert goes back with its gradients to every stage's
+// routers. Forward: counts [E], probability sums [E], rows, dropped and the most loaded layer's
+// ratio, as doubles travelling as their 64 bits in two int32 (no f64 dtype); backward: dprob [E].
+Tensor MoeModel::carry_buffer(bool backward) const {
+  const int64_t E = config_.num_experts;
+  if (config_.num_sparse_layers() == 0 || (backward && !trains_aux())) return {};
+  return backward ? Tensor::empty({E}, DType::f32, device_)
+                  : Tensor::empty({2 * (2 * E + 3)}, DType::i32, device_);
+}
+
+Tensor MoeModel::carry_out(const ActivationStore& s, bool backward) const {
+  Tensor t = carry_buffer(backward);
+  if (!t.defined()) return t;
+  const auto& m = std::any_cast<const MoeMicroBatch&>(s.extra);
+  if (backward) {
+    LOOM_CHECK(m.stats.dprob.defined(),
+               "pipeline: the auxiliary loss's gradient of a micro-batch is sent back before its "
+               "head computed it");
+    return m.stats.dprob;
+  }
+  if (!ops::computes(device_)) return t;  // nothing routed on meta: the same bytes travel
+  const RouterStats& st = m.stats;
+  const size_t E = size_t(config_.num_experts);
+  std::vector<double> v(2 * E + 3, 0.0);
+  if (!st.counts.empty()) {
+    std::copy(st.counts.begin(), st.counts.end(), v.begin());
+    std::copy(st.prob_sum.begin(), st.prob_sum.end(), v.begin() + int64_t(E));
+  }
+  v[2 * E] = double(st.rows);
+  v[2 * E + 1] = double(st.dropped);
+  for (double r : st.load_max_over_mean) v[2 * E + 2] = std::max(v[2 * E + 2], r);
+  Tensor host = device_ == Device::cpu ? t : Tensor::empty(t.shape(), DType::i32, Device::cpu);
+  std::memcpy(host.data<int32_t>(), v.data(), v.size() * sizeof(double));
+  if (device_ != Device::cpu) ops::copy(host, t);
+  return t;
+}
+
+void MoeModel::carry_in(ActivationStore& s, bool backward, const Tensor& carry) {
+  RouterStats& st = state(s).stats;
+  if (backward) {
+    st.dprob = carry;
+    return;
+  }
+  if (!ops::computes(device_)) return;
+  const size_t E = size_t(config_.num_experts);
+  std::vector<double> v(2 * E + 3);
+  std::memcpy(v.data(), carry.on_host().data<int32_t>(), v.size() * sizeof(double));
+  st.counts.assign(v.begin(), v.begin() + int64_t(E));
+  st.prob_sum.assign(v.begin() + int64_t(E), v.begin() + int64_t(2 * E));
+  st.rows = int64_t(v[2 * E]);
+  st.dropped = int64_t(v[2 * E + 1]);
+  st.load_max_over_mean.clear();
+  if (st.rows > 0) st.load_max_over_mean.push_back(v[2 * E + 2]);
 }
 
 }  // namespace loom

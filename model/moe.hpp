@@ -60,6 +60,11 @@ class MoeModel final : public Model {
   // them at zero.
   void load_hf(const SafetensorsDir& dir) override;
   std::vector<std::string> held_elsewhere() const override;
+  // Pipeline parallelism: the router statistics travel forward to the head, the auxiliary loss's
+  // gradient per expert back to every stage (model/model.hpp).
+  Tensor carry_buffer(bool backward) const override;
+  Tensor carry_out(const ActivationStore& s, bool backward) const override;
+  void carry_in(ActivationStore& s, bool backward, const Tensor& carry) override;
 
  private:
   const RopeTable& rope_for(int64_t T);
@@ -76,6 +81,11 @@ class MoeModel final : public Model {
   // The auxiliary loss of the micro-batch's statistics, its scaled share added to s.loss and its
   // gradient per expert probability set.
   void add_aux_loss(ActivationStore& s);
+  // Whether training adds the auxiliary loss (transformers' output_router_logits and a
+  // coefficient).
+  bool trains_aux() const {
+    return config_.output_router_logits && config_.router_aux_loss_coef > 0;
+  }
 
   // The model's blocks in order: layer l's attention block, then its experts block if sparse.
   struct SubBlock {

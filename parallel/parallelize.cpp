@@ -58,7 +58,11 @@ PpPlan plan_pp(const ModelConfig& config, const ParallelGroups& g, const Paralle
              s.ranks, " rows (pp ranks); expected parallelism.pp = ", p);
   std::vector<int> layers;
   if (!o.pp_stage_layers.empty()) layers = pp::parse_stage_layers(o.pp_stage_layers);
-  auto units = pp::stage_units(int(config.num_hidden_layers()), s.stages, layers);
+  // The split is in layers; a layer of several blocks (a mixture of experts' attention and
+  // experts blocks) stays on one stage.
+  auto units =
+      pp::layer_ranges_to_blocks(pp::stage_units(int(config.num_hidden_layers()), s.stages, layers),
+                                 config.blocks_per_layer());
   return {std::move(s), std::move(units)};
 }
 
@@ -94,7 +98,7 @@ ParallelModel parallelize(const ModelConfig& config, DType compute, const Parall
   std::vector<bool> used;
   if (groups.pp) {
     pp_plan = plan_pp(config, groups, options);
-    used.assign(size_t(config.num_hidden_layers()) + 2, false);
+    used.assign(pp_plan->units.back().second, false);
     for (size_t u : pp_used_units(pp_plan->schedule, pp_plan->units, groups.pp->rank(),
                                   config.tie_word_embeddings()))
       used[u] = true;

@@ -22,10 +22,25 @@ Key key(const pp::Message& m) {
 struct Posted {
   Tensor buf;
   std::unique_ptr<dist::Work> work;
-  pp::Message msg;  // sends: what and to whom, for the trace
+  pp::Message msg;     // sends: what and to whom, for the trace
+  bool carry = false;  // the model's carry beside the message (Model::carry_buffer)
   int peer = -1;
   int tests_left = 0;  // sends: the tests until it is freed (0: at the step's end)
 };
+
+// The tags on the pp group, disjoint: the step's activations and gradients [0, 2SM)
+// (pp::message_tag), the tied embedding's gradient 2SM, validation's activations 2SM + 1 + stage
+// and their carries 2SM + 1 + S + stage, then the step's carries 2SM + 1 + 2S + message_tag. MPI
+// keeps the order of messages with one tag between two ranks.
+int tied_tag(const pp::Schedule& s) {
+  return 2 * s.stages * s.microbatches;
+}
+int validation_tag(const pp::Schedule& s, int stage, bool carry) {
+  return tied_tag(s) + 1 + (carry ? s.stages : 0) + stage;
+}
+int carry_tag(const pp::Schedule& s, const pp::Message& m) {
+  return tied_tag(s) + 1 + 2 * s.stages + pp::message_tag(m, s.stages, s.microbatches);
+}
 
 }  // namespace
 
@@ -107,7 +122,7 @@ void PipelineExecutor::sum_tied_gradients() {
   const Tensor g = emb.grad_shard();
   Tensor other = Tensor::empty({g.numel()}, DType::f32, g.device());
   const int peer = rank_ == first ? last : first;
-  const int tag = 2 * schedule_.stages * schedule_.microbatches;  // past every activation's tag
+  const int tag = tied_tag(schedule_);
   auto recv = group_->recv(other, peer, tag);
   recv->set_context(str_cat("pipeline schedule ", schedule_.name,
                             ": receiving the tied embedding's gradient from pp rank ", peer));
@@ -180,6 +195,12 @@ class PipelineExecutor::Round {
       p.work = ex_.group_->recv(p.buf, peer, pp::message_tag(m, s_.stages, s_.microbatches));
       p.work->set_context(context(order_[k], m, peer, "receiving the"));
       recvs_.emplace(key(m), std::move(p));
+      Posted c;
+      c.buf = ex_.drop_carries_ ? Tensor() : ex_.model_.carry_buffer(m.backward);
+      if (!c.buf.defined()) continue;
+      c.work = ex_.group_->recv(c.buf, peer, carry_tag(s_, m));
+      c.work->set_context(context(order_[k], m, peer, "receiving the model's carry beside the"));
+      carries_.emplace(key(m), std::move(c));
     }
   }
 
@@ -193,12 +214,15 @@ class PipelineExecutor::Round {
           .arg("p2p_bytes",
                int64_t((ex_.group_ ? ex_.group_->counters().bytes_sent : 0) - bytes0_));
       for (auto& p : sends_) {
-        trace::Span sw("wait", str_cat("send ", p.msg.backward ? "gradient" : "activation"));
+        trace::Span sw("wait", str_cat("send ", p.carry          ? "carry"
+                                                : p.msg.backward ? "gradient"
+                                                                 : "activation"));
         sw.arg("peer", p.peer).arg("stage", p.msg.stage).arg("mb", p.msg.mb);
         p.work->wait();
       }
     }
-    LOOM_CHECK(recvs_.empty() && local_.empty() && stores_.empty() && deferred_.empty(),
+    LOOM_CHECK(recvs_.empty() && carries_.empty() && local_.empty() && stores_.empty() &&
+                   deferred_.empty(),
                "pipeline schedule ", s_.name, ": rank ", ex_.rank_,
                " ended the step with messages or micro-batches left over");
     return loss_;
@@ -207,20 +231,20 @@ class PipelineExecutor::Round {
  private:
   void forward(const pp::Action& a, ActivationStore& st) {
     const auto [first, last] = ex_.units_[size_t(a.stage)];
-    Tensor x = a.stage > 0 ? received(a, false, a.stage) : Tensor();
+    Tensor x = a.stage > 0 ? received(a, false, a.stage, st) : Tensor();
     Tensor y;
     {
       trace::Span sp("action", pp::to_string(a));
       tag(sp, a);
       y = ex_.model_.forward(st, first, last, std::move(x));
     }
-    if (a.stage + 1 < s_.stages) hand_on(a, false, a.stage + 1, std::move(y));
+    if (a.stage + 1 < s_.stages) hand_on(a, false, a.stage + 1, std::move(y), st);
   }
 
   // B, or I: the input gradient with every linear layer's dW deferred to this stage's W.
   void backward(const pp::Action& a, ActivationStore& st) {
     const auto [first, last] = ex_.units_[size_t(a.stage)];
-    Tensor dy = a.stage + 1 < s_.stages ? received(a, true, a.stage) : Tensor();
+    Tensor dy = a.stage + 1 < s_.stages ? received(a, true, a.stage, st) : Tensor();
     Tensor dx;
     {
       trace::Span sp("action", pp::to_string(a));
@@ -231,7 +255,7 @@ class PipelineExecutor::Round {
         dx = ex_.model_.backward(st, first, last, std::move(dy));
     }
     if (a.stage == s_.stages - 1) loss_ += st.loss;
-    if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx));
+    if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx), st);
   }
 
   // The weight gradients that this stage's I deferred, from its saved operands: no
@@ -289,7 +313,8 @@ class PipelineExecutor::Round {
         .arg("kind", name.substr(name.find_first_of("FBIW"), 1));
   }
 
-  Tensor received(const pp::Action& a, bool backward, int stage) {
+  // The message's tensor; its carry, if the model has one, given to the micro-batch's store.
+  Tensor received(const pp::Action& a, bool backward, int stage, ActivationStore& st) {
     const pp::Message m{backward, stage, a.mb};
     auto lit = local_.find(key(m));
     if (lit != local_.end()) {
@@ -308,11 +333,18 @@ class PipelineExecutor::Round {
     }
     Tensor t = std::move(it->second.buf);
     recvs_.erase(it);
+    auto cit = carries_.find(key(m));
+    if (cit != carries_.end()) {
+      cit->second.work->wait();
+      ex_.model_.carry_in(st, backward, cit->second.buf);
+      carries_.erase(cit);
+    }
     return t;
   }
 
-  // To the next stage: handed over when this rank holds it, else sent.
-  void hand_on(const pp::Action& a, bool backward, int to_stage, Tensor t) {
+  // To the next stage: handed over when this rank holds it (the micro-batch's store, and so the
+  // model's carry, is the same), else sent with the carry.
+  void hand_on(const pp::Action& a, bool backward, int to_stage, Tensor t, ActivationStore& st) {
     const pp::Message m{backward, to_stage, a.mb};
     const int to_rank = s_.stage_rank[size_t(to_stage)];
     if (to_rank == ex_.rank_) {
@@ -329,8 +361,25 @@ class PipelineExecutor::Round {
     p.peer = to_rank;
     const auto tests = ex_.send_tests_.find(key(m));
     p.tests_left = tests == ex_.send_tests_.end() ? 0 : tests->second;
+    const int tests_left = p.tests_left;
     sends_.push_back(std::move(p));
     ++sends_posted_;
+    // The carry goes beside it and is freed at the same test.
+    Tensor c;
+    if (!ex_.drop_carries_) {
+      const MemoryUseScope use(ex_.model_.device(), MemoryUse::communication);
+      c = ex_.model_.carry_out(st, backward);
+    }
+    if (!c.defined()) return;
+    Posted q;
+    q.work = ex_.group_->send(c, to_rank, carry_tag(s_, sent));
+    q.work->set_context(context(a, m, to_rank, "sending the model's carry beside the"));
+    q.buf = std::move(c);
+    q.msg = m;
+    q.carry = true;
+    q.peer = to_rank;
+    q.tests_left = tests_left;
+    sends_.push_back(std::move(q));
   }
 
   // Drive the transfers in flight (Open MPI progresses only inside MPI calls) and free the
@@ -358,8 +407,9 @@ class PipelineExecutor::Round {
   std::map<int, std::unique_ptr<ActivationStore>> stores_;
   std::map<int, int> pending_;  // micro-batch -> this rank's backwards still to run
   std::map<Key, Posted> recvs_;
-  std::map<Key, Tensor> local_;  // handed between two stages of this rank
-  std::vector<Posted> sends_;    // not yet freed
+  std::map<Key, Posted> carries_;  // the model's carries beside recvs_
+  std::map<Key, Tensor> local_;    // handed between two stages of this rank
+  std::vector<Posted> sends_;      // not yet freed
   int64_t sends_posted_ = 0;
   std::map<std::pair<int, int>, Model::DeferredWeightGrads> deferred_;  // (stage, mb)
 };
@@ -385,7 +435,6 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
   // Past the training step's activation, gradient and tied-embedding tags; one per stage, and
   // MPI keeps the order of messages with the same tag between two ranks, which is the order both
   // ranks go through the micro-batches.
-  const int tag_base = 2 * s.stages * s.microbatches + 1;
   std::vector<Posted> sends;
   double loss = 0;
   for (int mb = 0; mb < n; ++mb) {
@@ -400,11 +449,23 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
         x = Tensor::empty({sp ? b.B * b.T / model_.tp().size() : b.B * b.T, d}, DType::f32,
                           model_.device());
         const int peer = s.stage_rank[size_t(stage - 1)];
-        auto w = group_->recv(x, peer, tag_base + stage);
+        auto w = group_->recv(x, peer, validation_tag(s, stage, false));
         w->set_context(str_cat("pipeline validation (forward only), stage ", stage,
                                ", micro-batch ", mb, ": receiving the activation from pp rank ",
                                peer));
+        Tensor c = model_.carry_buffer(false);
+        std::unique_ptr<dist::Work> cw;
+        if (c.defined()) {
+          cw = group_->recv(c, peer, validation_tag(s, stage, true));
+          cw->set_context(str_cat("pipeline validation (forward only), stage ", stage,
+                                  ", micro-batch ", mb,
+                                  ": receiving the model's carry from pp rank ", peer));
+        }
         w->wait();
+        if (cw) {
+          cw->wait();
+          model_.carry_in(st, false, c);
+        }
       }
       const auto [first, last] = units_[size_t(stage)];
       Tensor y = model_.forward(st, first, last, std::move(x));
@@ -417,12 +478,21 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
       } else {
         Posted p;
         const int peer = s.stage_rank[size_t(stage + 1)];
-        p.work = group_->send(y, peer, tag_base + stage + 1);
+        p.work = group_->send(y, peer, validation_tag(s, stage + 1, false));
         p.work->set_context(str_cat("pipeline validation (forward only), stage ", stage,
                                     ", micro-batch ", mb, ": sending the activation to pp rank ",
                                     peer));
         p.buf = std::move(y);
         sends.push_back(std::move(p));
+        Posted c;
+        c.buf = model_.carry_out(st, false);
+        if (c.buf.defined()) {
+          c.work = group_->send(c.buf, peer, validation_tag(s, stage + 1, true));
+          c.work->set_context(str_cat("pipeline validation (forward only), stage ", stage,
+                                      ", micro-batch ", mb,
+                                      ": sending the model's carry to pp rank ", peer));
+          sends.push_back(std::move(c));
+        }
       }
       if (hooks_) hooks_->after_action(a, false);
       for (auto& p : sends) p.work->test();

@@ -4,14 +4,15 @@
 // forward and backward are Model::forward/backward over the stage's units; activations and
 // their gradients cross ranks as tagged nonblocking sends/receives on the pp group (the tag is the
 // message's direction, stage and micro-batch, so messages between the same two ranks cannot be
-// matched to the wrong receive), receives posted one action ahead so that a transfer overlaps the
-// compute before it, between two stages of one rank handed over without a message; a send's
-// buffer is freed at a test fixed by the schedule (where its receiver has posted the receive in
-// the schedule simulated with unit costs), so that the peak never depends on MPI's timing. Every
-// wait has the group's deadline, and a timeout names the schedule, action, stage, micro-batch and
-// peer. One run is a small state machine (PipelineExecutor::Round in the .cpp): a method per
-// action kind, `run` the loop over the rank's list. Data parallelism's glue runs around every
-// action as PipelineHooks (pipeline_fsdp.hpp, pipeline_ddp.hpp).
+// matched to the wrong receive), each with the model's carry beside it where the model has one
+// (a few numbers per micro-batch: Model::carry_buffer), receives posted one action ahead so that a
+// transfer overlaps the compute before it, between two stages of one rank handed over without a
+// message; a send's buffer is freed at a test fixed by the schedule (where its receiver has
+// posted the receive in the schedule simulated with unit costs), so that the peak never depends on
+// MPI's timing. Every wait has the group's deadline, and a timeout names the schedule, action,
+// stage, micro-batch and peer. One run is a small state machine (PipelineExecutor::Round in the
+// .cpp): a method per action kind, `run` the loop over the rank's list. Data parallelism's glue
+// runs around every action as PipelineHooks (pipeline_fsdp.hpp, pipeline_ddp.hpp).
 // The loss is computed where the head is; gradients accumulate in the units in micro-batch order
 // per stage, the order of grad_accum_steps, so pp changes no bit of them.
 #include <cstdint>
@@ -114,6 +115,11 @@ class PipelineExecutor {
   // computes on its neighbour's, which the parity test must catch.
   void set_swap_activations(bool on) { swap_activations_ = on; }
 
+  // For the anti-test only: the model's carries (Model::carry_buffer) do not travel, so a stage
+  // runs on what its own blocks measured, which the comparison must catch for a model that has
+  // them. Every rank must set it alike.
+  void set_drop_carries(bool on) { drop_carries_ = on; }
+
  private:
   class Round;  // what one run holds between its actions (pipeline_executor.cpp)
 
@@ -126,6 +132,7 @@ class PipelineExecutor {
   bool tied_across_ = false;
   bool skip_tied_sum_ = false;
   bool drop_weight_grads_ = false;
+  bool drop_carries_ = false;
   // Per message this rank sends, (backward, stage, micro-batch): the test after an action that
   // frees its buffer (pp::SimResult::send_tests; 0: the step's final wait).
   std::map<std::tuple<bool, int, int>, int> send_tests_;

@@ -114,7 +114,7 @@ struct JobConfig {
     // per rank. A step runs the schedule grad_accum_steps times.
     int64_t pp_microbatches = 0;
     int64_t pp_stages_per_rank = 0;  // 0: the schedule's (2 for interleaved_1f1b and zbv, else 1)
-    std::string pp_stage_layers;     // "4,5,5,4": blocks per stage; empty: balanced
+    std::string pp_stage_layers;     // "4,5,5,4": layers per stage; empty: balanced
     std::string pp_schedule_csv;     // a schedule as torchtitan's compute-only CSV (overrides)
     std::string pp_fsdp_gather = "microbatch";  // microbatch | step (parallel/pipeline_fsdp.hpp)
     bool operator==(const Parallelism&) const = default;

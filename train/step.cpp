@@ -34,11 +34,13 @@ StepResult TrainStep::run(int64_t micro_batches,
       group_sum(model_.groups.pp, group_sum(model_.groups.dp, loss_sum)) / double(tokens_per_step_);
   r.model_metrics = model_.model->take_step_metrics();
   if (!r.model_metrics.empty()) {
-    // Every rank of a data-parallel group runs the same model: the same metrics, in order.
+    // Every rank of a data-parallel group runs the same model: the same metrics, in order. With
+    // pp they are on the head's rank (zeros elsewhere, Model::take_step_metrics): summed over pp,
+    // every rank has its figures.
     std::vector<double> v;
     for (const ModelMetric& m : r.model_metrics) v.push_back(m.value);
     const double dp = double(model_.groups.dp ? model_.groups.dp->size() : 1);
-    v = group_sum_each(model_.groups.dp, v);
+    v = group_sum_each(model_.groups.pp, group_sum_each(model_.groups.dp, v));
     for (size_t i = 0; i < v.size(); ++i) r.model_metrics[i].value = v[i] / dp;
   }
   r.grad_norm = grad_norm(model_.model->units(), model_.groups.shard, model_.groups.tp,

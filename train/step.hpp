@@ -18,7 +18,8 @@ struct StepResult {
   double loss = 0;       // mean over the step's tokens on every rank
   double grad_norm = 0;  // before clipping
   bool updated = false;  // false: the loss or the norm is not finite, and AdamW did not run
-  // The model's own (Model::take_step_metrics), each the mean over the data-parallel ranks.
+  // The model's own (Model::take_step_metrics), each the mean over the data-parallel ranks (the
+  // head's stage's, with pp).
   std::vector<ModelMetric> model_metrics;
   // The model's lines for the log after the update (Model::after_update: a runaway router).
   std::vector<std::string> notes;

@@ -37,7 +37,7 @@ std::vector<UnitRange> stage_units(int num_layers, int stages, const std::vector
     int sum = 0;
     for (int n : layers) sum += n;
     LOOM_CHECK(sum == num_layers, "parallelism.pp_stage_layers sums to ", sum,
-               " blocks; expected the model's num_hidden_layers = ", num_layers);
+               " layers; expected the model's num_hidden_layers = ", num_layers);
     size_t first = 0;
     for (int s = 0; s < stages; ++s) {
       size_t last = first + size_t(layers[size_t(s)]) + (s == 0 ? 1 : 0);
@@ -51,7 +51,7 @@ std::vector<UnitRange> stage_units(int num_layers, int stages, const std::vector
   // Every stage needs a block, or a stage would be only the embedding or only the head.
   LOOM_CHECK(num_layers >= stages, "pipeline: ", stages,
              " stages (parallelism.pp x pp_stages_per_rank) but the model has ", num_layers,
-             " blocks (num_hidden_layers); expected at least one block per stage");
+             " layers (num_hidden_layers); expected at least one layer per stage");
   size_t first = 0;
   for (int s = 0; s < stages; ++s) {
     const size_t n = size_t(units / stages + (s < units % stages ? 1 : 0));
@@ -65,6 +65,25 @@ std::vector<UnitRange> stage_units(int num_layers, int stages, const std::vector
     for (int s = 0; s < stages; ++s)
       even.push_back(num_layers / stages + (s < num_layers % stages));
     return stage_units(num_layers, stages, even);
+  }
+  return out;
+}
+
+std::vector<UnitRange> layer_ranges_to_blocks(const std::vector<UnitRange>& ranges,
+                                              const std::vector<int>& blocks_per_layer) {
+  // start[u]: the first block unit of layer unit u (0 the embedding, L + 1 the head, L + 2 the
+  // end).
+  std::vector<size_t> start{0, 1};
+  for (int n : blocks_per_layer) {
+    LOOM_CHECK(n >= 1, "pipeline: a layer of ", n, " blocks; expected at least one");
+    start.push_back(start.back() + size_t(n));
+  }
+  start.push_back(start.back() + 1);
+  std::vector<UnitRange> out;
+  for (const auto& [first, last] : ranges) {
+    LOOM_CHECK(first <= last && last < start.size(), "pipeline: units [", first, ", ", last,
+               ") of a model of ", blocks_per_layer.size(), " layers");
+    out.push_back({start[first], start[last]});
   }
   return out;
 }

@@ -56,7 +56,21 @@ TEST(PipelineStageSplit, Explicit) {
   EXPECT_NE(err([] { parse_stage_layers("2,0"); }).find("\"0\" is not a positive integer"),
             std::string::npos);
   EXPECT_NE(err([] { parse_stage_layers("2,,3"); }).find("pp_stage_layers"), std::string::npos);
-  EXPECT_NE(err([] { stage_units(3, 4); }).find("at least one block per stage"), std::string::npos);
+  EXPECT_NE(err([] { stage_units(3, 4); }).find("at least one layer per stage"), std::string::npos);
+}
+
+// A mixture of experts' sparse layer is two blocks (attention, experts): the layers' split in
+// the model's units keeps both on one stage.
+TEST(PipelineStageSplit, LayersOfTwoBlocksStayTogether) {
+  // Layer 0 dense, 1 and 2 sparse: units embed 0, layer 0 = 1, layer 1 = 2-3, layer 2 = 4-5,
+  // head 6.
+  EXPECT_EQ(layer_ranges_to_blocks(stage_units(3, 2), {1, 2, 2}),
+            (std::vector<UnitRange>{{0, 4}, {4, 7}}));
+  EXPECT_EQ(layer_ranges_to_blocks(stage_units(4, 4), {1, 2, 2, 2}),
+            (std::vector<UnitRange>{{0, 2}, {2, 4}, {4, 6}, {6, 9}}));
+  // One block per layer: the same ranges.
+  EXPECT_EQ(layer_ranges_to_blocks(stage_units(6, 4), {1, 1, 1, 1, 1, 1}), stage_units(6, 4));
+  EXPECT_THROW(layer_ranges_to_blocks(stage_units(3, 2), {1, 2}), Error);
 }
 
 }  // namespace

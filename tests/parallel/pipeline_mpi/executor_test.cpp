@@ -2,8 +2,11 @@
 // also runs the whole model with grad_accum_steps = m on the same micro-batches, and the units of
 // its stages must hold the same gradient bits, the head's rank the same summed loss bits, every
 // rank the same gradient norm bits, for gpipe, 1f1b, interleaved_1f1b (balanced and explicit
-// uneven splits), zb1p and zbv (I/W). The anti-tests feed a micro-batch's activation to its
-// neighbour and drop the W steps' weight gradients, which the comparison must catch on some rank.
+// uneven splits), zb1p and zbv (I/W). A mixture of experts likewise, its router statistics and
+// auxiliary loss gradient travelling as the model's carry, and its step metrics on the head's
+// rank those of one process. The anti-tests feed a micro-batch's activation to its neighbour,
+// drop the W steps' weight gradients and drop the carries, which the comparison must catch on
+// some rank.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -14,6 +17,8 @@
 #include "distributed/group_sum.hpp"
 #include "distributed/mpi_process_group.hpp"
 #include "model/llama.hpp"
+#include "model/model_config.hpp"
+#include "model/moe.hpp"
 #include "parallel/pipeline/schedule.hpp"
 #include "parallel/pipeline/stage_split.hpp"
 #include "parallel/pipeline_executor.hpp"
@@ -57,6 +62,45 @@ struct Data {
   }
 };
 
+// 1 where this rank's loss (on the head's rank), the gradients of its stages' units or the
+// gradient norm differ from one process's, summed over the group; `anti`: mismatches are expected,
+// not failures.
+int mismatches_on_ranks(const PipelineExecutor& ex, Model& model, Model& ref, double loss,
+                        double ref_loss, bool anti) {
+  int bad = 0;
+  if (ex.holds_head() && std::memcmp(&loss, &ref_loss, sizeof loss) != 0) {
+    if (!anti) ADD_FAILURE() << "rank " << ex.rank() << ": loss " << loss << " vs " << ref_loss;
+    bad = 1;
+  }
+  if (!ex.holds_head()) {
+    EXPECT_EQ(loss, 0.0);
+  }
+  auto ru = ref.units(), mu = model.units();
+  for (size_t u : ex.owned_units()) {
+    const Tensor& a = mu[u]->grad_flat();
+    const Tensor& b = ru[u]->grad_flat();
+    if (std::memcmp(a.data<float>(), b.data<float>(), a.nbytes()) != 0) {
+      if (!anti)
+        ADD_FAILURE() << "rank " << ex.rank() << ": unit " << u << " gradient differs, rel L2 "
+                      << test::rel_l2(
+                             std::vector<float>(a.data<float>(), a.data<float>() + a.numel()),
+                             std::vector<float>(b.data<float>(), b.data<float>() + b.numel()));
+      bad = 1;
+    }
+  }
+  // The gradient norm over pp (each unit's squared sum from its owner, added in unit order) has
+  // the bits of one process's.
+  const double norm =
+      clip_grad_norm(model.units(), 0, nullptr, nullptr, &world(), ex.counted_units());
+  const double ref_norm = clip_grad_norm(ref.units(), 0);
+  if (std::memcmp(&norm, &ref_norm, sizeof norm) != 0) {
+    if (!anti)
+      ADD_FAILURE() << "rank " << ex.rank() << ": gradient norm " << norm << " vs " << ref_norm;
+    bad = 1;
+  }
+  return int(group_sum(&world(), double(bad)));
+}
+
 // Number of ranks (summed over the group) whose gradients or loss differ from one process.
 int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vector<int>& split,
                bool swap, bool drop_w = false) {
@@ -80,45 +124,12 @@ int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vecto
                       pp::stage_units(layers, p * v, split), &world());
   ex.set_swap_activations(swap);
   ex.set_drop_weight_grads(drop_w);
-  swap = swap || drop_w;  // an anti-test: mismatches are expected, not failures
   const double loss = ex.run(
       [&](int j) {
         return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
       },
       scale);
-
-  int bad = 0;
-  if (ex.holds_head() && std::memcmp(&loss, &ref_loss, sizeof loss) != 0) {
-    if (!swap) ADD_FAILURE() << "rank " << ex.rank() << ": loss " << loss << " vs " << ref_loss;
-    bad = 1;
-  }
-  if (!ex.holds_head()) {
-    EXPECT_EQ(loss, 0.0);
-  }
-  auto ru = ref.units(), mu = model.units();
-  for (size_t u : ex.owned_units()) {
-    const Tensor& a = mu[u]->grad_flat();
-    const Tensor& b = ru[u]->grad_flat();
-    if (std::memcmp(a.data<float>(), b.data<float>(), a.nbytes()) != 0) {
-      if (!swap)
-        ADD_FAILURE() << "rank " << ex.rank() << ": unit " << u << " gradient differs, rel L2 "
-                      << test::rel_l2(
-                             std::vector<float>(a.data<float>(), a.data<float>() + a.numel()),
-                             std::vector<float>(b.data<float>(), b.data<float>() + b.numel()));
-      bad = 1;
-    }
-  }
-  // The gradient norm over pp (each unit's squared sum from its owner, added in unit order) has
-  // the bits of one process's.
-  const double norm =
-      clip_grad_norm(model.units(), 0, nullptr, nullptr, &world(), ex.counted_units());
-  const double ref_norm = clip_grad_norm(ref.units(), 0);
-  if (std::memcmp(&norm, &ref_norm, sizeof norm) != 0) {
-    if (!swap)
-      ADD_FAILURE() << "rank " << ex.rank() << ": gradient norm " << norm << " vs " << ref_norm;
-    bad = 1;
-  }
-  return int(group_sum(&world(), double(bad)));
+  return mismatches_on_ranks(ex, model, ref, loss, ref_loss, swap || drop_w);
 }
 
 TEST(PipelineExecutor, GpipeBitwise) {
@@ -259,6 +270,83 @@ TEST(PipelineExecutor, AntiTestSkippedTiedSumIsCaught) {
   const int p = world().size();
   if (p == 1) GTEST_SKIP() << "one rank holds both ends";
   EXPECT_GT(tied_embedding_error(pp::ScheduleKind::one_f_one_b, 1, 2 * p, true), 1e-2);
+}
+
+// A mixture of experts shaped as Qwen3-MoE (a dense first layer, then sparse layers of two blocks
+// each that a stage keeps together), its auxiliary loss trained with a large coefficient so that
+// its gradient shows in the routers'.
+MoeConfig moe_config(int layers) {
+  MoeConfig c;
+  c.base = config(layers);
+  c.base.intermediate_size = 48;
+  c.head_dim = 8;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 24;
+  c.norm_topk_prob = true;
+  c.mlp_only_layers = {0};
+  c.router_aux_loss_coef = 0.5;
+  c.output_router_logits = true;
+  return c;
+}
+
+// As mismatches(), and the step's metrics: on the head's rank those of one process (the
+// statistics of every stage's sparse layers travelled to it), zeros elsewhere. `drop_carries`:
+// the anti-test (the statistics and the auxiliary loss's gradient stay where they are).
+int moe_mismatches(pp::ScheduleKind kind, int v, int m, int layers, bool drop_carries) {
+  const int p = world().size();
+  const MoeConfig c = moe_config(layers);
+  const Data data(m, int(c.base.vocab_size));
+  const float scale = float(1.0 / double(m * kB * kT));
+  MoeModel ref(c, DType::f32);
+  ref.init_weights(7);
+  ref.zero_grad();
+  double ref_loss = 0;
+  for (int j = 0; j < m; ++j)
+    ref_loss +=
+        ref.forward_backward(data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT, scale);
+
+  MoeModel model(c, DType::f32);
+  model.init_weights(7);
+  model.zero_grad();
+  PipelineExecutor ex(
+      model, pp::make_schedule(kind, p, v, m),
+      pp::layer_ranges_to_blocks(pp::stage_units(layers, p * v), ModelConfig(c).blocks_per_layer()),
+      &world());
+  ex.set_drop_carries(drop_carries);
+  const double loss = ex.run(
+      [&](int j) {
+        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+      },
+      scale);
+  const int bad = mismatches_on_ranks(ex, model, ref, loss, ref_loss, drop_carries);
+  const auto got = model.take_step_metrics(), want = ref.take_step_metrics();
+  int off = got.size() != want.size() || want.size() != 3;
+  for (size_t i = 0; !off && i < got.size(); ++i) {
+    const double w = ex.holds_head() ? want[i].value : 0.0;
+    if (got[i].name == want[i].name && std::memcmp(&got[i].value, &w, sizeof w) == 0) continue;
+    if (!drop_carries)
+      ADD_FAILURE() << "rank " << ex.rank() << ": " << got[i].name << " " << got[i].value << " vs "
+                    << w;
+    off = 1;
+  }
+  EXPECT_TRUE(drop_carries || got.size() == want.size()) << "rank " << ex.rank();
+  return bad + int(group_sum(&world(), double(off)));
+}
+
+TEST(PipelineExecutor, MixtureOfExpertsBitwise) {
+  const int p = world().size();
+  EXPECT_EQ(moe_mismatches(pp::ScheduleKind::one_f_one_b, 1, 2 * p, 2 * p, false), 0);
+  EXPECT_EQ(moe_mismatches(pp::ScheduleKind::gpipe, 1, p, 2 * p, false), 0);
+  EXPECT_EQ(moe_mismatches(pp::ScheduleKind::interleaved_1f1b, 2, 2 * p, 2 * p, false), 0);
+  EXPECT_EQ(moe_mismatches(pp::ScheduleKind::zb1p, 1, 2 * p, 2 * p, false), 0);
+  EXPECT_EQ(moe_mismatches(pp::ScheduleKind::zbv, 2, 2 * p, 2 * p, false), 0);
+}
+
+TEST(PipelineExecutor, AntiTestDroppedCarryIsCaught) {
+  const int p = world().size();
+  if (p == 1) GTEST_SKIP() << "no stage boundary crosses ranks with one rank";
+  EXPECT_GT(moe_mismatches(pp::ScheduleKind::one_f_one_b, 1, 2 * p, 2 * p, true), 0);
 }
 
 }  // namespace
