@@ -318,13 +318,20 @@ bool WeightGrad::take_first_write() const {
   return true;
 }
 
-void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const WeightGrad& dw,
-                     Tensor& dx) {
-  const int64_t M = rows(dy), N = cols(dy), K = cols(x);
+namespace {
+// dx [M, K] = dy w (overwritten).
+void linear_backward_input(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  const int64_t M = rows(dy), N = cols(dy), K = cols(dx);
   on(
       "linear_backward", dy.device(),
       [&] { return gemm("linear_backward", dy.dtype(), M, K, N, false); },
       [&](Backend& b) { b.linear_backward_input(dy, w, dx); });
+}
+}  // namespace
+
+void linear_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const WeightGrad& dw,
+                     Tensor& dx) {
+  linear_backward_input(dy, w, dx);
   // Deferred on meta too: the copies are booked as a real run holds them, and run_weight_grads
   // reports the weight GEMMs where the schedule runs them.
   if (g_deferred) {
@@ -1024,12 +1031,22 @@ void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const 
   check_groups(op, w, counts, {{"x", &x}, {"dy", &dy}, {"dx", &dx}});
   LOOM_CHECK(dw.size() == counts.size(), op, ": ", dw.size(), " weight gradients for ",
              counts.size(), " experts");
+  // Deferred (DeferWeightGrads), dy is copied once, whole, and each expert's weight gradient
+  // reads its rows of the copy: a copy per expert would be sized by the routing, and the step's
+  // peak would follow it where the meta run's balanced router cannot know it.
+  const Tensor dy_kept = g_deferred ? copy_of(dy) : Tensor();
+  const Tensor x_kept = g_deferred && g_copy_inputs ? copy_of(x) : x;
   int64_t off = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
     const int64_t n = counts[e];
     if (n == 0) continue;
     Tensor dxe = dx.narrow(0, off, n);
-    linear_backward(dy.narrow(0, off, n), x.narrow(0, off, n), w[e], dw[e], dxe);
+    if (g_deferred) {
+      linear_backward_input(dy.narrow(0, off, n), w[e], dxe);
+      g_deferred->push_back({dy_kept.narrow(0, off, n), x_kept.narrow(0, off, n), dw[e]});
+    } else {
+      linear_backward(dy.narrow(0, off, n), x.narrow(0, off, n), w[e], dw[e], dxe);
+    }
     off += n;
   }
 }

@@ -334,7 +334,8 @@ void moe_combine_backward(const Tensor& dy, const Tensor& ys, const Tensor& weig
 void grouped_linear(const Tensor& x, std::span<const Tensor> w, std::span<const int64_t> counts,
                     Tensor& y);
 // For grouped_linear: dx [N, K] overwritten, dw[e] += expert e's dy^T x (linear_backward's, also
-// under DeferWeightGrads); an expert with no rows leaves its gradient as it is.
+// under DeferWeightGrads, which keeps one copy of the whole dy: the same memory for any routing);
+// an expert with no rows leaves its gradient as it is.
 void grouped_linear_backward(const Tensor& dy, const Tensor& x, std::span<const Tensor> w,
                              std::span<const int64_t> counts, std::span<const WeightGrad> dw,
                              Tensor& dx);

@@ -249,6 +249,30 @@ TEST(MoeOps, GroupedLinearMatchesPerExpertGemms) {
   }
 }
 
+// Deferred (zero-bubble pipelines), the experts' weight gradients keep one copy of dy: the memory
+// they hold is the same for any routing, so the meta run's balanced router books what a run holds
+// (a copy per expert would round each expert's rows apart: 7 + 5 rows against 4 + 4 + 4 here).
+TEST(MoeOps, DeferredGroupedWeightGradientsHoldOneCopyForAnyRouting) {
+  const int64_t N = 12, K = 8, F = 6;
+  auto& alloc = Allocator::get(Device::meta);
+  auto held = [&](std::vector<int64_t> counts) {
+    std::vector<Tensor> w(counts.size(), meta({F, K})), g(counts.size(), meta({F, K}));
+    std::vector<ops::WeightGrad> dw(g.begin(), g.end());
+    Tensor dx = meta({N, K});
+    std::vector<ops::DeferredWeightGrad> later;
+    const size_t before = alloc.stats().allocated;
+    {
+      ops::DeferWeightGrads defer(later);
+      ops::grouped_linear_backward(meta({N, F}), meta({N, K}), w, counts, dw, dx);
+    }
+    return alloc.stats().allocated - before;
+  };
+  const size_t balanced = held({4, 4, 4});
+  EXPECT_GT(balanced, 0u);
+  EXPECT_EQ(held({7, 0, 5}), balanced);
+  EXPECT_EQ(held({12, 0, 0}), balanced);
+}
+
 TEST(MoeOps, ChecksTheirArguments) {
   const int64_t M = 4, E = 3, k = 2, d = 5;
   const Tensor logits = random({M, E}, 60);

@@ -2,10 +2,11 @@
 # A mixture-of-experts checkpoint saved under expert parallelism 4 (dp_shard 4, each rank holding 2
 # of the 8 experts whole) resumes under ep 2 (4 experts per rank), ep 2 x FSDP 4 (the experts
 # also sharded), ep 2 x tp 2 and tp 2 (each tp rank holding its slice of the experts), FSDP 2
-# without ep and one process, with the next-step loss of the uninterrupted
-# run within 1e-6 relative (restart_layouts.sh says why not to the last digit). Each rank's file
-# holds its own experts under their global names: the resumed layout reads the slices it holds
-# now from whichever files hold them.
+# without ep, pp 2 x ep 2 and one process, with the next-step loss of the uninterrupted run within
+# 1e-6 relative (restart_layouts.sh says why not to the last digit). Each rank's file holds its own
+# experts under their global names: the resumed layout reads the slices it holds now from
+# whichever files hold them. One saved under pp 2 x ep 2 (each pp rank's file holds its stages'
+# layers) resumes under one process and ep 4.
 # Then the same with the auxiliary-loss-free bias (moe.bias_update_rate) and a capacity that drops
 # (moe.capacity_factor = 1.0): saved under ep 2, resumed under one process and FSDP 2, the bias
 # of step 10 read back from the checkpoint (a tensor of its layer's unit); a copy whose biases
@@ -19,6 +20,8 @@ common=(--config "$src/configs/debug.toml" --data.path="$work/data"
   --model.config="$src/tests/parity/moe_debug.json")
 straight12 "$work/ck" full 4 --training.local_batch_size=1 --parallelism.dp_shard=4 \
   --parallelism.ep=4
+pp=(--parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.pp=2 --parallelism.pp_microbatches=2
+  --training.local_batch_size=1)
 status=0
 # Micro-batches of one sample everywhere: the auxiliary loss is a function of a micro-batch's
 # tokens (transformers' per forward call), so a layout that put two samples in one would add a
@@ -28,8 +31,14 @@ for layout in "2 --parallelism.dp_shard=2 --parallelism.ep=2 --training.local_ba
   "2 --parallelism.dp_shard=2 --training.local_batch_size=1 --training.grad_accum_steps=2" \
   "4 --parallelism.dp_shard=2 --parallelism.ep=2 --parallelism.tp=2 --training.local_batch_size=1 --training.grad_accum_steps=2" \
   "2 --parallelism.tp=2 --training.local_batch_size=1 --training.grad_accum_steps=4" \
+  "4 ${pp[*]}" \
   "1 --training.local_batch_size=1 --training.grad_accum_steps=4"; do
   resume_step11 "$work/ck" "$want" 1e-6 rel "ep 4" $layout || status=1
+done
+straight12 "$work/ckpp" fullpp 4 "${pp[@]}"
+for layout in "1 --training.local_batch_size=1 --training.grad_accum_steps=4" \
+  "4 --parallelism.dp_shard=4 --parallelism.ep=4 --training.local_batch_size=1"; do
+  resume_step11 "$work/ckpp" "$want" 1e-6 rel "pp 2 x ep 2" $layout || status=1
 done
 
 common+=(--moe.bias_update_rate=1e-2 --moe.capacity_factor=1.0)

@@ -5,7 +5,9 @@
 // against NORM_TOLERANCE, by default 10 x TOLERANCE (0: every bit of all three). The norm is the
 // least stable of the three: it adds the squares of gradients that are sums of nearly cancelling
 // terms; seen: tp 2 with tied embeddings (no pp) 5.2e-5 off at a step where its loss is 1e-8 off,
-// bf16 layouts 9e-4. Prints the worst figures; exit 1 when one is over the tolerance or the runs
+// bf16 layouts 9e-4. A mixture of experts' auxiliary loss (metrics.jsonl's aux_loss, printed by
+// rank 0, which under pp holds no head: the step sums it over pp) against TOLERANCE too, where the
+// reference has it. Prints the worst figures; exit 1 when one is over the tolerance or the runs
 // differ in steps or tensors, 2 on bad input.
 #include <algorithm>
 #include <cmath>
@@ -21,8 +23,9 @@
 
 namespace {
 
-// Per step, the value of `key` ("loss", "grad_norm") in a metrics.jsonl.
-std::map<int64_t, double> series(const std::string& path, const char* key) {
+// Per step, the value of `key` ("loss", "grad_norm") in a metrics.jsonl; `required`: fails when no
+// step has it.
+std::map<int64_t, double> series(const std::string& path, const char* key, bool required = true) {
   std::ifstream f(path);
   LOOM_CHECK(f.good(), "cannot open '", path, "'");
   std::map<int64_t, double> out;
@@ -36,7 +39,7 @@ std::map<int64_t, double> series(const std::string& path, const char* key) {
       out[j.at("step").get<int64_t>()] =
           j.at(key).is_null() ? std::nan("") : j.at(key).get<double>();
   }
-  LOOM_CHECK(!out.empty(), "'", path, "' has no step with a ", key);
+  LOOM_CHECK(!required || !out.empty(), "'", path, "' has no step with a ", key);
   return out;
 }
 
@@ -76,6 +79,9 @@ int run(int argc, char** argv) {
   const Worst norm = compare_series(argv[1], argv[3], "grad_norm");
   bool ok = loss.ok && norm.ok;
   const size_t steps = series(argv[1], "loss").size();
+  const bool moe = !series(argv[1], "aux_loss", false).empty();
+  const Worst aux = moe ? compare_series(argv[1], argv[3], "aux_loss") : Worst();
+  ok = ok && aux.ok;
   const loom::SafetensorsDir a(argv[2]), b(argv[4]);
   double diff2 = 0, ref2 = 0;
   std::vector<float> x, y;
@@ -121,14 +127,18 @@ int run(int argc, char** argv) {
       "difference %.3g (step %lld); final weights relative L2 %.3g; tolerance %.3g (norm %.3g)\n",
       steps, loss.rel, (long long)loss.step, norm.rel, (long long)norm.step, rel_w, tol, norm_tol);
   if (biases) std::printf("selection-only biases: worst relative L2 %.3g\n", bias_rel);
+  if (moe)
+    std::printf("auxiliary loss: worst relative difference %.3g (step %lld)\n", aux.rel,
+                (long long)aux.step);
   // A complete comparison (same steps, same tensors) that is out of tolerance says so on a line
   // of its own: the harness's mismatch test requires exactly this failure.
-  const bool within = loss.rel <= tol && norm.rel <= norm_tol && rel_w <= tol && bias_rel <= tol;
+  const bool within =
+      loss.rel <= tol && norm.rel <= norm_tol && rel_w <= tol && bias_rel <= tol && aux.rel <= tol;
   if (ok && !within) {
     std::printf(
-        "out of tolerance: loss %.3g, gradient norm %.3g, weights %.3g, biases %.3g > %.3g (norm "
-        "%.3g)\n",
-        loss.rel, norm.rel, rel_w, bias_rel, tol, norm_tol);
+        "out of tolerance: loss %.3g, gradient norm %.3g, weights %.3g, biases %.3g, auxiliary "
+        "loss %.3g > %.3g (norm %.3g)\n",
+        loss.rel, norm.rel, rel_w, bias_rel, aux.rel, tol, norm_tol);
     // Where the weights differ most: what to look at first.
     std::sort(by_tensor.rbegin(), by_tensor.rend());
     for (size_t i = 0; i < std::min<size_t>(5, by_tensor.size()); ++i)

@@ -5,7 +5,7 @@
 # so its validation losses must be equal to the last bit (1f1b on 2 ranks, interleaved with two
 # stages per rank); pp2 x tp2 within 1e-6 relative (tp sums in another order); pp2 x fsdp2 against
 # fsdp2 (the same dp layout, so the same validation batches) within 1e-6, per micro-batch and
-# with pp_fsdp_gather = "step".
+# with pp_fsdp_gather = "step"; a mixture of experts under pp 2 to the last bit.
 #   pp_validation.sh LOOM MPIEXEC SOURCE_DIR
 set -euo pipefail
 loom=$1 mpiexec=$2 src=$3
@@ -58,4 +58,11 @@ compare fsdp2 pp2_fsdp2 1e-6 || status=1
 run pp2_fsdp2_step 4 --parallelism.pp=2 --parallelism.dp_shard=2 --parallelism.pp_microbatches=4 \
   --parallelism.pp_fsdp_gather=step
 compare fsdp2 pp2_fsdp2_step 1e-6 || status=1
+# A mixture of experts: the forward-only schedule carries the router statistics to the head too
+# (its validation loss has the auxiliary term), bit for bit.
+moe=--model.config="$src/tests/parity/moe_debug.json"
+run moe_ref 1 --training.grad_accum_steps=4 "$moe"
+run moe_pp2 2 --parallelism.pp=2 --parallelism.pp_microbatches=4 "$moe"
+grep -q "qwen3_moe" "$work/moe_pp2.log" || { echo "moe_pp2: not the mixture of experts"; status=1; }
+compare moe_ref moe_pp2 0 || status=1
 exit $status
