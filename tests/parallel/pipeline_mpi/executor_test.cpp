@@ -62,6 +62,29 @@ struct Data {
   }
 };
 
+// One process's run of the m micro-batches (grad_accum_steps = m) on `ref`: its summed loss.
+// Both models start from the same weights with zero gradients.
+double reference_run(Model& ref, Model& model, const Data& data, int m, float scale) {
+  double loss = 0;
+  for (Model* x : {&ref, &model}) {
+    x->init_weights(7);
+    x->zero_grad();
+  }
+  for (int j = 0; j < m; ++j)
+    loss +=
+        ref.forward_backward(data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT, scale);
+  return loss;
+}
+
+// The pipeline's run of the same micro-batches: the loss of those whose head is on this rank.
+double pipeline_run(PipelineExecutor& ex, const Data& data, float scale) {
+  return ex.run(
+      [&](int j) {
+        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
+      },
+      scale);
+}
+
 // 1 where this rank's loss (on the head's rank), the gradients of its stages' units or the
 // gradient norm differ from one process's, summed over the group; `anti`: mismatches are expected,
 // not failures.
@@ -109,26 +132,13 @@ int mismatches(pp::ScheduleKind kind, int v, int m, int layers, const std::vecto
   const Data data(m, int(c.vocab_size));
   const float scale = float(1.0 / double(m * kB * kT));
 
-  LlamaModel ref(c, DType::f32);
-  ref.init_weights(7);
-  ref.zero_grad();
-  double ref_loss = 0;
-  for (int j = 0; j < m; ++j)
-    ref_loss +=
-        ref.forward_backward(data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT, scale);
-
-  LlamaModel model(c, DType::f32);
-  model.init_weights(7);
-  model.zero_grad();
+  LlamaModel ref(c, DType::f32), model(c, DType::f32);
+  const double ref_loss = reference_run(ref, model, data, m, scale);
   PipelineExecutor ex(model, pp::make_schedule(kind, p, v, m),
                       pp::stage_units(layers, p * v, split), &world());
   ex.set_swap_activations(swap);
   ex.set_drop_weight_grads(drop_w);
-  const double loss = ex.run(
-      [&](int j) {
-        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
-      },
-      scale);
+  const double loss = pipeline_run(ex, data, scale);
   return mismatches_on_ranks(ex, model, ref, loss, ref_loss, swap || drop_w);
 }
 
@@ -201,26 +211,13 @@ double tied_embedding_error(pp::ScheduleKind kind, int v, int m, bool skip_sum) 
   c.tie_word_embeddings = true;
   const Data data(m, int(c.vocab_size));
   const float scale = float(1.0 / double(m * kB * kT));
-  LlamaModel ref(c, DType::f32);
-  ref.init_weights(7);
-  ref.zero_grad();
-  double ref_loss = 0;
-  for (int j = 0; j < m; ++j)
-    ref_loss +=
-        ref.forward_backward(data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT, scale);
-
-  LlamaModel model(c, DType::f32);
-  model.init_weights(7);
-  model.zero_grad();
+  LlamaModel ref(c, DType::f32), model(c, DType::f32);
+  const double ref_loss = reference_run(ref, model, data, m, scale);
   PipelineExecutor ex(model, pp::make_schedule(kind, p, v, m), pp::stage_units(layers, p * v),
                       &world());
   EXPECT_TRUE(ex.tied_across_ranks());
   ex.set_skip_tied_sum(skip_sum);
-  const double loss = ex.run(
-      [&](int j) {
-        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
-      },
-      scale);
+  const double loss = pipeline_run(ex, data, scale);
   ex.sum_tied_gradients();
   if (ex.holds_head()) {
     EXPECT_EQ(std::memcmp(&loss, &ref_loss, sizeof loss), 0) << loss << " vs " << ref_loss;
@@ -298,27 +295,14 @@ int moe_mismatches(pp::ScheduleKind kind, int v, int m, int layers, bool drop_ca
   const MoeConfig c = moe_config(layers);
   const Data data(m, int(c.base.vocab_size));
   const float scale = float(1.0 / double(m * kB * kT));
-  MoeModel ref(c, DType::f32);
-  ref.init_weights(7);
-  ref.zero_grad();
-  double ref_loss = 0;
-  for (int j = 0; j < m; ++j)
-    ref_loss +=
-        ref.forward_backward(data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT, scale);
-
-  MoeModel model(c, DType::f32);
-  model.init_weights(7);
-  model.zero_grad();
+  MoeModel ref(c, DType::f32), model(c, DType::f32);
+  const double ref_loss = reference_run(ref, model, data, m, scale);
   PipelineExecutor ex(
       model, pp::make_schedule(kind, p, v, m),
       pp::layer_ranges_to_blocks(pp::stage_units(layers, p * v), ModelConfig(c).blocks_per_layer()),
       &world());
   ex.set_drop_carries(drop_carries);
-  const double loss = ex.run(
-      [&](int j) {
-        return MicroBatchView{data.in[size_t(j)].data(), data.tg[size_t(j)].data(), kB, kT};
-      },
-      scale);
+  const double loss = pipeline_run(ex, data, scale);
   const int bad = mismatches_on_ranks(ex, model, ref, loss, ref_loss, drop_carries);
   const auto got = model.take_step_metrics(), want = ref.take_step_metrics();
   int off = got.size() != want.size() || want.size() != 3;
