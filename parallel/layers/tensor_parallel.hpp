@@ -94,7 +94,9 @@ void tp_summed_norm_grad(const TpRuntime& tp, Tensor& grad, Fn&& fn) {
 // A replicated parameter's gradient of which each tp rank computes a part, with or without SP (a
 // head norm's share of this rank's heads, a router's share of this rank's experts): fn(part)
 // writes the rank's part into a zeroed buffer, whose sum over tp is written to dw (added, or
-// copied where dw holds nothing yet). Without tp, fn(dw) directly.
+// copied where dw holds nothing yet). Without tp, fn(dw) directly. Under tp the part is needed
+// now: a zero-bubble I (ops::DeferWeightGrads) does not defer fn's weight gradient (deferred, it
+// would be summed before it is computed, into a pooled buffer reused meanwhile).
 template <class Fn>
 void tp_summed_weight_grad(const TpRuntime& tp, const ops::WeightGrad& dw, Fn&& fn) {
   if (!tp.on()) {
@@ -104,7 +106,10 @@ void tp_summed_weight_grad(const TpRuntime& tp, const ops::WeightGrad& dw, Fn&& 
   Tensor part =
       tp_pooled(tp, dist::BufferPurpose::norm_grad, dw.t.shape(), DType::f32, dw.t.device());
   part.zero_();
-  fn(ops::WeightGrad(part));
+  {
+    const ops::WeightGradsNow now;
+    fn(ops::WeightGrad(part));
+  }
   tp_all_reduce(tp, part);
   Tensor grad = dw.t;  // a view of the gradient
   if (dw.take_first_write())
