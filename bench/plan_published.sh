@@ -246,7 +246,7 @@ if with_rows:
         "reserved", 12040, moe_note)
     tmoe = search("loom --search Qwen3-30B-A3B, 8 H100 80 GB, bs 4 x GA 16, seq 4096", 8, sxm,
                   qwen, "(AutoModel: FSDP 8 x EP 8, AC, 12,040)",
-                  "AC full set; the search varies AC and ep (TP and PP refused for experts)")
+                  "AC full set; the search varies AC, ep, TP and PP")
 
     print(f"\n| row | loom layout, settings | alloc GiB | reserved GiB | fits | tok/s/GPU (step) "
           f"| published | loom/published: memory / tok/s | notes |")

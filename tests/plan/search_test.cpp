@@ -270,7 +270,7 @@ TEST(PlanSearch, TriesEveryExpertParallelDegree) {
     EXPECT_EQ(p.dp_shard * p.cp % p.ep, 0) << e.layout;
     if (e.fits && !e.job.training.enable_cpu_offload) planned.insert({p.cp, p.ep});
   }
-  // tp and pp are refused for experts (for now); cp 1, 2 and 4 each with ep 1, 2 and 4.
+  // Among them (with tp and pp layouts): cp 1, 2 and 4 each with ep 1, 2 and 4.
   for (int64_t cp : {1, 2, 4})
     for (int64_t ep : {1, 2, 4})
       EXPECT_TRUE(planned.count({cp, ep})) << "cp " << cp << " ep " << ep << " not planned";
