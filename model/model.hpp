@@ -99,9 +99,10 @@ class Model {
   // After the step's optimizer update, on every rank of the step (it may run collectives, on meta
   // too): the model's own state that follows from what the window take_step_metrics closed
   // measured (MoE: the auxiliary-loss-free bias), and lines for the log. `dp`: the data-parallel
-  // group the step's micro-batches are spread over (with the model's cp group).
-  virtual std::vector<std::string> after_update(dist::ProcessGroup* dp) {
-    (void)dp;
+  // group the step's micro-batches are spread over (with the model's cp group); `pp`: the
+  // pipeline's (what a micro-batch measured is on its head's rank).
+  virtual std::vector<std::string> after_update(dist::ProcessGroup* dp, dist::ProcessGroup* pp) {
+    (void)dp, (void)pp;
     return {};
   }
 

@@ -166,12 +166,12 @@ std::vector<ModelMetric> MoeModel::take_step_metrics() {
           {"dropped", "drop", s.choices > 0 ? s.dropped / s.choices : 0.0}};
 }
 
-std::vector<std::string> MoeModel::after_update(dist::ProcessGroup* dp) {
+std::vector<std::string> MoeModel::after_update(dist::ProcessGroup* dp, dist::ProcessGroup* pp) {
   std::vector<std::pair<ParamUnit*, size_t>> biases;
   if (config_.expert_bias)
     for (auto& a : attention_)
       if (a->sparse()) biases.emplace_back(&a->unit(), a->bias_param());
-  return balance_.after_update(dp, par().cp.group, biases);
+  return balance_.after_update(dp, par().cp.group, pp, biases);
 }
 
 const RopeTable& MoeModel::rope_for(int64_t T) {
@@ -316,15 +316,23 @@ Tensor MoeModel::head_forward_backward(ActivationStore& s) {
 }
 
 // Under pipeline parallelism a micro-batch's router statistics go forward with its activations, so
-// that the head's sums cover every sparse layer, added in layer order as one process adds them,
+// that the head holds one process's RouterStats (the auxiliary loss, the metrics and the step's
+// expert loads over every sparse layer, each sum added in layer order as one process adds it),
 // and the auxiliary loss's gradient per expert goes back with its gradients to every stage's
-// routers. Forward: counts [E], probability sums [E], rows, dropped and the most loaded layer's
-// ratio, as doubles travelling as their 64 bits in two int32 (no f64 dtype); backward: dprob [E].
+// routers. Forward, as doubles travelling as their 64 bits in two int32 (no f64 dtype): the
+// sparse layers run so far n, rows, dropped, counts [E], probability sums [E], then per sparse
+// layer (L, zeros past n) its load max/mean and its E counts; backward: dprob [E].
+namespace {
+size_t carried_doubles(int64_t E, int64_t L) {
+  return size_t(3 + 2 * E + L * (E + 1));
+}
+}  // namespace
+
 Tensor MoeModel::carry_buffer(bool backward) const {
-  const int64_t E = config_.num_experts;
-  if (config_.num_sparse_layers() == 0 || (backward && !trains_aux())) return {};
+  const int64_t E = config_.num_experts, L = config_.num_sparse_layers();
+  if (L == 0 || (backward && !trains_aux())) return {};
   return backward ? Tensor::empty({E}, DType::f32, device_)
-                  : Tensor::empty({2 * (2 * E + 3)}, DType::i32, device_);
+                  : Tensor::empty({2 * int64_t(carried_doubles(E, L))}, DType::i32, device_);
 }
 
 Tensor MoeModel::carry_out(const ActivationStore& s, bool backward) const {
@@ -339,15 +347,17 @@ Tensor MoeModel::carry_out(const ActivationStore& s, bool backward) const {
   }
   if (!ops::computes(device_)) return t;  // nothing routed on meta: the same bytes travel
   const RouterStats& st = m.stats;
-  const size_t E = size_t(config_.num_experts);
-  std::vector<double> v(2 * E + 3, 0.0);
-  if (!st.counts.empty()) {
-    std::copy(st.counts.begin(), st.counts.end(), v.begin());
-    std::copy(st.prob_sum.begin(), st.prob_sum.end(), v.begin() + int64_t(E));
-  }
-  v[2 * E] = double(st.rows);
-  v[2 * E + 1] = double(st.dropped);
-  for (double r : st.load_max_over_mean) v[2 * E + 2] = std::max(v[2 * E + 2], r);
+  const size_t E = size_t(config_.num_experts), L = size_t(config_.num_sparse_layers());
+  std::vector<double> v(carried_doubles(int64_t(E), int64_t(L)), 0.0);
+  const size_t n = st.load_max_over_mean.size();
+  v[0] = double(n);
+  v[1] = double(st.rows);
+  v[2] = double(st.dropped);
+  std::copy(st.counts.begin(), st.counts.end(), v.begin() + 3);
+  std::copy(st.prob_sum.begin(), st.prob_sum.end(), v.begin() + int64_t(3 + E));
+  std::copy(st.load_max_over_mean.begin(), st.load_max_over_mean.end(),
+            v.begin() + int64_t(3 + 2 * E));
+  std::copy(st.layer_counts.begin(), st.layer_counts.end(), v.begin() + int64_t(3 + 2 * E + L));
   Tensor host = device_ == Device::cpu ? t : Tensor::empty(t.shape(), DType::i32, Device::cpu);
   std::memcpy(host.data<int32_t>(), v.data(), v.size() * sizeof(double));
   if (device_ != Device::cpu) ops::copy(host, t);
@@ -361,15 +371,20 @@ void MoeModel::carry_in(ActivationStore& s, bool backward, const Tensor& carry) 
     return;
   }
   if (!ops::computes(device_)) return;
-  const size_t E = size_t(config_.num_experts);
-  std::vector<double> v(2 * E + 3);
+  const size_t E = size_t(config_.num_experts), L = size_t(config_.num_sparse_layers());
+  std::vector<double> v(carried_doubles(int64_t(E), int64_t(L)));
   std::memcpy(v.data(), carry.on_host().data<int32_t>(), v.size() * sizeof(double));
-  st.counts.assign(v.begin(), v.begin() + int64_t(E));
-  st.prob_sum.assign(v.begin() + int64_t(E), v.begin() + int64_t(2 * E));
-  st.rows = int64_t(v[2 * E]);
-  st.dropped = int64_t(v[2 * E + 1]);
-  st.load_max_over_mean.clear();
-  if (st.rows > 0) st.load_max_over_mean.push_back(v[2 * E + 2]);
+  const size_t n = size_t(v[0]);
+  LOOM_CHECK(n <= L, "pipeline: a router statistics carry of ", n, " sparse layers; the model has ",
+             L);
+  st.rows = int64_t(v[1]);
+  st.dropped = int64_t(v[2]);
+  // Before any sparse layer the sums are absent, as one process's.
+  auto at = [&](size_t i) { return v.begin() + int64_t(i); };
+  st.counts.assign(at(3), at(n > 0 ? 3 + E : 3));
+  st.prob_sum.assign(at(3 + E), at(n > 0 ? 3 + 2 * E : 3 + E));
+  st.load_max_over_mean.assign(at(3 + 2 * E), at(3 + 2 * E + n));
+  st.layer_counts.assign(at(3 + 2 * E + L), at(3 + 2 * E + L + n * E));
 }
 
 }  // namespace loom

@@ -53,7 +53,7 @@ class MoeModel final : public Model {
   // dropped: the share of the choices over an expert's capacity.
   std::vector<ModelMetric> take_step_metrics() override;
   // The auxiliary-loss-free bias and the runaway-router warning (model/moe_balance.hpp).
-  std::vector<std::string> after_update(dist::ProcessGroup* dp) override;
+  std::vector<std::string> after_update(dist::ProcessGroup* dp, dist::ProcessGroup* pp) override;
   const ExpertBalance& balance() const { return balance_; }
   bool expert_unit(size_t unit) const override;
   // A directory without the selection-only biases (a Hugging Face Qwen-MoE or Mixtral) starts

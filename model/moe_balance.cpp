@@ -74,13 +74,13 @@ void ExpertBalance::close_step() {
 }
 
 std::vector<std::string> ExpertBalance::after_update(
-    dist::ProcessGroup* dp, dist::ProcessGroup* cp,
+    dist::ProcessGroup* dp, dist::ProcessGroup* cp, dist::ProcessGroup* pp,
     const std::vector<std::pair<ParamUnit*, size_t>>& biases) {
   const size_t L = layers_.size(), E = size_t(E_);
   std::vector<double> loads = closed_;
   loads.resize(L * E, 0.0);  // a rank that routed nothing (meta) still takes part
   // Counts of whole choices: the sums are exact in any order, the same bits on every rank.
-  loads = group_sum_each(cp, group_sum_each(dp, loads));
+  loads = group_sum_each(pp, group_sum_each(cp, group_sum_each(dp, loads)));
   loads_ = loads;
   std::vector<std::string> lines;
   for (size_t l = 0; l < L; ++l) {

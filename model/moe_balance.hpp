@@ -31,10 +31,13 @@ class ExpertBalance {
   void add(const std::vector<double>& layer_counts);
   // Closes the step's window (Model::take_step_metrics): after_update reads what it holds.
   void close_step();
-  // The closed window summed over `dp` and `cp` (nullptr: none; on meta too, for the same
-  // traffic); with a rate, each layer's bias moved (`biases`: per sparse layer, its unit and the
-  // bias's index there; empty without the bias); returns the lines for the log.
+  // The closed window summed over `dp`, `cp` and `pp` (nullptr: none; on meta too, for the same
+  // traffic; under pp the micro-batches' loads are on the head's rank, zeros elsewhere: every rank
+  // gets every layer's); with a rate, each layer's bias moved where this rank holds it (`biases`:
+  // per sparse layer, its unit and the bias's index there; empty without the bias); returns the
+  // lines for the log.
   std::vector<std::string> after_update(dist::ProcessGroup* dp, dist::ProcessGroup* cp,
+                                        dist::ProcessGroup* pp,
                                         const std::vector<std::pair<ParamUnit*, size_t>>& biases);
   // The last after_update's loads: per sparse layer, E counts over the step's tokens.
   const std::vector<double>& step_loads() const { return loads_; }

@@ -196,7 +196,8 @@ class PipelineExecutor::Round {
       p.work->set_context(context(order_[k], m, peer, "receiving the"));
       recvs_.emplace(key(m), std::move(p));
       Posted c;
-      c.buf = ex_.drop_carries_ ? Tensor() : ex_.model_.carry_buffer(m.backward);
+      c.buf =
+          ex_.drop_backward_carries_ && m.backward ? Tensor() : ex_.model_.carry_buffer(m.backward);
       if (!c.buf.defined()) continue;
       c.work = ex_.group_->recv(c.buf, peer, carry_tag(s_, m));
       c.work->set_context(context(order_[k], m, peer, "receiving the model's carry beside the"));
@@ -366,7 +367,7 @@ class PipelineExecutor::Round {
     ++sends_posted_;
     // The carry goes beside it and is freed at the same test.
     Tensor c;
-    if (!ex_.drop_carries_) {
+    if (!(ex_.drop_backward_carries_ && backward)) {
       const MemoryUseScope use(ex_.model_.device(), MemoryUse::communication);
       c = ex_.model_.carry_out(st, backward);
     }

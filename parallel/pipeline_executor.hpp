@@ -115,10 +115,12 @@ class PipelineExecutor {
   // computes on its neighbour's, which the parity test must catch.
   void set_swap_activations(bool on) { swap_activations_ = on; }
 
-  // For the anti-test only: the model's carries (Model::carry_buffer) do not travel, so a stage
-  // runs on what its own blocks measured, which the comparison must catch for a model that has
-  // them. Every rank must set it alike.
-  void set_drop_carries(bool on) { drop_carries_ = on; }
+  // For the anti-test only: the model's carries beside the gradients (Model::carry_buffer) do not
+  // travel, so a stage's backward misses what the head computed (a mixture of experts' auxiliary
+  // loss gradient), which the comparison must catch. Every rank must set it alike. (Without the
+  // forward carries a mixture of experts' head stops with an error: its step's expert loads lack
+  // the other stages' layers.)
+  void set_drop_backward_carries(bool on) { drop_backward_carries_ = on; }
 
  private:
   class Round;  // what one run holds between its actions (pipeline_executor.cpp)
@@ -132,7 +134,7 @@ class PipelineExecutor {
   bool tied_across_ = false;
   bool skip_tied_sum_ = false;
   bool drop_weight_grads_ = false;
-  bool drop_carries_ = false;
+  bool drop_backward_carries_ = false;
   // Per message this rank sends, (backward, stage, micro-batch): the test after an action that
   // frees its buffer (pp::SimResult::send_tests; 0: the step's final wait).
   std::map<std::tuple<bool, int, int>, int> send_tests_;

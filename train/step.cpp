@@ -51,7 +51,7 @@ StepResult TrainStep::run(int64_t micro_batches,
     // Clipping scales the gradients as AdamW reads them (the same products as scaling them in
     // place first, one pass over them fewer).
     optimizer_.step(float(lr), clip_grad_scale(r.grad_norm, max_norm_));
-    r.notes = model_.model->after_update(model_.groups.dp);
+    r.notes = model_.model->after_update(model_.groups.dp, model_.groups.pp);
   }
   return r;
 }

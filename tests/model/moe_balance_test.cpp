@@ -57,7 +57,7 @@ StepOut step(MoeModel& m, const Batch& b) {
   m.forward_backward(b.in.data(), b.tg.data(), kB, kT, 1.0f / float(kM));
   StepOut out;
   out.metrics = m.take_step_metrics();
-  out.lines = m.after_update(nullptr);
+  out.lines = m.after_update(nullptr, nullptr);
   return out;
 }
 

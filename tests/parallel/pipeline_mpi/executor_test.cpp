@@ -5,8 +5,8 @@
 // uneven splits), zb1p and zbv (I/W). A mixture of experts likewise, its router statistics and
 // auxiliary loss gradient travelling as the model's carry, and its step metrics on the head's
 // rank those of one process. The anti-tests feed a micro-batch's activation to its neighbour,
-// drop the W steps' weight gradients and drop the carries, which the comparison must catch on
-// some rank.
+// drop the W steps' weight gradients and drop the carries beside the gradients, which the
+// comparison must catch on some rank.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -289,7 +289,7 @@ MoeConfig moe_config(int layers) {
 
 // As mismatches(), and the step's metrics: on the head's rank those of one process (the
 // statistics of every stage's sparse layers travelled to it), zeros elsewhere. `drop_carries`:
-// the anti-test (the statistics and the auxiliary loss's gradient stay where they are).
+// the anti-test (the auxiliary loss's gradient stays on the head's rank).
 int moe_mismatches(pp::ScheduleKind kind, int v, int m, int layers, bool drop_carries) {
   const int p = world().size();
   const MoeConfig c = moe_config(layers);
@@ -301,7 +301,7 @@ int moe_mismatches(pp::ScheduleKind kind, int v, int m, int layers, bool drop_ca
       model, pp::make_schedule(kind, p, v, m),
       pp::layer_ranges_to_blocks(pp::stage_units(layers, p * v), ModelConfig(c).blocks_per_layer()),
       &world());
-  ex.set_drop_carries(drop_carries);
+  ex.set_drop_backward_carries(drop_carries);
   const double loss = pipeline_run(ex, data, scale);
   const int bad = mismatches_on_ranks(ex, model, ref, loss, ref_loss, drop_carries);
   const auto got = model.take_step_metrics(), want = ref.take_step_metrics();
@@ -315,6 +315,14 @@ int moe_mismatches(pp::ScheduleKind kind, int v, int m, int layers, bool drop_ca
     off = 1;
   }
   EXPECT_TRUE(drop_carries || got.size() == want.size()) << "rank " << ex.rank();
+  // The step's expert loads (for the bias and the runaway warning): on every rank one process's,
+  // summed over pp from the head's rank.
+  model.after_update(nullptr, &world());
+  ref.after_update(nullptr, nullptr);
+  if (model.balance().step_loads() != ref.balance().step_loads()) {
+    if (!drop_carries) ADD_FAILURE() << "rank " << ex.rank() << ": the step's expert loads differ";
+    off = 1;
+  }
   return bad + int(group_sum(&world(), double(off)));
 }
 
@@ -327,7 +335,7 @@ TEST(PipelineExecutor, MixtureOfExpertsBitwise) {
   EXPECT_EQ(moe_mismatches(pp::ScheduleKind::zbv, 2, 2 * p, 2 * p, false), 0);
 }
 
-TEST(PipelineExecutor, AntiTestDroppedCarryIsCaught) {
+TEST(PipelineExecutor, AntiTestDroppedGradientCarryIsCaught) {
   const int p = world().size();
   if (p == 1) GTEST_SKIP() << "no stage boundary crosses ranks with one rank";
   EXPECT_GT(moe_mismatches(pp::ScheduleKind::one_f_one_b, 1, 2 * p, 2 * p, true), 0);
