@@ -2,7 +2,8 @@
 // What a mixture of experts does with its experts' loads after each optimizer step
 // (docs/decisions/moe.md): each sparse layer's choice counts over the step's tokens on every rank
 // (its micro-batches' RouterStats::layer_counts, summed over the data-parallel and cp groups the
-// tokens are spread over: integers in doubles, so every rank holds the same bits)
+// tokens are spread over, and over pp from the head's rank: integers in doubles, so every rank
+// holds the same bits)
 // - move the layer's selection-only bias (DeepSeek-V3's auxiliary-loss-free balancing,
 //   MoeConfig::expert_bias) by b_e += rate x sign(mean load - load_e), in f32, where this rank
 //   keeps it (its shard of the unit's master weights; every rank the same values);
