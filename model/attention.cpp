@@ -93,7 +93,10 @@ void Attention::qk_norm_backward(ParamUnit& unit, Tensor& dqkv, AttentionActs& a
   const Device dev = dqkv.device();
   auto& P = unit.params();
   int64_t col = 0, row = 0;
-  for (auto [heads, w] : {std::pair{Hq, qk_norm}, std::pair{Hkv, qk_norm + 1}}) {
+  // Not a structured binding: clang (before 16) refuses to capture one in the lambda below.
+  for (const auto& hw : {std::pair{Hq, qk_norm}, std::pair{Hkv, qk_norm + 1}}) {
+    const auto heads = hw.first;
+    const auto w = hw.second;
     Tensor dy = f32({M, heads * hd}, dev), raw = f32({M, heads * hd}, dev),
            dx = f32({M, heads * hd}, dev), none;
     Tensor view = dqkv.narrow(1, col, heads * hd);
