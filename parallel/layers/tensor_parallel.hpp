@@ -74,23 +74,6 @@ Tensor row_parallel_forward(const TpRuntime& tp, const Tensor& in, const Tensor&
 void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& in, const Tensor& w,
                            const ops::WeightGrad& dw, Tensor& din, DType compute);
 
-// A norm's weight gradient when every tp rank normed different rows (SP): `fn(g)` writes the
-// rank's part into a zeroed buffer, whose sum over tp is added to `grad` (so a gradient
-// accumulated over micro-batches is not summed twice). Without SP, fn(grad) directly.
-template <class Fn>
-void tp_summed_norm_grad(const TpRuntime& tp, Tensor& grad, Fn&& fn) {
-  if (!tp.sp()) {
-    fn(grad);
-    return;
-  }
-  Tensor part =
-      tp_pooled(tp, dist::BufferPurpose::norm_grad, grad.shape(), DType::f32, grad.device());
-  part.zero_();
-  fn(part);
-  tp_all_reduce(tp, part);
-  ops::add_inplace(grad, part);
-}
-
 // A replicated parameter's gradient of which each tp rank computes a part, with or without SP (a
 // head norm's share of this rank's heads, a router's share of this rank's experts): fn(part)
 // writes the rank's part into a zeroed buffer, whose sum over tp is written to dw (added, or
@@ -116,6 +99,22 @@ void tp_summed_weight_grad(const TpRuntime& tp, const ops::WeightGrad& dw, Fn&& 
     ops::copy(part, grad);
   else
     ops::add_inplace(grad, part);
+}
+
+// A norm's weight gradient when every tp rank normed different rows (SP): `fn(g)` writes the
+// rank's part, whose sum over tp is added to `grad` (tp_summed_weight_grad's buffer, so a gradient
+// accumulated over micro-batches is not summed twice). Without SP every rank normed every row and
+// holds the whole gradient: fn(grad) directly.
+template <class Fn>
+void tp_summed_norm_grad(const TpRuntime& tp, Tensor& grad, Fn&& fn) {
+  if (!tp.sp()) {
+    fn(grad);
+    return;
+  }
+  tp_summed_weight_grad(tp, ops::WeightGrad(grad), [&](const ops::WeightGrad& dw) {
+    Tensor part = dw.t;
+    fn(part);
+  });
 }
 
 // Rows of a vocabulary-parallel table on each of `tp` ranks: the vocabulary padded to a multiple
