@@ -85,4 +85,9 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
+// An uninitialized float32 tensor on `device`: the scratch of the blocks' forwards and backwards.
+inline Tensor f32(const Shape& shape, Device device) {
+  return Tensor::empty(shape, DType::f32, device);
+}
+
 }  // namespace loom

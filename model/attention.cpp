@@ -6,14 +6,6 @@
 
 namespace loom {
 
-namespace {
-
-Tensor f32(const Shape& s, Device d) {
-  return Tensor::empty(s, DType::f32, d);
-}
-
-}  // namespace
-
 size_t AttentionActs::bytes() const {
   size_t n = 0;
   for (const Tensor* t : {&x, &rstd1, &xn1, &qkv, &attn, &lse, &qk, &qk_rstd})

@@ -15,10 +15,6 @@ namespace loom {
 
 namespace {
 
-Tensor f32(const Shape& s, Device d) {
-  return Tensor::empty(s, DType::f32, d);
-}
-
 // fla's current init: every linear N(0, initializer_range), o and down included; the gate bias 0
 // (a decay of logsigmoid(0)/16 per token at the start); norm weights 1. Under tensor parallelism
 // (the spec's plan): q, k, v, g, gk_proj.1 (weight and bias), the convolutions, gate and up split

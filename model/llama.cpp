@@ -10,14 +10,6 @@
 
 namespace loom {
 
-namespace {
-
-Tensor f32(const Shape& s, Device d) {
-  return Tensor::empty(s, DType::f32, d);
-}
-
-}  // namespace
-
 LlamaModel::LlamaModel(const LlamaConfig& config, DType compute, Device device, ShardLayout shard,
                        TpOptions tp, CpOptions cp, std::vector<bool> used)
     : Model(compute, device, shard, tp, cp, std::move(used)), config_(config) {

@@ -9,10 +9,6 @@ namespace loom {
 
 namespace {
 
-Tensor f32(const Shape& s, Device d) {
-  return Tensor::empty(s, DType::f32, d);
-}
-
 size_t bytes_of(std::initializer_list<const Tensor*> ts) {
   size_t n = 0;
   for (const Tensor* t : ts)

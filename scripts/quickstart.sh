@@ -4,7 +4,7 @@
 #      (scripts/build.sh loom; the tests, PyTorch, Node and clang come with scripts/test.sh);
 #   2. once: writes the King James Bible (Debian's bible-kjv) to data/kjv.txt and tokenizes it
 #      into data/kjv with a 4096-token BPE vocabulary trained on it, 1% held out for validation;
-#   3. trains the default model (configs/default.toml: about five minutes on two cores, sized for
+#   3. trains the default model (configs/default.toml: about four minutes on two cores, sized for
 #      AVX2 in float32), resuming if an earlier run of it was interrupted;
 #   4. samples a continuation of "And God said" from the last checkpoint.
 # Each phase's seconds are printed at the end.

@@ -7,10 +7,6 @@ namespace loom {
 
 namespace {
 
-Tensor f32(const Shape& s, Device d) {
-  return Tensor::empty(s, DType::f32, d);
-}
-
 // The local segments: loom's zigzag layout gives every cp rank two segments of T/2 consecutive
 // positions (rank r: segments r and 2cp-1-r; for the middle ranks they are adjacent).
 struct Segments {

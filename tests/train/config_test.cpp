@@ -341,7 +341,7 @@ TEST(JobConfig, LoadFromFileAndShippedConfigs) {
   for (const Shipped& s : {Shipped{"bench-tiny.toml", "bench-tiny", 256, 8, 7},
                            Shipped{"bench-small.toml", "bench-small", 256, 8, 7},
                            Shipped{"debug.toml", "debug", 64, 4, 20},
-                           Shipped{"default.toml", "default", 256, 8, 400}}) {
+                           Shipped{"default.toml", "default", 256, 8, 300}}) {
     JobConfig j = loom::load_job_config((cfg / s.file).string(), {});
     EXPECT_EQ(j.model.config, s.model) << s.file;
     EXPECT_EQ(j.training.seq_len, s.seq_len) << s.file;
