@@ -678,7 +678,8 @@ double measure_gemm_peak(DType ab, double seconds) {
         const double dt = std::chrono::duration<double>(clock::now() - t0).count();
         fastest = std::min(fastest, dt);
         spent += dt;
-      } while (spent < per_case || ++calls < kMinCalls);
+        ++calls;
+      } while (spent < per_case || calls < kMinCalls);
       best = std::max(best, 2.0 * M * n * k / fastest);
     }
   }
