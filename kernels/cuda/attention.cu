@@ -9,6 +9,7 @@
 #include "core/tensor.hpp"
 #include "kernels/cuda/cast.hpp"
 #include "kernels/cuda/check.hpp"
+#include "kernels/cuda/flash_attention.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "kernels/cuda/runtime.hpp"
 #include "kernels/cuda/vec.cuh"
@@ -288,6 +289,16 @@ void forward(const char* op, const BlockShape& s, const T* q, const T* k, const 
              const int64_t* q_pos, const int64_t* k_pos, Out* out, float* lse) {
   using P = ProbOf<T>;
   constexpr bool kF32 = std::is_same_v<T, float>;
+  if constexpr (!kF32) {  // bf16 at head dims 64 and 128: the fused kernels (flash_attention.hpp)
+    if (flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v)) {
+      if constexpr (std::is_same_v<Out, float>)
+        flash_attention_forward_bf16(s, q, k, v, q_pos, k_pos, out, nullptr, lse);
+      else
+        flash_attention_forward_bf16(s, q, k, v, q_pos, k_pos, nullptr,
+                                     reinterpret_cast<bf16*>(out), lse);
+      return;
+    }
+  }
   const int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, D = s.D, G = s.Hq / s.Hkv;
   const int64_t qs = s.q_stride, kvs = s.kv_stride, os = Hq * D, ld = scratch_ld(Tk);
   const float c = s.scale * kLog2e;
@@ -347,6 +358,12 @@ void backward(const char* op, const BlockShape& s, const T* q, const T* k, const
               const float* dout, float* dq, float* dk, float* dv) {
   using P = ProbOf<T>;
   constexpr bool kF32 = std::is_same_v<T, float>;
+  if constexpr (!kF32) {
+    if (flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v)) {
+      flash_attention_backward_bf16(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq, dk, dv);
+      return;
+    }
+  }
   const int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, Hkv = s.Hkv, D = s.D, G = Hq / Hkv;
   const int64_t qs = s.q_stride, kvs = s.kv_stride, os = Hq * D, ld = scratch_ld(Tk);
   const float c = s.scale * kLog2e;

@@ -4,7 +4,9 @@
 // cpu::BlockShape), layouts, strides, outputs and bf16 rounding points. Pointers are device memory;
 // the work is queued on the compute stream (kernels/cuda/runtime.hpp) and nothing waits for it.
 //
-// The first, exact and simple version (a fused flash kernel comes later): per (sample, q head) the
+// The bf16 entry points run the fused flash kernels (flash_attention.hpp) at head dims 64 and 128
+// with 16-byte aligned, 8-element strided q, k, v; everything else runs the exact and simple
+// version described here (f32 always): per (sample, q head) the
 // whole score matrix S [Tq, Tk] is materialized in scratch from the caching allocator (O(Tq*Tk)
 // memory, reused by every head: the stream orders them), with cuda::gemm on strided views of q, k,
 // v (no copies: lda is the row stride of the fused qkv buffer; q head h reads kv head h /

@@ -86,16 +86,16 @@ void forward(const flash::FwdParams& p, int64_t B, const char* op) {
   constexpr int bytes = flash::fwd_smem_bytes<D>();
   static const bool once = (allow_smem(forward_kernel<D>, bytes, op), true);
   (void)once;
-  forward_kernel<D><<<dim3(unsigned(p.q_tiles), unsigned(B * p.Hq)), kThreads, bytes, stream()>>>(
-      p);
+  forward_kernel<D>
+      <<<dim3(unsigned(p.q_tiles), unsigned(B * p.Hq)), kThreads, bytes, stream()>>>(p);
   check_launch(op);
 }
 
 template <int D>
 void backward(const flash::BwdParams& p, int64_t B, const char* op) {
   constexpr int kv_bytes = flash::bwd_kv_smem_bytes<D>(), q_bytes = flash::bwd_q_smem_bytes<D>();
-  static const bool once =
-      (allow_smem(backward_kv_kernel<D>, kv_bytes, op), allow_smem(backward_q_kernel<D>, q_bytes, op), true);
+  static const bool once = (allow_smem(backward_kv_kernel<D>, kv_bytes, op),
+                            allow_smem(backward_q_kernel<D>, q_bytes, op), true);
   (void)once;
   backward_kv_kernel<D>
       <<<dim3(unsigned(p.k_tiles), unsigned(B * p.Hkv)), kThreads, kv_bytes, stream()>>>(p);
@@ -117,16 +117,16 @@ bool flash_attention_supported(int64_t D) {
 
 bool flash_attention_usable(int64_t D, int64_t q_stride, int64_t kv_stride, const void* q,
                             const void* k, const void* v) {
-  return flash_attention_supported(D) && q_stride % 8 == 0 && kv_stride % 8 == 0 &&
-         aligned16(q) && aligned16(k) && aligned16(v);
+  return flash_attention_supported(D) && q_stride % 8 == 0 && kv_stride % 8 == 0 && aligned16(q) &&
+         aligned16(k) && aligned16(v);
 }
 
 void flash_attention_forward_bf16(const cpu::BlockShape& s, const bf16* q, const bf16* k,
                                   const bf16* v, const int64_t* q_pos, const int64_t* k_pos,
                                   float* out_f32, bf16* out_bf16, float* lse) {
   const char* op = "flash_attention_forward_bf16";
-  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op,
-             ": D = ", s.D, " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
+  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op, ": D = ", s.D,
+             " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
              " (multiples of 8) or q, k, v not 16-byte aligned");
   LOOM_CHECK((out_f32 == nullptr) != (out_bf16 == nullptr), op,
              ": exactly one of out_f32, out_bf16");
@@ -153,8 +153,8 @@ void flash_attention_backward_bf16(const cpu::BlockShape& s, const bf16* q, cons
                                    const float* lse, const float* delta, const float* dout,
                                    float* dq, float* dk, float* dv) {
   const char* op = "flash_attention_backward_bf16";
-  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op,
-             ": D = ", s.D, " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
+  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op, ": D = ", s.D,
+             " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
              " (multiples of 8) or q, k, v not 16-byte aligned");
   LOOM_CHECK((q_pos == nullptr) == (k_pos == nullptr) && (q_pos || s.Tq == s.Tk), op,
              ": q_pos and k_pos both set, or both null with Tq = Tk");

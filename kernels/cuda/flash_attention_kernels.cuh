@@ -79,7 +79,7 @@ template <int D>
 LOOM_FLASH_FN void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t row0,
                              int64_t n, int tid) {
   constexpr int kChunks = D / 8;
-LOOM_FLASH_UNROLL
+  LOOM_FLASH_UNROLL
   for (int c = tid; c < kTile * kChunks; c += kThreads) {
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = row0 + r < n;
@@ -105,16 +105,17 @@ LOOM_FLASH_FN void load_b_rows(uint32_t (&b)[4], const uint16_t* tile, int n0, i
 // n0..n0+15), by the transposing load: b[0], b[1] for columns n0..n0+7, b[2], b[3] for n0+8...
 template <int D>
 LOOM_FLASH_FN void load_b_cols(uint32_t (&b)[4], const uint16_t* tile, int k0, int n0, int lane) {
-  ldmatrix_x4_trans(b, tile + swz<D>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+  ldmatrix_x4_trans(b,
+                    tile + swz<D>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
 }
 
 // ---- forward -----------------------------------------------------------------------------------
 
 struct FwdParams {
-  const uint16_t *q, *k, *v;        // bf16 bits, strided views (attention.hpp)
-  const int64_t *q_pos, *k_pos;     // null: plain causal
-  const int64_t *q_rng, *k_rng;     // per tile [lo, hi] (null with null positions)
-  float* out_f32;                   // exactly one of out_f32 / out_bf16
+  const uint16_t *q, *k, *v;     // bf16 bits, strided views (attention.hpp)
+  const int64_t *q_pos, *k_pos;  // null: plain causal
+  const int64_t *q_rng, *k_rng;  // per tile [lo, hi] (null with null positions)
+  float* out_f32;                // exactly one of out_f32 / out_bf16
   uint16_t* out_bf16;
   float* lse;
   int64_t Tq, Tk, Hq, Hkv, q_stride, kv_stride;
@@ -193,35 +194,32 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
     // S = Q K^T: 16 rows x 64 keys per warp, 8 tiles of 8 keys.
     float s[8][4];
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-LOOM_FLASH_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk)
-LOOM_FLASH_UNROLL
-      for (int nn = 0; nn < 4; ++nn) {
-        uint32_t bf[4];
-        load_b_rows<D>(bf, ks, nn * 16, kk, lane);
-        mma_bf16(s[2 * nn], qf[kk], bf[0], bf[1]);
-        mma_bf16(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
-      }
+    LOOM_FLASH_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) LOOM_FLASH_UNROLL
+    for (int nn = 0; nn < 4; ++nn) {
+      uint32_t bf[4];
+      load_b_rows<D>(bf, ks, nn * 16, kk, lane);
+      mma_bf16(s[2 * nn], qf[kk], bf[0], bf[1]);
+      mma_bf16(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
+    }
 
     // The online softmax of rows r (entries s[n][2r], s[n][2r+1]: keys 8n + 2 t4 + e).
     const int64_t k0 = int64_t(kt) * kTile;
-    const bool masked =
-        classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
-LOOM_FLASH_UNROLL
+    const bool masked = classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
+    LOOM_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
-LOOM_FLASH_UNROLL
-      for (int n = 0; n < 8; ++n)
-LOOM_FLASH_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          float x = mul_rn(s[n][2 * r + e], p.c);
-          if (masked) {
-            const int64_t j = k0 + 8 * n + 2 * t4 + e;
-            if (j >= p.Tk || position(p.k_pos, j) > qp[r]) x = -INFINITY;
-          }
-          s[n][2 * r + e] = x;
-          mx = fmaxf(mx, x);
+      LOOM_FLASH_UNROLL
+      for (int n = 0; n < 8; ++n) LOOM_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        float x = mul_rn(s[n][2 * r + e], p.c);
+        if (masked) {
+          const int64_t j = k0 + 8 * n + 2 * t4 + e;
+          if (j >= p.Tk || position(p.k_pos, j) > qp[r]) x = -INFINITY;
         }
+        s[n][2 * r + e] = x;
+        mx = fmaxf(mx, x);
+      }
       mx = fmaxf(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad hold one row
       mx = fmaxf(mx, shfl_xor(mx, 2));
       const float mnew = fmaxf(m[r], mx);
@@ -229,28 +227,27 @@ LOOM_FLASH_UNROLL
       const float alpha = exp2_(m[r] - ms);              // 0 while m was -inf
       m[r] = mnew;
       float sum = 0.0f;
-LOOM_FLASH_UNROLL
-      for (int n = 0; n < 8; ++n)
-LOOM_FLASH_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const float x = s[n][2 * r + e];
-          const float pv = x == -INFINITY ? 0.0f : exp2_(x - ms);
-          s[n][2 * r + e] = pv;
-          sum += pv;
-        }
+      LOOM_FLASH_UNROLL
+      for (int n = 0; n < 8; ++n) LOOM_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const float x = s[n][2 * r + e];
+        const float pv = x == -INFINITY ? 0.0f : exp2_(x - ms);
+        s[n][2 * r + e] = pv;
+        sum += pv;
+      }
       l[r] = l[r] * alpha + sum;
-LOOM_FLASH_UNROLL
+      LOOM_FLASH_UNROLL
       for (int j = 0; j < kNd; ++j) o[j][2 * r] *= alpha, o[j][2 * r + 1] *= alpha;
     }
 
     // O += P V: P (bf16) from the S accumulators as A fragments, 16 keys per step.
-LOOM_FLASH_UNROLL
+    LOOM_FLASH_UNROLL
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
                              pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-LOOM_FLASH_UNROLL
+      LOOM_FLASH_UNROLL
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bf[4];
         load_b_cols<D>(bf, vs, kk * 16, dn * 16, lane);
@@ -265,7 +262,7 @@ LOOM_FLASH_UNROLL
   cp_async_wait<0>();  // no copy outlives the block (a query tile that sees no key)
 
   const int64_t os = p.Hq * D;
-LOOM_FLASH_UNROLL
+  LOOM_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     float lt = l[r];
     lt += shfl_xor(lt, 1);
@@ -274,7 +271,7 @@ LOOM_FLASH_UNROLL
     if (i >= p.Tq) continue;
     const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
     const int64_t base = (b * p.Tq + i) * os + h * D + 2 * t4;
-LOOM_FLASH_UNROLL
+    LOOM_FLASH_UNROLL
     for (int j = 0; j < kNd; ++j) {
       const float v0 = o[j][2 * r] * inv, v1 = o[j][2 * r + 1] * inv;
       if (p.out_f32) {
@@ -319,8 +316,7 @@ constexpr int bwd_q_smem_bytes() {
 // heads) that the key tile sees; G * q_tiles when none.
 LOOM_FLASH_FN int next_query_item(const BwdParams& p, Range kr, int64_t k0, int from, int items) {
   for (; from < items; ++from)
-    if (classify(tile_range_of(p.q_rng, p.Tq, from % p.q_tiles), kr, k0, p.Tk) != Pair::skip)
-      break;
+    if (classify(tile_range_of(p.q_rng, p.Tq, from % p.q_tiles), kr, k0, p.Tk) != Pair::skip) break;
   return from;
 }
 
@@ -342,8 +338,8 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
   const int64_t os = p.Hq * D;
   uint16_t* sk = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sv = sk + kTile * D;
-  uint16_t* sq = sv + kTile * D;          // [2][64][D]
-  uint16_t* sdo = sq + 2 * kTile * D;     // [2][64][D]
+  uint16_t* sq = sv + kTile * D;                              // [2][64][D]
+  uint16_t* sdo = sq + 2 * kTile * D;                         // [2][64][D]
   float* sl = reinterpret_cast<float*>(sdo + 2 * kTile * D);  // [2][64] lse * log2(e)
   float* sd = sl + 2 * kTile;                                 // [2][64] delta
   const Range kr = tile_range_of(p.k_rng, p.Tk, kt);
@@ -407,7 +403,7 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
       float st[2][4], dpt[2][4];
       for (int n = 0; n < 2; ++n)
         for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
-LOOM_FLASH_UNROLL
+      LOOM_FLASH_UNROLL
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4], bf[4];
         if (kKeep) {
@@ -428,29 +424,27 @@ LOOM_FLASH_UNROLL
         mma_bf16(dpt[1], a, bf[2], bf[3]);
       }
       // P^T and dS^T (entries [n][2r+e]: key row0 + g + 8r, query qc + 8n + 2 t4 + e).
-LOOM_FLASH_UNROLL
-      for (int n = 0; n < 2; ++n)
-LOOM_FLASH_UNROLL
-        for (int r = 0; r < 2; ++r)
-LOOM_FLASH_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const int qi = qc + 8 * n + 2 * t4 + e;
-            const float l2 = ls[qi];
-            bool vis = l2 != -INFINITY;
-            if (vis && masked) vis = kp[r] <= position(p.q_pos, q0 + qi);
-            float pv = 0.0f, dsv = 0.0f;
-            if (vis) {
-              pv = exp2_(mul_rn(st[n][2 * r + e], p.c) - l2);
-              dsv = mul_rn(mul_rn(pv, dpt[n][2 * r + e] - ds[qi]), p.scale);
-            }
-            st[n][2 * r + e] = pv;
-            dpt[n][2 * r + e] = dsv;
-          }
+      LOOM_FLASH_UNROLL
+      for (int n = 0; n < 2; ++n) LOOM_FLASH_UNROLL
+      for (int r = 0; r < 2; ++r) LOOM_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int qi = qc + 8 * n + 2 * t4 + e;
+        const float l2 = ls[qi];
+        bool vis = l2 != -INFINITY;
+        if (vis && masked) vis = kp[r] <= position(p.q_pos, q0 + qi);
+        float pv = 0.0f, dsv = 0.0f;
+        if (vis) {
+          pv = exp2_(mul_rn(st[n][2 * r + e], p.c) - l2);
+          dsv = mul_rn(mul_rn(pv, dpt[n][2 * r + e] - ds[qi]), p.scale);
+        }
+        st[n][2 * r + e] = pv;
+        dpt[n][2 * r + e] = dsv;
+      }
       const uint32_t pa[4] = {pack_bf16(st[0][0], st[0][1]), pack_bf16(st[0][2], st[0][3]),
                               pack_bf16(st[1][0], st[1][1]), pack_bf16(st[1][2], st[1][3])};
       const uint32_t sa[4] = {pack_bf16(dpt[0][0], dpt[0][1]), pack_bf16(dpt[0][2], dpt[0][3]),
                               pack_bf16(dpt[1][0], dpt[1][1]), pack_bf16(dpt[1][2], dpt[1][3])};
-LOOM_FLASH_UNROLL
+      LOOM_FLASH_UNROLL
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bf[4];
         load_b_cols<D>(bf, dos, qc, dn * 16, lane);  // dV += P^T dO
@@ -467,18 +461,17 @@ LOOM_FLASH_UNROLL
   }
   cp_async_wait<0>();
 
-LOOM_FLASH_UNROLL
+  LOOM_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t j = k0 + row0 + g + 8 * r;
     if (j >= p.Tk) continue;
     const int64_t base = (b * p.Tk + j) * p.kv_stride + hk * D + 2 * t4;
-LOOM_FLASH_UNROLL
-    for (int n = 0; n < kNd; ++n)
-LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        put_grad(p.dk + base + 8 * n + e, dk[n][2 * r + e], p.accumulate);
-        put_grad(p.dv + base + 8 * n + e, dv[n][2 * r + e], p.accumulate);
-      }
+    LOOM_FLASH_UNROLL
+    for (int n = 0; n < kNd; ++n) LOOM_FLASH_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      put_grad(p.dk + base + 8 * n + e, dk[n][2 * r + e], p.accumulate);
+      put_grad(p.dv + base + 8 * n + e, dv[n][2 * r + e], p.accumulate);
+    }
   }
 }
 
@@ -551,8 +544,7 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
     const uint16_t* ks = sk + buf * kTile * D;
     const uint16_t* vs = sv + buf * kTile * D;
     const int64_t k0 = int64_t(kt) * kTile;
-    const bool masked =
-        classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
+    const bool masked = classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
     // The key tile in kParts parts of kKeys keys (D = 128: two, so S, dP and dQ fit the registers).
     for (int part = 0; part < kParts; ++part) {
       const int kc = part * kKeys;
@@ -582,23 +574,21 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
       }
       // dS (rounded to bf16 below), entries [n][2r+e]: row row0 + g + 8r, key kc + 8n + 2 t4 + e.
       LOOM_FLASH_UNROLL
-      for (int n = 0; n < kKeys / 8; ++n)
-        LOOM_FLASH_UNROLL
-        for (int r = 0; r < 2; ++r)
-          LOOM_FLASH_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            bool vis = l2[r] != -INFINITY;
-            if (vis && masked) {
-              const int64_t j = k0 + kc + 8 * n + 2 * t4 + e;
-              vis = j < p.Tk && position(p.k_pos, j) <= qp[r];
-            }
-            float dsv = 0.0f;
-            if (vis) {
-              const float pv = exp2_(mul_rn(s[n][2 * r + e], p.c) - l2[r]);
-              dsv = mul_rn(mul_rn(pv, dp[n][2 * r + e] - dl[r]), p.scale);
-            }
-            s[n][2 * r + e] = dsv;
-          }
+      for (int n = 0; n < kKeys / 8; ++n) LOOM_FLASH_UNROLL
+      for (int r = 0; r < 2; ++r) LOOM_FLASH_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        bool vis = l2[r] != -INFINITY;
+        if (vis && masked) {
+          const int64_t j = k0 + kc + 8 * n + 2 * t4 + e;
+          vis = j < p.Tk && position(p.k_pos, j) <= qp[r];
+        }
+        float dsv = 0.0f;
+        if (vis) {
+          const float pv = exp2_(mul_rn(s[n][2 * r + e], p.c) - l2[r]);
+          dsv = mul_rn(mul_rn(pv, dp[n][2 * r + e] - dl[r]), p.scale);
+        }
+        s[n][2 * r + e] = dsv;
+      }
       // dQ += dS K.
       LOOM_FLASH_UNROLL
       for (int kk = 0; kk < kKeys / 16; ++kk) {
@@ -621,15 +611,14 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
   }
   cp_async_wait<0>();
 
-LOOM_FLASH_UNROLL
+  LOOM_FLASH_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t i = q0 + row0 + g + 8 * r;
     if (i >= p.Tq) continue;
     const int64_t base = (b * p.Tq + i) * p.q_stride + h * D + 2 * t4;
-LOOM_FLASH_UNROLL
-    for (int n = 0; n < kNd; ++n)
-LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) put_grad(p.dq + base + 8 * n + e, dq[n][2 * r + e], p.accumulate);
+    LOOM_FLASH_UNROLL
+    for (int n = 0; n < kNd; ++n) LOOM_FLASH_UNROLL
+    for (int e = 0; e < 2; ++e) put_grad(p.dq + base + 8 * n + e, dq[n][2 * r + e], p.accumulate);
   }
 }
 

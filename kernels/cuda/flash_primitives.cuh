@@ -3,9 +3,9 @@
 // warp-wide tensor core products (mma.sync m16n8k16 bf16 -> f32), shared-memory matrix loads
 // (ldmatrix, plain and transposed), asynchronous 16-byte copies global -> shared (cp.async, with
 // zero fill) and their waits, the block barrier, the warp shuffle, and the scalar math whose
-// rounding the kernels rely on. tests/kernels/flash_emulation.hpp defines the same functions for the
-// CPU (each CUDA thread a fiber), so the same kernel bodies run, and are checked, on hosts without
-// a GPU: a primitive added here needs its emulation there.
+// rounding the kernels rely on. tests/kernels/flash_emulation.hpp defines the same functions for
+// the CPU (each CUDA thread a fiber), so the same kernel bodies run, and are checked, on hosts
+// without a GPU: a primitive added here needs its emulation there.
 #include <cstdint>
 
 #define LOOM_FLASH_FN __device__ __forceinline__
