@@ -49,18 +49,20 @@ struct Copy {
   bool valid;
 };
 
-struct Fiber {
-  ucontext_t ctx;
-  std::vector<char> stack;
-  bool done = false;
-  std::vector<std::vector<Copy>> groups;  // committed, oldest first
-  std::vector<Copy> open;                 // issued since the last commit
-};
-
 // A barrier of `size` fibers: the last to arrive releases the others.
 struct Barrier {
   int size = 0, count = 0;
   uint64_t gen = 0;
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  bool done = false;
+  const Barrier* waits = nullptr;  // the barrier this fiber waits on, and its generation
+  uint64_t wait_gen = 0;
+  std::vector<std::vector<Copy>> groups;  // committed, oldest first
+  std::vector<Copy> open;                 // issued since the last commit
 };
 
 // The words a lane publishes for a warp collective.
@@ -79,7 +81,6 @@ struct Block {
   Barrier block;
   std::vector<Barrier> warps;
   std::vector<Slot> slots;
-  uint64_t arrivals = 0;  // progress: barrier arrivals so far
   std::function<void(int)> body;
 };
 
@@ -90,14 +91,16 @@ inline void yield() {
   swapcontext(&g_block->fibers[size_t(g_tid)].ctx, &g_block->sched);
 }
 inline void wait(Barrier& b) {
-  ++g_block->arrivals;
   const uint64_t gen = b.gen;
   if (++b.count == b.size) {
     b.count = 0;
     ++b.gen;
     return;
   }
-  while (b.gen == gen) yield();
+  Fiber& f = g_block->fibers[size_t(g_tid)];
+  f.waits = &b, f.wait_gen = gen;
+  yield();  // the scheduler resumes this fiber once the barrier has moved on
+  f.waits = nullptr;
 }
 inline void warp_sync() {
   wait(g_block->warps[size_t(g_tid / kWarp)]);
@@ -112,7 +115,6 @@ inline int lane() {
 inline void trampoline() {
   g_block->body(g_tid);
   g_block->fibers[size_t(g_tid)].done = true;
-  ++g_block->arrivals;  // finishing is progress too
   // returns to uc_link (the scheduler)
 }
 
@@ -138,22 +140,27 @@ inline void run_block(int threads, std::function<void(int)> body) {
     f.ctx.uc_link = &blk.sched;
     makecontext(&f.ctx, trampoline, 0);
   }
+  // Always resume the lowest-numbered fiber that can run: warp 0 runs ahead as far as the next
+  // block barrier before warp 1 starts, so a read of shared memory that another warp has not yet
+  // written (a missing barrier), or a write over what a later warp has still to read, shows.
   for (;;) {
+    int next = -1;
     bool all_done = true;
-    const uint64_t before = blk.arrivals;
-    for (int t = 0; t < threads; ++t) {
-      if (blk.fibers[size_t(t)].done) continue;
+    for (int t = 0; t < threads && next < 0; ++t) {
+      const Fiber& f = blk.fibers[size_t(t)];
+      if (f.done) continue;
       all_done = false;
-      g_tid = t;
-      swapcontext(&blk.sched, &blk.fibers[size_t(t)].ctx);
+      if (!f.waits || f.waits->gen != f.wait_gen) next = t;
     }
     if (all_done) break;
-    if (blk.arrivals == before) {
-      // No fiber arrived at a barrier in a whole round (those left wait on a barrier that some
-      // fiber passed by or finished without): the kernel's barriers do not match.
+    if (next < 0) {
+      // Every fiber left waits on a barrier that some fiber passed by or finished without: the
+      // kernel's barriers do not match.
       std::fprintf(stderr, "flash emulation: barrier deadlock (a barrier not reached by all)\n");
       std::abort();
     }
+    g_tid = next;
+    swapcontext(&blk.sched, &blk.fibers[size_t(next)].ctx);
   }
   g_block = nullptr;
 }
