@@ -74,8 +74,16 @@ Ranges ranges(const cpu::BlockShape& s, const int64_t* q_pos, const int64_t* k_p
   return r;
 }
 
-void check_grid(const cpu::BlockShape& s, int64_t heads, const char* op) {
-  LOOM_CHECK(s.B * heads <= 65535, op, ": B*heads = ", s.B * heads,
+// What the kernels need beyond attention.cu's shape checks: usable operands, positions for both
+// sides or neither, grids within one launch.
+void check_call(const cpu::BlockShape& s, const void* q, const void* k, const void* v,
+                const int64_t* q_pos, const int64_t* k_pos, const char* op) {
+  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op, ": D = ", s.D,
+             " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
+             " (multiples of 8) or q, k, v not 16-byte aligned");
+  LOOM_CHECK((q_pos == nullptr) == (k_pos == nullptr) && (q_pos || s.Tq == s.Tk), op,
+             ": q_pos and k_pos both set, or both null with Tq = Tk");
+  LOOM_CHECK(s.B * s.Hq <= 65535, op, ": B*Hq = ", s.B * s.Hq,
              ", more than one launch's grid.y (65535)");
   LOOM_CHECK(s.Tq <= INT_MAX && s.Tk <= INT_MAX, op, ": Tq = ", s.Tq, ", Tk = ", s.Tk,
              ", more than one launch covers");
@@ -125,14 +133,9 @@ void flash_attention_forward_bf16(const cpu::BlockShape& s, const bf16* q, const
                                   const bf16* v, const int64_t* q_pos, const int64_t* k_pos,
                                   float* out_f32, bf16* out_bf16, float* lse) {
   const char* op = "flash_attention_forward_bf16";
-  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op, ": D = ", s.D,
-             " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
-             " (multiples of 8) or q, k, v not 16-byte aligned");
+  check_call(s, q, k, v, q_pos, k_pos, op);
   LOOM_CHECK((out_f32 == nullptr) != (out_bf16 == nullptr), op,
              ": exactly one of out_f32, out_bf16");
-  LOOM_CHECK((q_pos == nullptr) == (k_pos == nullptr) && (q_pos || s.Tq == s.Tk), op,
-             ": q_pos and k_pos both set, or both null with Tq = Tk");
-  check_grid(s, s.Hq, op);
   const Ranges r = ranges(s, q_pos, k_pos, op);
   flash::FwdParams p{};
   p.q = bits(q), p.k = bits(k), p.v = bits(v);
@@ -153,12 +156,7 @@ void flash_attention_backward_bf16(const cpu::BlockShape& s, const bf16* q, cons
                                    const float* lse, const float* delta, const float* dout,
                                    float* dq, float* dk, float* dv) {
   const char* op = "flash_attention_backward_bf16";
-  LOOM_CHECK(flash_attention_usable(s.D, s.q_stride, s.kv_stride, q, k, v), op, ": D = ", s.D,
-             " (64 or 128), q_stride ", s.q_stride, ", kv_stride ", s.kv_stride,
-             " (multiples of 8) or q, k, v not 16-byte aligned");
-  LOOM_CHECK((q_pos == nullptr) == (k_pos == nullptr) && (q_pos || s.Tq == s.Tk), op,
-             ": q_pos and k_pos both set, or both null with Tq = Tk");
-  check_grid(s, s.Hq, op);
+  check_call(s, q, k, v, q_pos, k_pos, op);
   const Ranges r = ranges(s, q_pos, k_pos, op);
   // dO as the products read it: rounded to bf16 once (16-byte rows: Hq*D is a multiple of 8).
   Tensor dob = Tensor::empty({s.B * s.Tq * s.Hq * s.D}, DType::bf16, Device::cuda);

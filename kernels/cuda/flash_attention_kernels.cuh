@@ -87,6 +87,14 @@ LOOM_FLASH_FN void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride,
   }
 }
 
+// Key tile kt of K and V into buffer bf of the double-buffered sk, sv ([2][64][D] each).
+template <int D>
+LOOM_FLASH_FN void load_kv(uint16_t* sk, uint16_t* sv, int bf, const uint16_t* kb,
+                           const uint16_t* vb, int64_t stride, int kt, int64_t Tk, int tid) {
+  load_tile<D>(sk + bf * kTile * D, kb, stride, int64_t(kt) * kTile, Tk, tid);
+  load_tile<D>(sv + bf * kTile * D, vb, stride, int64_t(kt) * kTile, Tk, tid);
+}
+
 // The A fragments (16 rows x 16 columns per step) of rows row0..row0+15 of a swizzled tile, for
 // the D/16 steps along the row: lane l addresses row row0 + l%16, column 16 kk + 8 (l/16), so
 // matrices 0..3 are (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
@@ -123,8 +131,10 @@ struct FwdParams {
   int q_tiles, k_tiles;
 };
 
-// The next key tile from kt on that the query tile sees (k_tiles when none).
-LOOM_FLASH_FN int next_key_tile(const FwdParams& p, Range qr, int kt) {
+// The next key tile from kt on that the query tile sees (k_tiles when none); P: FwdParams or
+// BwdParams.
+template <class P>
+LOOM_FLASH_FN int next_key_tile(const P& p, Range qr, int kt) {
   for (; kt < p.k_tiles; ++kt)
     if (classify(qr, tile_range_of(p.k_rng, p.Tk, kt), int64_t(kt) * kTile, p.Tk) != Pair::skip)
       break;
@@ -157,8 +167,7 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
   int kt = next_key_tile(p, qr, 0);
   load_tile<D>(sq, qb, p.q_stride, q0, p.Tq, tid);
   if (kt < p.k_tiles) {
-    load_tile<D>(sk, kb, p.kv_stride, int64_t(kt) * kTile, p.Tk, tid);
-    load_tile<D>(sv, vb, p.kv_stride, int64_t(kt) * kTile, p.Tk, tid);
+    load_kv<D>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
   }
   cp_async_commit();
 
@@ -178,8 +187,7 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
   while (kt < p.k_tiles) {
     const int nxt = next_key_tile(p, qr, kt + 1);
     if (nxt < p.k_tiles) {  // prefetch the next pair into the other buffer
-      load_tile<D>(sk + (buf ^ 1) * kTile * D, kb, p.kv_stride, int64_t(nxt) * kTile, p.Tk, tid);
-      load_tile<D>(sv + (buf ^ 1) * kTile * D, vb, p.kv_stride, int64_t(nxt) * kTile, p.Tk, tid);
+      load_kv<D>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile's group (and Q) landed, for this thread's copies
@@ -195,12 +203,14 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
     float s[8][4];
     for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
     LOOM_FLASH_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) LOOM_FLASH_UNROLL
-    for (int nn = 0; nn < 4; ++nn) {
-      uint32_t bf[4];
-      load_b_rows<D>(bf, ks, nn * 16, kk, lane);
-      mma_bf16(s[2 * nn], qf[kk], bf[0], bf[1]);
-      mma_bf16(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      LOOM_FLASH_UNROLL
+      for (int nn = 0; nn < 4; ++nn) {
+        uint32_t bf[4];
+        load_b_rows<D>(bf, ks, nn * 16, kk, lane);
+        mma_bf16(s[2 * nn], qf[kk], bf[0], bf[1]);
+        mma_bf16(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
+      }
     }
 
     // The online softmax of rows r (entries s[n][2r], s[n][2r+1]: keys 8n + 2 t4 + e).
@@ -210,15 +220,17 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
       LOOM_FLASH_UNROLL
-      for (int n = 0; n < 8; ++n) LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        float x = mul_rn(s[n][2 * r + e], p.c);
-        if (masked) {
-          const int64_t j = k0 + 8 * n + 2 * t4 + e;
-          if (j >= p.Tk || position(p.k_pos, j) > qp[r]) x = -INFINITY;
+      for (int n = 0; n < 8; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          float x = mul_rn(s[n][2 * r + e], p.c);
+          if (masked) {
+            const int64_t j = k0 + 8 * n + 2 * t4 + e;
+            if (j >= p.Tk || position(p.k_pos, j) > qp[r]) x = -INFINITY;
+          }
+          s[n][2 * r + e] = x;
+          mx = fmaxf(mx, x);
         }
-        s[n][2 * r + e] = x;
-        mx = fmaxf(mx, x);
       }
       mx = fmaxf(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad hold one row
       mx = fmaxf(mx, shfl_xor(mx, 2));
@@ -228,12 +240,14 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
       m[r] = mnew;
       float sum = 0.0f;
       LOOM_FLASH_UNROLL
-      for (int n = 0; n < 8; ++n) LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const float x = s[n][2 * r + e];
-        const float pv = x == -INFINITY ? 0.0f : exp2_(x - ms);
-        s[n][2 * r + e] = pv;
-        sum += pv;
+      for (int n = 0; n < 8; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const float x = s[n][2 * r + e];
+          const float pv = x == -INFINITY ? 0.0f : exp2_(x - ms);
+          s[n][2 * r + e] = pv;
+          sum += pv;
+        }
       }
       l[r] = l[r] * alpha + sum;
       LOOM_FLASH_UNROLL
@@ -320,17 +334,29 @@ LOOM_FLASH_FN int next_query_item(const BwdParams& p, Range kr, int64_t k0, int 
   return from;
 }
 
-// Writes (or adds) one f32 gradient element.
-LOOM_FLASH_FN void put_grad(float* dst, float v, bool accumulate) {
-  *dst = accumulate ? *dst + v : v;
+// Writes (or adds) a warp's 16-row f32 accumulator (mma's C layout: this thread's rows g and g + 8,
+// columns 8n + 2 t4 + e) to rows row, row + 8 of dst (stride elements apart), skipping rows at or
+// past n.
+template <int D>
+LOOM_FLASH_FN void put_rows(float* dst, int64_t stride, int64_t row, int64_t n,
+                            const float (&acc)[D / 8][4], int t4, bool accumulate) {
+  for (int r = 0; r < 2; ++r) {
+    if (row + 8 * r >= n) continue;
+    float* d = dst + (row + 8 * r) * stride + 2 * t4;
+    for (int j = 0; j < D / 8; ++j)
+      for (int e = 0; e < 2; ++e) {
+        float* x = d + 8 * j + e;
+        *x = accumulate ? *x + acc[j][2 * r + e] : acc[j][2 * r + e];
+      }
+  }
 }
 
 // dK, dV of one key tile: bx = key tile, by = b * Hkv + kv head.
 template <int D>
 LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid, char* smem) {
   constexpr int kNd = D / 8;
-  // K, V fragments held in registers: off (with them, D = 64 spills; reloaded from shared memory).
-  constexpr bool kKeep = false;
+  // The warp's K and V fragments are read from shared memory per step (held in registers, they
+  // make D = 64 spill).
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kt = bx;
   const int64_t G = p.Hq / p.Hkv, b = by / p.Hkv, hk = by % p.Hkv;
@@ -375,8 +401,6 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
   float dk[kNd][4], dv[kNd][4];
   for (int j = 0; j < kNd; ++j)
     for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.0f;
-  uint32_t kf[kKeep ? D / 16 : 1][4], vf[kKeep ? D / 16 : 1][4];
-  bool have_kv = false;
   int buf = 0;
   while (it < items) {
     const int nxt = next_query_item(p, kr, k0, it + 1, items);
@@ -384,13 +408,6 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
     cp_async_commit();
     cp_async_wait<1>();
     block_sync();
-    if (kKeep && !have_kv) {
-      for (int kk = 0; kk < D / 16; ++kk) {
-        load_a<D>(kf[kKeep ? kk : 0], sk, row0, kk, lane);
-        load_a<D>(vf[kKeep ? kk : 0], sv, row0, kk, lane);
-      }
-      have_kv = true;
-    }
     const int64_t q0 = int64_t(it % p.q_tiles) * kTile;
     const bool masked =
         classify(tile_range_of(p.q_rng, p.Tq, it % p.q_tiles), kr, k0, p.Tk) == Pair::masked;
@@ -406,39 +423,35 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
       LOOM_FLASH_UNROLL
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4], bf[4];
-        if (kKeep) {
-          for (int e = 0; e < 4; ++e) a[e] = kf[kKeep ? kk : 0][e];
-        } else {
-          load_a<D>(a, sk, row0, kk, lane);
-        }
+        load_a<D>(a, sk, row0, kk, lane);
         load_b_rows<D>(bf, qs, qc, kk, lane);
         mma_bf16(st[0], a, bf[0], bf[1]);
         mma_bf16(st[1], a, bf[2], bf[3]);
-        if (kKeep) {
-          for (int e = 0; e < 4; ++e) a[e] = vf[kKeep ? kk : 0][e];
-        } else {
-          load_a<D>(a, sv, row0, kk, lane);
-        }
+        load_a<D>(a, sv, row0, kk, lane);
         load_b_rows<D>(bf, dos, qc, kk, lane);
         mma_bf16(dpt[0], a, bf[0], bf[1]);
         mma_bf16(dpt[1], a, bf[2], bf[3]);
       }
       // P^T and dS^T (entries [n][2r+e]: key row0 + g + 8r, query qc + 8n + 2 t4 + e).
       LOOM_FLASH_UNROLL
-      for (int n = 0; n < 2; ++n) LOOM_FLASH_UNROLL
-      for (int r = 0; r < 2; ++r) LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int qi = qc + 8 * n + 2 * t4 + e;
-        const float l2 = ls[qi];
-        bool vis = l2 != -INFINITY;
-        if (vis && masked) vis = kp[r] <= position(p.q_pos, q0 + qi);
-        float pv = 0.0f, dsv = 0.0f;
-        if (vis) {
-          pv = exp2_(mul_rn(st[n][2 * r + e], p.c) - l2);
-          dsv = mul_rn(mul_rn(pv, dpt[n][2 * r + e] - ds[qi]), p.scale);
+      for (int n = 0; n < 2; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          LOOM_FLASH_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int qi = qc + 8 * n + 2 * t4 + e;
+            const float l2 = ls[qi];
+            bool vis = l2 != -INFINITY;
+            if (vis && masked) vis = kp[r] <= position(p.q_pos, q0 + qi);
+            float pv = 0.0f, dsv = 0.0f;
+            if (vis) {
+              pv = exp2_(mul_rn(st[n][2 * r + e], p.c) - l2);
+              dsv = mul_rn(mul_rn(pv, dpt[n][2 * r + e] - ds[qi]), p.scale);
+            }
+            st[n][2 * r + e] = pv;
+            dpt[n][2 * r + e] = dsv;
+          }
         }
-        st[n][2 * r + e] = pv;
-        dpt[n][2 * r + e] = dsv;
       }
       const uint32_t pa[4] = {pack_bf16(st[0][0], st[0][1]), pack_bf16(st[0][2], st[0][3]),
                               pack_bf16(st[1][0], st[1][1]), pack_bf16(st[1][2], st[1][3])};
@@ -460,27 +473,9 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
     it = nxt;
   }
   cp_async_wait<0>();
-
-  LOOM_FLASH_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int64_t j = k0 + row0 + g + 8 * r;
-    if (j >= p.Tk) continue;
-    const int64_t base = (b * p.Tk + j) * p.kv_stride + hk * D + 2 * t4;
-    LOOM_FLASH_UNROLL
-    for (int n = 0; n < kNd; ++n) LOOM_FLASH_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      put_grad(p.dk + base + 8 * n + e, dk[n][2 * r + e], p.accumulate);
-      put_grad(p.dv + base + 8 * n + e, dv[n][2 * r + e], p.accumulate);
-    }
-  }
-}
-
-// The next key tile from kt on that query tile qr sees (k_tiles when none).
-LOOM_FLASH_FN int next_key_tile_bwd(const BwdParams& p, Range qr, int kt) {
-  for (; kt < p.k_tiles; ++kt)
-    if (classify(qr, tile_range_of(p.k_rng, p.Tk, kt), int64_t(kt) * kTile, p.Tk) != Pair::skip)
-      break;
-  return kt;
+  const int64_t kbase = b * p.Tk * p.kv_stride + hk * D;
+  put_rows<D>(p.dk + kbase, p.kv_stride, k0 + row0 + g, p.Tk, dk, t4, p.accumulate);
+  put_rows<D>(p.dv + kbase, p.kv_stride, k0 + row0 + g, p.Tk, dv, t4, p.accumulate);
 }
 
 // dQ of one query tile: bx counts query tiles from the last, by = b * Hq + h.
@@ -501,12 +496,11 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
   uint16_t* sv = sk + 2 * kTile * D;  // [2][64][D]
   const Range qr = tile_range_of(p.q_rng, p.Tq, qt);
 
-  int kt = next_key_tile_bwd(p, qr, 0);
+  int kt = next_key_tile(p, qr, 0);
   load_tile<D>(sq, p.q + b * p.Tq * p.q_stride + h * D, p.q_stride, q0, p.Tq, tid);
   load_tile<D>(sdo, p.dout + b * p.Tq * os + h * D, os, q0, p.Tq, tid);
   if (kt < p.k_tiles) {
-    load_tile<D>(sk, kb, p.kv_stride, int64_t(kt) * kTile, p.Tk, tid);
-    load_tile<D>(sv, vb, p.kv_stride, int64_t(kt) * kTile, p.Tk, tid);
+    load_kv<D>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
   }
   cp_async_commit();
 
@@ -526,10 +520,9 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
   bool have_q = false;
   int buf = 0;
   while (kt < p.k_tiles) {
-    const int nxt = next_key_tile_bwd(p, qr, kt + 1);
+    const int nxt = next_key_tile(p, qr, kt + 1);
     if (nxt < p.k_tiles) {
-      load_tile<D>(sk + (buf ^ 1) * kTile * D, kb, p.kv_stride, int64_t(nxt) * kTile, p.Tk, tid);
-      load_tile<D>(sv + (buf ^ 1) * kTile * D, vb, p.kv_stride, int64_t(nxt) * kTile, p.Tk, tid);
+      load_kv<D>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -574,20 +567,24 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
       }
       // dS (rounded to bf16 below), entries [n][2r+e]: row row0 + g + 8r, key kc + 8n + 2 t4 + e.
       LOOM_FLASH_UNROLL
-      for (int n = 0; n < kKeys / 8; ++n) LOOM_FLASH_UNROLL
-      for (int r = 0; r < 2; ++r) LOOM_FLASH_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        bool vis = l2[r] != -INFINITY;
-        if (vis && masked) {
-          const int64_t j = k0 + kc + 8 * n + 2 * t4 + e;
-          vis = j < p.Tk && position(p.k_pos, j) <= qp[r];
+      for (int n = 0; n < kKeys / 8; ++n) {
+        LOOM_FLASH_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          LOOM_FLASH_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            bool vis = l2[r] != -INFINITY;
+            if (vis && masked) {
+              const int64_t j = k0 + kc + 8 * n + 2 * t4 + e;
+              vis = j < p.Tk && position(p.k_pos, j) <= qp[r];
+            }
+            float dsv = 0.0f;
+            if (vis) {
+              const float pv = exp2_(mul_rn(s[n][2 * r + e], p.c) - l2[r]);
+              dsv = mul_rn(mul_rn(pv, dp[n][2 * r + e] - dl[r]), p.scale);
+            }
+            s[n][2 * r + e] = dsv;
+          }
         }
-        float dsv = 0.0f;
-        if (vis) {
-          const float pv = exp2_(mul_rn(s[n][2 * r + e], p.c) - l2[r]);
-          dsv = mul_rn(mul_rn(pv, dp[n][2 * r + e] - dl[r]), p.scale);
-        }
-        s[n][2 * r + e] = dsv;
       }
       // dQ += dS K.
       LOOM_FLASH_UNROLL
@@ -610,16 +607,8 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
     kt = nxt;
   }
   cp_async_wait<0>();
-
-  LOOM_FLASH_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int64_t i = q0 + row0 + g + 8 * r;
-    if (i >= p.Tq) continue;
-    const int64_t base = (b * p.Tq + i) * p.q_stride + h * D + 2 * t4;
-    LOOM_FLASH_UNROLL
-    for (int n = 0; n < kNd; ++n) LOOM_FLASH_UNROLL
-    for (int e = 0; e < 2; ++e) put_grad(p.dq + base + 8 * n + e, dq[n][2 * r + e], p.accumulate);
-  }
+  put_rows<D>(p.dq + b * p.Tq * p.q_stride + h * D, p.q_stride, q0 + row0 + g, p.Tq, dq, t4,
+              p.accumulate);
 }
 
 }  // namespace loom::flash
