@@ -117,6 +117,22 @@ LOOM_FLASH_FN void load_b_cols(uint32_t (&b)[4], const uint16_t* tile, int k0, i
                     tile + swz<D>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
 }
 
+// Two 16x8 products sharing A: c0 += A B0, c1 += A B1 with b = {B0, B1} as load_b_* return them.
+LOOM_FLASH_FN void mma_x2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                          const uint32_t (&b)[4]) {
+  mma_bf16(c0, a, b[0], b[1]);
+  mma_bf16(c1, a, b[2], b[3]);
+}
+
+// Two 16x8 f32 accumulator tiles (columns 0-7 and 8-15 of 16) rounded to bf16 as the A fragment
+// of the next product: mma's C layout of two n-tiles is its A layout of one k-step.
+LOOM_FLASH_FN void pack_a(const float (&c0)[4], const float (&c1)[4], uint32_t (&a)[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
 // ---- forward -----------------------------------------------------------------------------------
 
 struct FwdParams {
@@ -208,8 +224,7 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
       for (int nn = 0; nn < 4; ++nn) {
         uint32_t bf[4];
         load_b_rows<D>(bf, ks, nn * 16, kk, lane);
-        mma_bf16(s[2 * nn], qf[kk], bf[0], bf[1]);
-        mma_bf16(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
+        mma_x2(s[2 * nn], s[2 * nn + 1], qf[kk], bf);
       }
     }
 
@@ -257,16 +272,13 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
     // O += P V: P (bf16) from the S accumulators as A fragments, 16 keys per step.
     LOOM_FLASH_UNROLL
     for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                             pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[4];
+      pack_a(s[2 * kk], s[2 * kk + 1], a);
       LOOM_FLASH_UNROLL
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bf[4];
         load_b_cols<D>(bf, vs, kk * 16, dn * 16, lane);
-        mma_bf16(o[2 * dn], a, bf[0], bf[1]);
-        mma_bf16(o[2 * dn + 1], a, bf[2], bf[3]);
+        mma_x2(o[2 * dn], o[2 * dn + 1], a, bf);
       }
     }
     block_sync();  // everyone is done with this buffer before the next prefetch overwrites it
@@ -425,12 +437,10 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
         uint32_t a[4], bf[4];
         load_a<D>(a, sk, row0, kk, lane);
         load_b_rows<D>(bf, qs, qc, kk, lane);
-        mma_bf16(st[0], a, bf[0], bf[1]);
-        mma_bf16(st[1], a, bf[2], bf[3]);
+        mma_x2(st[0], st[1], a, bf);
         load_a<D>(a, sv, row0, kk, lane);
         load_b_rows<D>(bf, dos, qc, kk, lane);
-        mma_bf16(dpt[0], a, bf[0], bf[1]);
-        mma_bf16(dpt[1], a, bf[2], bf[3]);
+        mma_x2(dpt[0], dpt[1], a, bf);
       }
       // P^T and dS^T (entries [n][2r+e]: key row0 + g + 8r, query qc + 8n + 2 t4 + e).
       LOOM_FLASH_UNROLL
@@ -453,19 +463,16 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
           }
         }
       }
-      const uint32_t pa[4] = {pack_bf16(st[0][0], st[0][1]), pack_bf16(st[0][2], st[0][3]),
-                              pack_bf16(st[1][0], st[1][1]), pack_bf16(st[1][2], st[1][3])};
-      const uint32_t sa[4] = {pack_bf16(dpt[0][0], dpt[0][1]), pack_bf16(dpt[0][2], dpt[0][3]),
-                              pack_bf16(dpt[1][0], dpt[1][1]), pack_bf16(dpt[1][2], dpt[1][3])};
+      uint32_t pa[4], sa[4];
+      pack_a(st[0], st[1], pa);
+      pack_a(dpt[0], dpt[1], sa);
       LOOM_FLASH_UNROLL
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bf[4];
         load_b_cols<D>(bf, dos, qc, dn * 16, lane);  // dV += P^T dO
-        mma_bf16(dv[2 * dn], pa, bf[0], bf[1]);
-        mma_bf16(dv[2 * dn + 1], pa, bf[2], bf[3]);
+        mma_x2(dv[2 * dn], dv[2 * dn + 1], pa, bf);
         load_b_cols<D>(bf, qs, qc, dn * 16, lane);  // dK += dS^T Q
-        mma_bf16(dk[2 * dn], sa, bf[0], bf[1]);
-        mma_bf16(dk[2 * dn + 1], sa, bf[2], bf[3]);
+        mma_x2(dk[2 * dn], dk[2 * dn + 1], sa, bf);
       }
     }
     block_sync();
@@ -558,11 +565,9 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
         for (int nn = 0; nn < kKeys / 16; ++nn) {
           uint32_t bf[4];
           load_b_rows<D>(bf, ks, kc + nn * 16, kk, lane);
-          mma_bf16(s[2 * nn], a, bf[0], bf[1]);
-          mma_bf16(s[2 * nn + 1], a, bf[2], bf[3]);
+          mma_x2(s[2 * nn], s[2 * nn + 1], a, bf);
           load_b_rows<D>(bf, vs, kc + nn * 16, kk, lane);
-          mma_bf16(dp[2 * nn], ao, bf[0], bf[1]);
-          mma_bf16(dp[2 * nn + 1], ao, bf[2], bf[3]);
+          mma_x2(dp[2 * nn], dp[2 * nn + 1], ao, bf);
         }
       }
       // dS (rounded to bf16 below), entries [n][2r+e]: row row0 + g + 8r, key kc + 8n + 2 t4 + e.
@@ -589,16 +594,13 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
       // dQ += dS K.
       LOOM_FLASH_UNROLL
       for (int kk = 0; kk < kKeys / 16; ++kk) {
-        const uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                               pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                               pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t a[4];
+        pack_a(s[2 * kk], s[2 * kk + 1], a);
         LOOM_FLASH_UNROLL
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t bf[4];
           load_b_cols<D>(bf, ks, kc + kk * 16, dn * 16, lane);
-          mma_bf16(dq[2 * dn], a, bf[0], bf[1]);
-          mma_bf16(dq[2 * dn + 1], a, bf[2], bf[3]);
+          mma_x2(dq[2 * dn], dq[2 * dn + 1], a, bf);
         }
       }
     }

@@ -31,6 +31,7 @@
 #include "kernels/cpu/attention_bf16.hpp"
 #include "kernels/cpu/attention_block.hpp"
 #include "tests/kernels/flash_emulation.hpp"
+#include "tests/kernels/flash_test_util.hpp"
 #include "tests/test_util.hpp"
 // The kernel bodies, after the emulated primitives they call.
 #include "kernels/cuda/flash_attention_kernels.cuh"
@@ -41,10 +42,7 @@ using cpu::BlockShape;
 
 namespace {
 
-constexpr double kFwdTol = 4e-3;
-constexpr double kLseTol = 1e-5;
-constexpr double kDvTol = 5e-3;
-constexpr double kDqkTol = 1.5e-2;
+using namespace test::flash;  // the bounds, columns
 constexpr double kVariantTol = 2e-4;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -82,15 +80,6 @@ struct Case {
   const int64_t* qp() const { return q_pos.empty() ? nullptr : q_pos.data(); }
   const int64_t* kp() const { return k_pos.empty() ? nullptr : k_pos.data(); }
 };
-
-// The logical elements of a strided [rows, stride] matrix: columns [col0, col0 + width).
-std::vector<float> dense(const std::vector<float>& a, int64_t rows, int64_t stride, int64_t col0,
-                         int64_t width) {
-  std::vector<float> r;
-  for (int64_t i = 0; i < rows; ++i)
-    r.insert(r.end(), a.begin() + i * stride + col0, a.begin() + i * stride + col0 + width);
-  return r;
-}
 
 template <int D>
 void emu_forward(const Case& c, const std::vector<bf16>& q, const std::vector<bf16>& kv,
@@ -235,9 +224,10 @@ void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
     }
     bwd(c, accumulate, q, kv, lse, delta, dout, dq.data(), dkv.data());
     std::printf(accumulate ? "  | acc" : "  | bwd");
-    expect_rel(dense(dq, qrows, c.qs(), 0, ow), dense(rq, qrows, c.qs(), 0, ow), kDqkTol, "dq");
-    expect_rel(dense(dkv, krows, c.kvs(), 0, kw), dense(rkv, krows, c.kvs(), 0, kw), kDqkTol, "dk");
-    expect_rel(dense(dkv, krows, c.kvs(), kw, kw), dense(rkv, krows, c.kvs(), kw, kw), kDvTol,
+    expect_rel(columns(dq, qrows, c.qs(), 0, ow), columns(rq, qrows, c.qs(), 0, ow), kDqkTol, "dq");
+    expect_rel(columns(dkv, krows, c.kvs(), 0, kw), columns(rkv, krows, c.kvs(), 0, kw), kDqkTol,
+               "dk");
+    expect_rel(columns(dkv, krows, c.kvs(), kw, kw), columns(rkv, krows, c.kvs(), kw, kw), kDvTol,
                "dv");
   }
   std::printf("\n");

@@ -33,6 +33,7 @@
 #include "kernels/cuda/attention.hpp"
 #include "kernels/cuda/runtime.hpp"
 #include "tests/kernels/cuda/cuda_test_util.hpp"
+#include "tests/kernels/flash_test_util.hpp"
 #include "tests/test_util.hpp"
 
 using namespace loom;
@@ -41,10 +42,7 @@ using cpu::BlockShape;
 
 namespace {
 
-constexpr double kFwdTol = 4e-3;
-constexpr double kLseTol = 1e-5;
-constexpr double kDvTol = 5e-3;
-constexpr double kDqkTol = 1.5e-2;
+using namespace test::flash;  // the bounds, columns
 
 using FlashCuda = test::CudaTest;
 
@@ -66,14 +64,6 @@ struct Case {
            (q_pos.empty() ? " causal" : " block");
   }
 };
-
-std::vector<float> columns(const std::vector<float>& a, int64_t rows, int64_t stride, int64_t off,
-                           int64_t width) {
-  std::vector<float> r;
-  for (int64_t i = 0; i < rows; ++i)
-    r.insert(r.end(), a.begin() + i * stride + off, a.begin() + i * stride + off + width);
-  return r;
-}
 
 void expect_rel(const std::vector<float>& a, const std::vector<float>& ref, double tol,
                 const char* what) {
