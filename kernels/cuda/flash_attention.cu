@@ -136,6 +136,8 @@ void flash_attention_forward_bf16(const cpu::BlockShape& s, const bf16* q, const
   check_call(s, q, k, v, q_pos, k_pos, op);
   LOOM_CHECK((out_f32 == nullptr) != (out_bf16 == nullptr), op,
              ": exactly one of out_f32, out_bf16");
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(out_bf16) % 4 == 0, op,
+             ": out_bf16 not 4-byte aligned (pairs are stored as one word)");
   const Ranges r = ranges(s, q_pos, k_pos, op);
   flash::FwdParams p{};
   p.q = bits(q), p.k = bits(k), p.v = bits(v);

@@ -1,4 +1,5 @@
-// The exact CUDA attention (kernels/cuda/attention.hpp) against the CPU kernels
+// The CUDA attention (kernels/cuda/attention.hpp: the exact path, and for the bf16 cases at head
+// dims 64 and 128 the flash kernels of flash_attention.hpp) against the CPU kernels
 // (kernels/cpu/attention.hpp, attention_bf16.hpp, attention_block.hpp): q, k, v as strided views
 // inside one fused [B*T, (Hq+2Hkv)*D] buffer, random inputs (never zeros), every output filled with
 // NaN first so that an element the kernel missed fails, odd T (1, 7, 65), head dims 64, 128 and
