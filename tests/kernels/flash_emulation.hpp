@@ -8,8 +8,11 @@
 // divergent __syncthreads, a warp collective outside converged code) fails instead of hanging.
 //
 // The fragment layouts are the point: they follow the PTX ISA (NVIDIA, "Parallel Thread Execution
-// ISA", section "Warp-level matrix fragments for mma.m16n8k16 with floating point type" and the
-// ldmatrix instruction's description). For lane l, groupID g = l / 4, threadID_in_group t = l % 4:
+// ISA", section "Matrix Fragments for mma.m16n8k16 with floating point type", and the ldmatrix
+// instruction's description: "addresses addr0-addr7 correspond to the rows of the first matrix,
+// addr8-addr15 to the second", "a group of four threads loads an entire row", ".trans indicates
+// that the matrix is loaded in column-major format"), as public copies of the ISA text and kernels
+// that use the instructions state them. For lane l, groupID g = l / 4, threadID_in_group t = l % 4:
 //   A (16x16 bf16, .row): a0,a1 = (g, 2t), (g, 2t+1); a2,a3 = (g+8, 2t..); a4,a5 = (g, 2t+8..);
 //                          a6,a7 = (g+8, 2t+8..); register i holds a(2i), a(2i+1), low half first.
 //   B (16x8 bf16, .col):   b0,b1 = (2t, g), (2t+1, g); b2,b3 = (2t+8, g), (2t+9, g).
