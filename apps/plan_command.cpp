@@ -288,6 +288,8 @@ int plan_command(const Args& args) {
       ranks_arg.empty() ? representative_ranks(layout) : parse_ranks(ranks_arg, world);
 
   const plan::Hardware hw = plan::load_hardware(hardware);
+  // The job planned on the hardware's device: a GPU's memory plan books its kernels' scratch.
+  j.job.training.device = hw.device;
   if (search) return search_command(j, hw, oversubscribed, json);
   const plan::LayoutPlan lp = plan::plan_whole(j, ranks, hw, oversubscribed);
   const std::optional<plan::EpWorstCase> worst = plan::ep_worst_case(j, ranks, hw, oversubscribed);

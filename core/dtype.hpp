@@ -7,10 +7,10 @@
 
 namespace loom {
 
-enum class DType : uint8_t { f32, bf16, i32 };
+enum class DType : uint8_t { f32, bf16, i32, i64, f64 };
 
 size_t dtype_size(DType t);
-std::string_view dtype_name(DType t);          // "float32", "bfloat16", "int32"
+std::string_view dtype_name(DType t);          // "float32", "bfloat16", "int32", "int64", "float64"
 DType dtype_from_name(std::string_view name);  // accepts the names above and "f32"/"bf16"/"i32"
 
 // bfloat16 stored as its 16 raw bits; conversion rounds to nearest even (NaN stays NaN).

@@ -155,6 +155,10 @@ MPI_Datatype mpi_type(DType d) {
       return MPI_UINT16_T;  // moved as raw bits; reduced by the bf16 op
     case DType::i32:
       return MPI_INT32_T;
+    case DType::i64:
+      return MPI_INT64_T;
+    case DType::f64:
+      return MPI_DOUBLE;
   }
   fail("no MPI datatype for ", dtype_name(d));
 }
@@ -164,7 +168,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // acc[i] = x[i] + acc[i], as MPI_SUM and the bf16 op add (the order of the two does not change
-// the result: IEEE addition is commutative). i32 wraps around, as MPI's does.
+// the result: IEEE addition is commutative). Integers wrap around, as MPI's do.
 void add_into(DType d, const void* x, void* acc, int64_t n) {
   switch (d) {
     case DType::f32:
@@ -178,6 +182,16 @@ void add_into(DType d, const void* x, void* acc, int64_t n) {
     case DType::i32:
       for (int64_t i = 0; i < n; ++i) {
         static_cast<uint32_t*>(acc)[i] += static_cast<const uint32_t*>(x)[i];
+      }
+      break;
+    case DType::i64:
+      for (int64_t i = 0; i < n; ++i) {
+        static_cast<uint64_t*>(acc)[i] += static_cast<const uint64_t*>(x)[i];
+      }
+      break;
+    case DType::f64:
+      for (int64_t i = 0; i < n; ++i) {
+        static_cast<double*>(acc)[i] += static_cast<const double*>(x)[i];
       }
       break;
   }

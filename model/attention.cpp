@@ -123,18 +123,19 @@ void Attention::attend(const StepContext& ctx, Tensor& qkv, AttentionActs& a) co
     if (bf16 && !ring) {
       // The bf16 kernels read only the rounded copy: q and k rotated as they are rounded.
       a.qkv = Tensor::empty({M, nqkv()}, DType::bf16, dev);
-      ops::rope_rounded(qkv, ctx.B, Hq + Hkv, Hkv, ctx.positions, *ctx.rope, false, a.qkv);
+      ops::rope_rounded(qkv, ctx.B, Hq + Hkv, Hkv, ctx.positions_device, *ctx.rope, false, a.qkv);
     } else {
       Tensor q = qkv.narrow(1, 0, Hq * hd), k = qkv.narrow(1, Hq * hd, Hkv * hd);
-      ops::rope_forward(q, ctx.B, Hq, ctx.positions, *ctx.rope);
-      ops::rope_forward(k, ctx.B, Hkv, ctx.positions, *ctx.rope);
+      ops::rope_forward(q, ctx.B, Hq, ctx.positions_device, *ctx.rope);
+      ops::rope_forward(k, ctx.B, Hkv, ctx.positions_device, *ctx.rope);
       a.qkv = ops::to_compute(qkv, ctx.compute);
       if (ctx.compute != DType::f32 && ring) ops::cast(a.qkv, qkv);
     }
     a.lse = f32({ctx.B, Hq, ctx.T}, dev);
     const Tensor& in = bf16 && !ring ? a.qkv : qkv;
     if (ring)
-      ring_attention_forward(par.cp, {ctx.B, ctx.T, Hq, Hkv, hd, &ctx.cp_pos}, qkv, attn, a.lse);
+      ring_attention_forward(par.cp, {ctx.B, ctx.T, Hq, Hkv, hd, &ctx.cp_pos, &ctx.cp_pos_device},
+                             qkv, attn, a.lse);
     else
       ops::attention_forward(in.narrow(1, 0, Hq * hd), in.narrow(1, Hq * hd, Hkv * hd),
                              in.narrow(1, (Hq + Hkv) * hd, Hkv * hd), ctx.B, Hq, Hkv, attn, a.lse);
@@ -169,15 +170,15 @@ void Attention::attend_backward(const StepContext& ctx, AttentionActs& a, const 
     const Tensor attn = ops::to_f32(a.attn);
     a.attn = Tensor();
     if (par.cp.size() > 1)
-      ring_attention_backward(par.cp, {ctx.B, ctx.T, Hq, Hkv, hd, &ctx.cp_pos}, qkv, attn, a.lse,
-                              dattn, dqkv);
+      ring_attention_backward(par.cp, {ctx.B, ctx.T, Hq, Hkv, hd, &ctx.cp_pos, &ctx.cp_pos_device},
+                              qkv, attn, a.lse, dattn, dqkv);
     else
       ops::attention_backward(qkv.narrow(1, 0, qc), qkv.narrow(1, qc, kc),
                               qkv.narrow(1, qc + kc, kc), attn, a.lse, dattn, ctx.B, Hq, Hkv, dq,
                               dk, dv);
   }
-  ops::rope_backward(dq, ctx.B, Hq, ctx.positions, *ctx.rope);
-  ops::rope_backward(dk, ctx.B, Hkv, ctx.positions, *ctx.rope);
+  ops::rope_backward(dq, ctx.B, Hq, ctx.positions_device, *ctx.rope);
+  ops::rope_backward(dk, ctx.B, Hkv, ctx.positions_device, *ctx.rope);
 }
 
 Tensor Attention::forward(const ParamUnit& unit, const StepContext& ctx, const Tensor& x,
@@ -234,7 +235,7 @@ void Attention::backward(ParamUnit& unit, const StepContext& ctx, Tensor& dy,
   Tensor dqkv_c;
   if (unrotated_dqkv(ctx)) {
     dqkv_c = Tensor::empty({M, nqkv()}, DType::bf16, dev);
-    ops::rope_rounded(dqkv, ctx.B, Hq + Hkv, Hkv, ctx.positions, *ctx.rope, true, dqkv_c);
+    ops::rope_rounded(dqkv, ctx.B, Hq + Hkv, Hkv, ctx.positions_device, *ctx.rope, true, dqkv_c);
   } else {
     dqkv_c = ops::to_compute(dqkv, dt);
   }

@@ -131,7 +131,7 @@ Tensor GlaModel::head_forward_backward(ActivationStore& s) {
                       .eps = float(config_.norm_eps),
                       .compute = compute_};
   return head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets, s.grad_scale,
-                               s.loss);
+                               loss_slots_.slot(s.loss.slot));
 }
 
 }  // namespace loom

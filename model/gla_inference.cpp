@@ -47,7 +47,9 @@ Tensor GlaInference::forward(const int32_t* tokens, int64_t n, bool all_logits) 
   Tensor none;
 
   Tensor x = f32({n, d});
-  ops::embedding_forward(tokens, model_.embedding().params()[0].value, x);
+  ops::embedding_forward(
+      ops::index_tensor({tokens, size_t(n)}, model_.device(), "token", 0, c_.vocab_size),
+      model_.embedding().params()[0].value, x);
   for (Layer& layer : layers_) {
     const ParamUnit& u = layer.block->unit();
     const auto& P = u.params();

@@ -32,7 +32,8 @@ bool vocab_parallel_output(std::span<const PlanEntry> plan, const std::string& n
 }
 
 Tensor LossHead::forward_backward(ParamUnit& head, ParamUnit& embed, const Tensor& x,
-                                  const int32_t* targets, float grad_scale, double& loss) const {
+                                  const Tensor& targets, float grad_scale,
+                                  const Tensor& loss) const {
   const Device dev = x.device();
   Param& norm = head.params()[0];
   ParamUnit& out_unit = tied ? embed : head;
@@ -66,8 +67,11 @@ Tensor LossHead::forward_backward(ParamUnit& head, ParamUnit& embed, const Tenso
   ce.grad_scale = grad_scale;
   ce.chunk_rows = chunk_rows;
   ce.grad_rows = grad_rows;
-  loss = vocab_parallel ? vocab_parallel_cross_entropy(tp, ce, int64_t(tp.opt.rank()) * V, vocab)
-                        : ops::linear_cross_entropy(ce);
+  ce.loss = loss;
+  if (vocab_parallel)
+    vocab_parallel_cross_entropy(tp, ce, int64_t(tp.opt.rank()) * V, vocab);
+  else
+    ops::linear_cross_entropy(ce);
   if (free_early) ce.x = Tensor();
   if (vocab_parallel && tp.on()) dxf = tp_sum_partial(tp, dxf);
   Tensor dx = Tensor::zeros({Mx, d}, DType::f32, dev);

@@ -60,12 +60,12 @@ struct LossHead {
   int64_t chunk_rows{};  // rows per chunk of f32 logits (0: the kernel's default)
   int64_t grad_rows{};   // ops::LinearCrossEntropy::grad_rows (0: one chunk's)
 
-  // x [Mx, d]: the head's input, the last block's output. Sets `loss` (the summed loss of the M
-  // rows, the same on every tp rank), accumulates the norm's and the projection's gradients (the
-  // norm's summed over tp under SP; a vocabulary-parallel projection's of this rank's rows) and
-  // returns the gradient w.r.t. x [Mx, d] (f32).
-  Tensor forward_backward(ParamUnit& head, ParamUnit& embed, const Tensor& x,
-                          const int32_t* targets, float grad_scale, double& loss) const;
+  // x [Mx, d]: the head's input, the last block's output. Writes `loss` (float64 [1] on the
+  // device: the summed loss of the M rows, the same on every tp rank), accumulates the norm's and
+  // the projection's gradients (the norm's summed over tp under SP; a vocabulary-parallel
+  // projection's of this rank's rows) and returns the gradient w.r.t. x [Mx, d] (f32).
+  Tensor forward_backward(ParamUnit& head, ParamUnit& embed, const Tensor& x, const Tensor& targets,
+                          float grad_scale, const Tensor& loss) const;
 };
 
 }  // namespace loom

@@ -24,7 +24,7 @@ KvCacheDecoder::KvCacheDecoder(Model& model, const LlamaConfig& c, int64_t head_
   const int64_t kv = c.num_key_value_heads * head_dim;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     caches_.push_back({f32({max_len, kv}), f32({max_len, kv})});
-  rope_ = ops::rope_table(head_dim, max_len, c.rope_theta, c.rope_scaling);
+  rope_ = ops::rope_table(head_dim, max_len, c.rope_theta, c.rope_scaling, device_);
 }
 
 Tensor KvCacheDecoder::f32(const Shape& s) const {
@@ -65,14 +65,16 @@ Tensor KvCacheDecoder::forward(const int32_t* tokens, int64_t n, bool all_logits
   const int64_t d = c_.hidden_size, V = c_.vocab_size;
   const float eps = float(c_.rms_norm_eps);
   n_ = n;
-  positions_.resize(size_t(n));
-  for (int64_t t = 0; t < n; ++t) positions_[size_t(t)] = int32_t(len_ + t);
+  std::vector<int32_t> positions(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) positions[size_t(t)] = int32_t(len_ + t);
+  positions_ = ops::index_tensor(positions, device_, "position");
   if (len_ == 0 && n > 1) lse_ = f32({c_.num_attention_heads, n});
 
   const ParamUnit& embed = *units_.front();
   const ParamUnit& head = *units_.back();
   Tensor x = f32({n, d});
-  ops::embedding_forward(tokens, embed.params()[0].value, x);
+  ops::embedding_forward(ops::index_tensor({tokens, size_t(n)}, device_, "token", 0, V),
+                         embed.params()[0].value, x);
   run_layers(x);
   len_ += n;
 

@@ -65,8 +65,8 @@ class KvCacheDecoder {
   int64_t len_ = 0, n_ = 0;  // n_: the chunk being run
   std::vector<ParamUnit*> units_;
   std::vector<Cache> caches_;
-  RopeTable rope_;
-  std::vector<int32_t> positions_;
+  ops::Rope rope_;
+  Tensor positions_;          // int32 [n_] on the device: the chunk's positions
   Tensor lo_, lse_, logits_;  // lo_: rounded GEMM inputs (bf16)
 };
 

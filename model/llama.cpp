@@ -48,14 +48,15 @@ std::string LlamaModel::describe() const {
                  config_.intermediate_size, ", vocab ", config_.vocab_size);
 }
 
-const RopeTable& LlamaModel::rope_for(int64_t T) {
-  if (rope_.num_positions >= T) return rope_;
+const ops::Rope& LlamaModel::rope_for(int64_t T) {
+  if (rope_.num_positions() >= T) return rope_;
   if (!ops::computes(device_)) {
     // No kernel reads it there (meta): its size only (the planner builds thousands of models).
-    rope_.head_dim = config_.head_dim();
-    rope_.num_positions = T;
+    rope_.host.head_dim = config_.head_dim();
+    rope_.host.num_positions = T;
   } else {
-    rope_ = ops::rope_table(config_.head_dim(), T, config_.rope_theta, config_.rope_scaling);
+    rope_ =
+        ops::rope_table(config_.head_dim(), T, config_.rope_theta, config_.rope_scaling, device_);
   }
   return rope_;
 }
@@ -79,13 +80,13 @@ void LlamaModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
 
 Tensor LlamaModel::embedding_forward(ActivationStore& s) {
   Tensor x = f32({residual_rows(s.ctx), config_.hidden_size}, device_);
-  vocab_parallel_embedding_forward(par().tp, s.inputs, s.ctx.tokens(),
-                                   embed_unit().params()[0].value, vocab_begin(), x);
+  vocab_parallel_embedding_forward(par().tp, s.inputs, embed_unit().params()[0].value,
+                                   vocab_begin(), x);
   return x;
 }
 
 void LlamaModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
-  vocab_parallel_embedding_backward(par().tp, s.inputs, s.ctx.tokens(), dx, vocab_begin(),
+  vocab_parallel_embedding_backward(par().tp, s.inputs, dx, vocab_begin(),
                                     embed_unit().params()[0].grad);
 }
 
@@ -106,7 +107,7 @@ Tensor LlamaModel::head_forward_backward(ActivationStore& s) {
                       .chunk_rows = chunks.rows,
                       .grad_rows = chunks.grad_rows};
   return head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets, s.grad_scale,
-                               s.loss);
+                               loss_slots_.slot(s.loss.slot));
 }
 
 }  // namespace loom

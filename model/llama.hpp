@@ -51,7 +51,7 @@ class LlamaModel final : public Model {
   static LossChunks loss_chunks(const LlamaConfig& c, int64_t B, int64_t T, DType compute);
 
  private:
-  const RopeTable& rope_for(int64_t T);
+  const ops::Rope& rope_for(int64_t T);
   void prepare(ActivationStore& s, int64_t span) override;
   void set_block_checkpoint(size_t block, ActivationCheckpoint::Mode mode) override;
   Tensor embedding_forward(ActivationStore& s) override;
@@ -65,7 +65,7 @@ class LlamaModel final : public Model {
 
   LlamaConfig config_;
   std::vector<std::unique_ptr<LlamaBlock>> blocks_;
-  RopeTable rope_;
+  ops::Rope rope_;
 };
 
 }  // namespace loom

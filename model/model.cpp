@@ -134,14 +134,24 @@ ActivationStore Model::micro_batch(const int32_t* inputs, const int32_t* targets
   LOOM_CHECK(hooks_ || !shard_.sharded(),
              "forward_backward: a sharded model needs hooks that materialize its units");
   ActivationStore s;
-  s.inputs = inputs;
-  s.targets = targets;
+  // The tokens on the run's device, once per micro-batch (the ops read no host arrays), checked
+  // here, where they are on the host: a bad token or target names itself before any op runs.
+  // Only the stages that read them copy them (the embedding's and the head's).
+  const int64_t V = vocab_size();
+  if (inputs && uses(0))
+    s.inputs = ops::index_tensor({inputs, size_t(M)}, device_, "input token", 0, V);
+  if (targets && uses(head_index()))
+    s.targets = ops::index_tensor({targets, size_t(M)}, device_, "target token", INT32_MIN, V);
+  if (uses(head_index())) s.loss.slot = loss_slots_.take();
   s.grad_scale = grad_scale;
   s.ctx.B = B;
   s.ctx.T = T;
   s.ctx.compute = compute_;
   const int64_t span =
       cp_micro_batch_positions(par_->cp, T, tp.sp() ? tpn : 1, s.ctx.positions, s.ctx.cp_pos);
+  s.ctx.positions_device = ops::index_tensor(s.ctx.positions, device_, "position", 0, span);
+  for (const std::vector<int64_t>& p : s.ctx.cp_pos)
+    s.ctx.cp_pos_device.push_back(ops::index_tensor(p, device_, "position"));
   prepare(s, span);
   s.blocks.resize(blocks_.size());
   return s;
@@ -192,11 +202,16 @@ Tensor Model::backward_input(ActivationStore& s, size_t first, size_t last, Tens
   return backward(s, first, last, std::move(dy));
 }
 
-double Model::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                               float grad_scale) {
+PendingLoss Model::forward_backward_pending(const int32_t* inputs, const int32_t* targets,
+                                            int64_t B, int64_t T, float grad_scale) {
   ActivationStore s = micro_batch(inputs, targets, B, T, grad_scale);
   backward(s, 0, num_units(), forward(s, 0, num_units()));
   return s.loss;
+}
+
+double Model::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                               float grad_scale) {
+  return loss_slots_.read(forward_backward_pending(inputs, targets, B, T, grad_scale));
 }
 
 }  // namespace loom

@@ -20,6 +20,7 @@
 
 #include "core/tensor.hpp"
 #include "distributed/buffer_pool.hpp"
+#include "model/loss_slots.hpp"
 #include "model/param_unit.hpp"
 #include "model/step_context.hpp"
 #include "model/tp_plan.hpp"
@@ -49,11 +50,11 @@ class UnitHooks {
 
 // One micro-batch between its forward and its backward: the step context, the tokens, and what
 // every unit's forward saved for its backward. A pipeline stage keeps one per micro-batch in
-// flight. Made by Model::micro_batch; the token arrays must outlive it.
+// flight. Made by Model::micro_batch, which copies the tokens to the run's device.
 struct ActivationStore {
   StepContext ctx;
-  const int32_t* inputs = nullptr;   // [B, T]
-  const int32_t* targets = nullptr;  // [B, T]
+  Tensor inputs;   // int32 [B*T] on the run's device
+  Tensor targets;  // int32 [B*T] on the run's device
   float grad_scale = 1;
   // Block l's saved activations (unit l + 1), of the model's own type (Llama: LlamaBlockActs, GLA:
   // GlaBlockActs).
@@ -62,7 +63,10 @@ struct ActivationStore {
   // auxiliary loss, model/moe.hpp).
   std::any extra;
   Tensor head_input;  // the last block's output, kept for the head's fused pass
-  double loss = 0;    // the summed loss, once the head's backward ran
+  // The summed loss, once the head's backward ran: the head writes it into the model's slot
+  // loss.slot on the run's device (Model::loss_slots) and a model may add a part on the host
+  // (loss.extra: MoE's auxiliary loss); Model::loss reads one, the step's callers all at once.
+  PendingLoss loss;
 };
 
 // A number a model measured over a step's micro-batches beside the loss (MoE: its auxiliary
@@ -178,7 +182,7 @@ class Model {
   Tensor forward(ActivationStore& s, size_t first, size_t last, Tensor x = {});
   // Backward of units [first, last), last first. dy is the gradient w.r.t. unit last - 1's output
   // (ignored when that is the head: the loss gives it); returns the gradient w.r.t. unit first's
-  // input (empty for the embedding). The head's backward sets s.loss.
+  // input (empty for the embedding). The head's backward writes s.loss (its slot).
   Tensor backward(ActivationStore& s, size_t first, size_t last, Tensor dy = {});
   // Zero-bubble pipelines split a backward into the input gradient (I) and the weight gradient
   // (W). backward_input is backward() with every linear layer's weight gradient left in
@@ -193,6 +197,12 @@ class Model {
   // the sum of the per-token losses.
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale);
+  // The same, its loss left on the device (read it with loss_slots().read, with others).
+  PendingLoss forward_backward_pending(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                       int64_t T, float grad_scale);
+  // The micro-batches' loss slots (model/loss_slots.hpp), and one store's loss read now.
+  LossSlots& loss_slots() { return loss_slots_; }
+  double loss(const ActivationStore& s) const { return loss_slots_.read(s.loss); }
 
  protected:
   // Tensor and context parallelism as given (groups of one rank dropped): par() is ready for the
@@ -230,12 +240,13 @@ class Model {
   virtual void embedding_backward(ActivationStore& s, const Tensor& dx) = 0;
   virtual Tensor block_forward(ActivationStore& s, size_t block, const Tensor& x) = 0;
   virtual void block_backward(ActivationStore& s, size_t block, Tensor& dy) = 0;
-  // The head's forward fused with its backward: sets s.loss, returns the gradient w.r.t. its
-  // input (s.head_input).
+  // The head's forward fused with its backward: writes s.loss's slot, returns the gradient w.r.t.
+  // its input (s.head_input).
   virtual Tensor head_forward_backward(ActivationStore& s) = 0;
 
   DType compute_;
   Device device_;
+  LossSlots loss_slots_{device_};
   ShardLayout shard_;
   dist::BufferPool pool_;
 

@@ -174,14 +174,14 @@ std::vector<std::string> MoeModel::after_update(dist::ProcessGroup* dp, dist::Pr
   return balance_.after_update(dp, par().cp.group, pp, biases);
 }
 
-const RopeTable& MoeModel::rope_for(int64_t T) {
-  if (rope_.num_positions >= T) return rope_;
+const ops::Rope& MoeModel::rope_for(int64_t T) {
+  if (rope_.num_positions() >= T) return rope_;
   const LlamaConfig& c = config_.base;
   if (!ops::computes(device_)) {
-    rope_.head_dim = config_.head_dim;
-    rope_.num_positions = T;
+    rope_.host.head_dim = config_.head_dim;
+    rope_.host.num_positions = T;
   } else {
-    rope_ = ops::rope_table(config_.head_dim, T, c.rope_theta, c.rope_scaling);
+    rope_ = ops::rope_table(config_.head_dim, T, c.rope_theta, c.rope_scaling, device_);
   }
   return rope_;
 }
@@ -227,13 +227,13 @@ void MoeModel::block_backward(ActivationStore& s, size_t block, Tensor& dy) {
 
 Tensor MoeModel::embedding_forward(ActivationStore& s) {
   Tensor x = Tensor::empty({residual_rows(s.ctx), config_.base.hidden_size}, DType::f32, device_);
-  vocab_parallel_embedding_forward(par().tp, s.inputs, s.ctx.tokens(),
-                                   embed_unit().params()[0].value, vocab_first(), x);
+  vocab_parallel_embedding_forward(par().tp, s.inputs, embed_unit().params()[0].value,
+                                   vocab_first(), x);
   return x;
 }
 
 void MoeModel::embedding_backward(ActivationStore& s, const Tensor& dx) {
-  vocab_parallel_embedding_backward(par().tp, s.inputs, s.ctx.tokens(), dx, vocab_first(),
+  vocab_parallel_embedding_backward(par().tp, s.inputs, dx, vocab_first(),
                                     embed_unit().params()[0].grad);
 }
 
@@ -279,7 +279,7 @@ void MoeModel::add_aux_loss(ActivationStore& s) {
   step_.choices += N * double(config_.num_experts_per_tok);
   if (!train_aux) return;
   const double coef = config_.router_aux_loss_coef;
-  s.loss += coef * m.aux_loss * double(s.ctx.tokens());  // this rank's tokens' share
+  s.loss.extra += coef * m.aux_loss * double(s.ctx.tokens());  // this rank's tokens' share
   Tensor g = Tensor::empty({E}, DType::f32, Device::cpu);
   for (int64_t e = 0; e < E; ++e)
     g.data<float>()[e] =
@@ -310,7 +310,7 @@ Tensor MoeModel::head_forward_backward(ActivationStore& s) {
                       .chunk_rows = chunks.rows,
                       .grad_rows = chunks.grad_rows};
   Tensor dx = head.forward_backward(head_unit(), embed_unit(), s.head_input, s.targets,
-                                    s.grad_scale, s.loss);
+                                    s.grad_scale, loss_slots_.slot(s.loss.slot));
   add_aux_loss(s);
   return dx;
 }

@@ -67,7 +67,7 @@ class MoeModel final : public Model {
   void carry_in(ActivationStore& s, bool backward, const Tensor& carry) override;
 
  private:
-  const RopeTable& rope_for(int64_t T);
+  const ops::Rope& rope_for(int64_t T);
   int64_t vocab_first() const {
     return vocab_begin(config_.base.vocab_size, par().tp.opt.rank(), par().tp.opt.size());
   }
@@ -78,8 +78,8 @@ class MoeModel final : public Model {
   Tensor block_forward(ActivationStore& s, size_t block, const Tensor& x) override;
   void block_backward(ActivationStore& s, size_t block, Tensor& dy) override;
   Tensor head_forward_backward(ActivationStore& s) override;
-  // The auxiliary loss of the micro-batch's statistics, its scaled share added to s.loss and its
-  // gradient per expert probability set.
+  // The auxiliary loss of the micro-batch's statistics, its scaled share added to s.loss.extra and
+  // its gradient per expert probability set.
   void add_aux_loss(ActivationStore& s);
   // Whether training adds the auxiliary loss (transformers' output_router_logits and a
   // coefficient).
@@ -101,7 +101,7 @@ class MoeModel final : public Model {
     int64_t micro_batches = 0;
   } step_;
   ExpertBalance balance_;
-  RopeTable rope_;
+  ops::Rope rope_;
 };
 
 }  // namespace loom

@@ -47,6 +47,10 @@ const char* st_dtype_of(DType t) {
       return "BF16";
     case DType::i32:
       return "I32";
+    case DType::i64:
+      return "I64";
+    case DType::f64:
+      return "F64";
   }
   return "?";
 }

@@ -44,7 +44,11 @@ struct StepContext {
   // With context parallelism: T is this rank's length (T_global / cp) and cp_pos[r] holds the
   // global positions of cp rank r's T tokens (positions is cp_pos[own rank]).
   std::vector<std::vector<int64_t>> cp_pos;
-  const RopeTable* rope = nullptr;  // the positions' rotary table (models with RoPE)
+  // The same on the run's device, copied once per micro-batch (ops::index_tensor), for the ops:
+  // positions int32 [T]; cp_pos_device[r] int64 [T] (with context parallelism only).
+  Tensor positions_device;
+  std::vector<Tensor> cp_pos_device;
+  const ops::Rope* rope = nullptr;  // the positions' rotary table (models with RoPE)
   int64_t tokens() const { return B * T; }
 };
 

@@ -42,6 +42,10 @@ void Backend::adamw_step(const AdamWStep& /*a*/, Tensor& /*p*/, const Tensor& /*
   missing("adamw_step");
 }
 
+void Backend::sum_squares_each(std::span<const Tensor> xs, std::span<double> out) {
+  for (size_t i = 0; i < xs.size(); ++i) out[i] = sum_squares(xs[i]);
+}
+
 double Backend::sum_squares(const Tensor& /*x*/) {
   missing("sum_squares");
 }
@@ -91,24 +95,23 @@ void Backend::swiglu_backward(const Tensor& /*dact*/, const Tensor& /*gu*/, Tens
   missing("swiglu_backward");
 }
 
-void Backend::rope(Tensor& /*x*/, int64_t /*B*/, int64_t /*H*/,
-                   const std::vector<int32_t>& /*positions*/, const RopeTable& /*table*/,
-                   bool /*backward*/) {
+void Backend::rope(Tensor& /*x*/, int64_t /*B*/, int64_t /*H*/, const Tensor& /*positions*/,
+                   const Rope& /*table*/, bool /*backward*/) {
   missing("rope");
 }
 
 void Backend::rope_rounded(const Tensor& /*x*/, int64_t /*B*/, int64_t /*H*/, int64_t /*Hc*/,
-                           const std::vector<int32_t>& /*positions*/, const RopeTable& /*table*/,
-                           bool /*backward*/, Tensor& /*out*/) {
+                           const Tensor& /*positions*/, const Rope& /*table*/, bool /*backward*/,
+                           Tensor& /*out*/) {
   missing("rope_rounded");
 }
 
-void Backend::embedding_forward(const int32_t* /*tokens*/, const Tensor& /*table*/, int64_t /*v0*/,
+void Backend::embedding_forward(const Tensor& /*tokens*/, const Tensor& /*table*/, int64_t /*v0*/,
                                 Tensor& /*out*/) {
   missing("embedding_forward");
 }
 
-void Backend::embedding_backward(const int32_t* /*tokens*/, const Tensor& /*dout*/, int64_t /*v0*/,
+void Backend::embedding_backward(const Tensor& /*tokens*/, const Tensor& /*dout*/, int64_t /*v0*/,
                                  Tensor& /*dtable*/) {
   missing("embedding_backward");
 }
@@ -271,21 +274,22 @@ void Backend::sigmoid_gate_backward(const Tensor& /*dy*/, const Tensor& /*z*/, c
   missing("sigmoid_gate_backward");
 }
 
-double Backend::linear_cross_entropy(const LinearCrossEntropy& /*a*/, bool /*dw_overwrite*/) {
+void Backend::linear_cross_entropy(const LinearCrossEntropy& /*a*/, bool /*dw_overwrite*/) {
   missing("linear_cross_entropy");
 }
 
-void Backend::vocab_shard_lse(const Tensor& /*logits*/, int64_t /*Vr*/, const int32_t* /*targets*/,
+void Backend::vocab_shard_lse(const Tensor& /*logits*/, int64_t /*Vr*/, const Tensor& /*targets*/,
                               int64_t /*v0*/, Tensor& /*lse*/, Tensor& /*target_logit*/) {
   missing("vocab_shard_lse");
 }
 
-double Backend::vocab_shard_combine(const Tensor& /*lse_all*/, const int32_t* /*targets*/,
-                                    const Tensor& /*target_logit*/, Tensor& /*glse*/) {
+void Backend::vocab_shard_combine(const Tensor& /*lse_all*/, const Tensor& /*targets*/,
+                                  const Tensor& /*target_logit*/, Tensor& /*glse*/,
+                                  Tensor& /*loss*/) {
   missing("vocab_shard_combine");
 }
 
-void Backend::vocab_shard_dlogits(Tensor& /*logits*/, int64_t /*Vr*/, const int32_t* /*targets*/,
+void Backend::vocab_shard_dlogits(Tensor& /*logits*/, int64_t /*Vr*/, const Tensor& /*targets*/,
                                   int64_t /*v0*/, const Tensor& /*glse*/, float /*grad_scale*/) {
   missing("vocab_shard_dlogits");
 }

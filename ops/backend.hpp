@@ -7,7 +7,7 @@
 // nothing). A method a backend does not implement is a loom::Error naming the op and the device.
 //
 // The arguments are those of the op in ops.hpp, after its checks: shapes and strides are the
-// tensors', host data (tokens, positions, the RoPE table) as the op takes it today.
+// tensors', index arrays (tokens, targets, positions) and the RoPE table on the tensors' device.
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -41,6 +41,8 @@ class Backend {
   virtual void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tensor& v,
                           Tensor* mirror);
   virtual double sum_squares(const Tensor& x);
+  // out[i] = sum_squares(xs[i]); by default one call each.
+  virtual void sum_squares_each(std::span<const Tensor> xs, std::span<double> out);
   virtual void scale_inplace(Tensor& x, float s);
 
   // ---- GEMMs (a bf16 y is the product rounded; r: the residual form)
@@ -58,16 +60,15 @@ class Backend {
                                 const Tensor& rstd, Tensor& dx, Tensor& dw);
   virtual void swiglu_forward(const Tensor& gu, Tensor& act);
   virtual void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);
-  virtual void rope(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-                    const RopeTable& table, bool backward);
+  virtual void rope(Tensor& x, int64_t B, int64_t H, const Tensor& positions, const Rope& table,
+                    bool backward);
   virtual void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
-                            const std::vector<int32_t>& positions, const RopeTable& table,
-                            bool backward, Tensor& out);
+                            const Tensor& positions, const Rope& table, bool backward, Tensor& out);
 
   // ---- embedding (v0 < 0: the whole table; otherwise the rows [v0, v0 + table rows))
-  virtual void embedding_forward(const int32_t* tokens, const Tensor& table, int64_t v0,
+  virtual void embedding_forward(const Tensor& tokens, const Tensor& table, int64_t v0,
                                  Tensor& out);
-  virtual void embedding_backward(const int32_t* tokens, const Tensor& dout, int64_t v0,
+  virtual void embedding_backward(const Tensor& tokens, const Tensor& dout, int64_t v0,
                                   Tensor& dtable);
 
   // ---- attention
@@ -139,12 +140,13 @@ class Backend {
                                      Tensor& dys, Tensor& dz);
 
   // ---- loss (dw_overwrite: the first write of the head's gradient)
-  virtual double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite);
-  virtual void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  // The summed loss written into a.loss.
+  virtual void linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite);
+  virtual void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                                Tensor& lse, Tensor& target_logit);
-  virtual double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
-                                     const Tensor& target_logit, Tensor& glse);
-  virtual void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  virtual void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets,
+                                   const Tensor& target_logit, Tensor& glse, Tensor& loss);
+  virtual void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                                    const Tensor& glse, float grad_scale);
 
  protected:

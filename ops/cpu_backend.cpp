@@ -111,37 +111,38 @@ class CpuBackend final : public Backend {
     else
       cpu::swiglu_backward(f(dact), f(gu), rows(gu), cols(dact), f(dgu));
   }
-  void rope(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-            const RopeTable& table, bool backward) override {
+  void rope(Tensor& x, int64_t B, int64_t H, const Tensor& positions, const Rope& table,
+            bool backward) override {
     const int64_t T = rows(x) / B, D = x.size(1) / H;
     if (backward)
-      cpu::rope_backward(f(x), B, T, H, D, stride(x), positions.data(), table);
+      cpu::rope_backward(f(x), B, T, H, D, stride(x), positions.data<int32_t>(), table.host);
     else
-      cpu::rope_forward(f(x), B, T, H, D, stride(x), positions.data(), table);
+      cpu::rope_forward(f(x), B, T, H, D, stride(x), positions.data<int32_t>(), table.host);
   }
-  void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
-                    const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
-                    Tensor& out) override {
+  void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tensor& positions,
+                    const Rope& table, bool backward, Tensor& out) override {
     const int64_t T = rows(x) / B, D = x.size(1) / (H + Hc);
-    cpu::rope_rounded(f(x), B, T, H, Hc, D, stride(x), positions.data(), table, backward,
-                      out.data<bf16>(), out.size(1));
+    cpu::rope_rounded(f(x), B, T, H, Hc, D, stride(x), positions.data<int32_t>(), table.host,
+                      backward, out.data<bf16>(), out.size(1));
   }
 
-  void embedding_forward(const int32_t* tokens, const Tensor& table, int64_t v0,
+  void embedding_forward(const Tensor& tokens, const Tensor& table, int64_t v0,
                          Tensor& out) override {
     if (v0 < 0)
-      cpu::embedding_forward(tokens, rows(out), f(table), rows(table), table.size(1), f(out));
+      cpu::embedding_forward(tokens.data<int32_t>(), rows(out), f(table), rows(table),
+                             table.size(1), f(out));
     else
-      cpu::embedding_forward_range(tokens, rows(out), f(table), v0, rows(table), table.size(1),
-                                   f(out));
+      cpu::embedding_forward_range(tokens.data<int32_t>(), rows(out), f(table), v0, rows(table),
+                                   table.size(1), f(out));
   }
-  void embedding_backward(const int32_t* tokens, const Tensor& dout, int64_t v0,
+  void embedding_backward(const Tensor& tokens, const Tensor& dout, int64_t v0,
                           Tensor& dtable) override {
     if (v0 < 0)
-      cpu::embedding_backward(tokens, rows(dout), f(dout), rows(dtable), dtable.size(1), f(dtable));
+      cpu::embedding_backward(tokens.data<int32_t>(), rows(dout), f(dout), rows(dtable),
+                              dtable.size(1), f(dtable));
     else
-      cpu::embedding_backward_range(tokens, rows(dout), f(dout), v0, rows(dtable), dtable.size(1),
-                                    f(dtable));
+      cpu::embedding_backward_range(tokens.data<int32_t>(), rows(dout), f(dout), v0, rows(dtable),
+                                    dtable.size(1), f(dtable));
   }
 
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
@@ -317,12 +318,12 @@ class CpuBackend final : public Backend {
     });
   }
 
-  double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {
+  void linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {
     cpu::LinearCrossEntropyArgs ce;
     ce.x = a.x.raw();
     ce.w = a.w.raw();
     ce.ab = a.x.dtype();
-    ce.targets = a.targets;
+    ce.targets = a.targets.data<int32_t>();
     ce.N = rows(a.x);
     ce.D = cols(a.x);
     ce.V = a.V;
@@ -332,22 +333,23 @@ class CpuBackend final : public Backend {
     ce.dw_overwrite = dw_overwrite;
     ce.chunk_rows = a.chunk_rows;
     ce.grad_rows = a.grad_rows;
-    return cpu::linear_cross_entropy(ce);
+    a.loss.data<double>()[0] = cpu::linear_cross_entropy(ce);
   }
-  void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                        Tensor& lse, Tensor& target_logit) override {
-    cpu::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, targets, v0, f(lse),
-                         f(target_logit));
+    cpu::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, targets.data<int32_t>(), v0,
+                         f(lse), f(target_logit));
   }
-  double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
-                             const Tensor& target_logit, Tensor& glse) override {
-    return cpu::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all), targets,
-                                    f(target_logit), f(glse));
+  void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets, const Tensor& target_logit,
+                           Tensor& glse, Tensor& loss) override {
+    loss.data<double>()[0] =
+        cpu::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all),
+                                 targets.data<int32_t>(), f(target_logit), f(glse));
   }
-  void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                            const Tensor& glse, float grad_scale) override {
-    cpu::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, targets, v0, f(glse),
-                             grad_scale);
+    cpu::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, targets.data<int32_t>(), v0,
+                             f(glse), grad_scale);
   }
 };
 

@@ -5,11 +5,13 @@
 #include <map>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "core/error.hpp"
 #include "kernels/cpu/attention_block.hpp"  // tiled_entries: the tiles the attention computes
 #include "kernels/cpu/cross_entropy.hpp"    // the loss's chunks, booked on meta
+#include "kernels/cuda/scratch.hpp"         // a GPU kernel's scratch, booked on meta (plain C++)
 #include "ops/backend.hpp"
 #include "ops/op_count.hpp"
 #include "ops/shape.hpp"
@@ -26,6 +28,8 @@ thread_local std::function<void(const KernelWork&)> g_sink;
 thread_local ProfileOps::Sink g_profile;
 thread_local bool g_timing = false;
 thread_local uint64_t g_ops_run = 0;
+thread_local Device g_modeled = Device::cpu;
+thread_local Tensor* g_modeled_workspace = nullptr;  // the GPU's GEMM workspace, once booked
 
 void report(const char* op, KernelWork w) {
   if (!*w.op) w.op = op;
@@ -42,6 +46,14 @@ Works as_works(Works w) {
   return w;
 }
 
+// On meta, modeling a GPU: cuBLASLt's workspace, once (kept until the ModeledDevice scope ends).
+void book_gemm_workspace() {
+  if (g_modeled != Device::cuda || !g_modeled_workspace || g_modeled_workspace->defined()) return;
+  const MemoryUseScope use(Device::meta, MemoryUse::work);
+  *g_modeled_workspace =
+      Tensor::empty({int64_t(cuda::kGemmWorkspaceBytes / 4)}, DType::i32, Device::meta);
+}
+
 // Meta books memory only (nothing to compute) and reports `work()` (a KernelWork or Works) to the
 // recorder, if any: it is evaluated only then, so a real device pays nothing for the time model.
 // Every other device runs `call` on its Backend (ops/backend.hpp), timed for the op profile when
@@ -50,6 +62,8 @@ template <class Work, class Call>
 void on(const char* op, Device device, Work&& work, Call&& call) {
   ++g_ops_run;
   if (device == Device::meta) {
+    // A GPU's first GEMM (every GEMM op's name has "linear") allocates cuBLASLt's workspace.
+    if (std::string_view(op).find("linear") != std::string_view::npos) book_gemm_workspace();
     if (g_sink) report(op, work());
     return;
   }
@@ -109,6 +123,28 @@ RecordWork::RecordWork(std::function<void(const KernelWork&)> sink) {
 }
 RecordWork::~RecordWork() {
   g_sink = nullptr;
+}
+
+namespace {
+// The workspace a ModeledDevice(cuda) books (one per thread: scopes do not nest).
+thread_local Tensor t_workspace;
+}  // namespace
+
+ModeledDevice::ModeledDevice(Device device) {
+  LOOM_CHECK(g_modeled == Device::cpu && !g_modeled_workspace,
+             "ModeledDevice: one is already alive on this thread");
+  LOOM_CHECK(device == Device::cpu || device == Device::cuda,
+             "ModeledDevice: a meta run models cpu or cuda, not ", device_name(device));
+  g_modeled = device;
+  g_modeled_workspace = &t_workspace;
+}
+ModeledDevice::~ModeledDevice() {
+  t_workspace = Tensor();
+  g_modeled_workspace = nullptr;
+  g_modeled = Device::cpu;
+}
+Device modeled_device() {
+  return g_modeled;
 }
 
 ProfileOps::ProfileOps(Sink sink) {
@@ -240,6 +276,23 @@ double sum_squares(const Tensor& x) {
   on(
       "sum_squares", x.device(), [&] { return streaming(DType::f32, bytes(x), x.numel(), 2); },
       [&](Backend& b) { s = b.sum_squares(x); });
+  return s;
+}
+
+std::vector<double> sum_squares_each(std::span<const Tensor> xs) {
+  std::vector<double> s(xs.size(), 0.0);
+  if (xs.empty()) return s;
+  for (const Tensor& x : xs)
+    LOOM_CHECK(x.device() == xs[0].device(), "sum_squares_each: tensors on ",
+               device_name(xs[0].device()), " and ", device_name(x.device()), " (one device)");
+  on(
+      "sum_squares", xs[0].device(),
+      [&] {
+        Works w;
+        for (const Tensor& x : xs) w.push_back(streaming(DType::f32, bytes(x), x.numel(), 2));
+        return w;
+      },
+      [&](Backend& b) { b.sum_squares_each(xs, s); });
   return s;
 }
 
@@ -395,8 +448,40 @@ void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu) {
       [&](Backend& b) { b.swiglu_backward(dact, gu, dgu); });
 }
 
-void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-                  const RopeTable& table) {
+namespace {
+
+// An index array of an op (tokens, targets, positions): int32 (or `dt`) [n] on the op's device.
+void check_indices(const char* op, const char* name, const Tensor& t, int64_t n, Device device,
+                   DType dt = DType::i32) {
+  LOOM_CHECK(t.defined() && t.ndim() == 1 && t.numel() == n && t.dtype() == dt &&
+                 t.is_contiguous() && t.device() == device,
+             op, ": ", name, " must be a contiguous ", dtype_name(dt), " [", n, "] on ",
+             device_name(device), ", got ",
+             t.defined() ? str_cat(shape_str(t.shape()), " ", dtype_name(t.dtype()), " on ",
+                                   device_name(t.device()))
+                         : std::string("undefined"));
+}
+
+// A loss op's output: one float64 on the op's device.
+void check_loss(const char* op, const Tensor& loss, Device device) {
+  check_indices(op, "loss", loss, 1, device, DType::f64);
+}
+
+// A rope call's positions and table: one position per token of the sequence, on x's device,
+// and on a GPU the table's device copy.
+void check_rope(const char* op, const Tensor& x, int64_t B, const Tensor& positions,
+                const Rope& table) {
+  LOOM_CHECK(B > 0 && rows(x) % B == 0, op, ": ", rows(x), " rows are not B = ", B, " sequences");
+  check_indices(op, "positions", positions, rows(x) / B, x.device());
+  LOOM_CHECK(!computes(x.device()) || x.device() == Device::cpu || table.cos.defined(), op,
+             ": the rotary table has no copy on ", device_name(x.device()),
+             " (ops::rope_table(..., device))");
+}
+
+}  // namespace
+
+void rope_forward(Tensor& x, int64_t B, int64_t H, const Tensor& positions, const Rope& table) {
+  check_rope("rope_forward", x, B, positions, table);
   on(
       "rope_forward", x.device(),
       // x read and written, and each token's row of cos and sin (shared by the heads); a pair
@@ -405,8 +490,8 @@ void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& p
       [&](Backend& b) { b.rope(x, B, H, positions, table, false); });
 }
 
-void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-                   const RopeTable& table) {
+void rope_backward(Tensor& dx, int64_t B, int64_t H, const Tensor& positions, const Rope& table) {
+  check_rope("rope_backward", dx, B, positions, table);
   on(
       "rope_backward", dx.device(),
       // x read and written, and each token's row of cos and sin (shared by the heads); a pair
@@ -415,9 +500,8 @@ void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>&
       [&](Backend& b) { b.rope(dx, B, H, positions, table, true); });
 }
 
-void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
-                  const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
-                  Tensor& out) {
+void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tensor& positions,
+                  const Rope& table, bool backward, Tensor& out) {
   LOOM_CHECK(x.dtype() == DType::f32 && out.dtype() == DType::bf16 && out.is_contiguous() &&
                  out.ndim() == 2 && x.ndim() == 2 && out.size(0) == x.size(0) &&
                  out.size(1) == x.size(1),
@@ -426,6 +510,7 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
              " (f32 x and a contiguous bf16 out of the same 2-d shape)");
   LOOM_CHECK(H + Hc > 0 && x.size(1) % (H + Hc) == 0, "rope_rounded: ", x.size(1),
              " columns are not ", H, " + ", Hc, " heads");
+  check_rope("rope_rounded", x, B, positions, table);
   on(
       backward ? "rope_backward" : "rope_forward", x.device(),
       // x read, out written, each token's row of cos and sin; the rotated pairs take 6 flops.
@@ -438,34 +523,82 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
       [&](Backend& b) { b.rope_rounded(x, B, H, Hc, positions, table, backward, out); });
 }
 
-RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s) {
-  // A host table: every backend's rope kernel reads positions' cos/sin from it.
-  return cpu::rope_table(head_dim, num_positions, theta, s);
+Rope rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s,
+                Device device) {
+  // Computed on the host (in double, as the CPU's kernels want it); a GPU gets a copy once.
+  Rope r{cpu::rope_table(head_dim, num_positions, theta, s), Tensor(), Tensor()};
+  if (device != Device::cpu) {
+    const Shape shape{num_positions, head_dim / 2};
+    r.cos = Tensor::empty(shape, DType::f32, device);
+    r.sin = Tensor::empty(shape, DType::f32, device);
+    if (holds_data(device)) {
+      Tensor h = Tensor::empty(shape, DType::f32);
+      std::copy(r.host.cos.begin(), r.host.cos.end(), h.data<float>());
+      r.cos.copy_from(h);
+      std::copy(r.host.sin.begin(), r.host.sin.end(), h.data<float>());
+      r.sin.copy_from(h);
+    }
+  }
+  return r;
 }
 
-void embedding_forward(const int32_t* tokens, const Tensor& table, Tensor& out) {
+namespace {
+
+template <class I>
+Tensor upload_indices(std::span<const I> values, Device device, DType dt) {
+  Tensor t = Tensor::empty({int64_t(values.size())}, dt, device);
+  if (!holds_data(device) || values.empty()) return t;
+  if (device == Device::cpu) {
+    std::copy(values.begin(), values.end(), t.data<I>());
+  } else {
+    Tensor h = Tensor::empty({int64_t(values.size())}, dt);
+    std::copy(values.begin(), values.end(), h.data<I>());
+    t.copy_from(h);  // the one host-to-device copy of the array
+  }
+  return t;
+}
+
+}  // namespace
+
+Tensor index_tensor(std::span<const int32_t> values, Device device, const char* what, int64_t lo,
+                    int64_t hi) {
+  for (size_t i = 0; i < values.size(); ++i)
+    LOOM_CHECK(values[i] >= lo && values[i] < hi, what, " ", values[i], " at index ", i,
+               " is outside [", lo, ", ", hi, ")");
+  return upload_indices(values, device, DType::i32);
+}
+
+Tensor index_tensor(std::span<const int64_t> values, Device device, const char* /*what*/) {
+  return upload_indices(values, device, DType::i64);
+}
+
+void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
+  check_indices("embedding_forward", "tokens", tokens, rows(out), out.device());
   on(
       "embedding_forward", out.device(),
       [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); },
       [&](Backend& b) { b.embedding_forward(tokens, table, -1, out); });
 }
 
-void embedding_backward(const int32_t* tokens, const Tensor& dout, Tensor& dtable) {
+void embedding_backward(const Tensor& tokens, const Tensor& dout, Tensor& dtable) {
+  check_indices("embedding_backward", "tokens", tokens, rows(dout), dout.device());
   on(
       "embedding_backward", dout.device(),
       [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
       [&](Backend& b) { b.embedding_backward(tokens, dout, -1, dtable); });
 }
 
-void embedding_forward_range(const int32_t* tokens, const Tensor& table, int64_t v0, Tensor& out) {
+void embedding_forward_range(const Tensor& tokens, const Tensor& table, int64_t v0, Tensor& out) {
+  check_indices("embedding_forward_range", "tokens", tokens, rows(out), out.device());
   on(
       "embedding_forward_range", out.device(),
       [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); },
       [&](Backend& b) { b.embedding_forward(tokens, table, v0, out); });
 }
 
-void embedding_backward_range(const int32_t* tokens, const Tensor& dout, int64_t v0,
+void embedding_backward_range(const Tensor& tokens, const Tensor& dout, int64_t v0,
                               Tensor& dtable) {
+  check_indices("embedding_backward_range", "tokens", tokens, rows(dout), dout.device());
   on(
       "embedding_backward_range", dout.device(),
       [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
@@ -505,8 +638,33 @@ double causal_tiled_entries(int64_t T) {
 
 }  // namespace
 
+namespace {
+
+// On meta, modeling a GPU: the blocks the CUDA kernels allocate per call, allocated and released
+// as the call does (kernels/cuda/scratch.hpp).
+void book_scratch(Device device, const std::vector<cuda::ScratchBlock>& blocks) {
+  if (device != Device::meta || g_modeled != Device::cuda) return;
+  std::vector<Tensor> held;
+  for (const cuda::ScratchBlock& b : blocks)
+    held.push_back(Tensor::empty({b.numel}, b.dtype, Device::meta));
+}
+// The CUDA attention's per-call scratch for q [B*Tq, Hq*D] against k [B*Tk, ...]: the flash
+// kernels' O(T) or the exact kernels' score matrices.
+void book_attention_scratch(const Tensor& q, const Tensor& k, int64_t B, int64_t Hq, bool backward,
+                            bool out_bf16, bool plain) {
+  if (q.device() != Device::meta || g_modeled != Device::cuda) return;
+  const int64_t D = q.size(1) / Hq;
+  const bool bf16 = q.dtype() == DType::bf16;
+  book_scratch(q.device(), cuda::attention_scratch(
+                               B, rows(q) / B, rows(k) / B, Hq, D, bf16, backward, out_bf16, plain,
+                               cuda::flash_attention_takes(bf16, D, stride(q), stride(k))));
+}
+
+}  // namespace
+
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
                        int64_t Hkv, Tensor& out, Tensor& lse) {
+  book_attention_scratch(q, k, B, Hq, false, out.dtype() == DType::bf16, true);
   on(
       "attention_forward", q.device(),
       [&] {
@@ -520,6 +678,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, int64_t B, int64_t Hq, int64_t Hkv,
                         Tensor& dq, Tensor& dk, Tensor& dv) {
+  book_attention_scratch(q, k, B, Hq, true, false, true);
   on(
       "attention_backward", q.device(),
       [&] {
@@ -547,6 +706,7 @@ void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
 void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
                              const Tensor& v, Tensor& out, Tensor& lse,
                              const std::function<void()>& progress) {
+  book_attention_scratch(q, k, s.B, s.Hq, false, false, false);
   on(
       "attention_block_forward", q.device(),
       [&] {
@@ -560,6 +720,7 @@ void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Te
                               const Tensor& v, const Tensor& lse, const Tensor& delta,
                               const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                               const std::function<void()>& progress) {
+  book_attention_scratch(q, k, s.B, s.Hq, true, false, false);
   on(
       "attention_block_backward", q.device(),
       [&] {
@@ -1127,7 +1288,15 @@ void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, 
 }
 
 double linear_cross_entropy(const LinearCrossEntropy& a) {
-  if (a.x.device() == Device::meta && rows(a.x) > 0) {
+  const bool grad = a.dx.defined() || a.dw.t.defined();
+  if (a.x.device() == Device::meta && g_modeled == Device::cuda) {
+    // The GPU kernel's one block (no packed copy of w there), held while its GEMMs take the
+    // workspace (the first GEMM of the run may be this one's).
+    book_gemm_workspace();
+    const MemoryUseScope use(Device::meta, MemoryUse::loss);
+    book_scratch(Device::meta,
+                 cuda::loss_scratch(rows(a.x), a.V, a.x.dtype(), grad, a.chunk_rows, a.grad_rows));
+  } else if (a.x.device() == Device::meta && rows(a.x) > 0) {
     // The kernel's scratch, alive for the call (the real run's allocator counts it): one chunk of
     // logits and gradients, and the packed head weight.
     const bool grad16 = a.x.dtype() == DType::bf16 && (a.dx.defined() || a.dw.t.defined());
@@ -1143,7 +1312,15 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         packed > 0 ? Tensor::empty({int64_t((packed + esz - 1) / esz)}, a.x.dtype(), Device::meta)
                    : Tensor();
   }
-  double loss = 0;
+  check_indices("linear_cross_entropy", "targets", a.targets, rows(a.x), a.x.device());
+  if (!a.loss.defined()) {
+    // Returned: the op writes it into a scalar of its own, read back here.
+    LinearCrossEntropy with = a;
+    with.loss = Tensor::empty({1}, DType::f64, a.x.device());
+    linear_cross_entropy(with);
+    return computes(a.x.device()) ? with.loss.on_host().data<double>()[0] : 0.0;
+  }
+  check_loss("linear_cross_entropy", a.loss, a.x.device());
   // Taken on every device, so that a meta run marks the gradient written as a real one does.
   const bool dw_overwrite = a.dw.t.defined() && a.dw.take_first_write();
   on(
@@ -1160,30 +1337,32 @@ double linear_cross_entropy(const LinearCrossEntropy& a) {
         if (a.dw.t.defined()) w.push_back(gemm(op, dt, a.V, D, N, !dw_overwrite));
         return w;
       },
-      [&](Backend& b) { loss = b.linear_cross_entropy(a, dw_overwrite); });
-  return loss;
+      [&](Backend& b) { b.linear_cross_entropy(a, dw_overwrite); });
+  return 0;
 }
 
-void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                      Tensor& lse, Tensor& target_logit) {
+  check_indices("vocab_shard_lse", "targets", targets, rows(logits), logits.device());
   on(
       "vocab_shard_lse", logits.device(),
       [&] { return streaming(DType::f32, bytes(logits), logits.numel(), 4); },
       [&](Backend& b) { b.vocab_shard_lse(logits, Vr, targets, v0, lse, target_logit); });
 }
 
-double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
-                           const Tensor& target_logit, Tensor& glse) {
-  double loss = 0;
+void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets, const Tensor& target_logit,
+                         Tensor& glse, Tensor& loss) {
+  check_indices("vocab_shard_combine", "targets", targets, cols(lse_all), lse_all.device());
+  check_loss("vocab_shard_combine", loss, lse_all.device());
   on(
       "vocab_shard_combine", lse_all.device(),
       [&] { return streaming(DType::f32, bytes(lse_all) + 2 * bytes(glse), lse_all.numel(), 4); },
-      [&](Backend& b) { loss = b.vocab_shard_combine(lse_all, targets, target_logit, glse); });
-  return loss;
+      [&](Backend& b) { b.vocab_shard_combine(lse_all, targets, target_logit, glse, loss); });
 }
 
-void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                          const Tensor& glse, float grad_scale) {
+  check_indices("vocab_shard_dlogits", "targets", targets, rows(logits), logits.device());
   on(
       "vocab_shard_dlogits", logits.device(),
       [&] { return streaming(DType::f32, 2 * bytes(logits), logits.numel(), 4); },

@@ -9,6 +9,7 @@
 // A strided 2-D view (Tensor::narrow along dim 1, e.g. q, k or v inside a fused qkv buffer) is
 // read with its row stride. A GEMM weight is given by its first parameter's tensor: the op reads
 // as many rows as its output has columns, so adjacent parameters (q, k, v) read as one matrix.
+#include <climits>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -48,6 +49,20 @@ class RecordWork {
   RecordWork(const RecordWork&) = delete;
   RecordWork& operator=(const RecordWork&) = delete;
 };
+
+// While one lives on this thread, ops on the meta device book the scratch of `device`'s kernels
+// (without one, the CPU's): for cuda, the blocks its kernels take from the caching allocator per
+// call (kernels/cuda/scratch.hpp: the fused loss's chunk, the exact attention's score matrices)
+// and cuBLASLt's workspace once, at the first GEMM, held until the scope ends. So a meta run of a
+// GPU job (the planner, `loom bench --check`) peaks where the GPU's run does. Not nestable.
+class ModeledDevice {
+ public:
+  explicit ModeledDevice(Device device);
+  ~ModeledDevice();
+  ModeledDevice(const ModeledDevice&) = delete;
+  ModeledDevice& operator=(const ModeledDevice&) = delete;
+};
+Device modeled_device();
 
 // While one lives on this thread, every op run on the cpu device is timed: `sink` gets the op's
 // name, the work it would report on meta and its wall seconds (`loom bench step --profile` sets
@@ -97,6 +112,9 @@ void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tenso
                 Tensor* mirror = nullptr);
 // The sum of x's squares in double, in an order fixed by x's size (the same bits on every run).
 double sum_squares(const Tensor& x);
+// sum_squares of each tensor (all on one device), with one wait for the results: a GPU sums
+// them all on the device and copies the doubles back once (the gradient norm's one read a step).
+std::vector<double> sum_squares_each(std::span<const Tensor> xs);
 void scale_inplace(Tensor& x, float s);
 
 // ---- linear layers -----------------------------------------------------------------------------
@@ -177,29 +195,46 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
 // needs a bf16 act, and its gradient dgu is bf16 too (rounded in the kernel).
 void swiglu_forward(const Tensor& gu, Tensor& act);
 void swiglu_backward(const Tensor& dact, const Tensor& gu, Tensor& dgu);  // dgu may be gu
-// x [B*T, H*D] (a strided view allowed), rotated in place at positions[t] (length T).
-void rope_forward(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-                  const RopeTable& table);
-void rope_backward(Tensor& dx, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-                   const RopeTable& table);
+// The rotary table where the device's rope kernels read it: the host table (the CPU's kernels read
+// it) and, on a GPU, its cos and sin [num_positions, head_dim / 2] f32 in device memory, copied
+// once when the table is made (a model makes one per sequence length), never per call.
+struct Rope {
+  RopeTable host;
+  Tensor cos, sin;  // defined on a GPU only
+  int64_t num_positions() const { return host.num_positions; }
+};
+Rope rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s,
+                Device device = Device::cpu);
+// x [B*T, H*D] (a strided view allowed), rotated in place at positions[t]: positions int32 [T] on
+// x's device, each in [0, table.num_positions()) (index_tensor checks them where they are made;
+// the CPU kernel checks again, a GPU's gives NaN rows for one outside).
+void rope_forward(Tensor& x, int64_t B, int64_t H, const Tensor& positions, const Rope& table);
+void rope_backward(Tensor& dx, int64_t B, int64_t H, const Tensor& positions, const Rope& table);
 // out [B*T, (H+Hc)*D] (bf16, contiguous) = x [B*T, (H+Hc)*D] (f32, a strided view allowed) with
 // its first H heads rotated (by the negative angle when `backward`) and the next Hc heads as they
 // are, rounded: rope_forward (rope_backward) and a cast in one pass, the same bits (an f32 denormal
 // flushed to zero where cpu::avx512_bf16_native() holds); x unchanged.
-void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
-                  const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
-                  Tensor& out);
-RopeTable rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s);
+void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tensor& positions,
+                  const Rope& table, bool backward, Tensor& out);
+
+// ---- index arrays ------------------------------------------------------------------------------
+// Host data the ops read per token (tokens, targets, positions) as a tensor on `device`
+// (int32 or int64 [n]): one copy, made where the array is made (once per micro-batch, by
+// Model::micro_batch), so that no op copies host data per call. On meta a tensor without data.
+// Each value must lie in [lo, hi): the error names `what`, the index and the value.
+Tensor index_tensor(std::span<const int32_t> values, Device device, const char* what,
+                    int64_t lo = INT32_MIN, int64_t hi = INT32_MAX + int64_t{1});
+Tensor index_tensor(std::span<const int64_t> values, Device device, const char* what);
 
 // ---- embedding ------------------------------------------------------------------------------
-// out [n, d] = table[tokens]; dtable[tokens] += dout (deterministic).
-void embedding_forward(const int32_t* tokens, const Tensor& table, Tensor& out);
-void embedding_backward(const int32_t* tokens, const Tensor& dout, Tensor& dtable);
+// out [n, d] = table[tokens]; dtable[tokens] += dout (deterministic). tokens int32 [n] on the
+// op's device (index_tensor).
+void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& tokens, const Tensor& dout, Tensor& dtable);
 // The same over vocabulary rows [v0, v0 + table rows) only: other tokens give zero rows and no
 // gradient (a table split by rows across ranks).
-void embedding_forward_range(const int32_t* tokens, const Tensor& table, int64_t v0, Tensor& out);
-void embedding_backward_range(const int32_t* tokens, const Tensor& dout, int64_t v0,
-                              Tensor& dtable);
+void embedding_forward_range(const Tensor& tokens, const Tensor& table, int64_t v0, Tensor& out);
+void embedding_backward_range(const Tensor& tokens, const Tensor& dout, int64_t v0, Tensor& dtable);
 
 // ---- attention --------------------------------------------------------------------------------
 // Causal grouped-query attention; q [B*T, Hq*D], k and v [B*T, Hkv*D] (strided views allowed),
@@ -218,11 +253,16 @@ void attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
                       int64_t Hkv, Tensor& out);
 // One block of queries against one block of keys at arbitrary global positions (ring
 // attention): q as above with Tq = q_pos.size(), k/v with Tk = k_pos.size(). `progress` is
-// called between work units (kernels/cpu/attention_block.hpp).
+// called between work units (kernels/cpu/attention_block.hpp). The positions are given twice:
+// on the host, where the work estimate counts the tiles (on any device, meta included) and the
+// CPU's kernels read them, and as int64 tensors on the op's device (index_tensor, made once per
+// micro-batch), which a GPU's kernels read; on the CPU and meta these may be left out.
 struct AttentionBlock {
   int64_t B = 0, Hq = 0, Hkv = 0;
   const std::vector<int64_t>* q_pos = nullptr;
   const std::vector<int64_t>* k_pos = nullptr;
+  const Tensor* q_pos_device = nullptr;
+  const Tensor* k_pos_device = nullptr;
 };
 void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
                              const Tensor& v, Tensor& out, Tensor& lse,
@@ -361,24 +401,30 @@ void sigmoid_gate_backward(const Tensor& dy, const Tensor& z, const Tensor& ys, 
 
 // ---- loss -------------------------------------------------------------------------------------
 // The output projection fused with cross-entropy (kernels/cpu/cross_entropy.hpp): x [N, D],
-// w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated. Returns the
-// summed loss (0 on meta).
+// w [V, D] in the compute dtype, dx [N, D] overwritten, dw [V, D] accumulated; targets int32 [N]
+// on the op's device (index_tensor; < 0: ignored; >= V an error on the CPU, checked on the host
+// where they are made for a GPU). The summed loss is written into `loss`, a float64 [1] tensor on
+// the op's device, where a GPU leaves it for the caller to read with others (model/loss_slots.hpp);
+// without one, the op returns it (a GPU waits for it). 0 on meta.
 struct LinearCrossEntropy {
   Tensor x, w, dx;
   WeightGrad dw;  // its first write (WeightGrad::unwritten) is the first group of rows' dW
-  const int32_t* targets = nullptr;
+  Tensor targets;
   int64_t V = 0;
   float grad_scale = 1;
   int64_t chunk_rows = 0;
   int64_t grad_rows = 0;  // cpu::LinearCrossEntropyArgs::grad_rows
+  Tensor loss;            // float64 [1]: the summed loss written here (optional)
 };
 double linear_cross_entropy(const LinearCrossEntropy& a);
 // The pieces of a softmax over a vocabulary split across ranks (kernels/cpu/sharded.hpp).
-void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+// targets: int32 tensors on the op's device, one per row of logits (lse_all's columns).
+void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                      Tensor& lse, Tensor& target_logit);
-double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
-                           const Tensor& target_logit, Tensor& glse);
-void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+// The summed loss written into `loss` (float64 [1] on the op's device).
+void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets, const Tensor& target_logit,
+                         Tensor& glse, Tensor& loss);
+void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                          const Tensor& glse, float grad_scale);
 
 }  // namespace loom::ops

@@ -148,32 +148,53 @@ LocalBatch ParallelModel::local_batch(const MicroBatchView& mb) const {
                         sp_tp);
 }
 
+PendingLoss ParallelModel::forward_backward_pending(const int32_t* inputs, const int32_t* targets,
+                                                    int64_t B, int64_t T, float grad_scale,
+                                                    bool last) {
+  if (ddp) ddp->set_sync(last);
+  PendingLoss loss;
+  if (!groups.cp) {
+    loss = model->forward_backward_pending(inputs, targets, B, T, grad_scale);
+  } else {
+    const LocalBatch mine = local_batch({inputs, targets, B, T});
+    loss = model->forward_backward_pending(mine.inputs.data(), mine.targets.data(), B, mine.T,
+                                           grad_scale);
+  }
+  if (fsdp) fsdp->finish_backward();
+  return loss;
+}
+
 double ParallelModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                        int64_t T, float grad_scale, bool last) {
-  if (ddp) ddp->set_sync(last);
-  if (!groups.cp) {
-    const double loss = model->forward_backward(inputs, targets, B, T, grad_scale);
-    if (fsdp) fsdp->finish_backward();
-    return loss;
-  }
   // The loss is summed over the cp group.
-  const LocalBatch mine = local_batch({inputs, targets, B, T});
-  const double loss =
-      model->forward_backward(mine.inputs.data(), mine.targets.data(), B, mine.T, grad_scale);
-  if (fsdp) fsdp->finish_backward();
-  return group_sum(groups.cp, loss);
+  return group_sum(groups.cp, model->loss_slots().read(forward_backward_pending(
+                                  inputs, targets, B, T, grad_scale, last)));
 }
+
+namespace {
+
+// The micro-batches' losses read back at once (one wait on a GPU), each summed over cp, then
+// added in micro-batch order: the bits of reading and summing them one at a time.
+double summed_losses(Model& model, dist::ProcessGroup* cp, const std::vector<PendingLoss>& p) {
+  double loss = 0;
+  for (double x : group_sum_each(cp, model.loss_slots().read(p))) loss += x;
+  return loss;
+}
+
+}  // namespace
 
 double ParallelModel::forward_backward_step(int64_t n,
                                             const std::function<MicroBatchView(int64_t)>& batch,
                                             float grad_scale) {
+  model->loss_slots().clear();
   if (!pipeline) {
-    double loss = 0;
+    std::vector<PendingLoss> losses;
     for (int64_t j = 0; j < n; ++j) {
       const MicroBatchView mb = batch(j);
-      loss += forward_backward(mb.inputs, mb.targets, mb.B, mb.T, grad_scale, j + 1 == n);
+      losses.push_back(
+          forward_backward_pending(mb.inputs, mb.targets, mb.B, mb.T, grad_scale, j + 1 == n));
     }
-    return loss;
+    return summed_losses(*model, groups.cp, losses);
   }
   const int m = pipeline->schedule().microbatches;
   LOOM_CHECK(n % m == 0, "pipeline: ", n,
@@ -207,14 +228,15 @@ double ParallelModel::validation_loss(int64_t n,
   // The model has no forward-only path yet: forward_backward with grad_scale 0 gives the loss,
   // and the (zero) gradients are cleared. Under pp a forward-only schedule runs the stages (the
   // head's fused loss still runs its backward, with scale 0).
+  model->loss_slots().clear();
   if (!pipeline) {
-    double sum = 0;
+    std::vector<PendingLoss> losses;
     for (int64_t j = 0; j < n; ++j) {
       const MicroBatchView mb = batch(j);
-      sum += forward_backward(mb.inputs, mb.targets, mb.B, mb.T, 0.0f, false);
+      losses.push_back(forward_backward_pending(mb.inputs, mb.targets, mb.B, mb.T, 0.0f, false));
     }
     model->zero_grad();
-    return sum;
+    return summed_losses(*model, groups.cp, losses);
   }
   std::vector<LocalBatch> mine(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) mine[size_t(j)] = local_batch(batch(j));

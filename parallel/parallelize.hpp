@@ -79,6 +79,10 @@ struct ParallelModel {
   // of the tokens of this rank's samples (summed over cp).
   double forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                           float grad_scale, bool last);
+  // The same, its loss left on the device, not yet summed over cp (the step reads its
+  // micro-batches' losses at once: Model::loss_slots).
+  PendingLoss forward_backward_pending(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                       int64_t T, float grad_scale, bool last);
   // The forward and backward of a step's micro-batches 0..n-1 (`batch(m)` valid until its next
   // call): forward_backward of each, or, with pp, rounds of the schedule's micro-batches (n a
   // multiple of them). Returns the summed loss of this rank's samples (summed over cp; with pp

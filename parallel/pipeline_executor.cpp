@@ -226,6 +226,8 @@ class PipelineExecutor::Round {
                    deferred_.empty(),
                "pipeline schedule ", s_.name, ": rank ", ex_.rank_,
                " ended the step with messages or micro-batches left over");
+    // The head's losses read back at once, added in the order their backwards ran.
+    for (double x : ex_.model_.loss_slots().read(losses_)) loss_ += x;
     return loss_;
   }
 
@@ -255,7 +257,7 @@ class PipelineExecutor::Round {
       else
         dx = ex_.model_.backward(st, first, last, std::move(dy));
     }
-    if (a.stage == s_.stages - 1) loss_ += st.loss;
+    if (a.stage == s_.stages - 1) losses_.push_back(st.loss);
     if (a.stage > 0) hand_on(a, true, a.stage - 1, std::move(dx), st);
   }
 
@@ -402,6 +404,7 @@ class PipelineExecutor::Round {
   const float grad_scale_;
   const bool last_round_;
   double loss_;
+  std::vector<PendingLoss> losses_;  // the head's micro-batches' losses, in backward order
   const int64_t d_;
   const bool sp_;
   const uint64_t bytes0_;
@@ -437,7 +440,7 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
   // MPI keeps the order of messages with the same tag between two ranks, which is the order both
   // ranks go through the micro-batches.
   std::vector<Posted> sends;
-  double loss = 0;
+  std::vector<PendingLoss> losses;
   for (int mb = 0; mb < n; ++mb) {
     const MicroBatchView b = batch(mb);
     ActivationStore st = model_.micro_batch(b.inputs, b.targets, b.B, b.T, 0.0f);
@@ -473,7 +476,7 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
       if (stage + 1 == s.stages) {
         // The head's loss is fused with its backward; its input gradient is dropped.
         model_.backward(st, head, head + 1);
-        loss += st.loss;
+        losses.push_back(st.loss);
       } else if (s.stage_rank[size_t(stage + 1)] == rank_) {
         x = std::move(y);
       } else {
@@ -500,6 +503,8 @@ double PipelineExecutor::run_forward(const std::function<MicroBatchView(int)>& b
     }
   }
   for (auto& p : sends) p.work->wait();
+  double loss = 0;
+  for (double x : model_.loss_slots().read(losses)) loss += x;
   return loss;
 }
 

@@ -227,7 +227,11 @@ Build attention_block(Bench& b, int64_t T, int64_t D, bool diagonal, bool backwa
            v = b.random({B * n, Hkv * D}, dev);
     Tensor out = Tensor::empty({B * n, Hq * D}, DType::f32, dev),
            lse = Tensor::empty({B, Hq, n}, DType::f32, dev);
-    const auto shape = [=] { return ops::AttentionBlock{B, Hq, Hkv, q_pos.get(), k_pos.get()}; };
+    auto q_dev = std::make_shared<Tensor>(ops::index_tensor(*q_pos, dev, "position"));
+    auto k_dev = std::make_shared<Tensor>(ops::index_tensor(*k_pos, dev, "position"));
+    const auto shape = [=] {
+      return ops::AttentionBlock{B, Hq, Hkv, q_pos.get(), k_pos.get(), q_dev.get(), k_dev.get()};
+    };
     if (!backward)
       return call([=]() mutable { ops::attention_block_forward(shape(), q, k, v, out, lse); });
     ops::attention_block_forward(shape(), q, k, v, out, lse);
@@ -294,7 +298,13 @@ std::vector<Build> memory_ops(Bench& b) {
   for (size_t i = 0; i < tokens->size(); ++i) (*tokens)[i] = int32_t((i * 2654435761u) % V);
   auto positions = std::make_shared<std::vector<int32_t>>(size_t(rows));
   for (size_t i = 0; i < positions->size(); ++i) (*positions)[i] = int32_t(i);
-  auto table = std::make_shared<RopeTable>(ops::rope_table(d / H, rows, 10000.0, RopeScaling{}));
+  // The index arrays and the rotary table on the build's device.
+  const auto indices = [](const std::vector<int32_t>& v, Device dev) {
+    return ops::index_tensor(v, dev, "index");
+  };
+  const auto table = [=](Device dev) {
+    return std::make_shared<ops::Rope>(ops::rope_table(d / H, rows, 10000.0, RopeScaling{}, dev));
+  };
   const auto empty = [](const Shape& s, Device dev, DType dt = DType::f32) {
     return Tensor::empty(s, dt, dev);
   };
@@ -321,33 +331,34 @@ std::vector<Build> memory_ops(Bench& b) {
     return call([=]() mutable { ops::swiglu_backward(dact, gu, dgu); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor x = b.random({rows, d}, dev);
-    return call([=]() mutable { ops::rope_forward(x, 1, H, *positions, *table); });
+    Tensor x = b.random({rows, d}, dev), p = indices(*positions, dev);
+    return call([=, t = table(dev)]() mutable { ops::rope_forward(x, 1, H, p, *t); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor x = b.random({rows, d}, dev);
-    return call([=]() mutable { ops::rope_backward(x, 1, H, *positions, *table); });
+    Tensor x = b.random({rows, d}, dev), p = indices(*positions, dev);
+    return call([=, t = table(dev)]() mutable { ops::rope_backward(x, 1, H, p, *t); });
   });
   builds.push_back([=, &b](Device dev) {
     Tensor x = b.random({rows, d}, dev), y = empty({rows, d}, dev, DType::bf16);
     return call([=]() mutable { ops::cast(x, y); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor t = b.random({V, d}, dev), out = empty({rows, d}, dev);
-    return call([=]() mutable { ops::embedding_forward(tokens->data(), t, out); });
+    Tensor t = b.random({V, d}, dev), out = empty({rows, d}, dev), ids = indices(*tokens, dev);
+    return call([=]() mutable { ops::embedding_forward(ids, t, out); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor dt = b.random({V, d}, dev), dout = b.random({rows, d}, dev);
-    return call([=]() mutable { ops::embedding_backward(tokens->data(), dout, dt); });
+    Tensor dt = b.random({V, d}, dev), dout = b.random({rows, d}, dev), ids = indices(*tokens, dev);
+    return call([=]() mutable { ops::embedding_backward(ids, dout, dt); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor logits = b.random({rows, V}, dev), lse = empty({rows}, dev), target = empty({rows}, dev);
-    return call([=]() mutable { ops::vocab_shard_lse(logits, V, tokens->data(), 0, lse, target); });
+    Tensor logits = b.random({rows, V}, dev), lse = empty({rows}, dev), target = empty({rows}, dev),
+           ids = indices(*tokens, dev);
+    return call([=]() mutable { ops::vocab_shard_lse(logits, V, ids, 0, lse, target); });
   });
   builds.push_back([=, &b](Device dev) {
-    Tensor logits = b.random({rows, V}, dev), glse = b.random({rows}, dev);
-    return call(
-        [=]() mutable { ops::vocab_shard_dlogits(logits, V, tokens->data(), 0, glse, 1.0f); });
+    Tensor logits = b.random({rows, V}, dev), glse = b.random({rows}, dev),
+           ids = indices(*tokens, dev);
+    return call([=]() mutable { ops::vocab_shard_dlogits(logits, V, ids, 0, glse, 1.0f); });
   });
   return builds;
 }
@@ -364,7 +375,7 @@ double cross_entropy_bandwidth(Bench& b, const Hardware& hw) {
     a.w = b.random({V, D}, dev);
     a.dx = Tensor::empty({N, D}, DType::f32, dev);
     a.dw = Tensor::empty({V, D}, DType::f32, dev);
-    a.targets = targets->data();
+    a.targets = ops::index_tensor(*targets, dev, "target");
     a.V = V;
     a.grad_scale = 1.0f / float(N);
     return a;

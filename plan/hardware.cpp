@@ -208,11 +208,14 @@ Hardware parse_hardware(const std::string& toml_text, const std::string& source)
   }
   const Reader r{source};
   r.only(top, "",
-         {"name", "ranks_per_node", "capacity", "memory_bandwidth", "peak", "gemm", "attention",
-          "memory_ops", "optimizer", "host", "links", "collectives", "calibration"});
+         {"name", "device", "ranks_per_node", "capacity", "memory_bandwidth", "peak", "gemm",
+          "attention", "memory_ops", "optimizer", "host", "links", "collectives", "calibration"});
   Hardware hw;
   hw.source = source;
   hw.name = r.text(&top, "", "name", true);
+  if (const std::string d = r.text(&top, "", "device", false); !d.empty()) hw.device = d;
+  LOOM_CHECK(hw.device == "cpu" || hw.device == "cuda", source, ": device = \"", hw.device,
+             "\": expected \"cpu\" or \"cuda\"");
   hw.ranks_per_node = int(r.number(&top, "", "ranks_per_node", true));
   hw.capacity = r.number(&top, "", "capacity", true);
   hw.memory_bandwidth = r.number(&top, "", "memory_bandwidth", true);

@@ -45,6 +45,9 @@ struct GemmPoint {
 
 struct Hardware {
   std::string name;
+  // The device whose kernels the memory plan models: "cpu", or "cuda" (a GPU: its kernels'
+  // scratch and cuBLASLt's workspace, ops::ModeledDevice); `loom plan` plans the job on it.
+  std::string device = "cpu";
   std::string source;           // the file it was read from, for messages
   double peak_f32 = 0;          // dense FLOP/s with f32 GEMM inputs (GPUs: TF32 tensor cores)
   double peak_bf16 = 0;         // dense FLOP/s with bf16 GEMM inputs

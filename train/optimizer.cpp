@@ -1,6 +1,9 @@
 #include "train/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <span>
+#include <vector>
 
 #include "core/error.hpp"
 #include "distributed/group_sum.hpp"
@@ -66,23 +69,45 @@ double grad_norm(const std::vector<ParamUnit*>& units, dist::ProcessGroup* shard
   // One squared sum per unit, each reduced over the groups, then the units added in unit order on
   // every rank: the same additions in the same order whatever the pp split (a unit's sum comes
   // from its one owner, the others adding exact zeros), so pp changes no bit of the clip factor.
-  std::vector<double> per_unit(units.size(), 0.0);
+  // The pieces are summed in one op (on a GPU, one read back for the step), then folded per unit
+  // in order.
+  struct Piece {
+    size_t unit;
+    bool replicated;  // a parameter tp does not split
+  };
+  std::vector<Piece> pieces;
+  std::vector<Tensor> parts;
   for (size_t i = 0; i < units.size(); ++i) {
     ParamUnit* u = units[i];
     if (!holds_data(u->device()) || (!counted.empty() && !counted[i])) continue;
     const Tensor g = u->grad_shard();
     if (tp == 1) {
-      per_unit[i] = ops::sum_squares(g.narrow(0, 0, u->shard_numel()));
+      pieces.push_back({i, false});
+      parts.push_back(g.narrow(0, 0, u->shard_numel()));
       continue;
     }
-    // Parameters that tensor parallelism does not split (norms) hold the same gradient on every
-    // tp rank: each rank counts 1/tp of them (exact for tp a power of two), so the sum over tp
-    // counts them once.
     for (const ShardSlice& s : u->shard_slices()) {
-      const double part = ops::sum_squares(g.narrow(0, s.shard_offset, s.count));
-      per_unit[i] += u->params()[s.param].spec.split == TpSplit::none ? part / tp : part;
+      pieces.push_back({i, u->params()[s.param].spec.split == TpSplit::none});
+      parts.push_back(g.narrow(0, s.shard_offset, s.count));
     }
   }
+  // Devices may differ between units (CPU offload keeps some on the host): one call per run of
+  // units on one device.
+  std::vector<double> sums(parts.size(), 0.0);
+  for (size_t a = 0; a < parts.size();) {
+    size_t b = a + 1;
+    while (b < parts.size() && parts[b].device() == parts[a].device()) ++b;
+    const std::vector<double> s =
+        ops::sum_squares_each(std::span<const Tensor>(parts).subspan(a, b - a));
+    std::copy(s.begin(), s.end(), sums.begin() + std::ptrdiff_t(a));
+    a = b;
+  }
+  // Parameters that tensor parallelism does not split (norms) hold the same gradient on every tp
+  // rank: each rank counts 1/tp of them (exact for tp a power of two), so the sum over tp counts
+  // them once.
+  std::vector<double> per_unit(units.size(), 0.0);
+  for (size_t j = 0; j < pieces.size(); ++j)
+    per_unit[pieces[j].unit] += pieces[j].replicated ? sums[j] / tp : sums[j];
   per_unit =
       group_sum_each(pp_group, group_sum_each(tp_group, group_sum_each(shard_group, per_unit)));
   double ss = 0;

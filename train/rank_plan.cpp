@@ -95,6 +95,9 @@ RankPlan plan_rank(const PlanJob& j, int rank) {
   const dist::MeshLayout layout = plan_layout(j);
   LOOM_CHECK(rank >= 0 && rank < j.world, "plan: rank ", rank, " is outside the world of ",
              j.world);
+  // The meta run books the scratch of the kernels of the job's device (a GPU's:
+  // ops::ModeledDevice).
+  const ops::ModeledDevice modeled(job.training.device == "cuda" ? Device::cuda : Device::cpu);
   RankPlan out;
   out.rank = rank;
   out.coords = layout.coords(rank);

@@ -10,6 +10,7 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "kernels/cuda/vec.cuh"
 
 namespace loom::cuda {
@@ -20,9 +21,6 @@ namespace {
 constexpr int kMaxThreads = 512;
 // The block that sums the per-row losses.
 constexpr int kSumThreads = 1024;
-// The automatic chunk: the rows whose f32 logits take this much, a multiple of kRowMultiple.
-constexpr int64_t kChunkBytes = int64_t{256} << 20;
-constexpr int64_t kRowMultiple = 64;
 
 // ---- rows of floats: a scalar head up to the first 16-byte boundary, float4s, a scalar tail.
 
@@ -316,24 +314,10 @@ void sum_rows(const char* op, const double* row_loss, int64_t n, double* out) {
   check_launch(op);
 }
 
-// The call's scratch, carved at 256-byte offsets from one block.
-struct Layout {
-  size_t logits = 0, g16 = 0, loss = 0, record = 0, bytes = 0;
-};
-size_t take(size_t& at, size_t n) {
-  const size_t o = at;
-  at += (n + 255) / 256 * 256;
-  return o;
-}
+// The call's scratch, carved at 256-byte offsets from one block (kernels/cuda/scratch.hpp).
+using Layout = LossLayout;
 Layout layout(int64_t N, int64_t V, const LinearCrossEntropyChunks& ch, bool grad16) {
-  Layout l;
-  size_t at = 0;
-  l.logits = take(at, size_t(ch.rows) * size_t(V) * sizeof(float));
-  l.g16 = grad16 ? take(at, size_t(ch.grad_rows) * size_t(V) * sizeof(uint16_t)) : 0;
-  l.loss = take(at, size_t(N) * sizeof(double));
-  l.record = take(at, sizeof(uint64_t));
-  l.bytes = at;
-  return l;
+  return loss_layout(N, V, ch, grad16);
 }
 
 void check_args(const LinearCrossEntropyArgs& a) {
@@ -382,15 +366,7 @@ void check_bad_target(const uint64_t* record, int64_t V) {
 
 LinearCrossEntropyChunks linear_cross_entropy_chunks(int64_t N, int64_t V, int64_t chunk_rows,
                                                      int64_t grad_rows) {
-  if (N <= 0 || V <= 0) return {};
-  int64_t rows = chunk_rows;
-  if (rows <= 0) {
-    rows = kChunkBytes / (V * int64_t(sizeof(float)));
-    if (rows >= kRowMultiple) rows = rows / kRowMultiple * kRowMultiple;
-    rows = std::max<int64_t>(rows, 1);
-  }
-  rows = std::min(rows, N);
-  return {rows, std::min(N, std::max(rows, grad_rows / rows * rows))};
+  return loss_chunks(N, V, chunk_rows, grad_rows);
 }
 
 size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType ab, bool grad,

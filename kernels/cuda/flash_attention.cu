@@ -10,6 +10,7 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/flash_primitives.cuh"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "kernels/cuda/vec.cuh"
 // The bodies, after the primitives they call.
 #include "kernels/cuda/flash_attention_kernels.cuh"
@@ -19,6 +20,7 @@ namespace {
 
 using flash::kThreads;
 using flash::kTile;
+static_assert(kTile == kFlashTile, "scratch.hpp's tile (the planner's ranges) is the kernels'");
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const flash::FwdParams p) {
@@ -120,7 +122,7 @@ const uint16_t* bits(const bf16* p) {
 }  // namespace
 
 bool flash_attention_supported(int64_t D) {
-  return D == 64 || D == 128;
+  return flash_head_dim(D);
 }
 
 bool flash_attention_usable(int64_t D, int64_t q_stride, int64_t kv_stride, const void* q,

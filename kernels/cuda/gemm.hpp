@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/gemm.hpp"  // GemmArgs, Trans, check_gemm_args: no kernel of the CPU's
+#include "kernels/cuda/scratch.hpp"
 
 namespace loom::cuda {
 
@@ -39,7 +40,6 @@ LtProblem lt_problem(const GemmArgs& a);
 // The largest power of two up to 16 that divides the address (cuBLASLt's alignment preference).
 unsigned pointer_alignment(const void* p);
 
-// Bytes of the workspace each GEMM may use.
-inline constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// Bytes of the workspace each GEMM may use: kGemmWorkspaceBytes (kernels/cuda/scratch.hpp).
 
 }  // namespace loom::cuda

@@ -2,10 +2,13 @@
 // Built only with the CUDA backend (cmake/cuda.cmake). An op without a CUDA kernel would be the
 // Backend's error naming it (every op has one now).
 //
-// Host data in the op signatures (tokens, positions, the RoPE table) is copied to the device per
-// call until the ops take device tensors for them: the tokens of the call, and the RoPE table's
-// rows at the call's positions (not the whole table, which is 32 MiB at 131072 positions).
+// The index arrays (tokens, targets, positions) and the RoPE table come as tensors on the device
+// (ops::index_tensor, ops::rope_table), and the losses stay on the device (ops::LinearCrossEntropy
+// ::loss): nothing here copies host data per call or waits for the GPU, but sum_squares,
+// sum_squares_each (the gradient norm's one read a step) and the MoE ops' counts.
+#include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "core/error.hpp"
 #include "core/philox.hpp"
@@ -31,41 +34,19 @@ namespace loom::ops {
 
 namespace {
 
-// A device tensor holding n host values of `dt` (`per` elements of it each: int64 positions as
-// two 4-byte elements), queued on the stream: the staging copy may go once this returns.
-Tensor upload(const void* host, int64_t n, DType dt, int64_t per = 1) {
-  Tensor h = Tensor::empty({n * per}, dt);
-  std::memcpy(h.raw(), host, h.nbytes());
-  Tensor d = Tensor::empty({n * per}, dt, Device::cuda);
-  d.copy_from(h);
-  return d;
+// The table's device copy, its rows indexed by the positions.
+cuda::RopeDeviceTable device_table(const Rope& r) {
+  LOOM_CHECK(r.cos.defined() && r.cos.device() == Device::cuda,
+             "rope: the rotary table has no copy on the GPU (ops::rope_table(..., Device::cuda))");
+  return {r.cos.data<float>(), r.sin.data<float>(), r.host.head_dim, r.host.num_positions};
 }
 
-// The RoPE table's cos and sin rows at `positions`, on the device, with positions 0..T-1 into
-// them. A position outside the table is an error here, as the CPU kernel's.
-struct RopeRows {
-  Tensor cos, sin, positions;
-  cuda::RopeDeviceTable table() const {
-    return {cos.data<float>(), sin.data<float>(), 0, rows(cos)};
-  }
-};
-RopeRows rope_rows(const std::vector<int32_t>& positions, const RopeTable& t) {
-  const int64_t T = int64_t(positions.size()), half = t.head_dim / 2;
-  std::vector<float> c(size_t(T * half)), s(size_t(T * half));
-  std::vector<int32_t> idx(static_cast<size_t>(T));
-  for (int64_t i = 0; i < T; ++i) {
-    const int32_t p = positions[size_t(i)];
-    LOOM_CHECK(p >= 0 && p < t.num_positions, "rope: position ", p, " outside the table of ",
-               t.num_positions, " positions");
-    std::memcpy(&c[size_t(i * half)], &t.cos[size_t(p) * size_t(half)], size_t(half) * 4);
-    std::memcpy(&s[size_t(i * half)], &t.sin[size_t(p) * size_t(half)], size_t(half) * 4);
-    idx[size_t(i)] = int32_t(i);
-  }
-  RopeRows r{upload(c.data(), T * half, DType::f32), upload(s.data(), T * half, DType::f32),
-             upload(idx.data(), T, DType::i32)};
-  r.cos = r.cos.view({T, half});
-  r.sin = r.sin.view({T, half});
-  return r;
+// A block's positions on the device (ops::AttentionBlock), int64.
+const int64_t* block_positions(const Tensor* t, const char* name) {
+  LOOM_CHECK(t && t->defined() && t->device() == Device::cuda && t->dtype() == DType::i64,
+             "attention_block: the ", name,
+             " positions need their int64 copy on the GPU (ops::index_tensor)");
+  return t->data<int64_t>();
 }
 
 cuda::GemmArgs gemm_args(cuda::Trans ta, cuda::Trans tb, int64_t M, int64_t N, int64_t K,
@@ -117,8 +98,20 @@ class CudaBackend final : public Backend {
     cuda::adamw_step(args, f(p), f(g), f(m), f(v), p.numel(),
                      mirror ? mirror->data<bf16>() : nullptr);
   }
-  // Read back at once: one synchronization per call, until the gradient norm is summed on the
-  // device and read once per step.
+  // Each sum into its slot of one device array, which comes back in one copy (one wait); the
+  // scratch of the largest serves every call (the stream orders them).
+  void sum_squares_each(std::span<const Tensor> xs, std::span<double> out) override {
+    int64_t most = 1;
+    for (const Tensor& x : xs) most = std::max(most, cuda::sum_squares_scratch(x.numel()));
+    Tensor scratch = Tensor::empty({2 * most}, DType::f32, Device::cuda);
+    Tensor sums = Tensor::empty({2 * int64_t(xs.size())}, DType::f32, Device::cuda);
+    for (size_t i = 0; i < xs.size(); ++i)
+      cuda::sum_squares(f(xs[i]), xs[i].numel(), static_cast<double*>(scratch.raw()),
+                        static_cast<double*>(sums.raw()) + i);
+    const Tensor h = sums.on_host();
+    std::memcpy(out.data(), h.raw(), xs.size() * sizeof(double));
+  }
+  // Read back at once: one synchronization per call (sum_squares_each waits once for many).
   double sum_squares(const Tensor& x) override {
     Tensor scratch =
         Tensor::empty({2 * cuda::sum_squares_scratch(x.numel())}, DType::f32, Device::cuda);
@@ -196,47 +189,38 @@ class CudaBackend final : public Backend {
     else
       cuda::swiglu_backward(f(dact), f(gu), rows(gu), cols(dact), f(dgu));
   }
-  void rope(Tensor& x, int64_t B, int64_t H, const std::vector<int32_t>& positions,
-            const RopeTable& table, bool backward) override {
+  void rope(Tensor& x, int64_t B, int64_t H, const Tensor& positions, const Rope& table,
+            bool backward) override {
     const int64_t T = rows(x) / B, D = x.size(1) / H;
-    const RopeRows r = rope_rows(positions, table);
-    cuda::RopeDeviceTable t = r.table();
-    t.head_dim = table.head_dim;
+    const cuda::RopeDeviceTable t = device_table(table);
     if (backward)
-      cuda::rope_backward(f(x), B, T, H, D, stride(x), r.positions.data<int32_t>(), t);
+      cuda::rope_backward(f(x), B, T, H, D, stride(x), positions.data<int32_t>(), t);
     else
-      cuda::rope_forward(f(x), B, T, H, D, stride(x), r.positions.data<int32_t>(), t);
+      cuda::rope_forward(f(x), B, T, H, D, stride(x), positions.data<int32_t>(), t);
   }
-  void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc,
-                    const std::vector<int32_t>& positions, const RopeTable& table, bool backward,
-                    Tensor& out) override {
+  void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tensor& positions,
+                    const Rope& table, bool backward, Tensor& out) override {
     const int64_t T = rows(x) / B, D = x.size(1) / (H + Hc);
-    const RopeRows r = rope_rows(positions, table);
-    cuda::RopeDeviceTable t = r.table();
-    t.head_dim = table.head_dim;
-    cuda::rope_rounded(f(x), B, T, H, Hc, D, stride(x), r.positions.data<int32_t>(), t, backward,
-                       out.data<bf16>(), out.size(1));
+    cuda::rope_rounded(f(x), B, T, H, Hc, D, stride(x), positions.data<int32_t>(),
+                       device_table(table), backward, out.data<bf16>(), out.size(1));
   }
 
-  void embedding_forward(const int32_t* tokens, const Tensor& table, int64_t v0,
+  void embedding_forward(const Tensor& tokens, const Tensor& table, int64_t v0,
                          Tensor& out) override {
-    const Tensor t = upload(tokens, rows(out), DType::i32);
+    const int32_t* t = tokens.data<int32_t>();
     if (v0 < 0)
-      cuda::embedding_forward(t.data<int32_t>(), rows(out), f(table), rows(table), table.size(1),
-                              f(out));
+      cuda::embedding_forward(t, rows(out), f(table), rows(table), table.size(1), f(out));
     else
-      cuda::embedding_forward_range(t.data<int32_t>(), rows(out), f(table), v0, rows(table),
-                                    table.size(1), f(out));
+      cuda::embedding_forward_range(t, rows(out), f(table), v0, rows(table), table.size(1), f(out));
   }
-  void embedding_backward(const int32_t* tokens, const Tensor& dout, int64_t v0,
+  void embedding_backward(const Tensor& tokens, const Tensor& dout, int64_t v0,
                           Tensor& dtable) override {
-    const Tensor t = upload(tokens, rows(dout), DType::i32);
+    const int32_t* t = tokens.data<int32_t>();
     if (v0 < 0)
-      cuda::embedding_backward(t.data<int32_t>(), rows(dout), f(dout), rows(dtable), dtable.size(1),
-                               f(dtable));
+      cuda::embedding_backward(t, rows(dout), f(dout), rows(dtable), dtable.size(1), f(dtable));
     else
-      cuda::embedding_backward_range(t.data<int32_t>(), rows(dout), f(dout), v0, rows(dtable),
-                                     dtable.size(1), f(dtable));
+      cuda::embedding_backward_range(t, rows(dout), f(dout), v0, rows(dtable), dtable.size(1),
+                                     f(dtable));
   }
 
   void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t B, int64_t Hq,
@@ -267,27 +251,23 @@ class CudaBackend final : public Backend {
     const cpu::DecodeShape s{rows(q), L, Hq, Hkv, D, stride(q), stride(k), scale(D)};
     cuda::attention_decode(s, f(q), f(k), f(v), f(out));
   }
-  // Ring attention's blocks: the positions copied per call; `progress` (the CPU kernel's calls
-  // between work units, which drive the ring's messages) has nothing to interleave with here, as
-  // the GPU runs the block asynchronously.
+  // Ring attention's blocks: the positions' device copies (made once per micro-batch); `progress`
+  // (the CPU kernel's calls between work units, which drive the ring's messages) has nothing to
+  // interleave with here, as the GPU runs the block asynchronously.
   void attention_block_forward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
                                const Tensor& v, Tensor& out, Tensor& lse,
                                const std::function<void()>& /*progress*/) override {
-    const Tensor qp = upload(s.q_pos->data(), int64_t(s.q_pos->size()), DType::f32, 2);
-    const Tensor kp = upload(s.k_pos->data(), int64_t(s.k_pos->size()), DType::f32, 2);
     cuda::attention_block_forward(block_shape(s, q, k), f(q), f(k), f(v),
-                                  static_cast<const int64_t*>(qp.raw()),
-                                  static_cast<const int64_t*>(kp.raw()), f(out), f(lse));
+                                  block_positions(s.q_pos_device, "query"),
+                                  block_positions(s.k_pos_device, "key"), f(out), f(lse));
   }
   void attention_block_backward(const AttentionBlock& s, const Tensor& q, const Tensor& k,
                                 const Tensor& v, const Tensor& lse, const Tensor& delta,
                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                                 const std::function<void()>& /*progress*/) override {
-    const Tensor qp = upload(s.q_pos->data(), int64_t(s.q_pos->size()), DType::f32, 2);
-    const Tensor kp = upload(s.k_pos->data(), int64_t(s.k_pos->size()), DType::f32, 2);
     cuda::attention_block_backward(
-        block_shape(s, q, k), f(q), f(k), f(v), static_cast<const int64_t*>(qp.raw()),
-        static_cast<const int64_t*>(kp.raw()), f(lse), f(delta), f(dout), f(dq), f(dk), f(dv));
+        block_shape(s, q, k), f(q), f(k), f(v), block_positions(s.q_pos_device, "query"),
+        block_positions(s.k_pos_device, "key"), f(lse), f(delta), f(dout), f(dq), f(dk), f(dv));
   }
   void attention_merge(int64_t B, int64_t Hq, Tensor& out, Tensor& lse, const Tensor& out_b,
                        const Tensor& lse_b) override {
@@ -421,16 +401,13 @@ class CudaBackend final : public Backend {
     });
   }
 
-  // The summed loss comes back to the host: one synchronization per call until the op returns a
-  // device scalar (read once per step).
-  double linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {
-    const Tensor targets = upload(a.targets, rows(a.x), DType::i32);
-    Tensor loss64 = Tensor::empty({2}, DType::f32, Device::cuda);  // one double
+  // The summed loss stays on the device (a.loss), read back with the step's others.
+  void linear_cross_entropy(const LinearCrossEntropy& a, bool dw_overwrite) override {
     cuda::LinearCrossEntropyArgs ce;
     ce.x = a.x.raw();
     ce.w = a.w.raw();
     ce.ab = a.x.dtype();
-    ce.targets = targets.data<int32_t>();
+    ce.targets = a.targets.data<int32_t>();
     ce.N = rows(a.x);
     ce.D = cols(a.x);
     ce.V = a.V;
@@ -440,29 +417,25 @@ class CudaBackend final : public Backend {
     ce.dw_overwrite = dw_overwrite;
     ce.chunk_rows = a.chunk_rows;
     ce.grad_rows = a.grad_rows;
-    // No record: the targets are checked before anything is written, as on the CPU.
-    cuda::linear_cross_entropy(ce, static_cast<double*>(loss64.raw()), nullptr);
-    return read_double(loss64);
+    // No record: the targets were checked on the host where they were made (ops::index_tensor,
+    // Model::micro_batch); one >= V is never used as an index.
+    cuda::linear_cross_entropy(ce, a.loss.data<double>(), nullptr);
   }
-  void vocab_shard_lse(const Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                        Tensor& lse, Tensor& target_logit) override {
-    const Tensor t = upload(targets, rows(logits), DType::i32);
-    cuda::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, t.data<int32_t>(), v0, f(lse),
-                          f(target_logit));
+    cuda::vocab_shard_lse(f(logits), rows(logits), cols(logits), Vr, targets.data<int32_t>(), v0,
+                          f(lse), f(target_logit));
   }
-  double vocab_shard_combine(const Tensor& lse_all, const int32_t* targets,
-                             const Tensor& target_logit, Tensor& glse) override {
-    const Tensor t = upload(targets, cols(lse_all), DType::i32);
-    Tensor loss64 = Tensor::empty({2}, DType::f32, Device::cuda);
-    cuda::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all), t.data<int32_t>(),
-                              f(target_logit), f(glse), static_cast<double*>(loss64.raw()));
-    return read_double(loss64);
+  void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets, const Tensor& target_logit,
+                           Tensor& glse, Tensor& loss) override {
+    cuda::vocab_shard_combine(f(lse_all), int(rows(lse_all)), cols(lse_all),
+                              targets.data<int32_t>(), f(target_logit), f(glse),
+                              loss.data<double>());
   }
-  void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const int32_t* targets, int64_t v0,
+  void vocab_shard_dlogits(Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                            const Tensor& glse, float grad_scale) override {
-    const Tensor t = upload(targets, rows(logits), DType::i32);
-    cuda::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, t.data<int32_t>(), v0,
-                              f(glse), grad_scale);
+    cuda::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, targets.data<int32_t>(),
+                              v0, f(glse), grad_scale);
   }
 
  private:

@@ -87,7 +87,14 @@ struct RingViews {
                   : Tensor::empty({n, M, kvw}, DType::f32, dev);
   }
   ops::AttentionBlock shape(int r, int src) const {
-    return {g.B, g.Hq, g.Hkv, &(*g.by_rank)[size_t(r)], &(*g.by_rank)[size_t(src)]};
+    const std::vector<Tensor>* d = g.by_rank_device;
+    return {g.B,
+            g.Hq,
+            g.Hkv,
+            &(*g.by_rank)[size_t(r)],
+            &(*g.by_rank)[size_t(src)],
+            d ? &(*d)[size_t(r)] : nullptr,
+            d ? &(*d)[size_t(src)] : nullptr};
   }
 };
 

@@ -46,10 +46,12 @@ bool block_has_work(const std::vector<std::vector<int64_t>>& by_rank, int r, int
 std::function<void()> in_flight(std::vector<dist::Work*> works);
 
 // Ring attention over the cp group. qkv [B*T, (Hq + 2 Hkv) hd] (this rank's tokens, after RoPE),
-// out [B*T, Hq hd] and lse [B, Hq, T] written; positions by rank as above.
+// out [B*T, Hq hd] and lse [B, Hq, T] written; positions by rank as above, and their int64 copies
+// on the run's device (ops::AttentionBlock; may be null on the CPU).
 struct RingAttention {
   int64_t B = 0, T = 0, Hq = 0, Hkv = 0, hd = 0;
   const std::vector<std::vector<int64_t>>* by_rank = nullptr;
+  const std::vector<Tensor>* by_rank_device = nullptr;
 };
 void ring_attention_forward(const CpOptions& cp, const RingAttention& g, const Tensor& qkv,
                             Tensor& out, Tensor& lse);

@@ -144,13 +144,14 @@ void row_parallel_backward(const TpRuntime& tp, const Tensor& dy, const Tensor& 
   ops::linear_backward(ops::to_compute(full, compute), in, w, dw, din);
 }
 
-void vocab_parallel_embedding_forward(const TpRuntime& tp, const int32_t* tokens, int64_t M,
+void vocab_parallel_embedding_forward(const TpRuntime& tp, const Tensor& tokens,
                                       const Tensor& table, int64_t v0, Tensor& x) {
   if (!tp.on()) {
     ops::embedding_forward(tokens, table, x);
     return;
   }
   // Rows of other ranks' tokens are zero here; the sum over tp is the embedding.
+  const int64_t M = tokens.numel();
   Tensor part = tp_pooled(tp, dist::BufferPurpose::row_out, {M, x.size(1)}, DType::f32, x.device());
   ops::embedding_forward_range(tokens, table, v0, part);
   if (tp.sp()) {
@@ -161,23 +162,28 @@ void vocab_parallel_embedding_forward(const TpRuntime& tp, const int32_t* tokens
   }
 }
 
-void vocab_parallel_embedding_backward(const TpRuntime& tp, const int32_t* tokens, int64_t M,
-                                       const Tensor& dx, int64_t v0, Tensor& dtable) {
+void vocab_parallel_embedding_backward(const TpRuntime& tp, const Tensor& tokens, const Tensor& dx,
+                                       int64_t v0, Tensor& dtable) {
   if (!tp.on()) {
     ops::embedding_backward(tokens, dx, dtable);
     return;
   }
   Tensor full = dx;
   if (tp.sp()) {
-    full = tp_pooled(tp, dist::BufferPurpose::ag_dy, {M, dx.size(1)}, DType::f32, dx.device());
+    full = tp_pooled(tp, dist::BufferPurpose::ag_dy, {tokens.numel(), dx.size(1)}, DType::f32,
+                     dx.device());
     tp_gather_rows(tp, dx, full);
   }
   ops::embedding_backward_range(tokens, full, v0, dtable);
 }
 
-double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossEntropy& a,
-                                    int64_t v0, int64_t vocab) {
-  if (!tp.on()) return ops::linear_cross_entropy(a);
+void vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossEntropy& a, int64_t v0,
+                                  int64_t vocab) {
+  LOOM_CHECK(a.loss.defined(), "vocab_parallel_cross_entropy: no loss tensor to write");
+  if (!tp.on()) {
+    ops::linear_cross_entropy(a);
+    return;
+  }
   // This rank's logits [rows, V/tp] per chunk; the row's log-sum-exp combines the ranks' local
   // ones (an all-gather of [tp, N]), the target logit comes from the rank that owns it (an
   // all-reduce sum of the masked target logit).
@@ -195,20 +201,26 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
   // Columns past the real vocabulary are padding (a vocabulary tp does not divide): never
   // predicted, so left out of the softmax and given no gradient.
   const int64_t Vr = std::clamp<int64_t>(vocab - v0, 0, V);
-  for (int64_t i = 0; i < N; ++i)
-    LOOM_CHECK(a.targets[i] < vocab, "cross-entropy: target ", a.targets[i], " of row ", i,
-               " is outside the vocabulary of ", vocab);
+  // Targets on the host are checked here; a GPU's were checked on the host where they were made
+  // (Model::micro_batch).
+  if (a.targets.device() == Device::cpu)
+    for (int64_t i = 0; i < N; ++i) {
+      const int32_t t = a.targets.data<int32_t>()[i];
+      LOOM_CHECK(t < vocab, "cross-entropy: target ", t, " of row ", i,
+                 " is outside the vocabulary of ", vocab);
+    }
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t nr = std::min(rows, N - r0);
     Tensor l = logits.narrow(0, 0, nr), ls = lse.narrow(0, r0, nr), tg = tgt.narrow(0, r0, nr);
     ops::linear(a.x.narrow(0, r0, nr), a.w, l);
-    ops::vocab_shard_lse(l, Vr, a.targets + r0, v0, ls, tg);
+    ops::vocab_shard_lse(l, Vr, a.targets.narrow(0, r0, nr), v0, ls, tg);
   }
   // In place: this rank's row of lse_all is its input block.
   tp.opt.group->all_gather(lse, lse_all.view({int64_t(n) * N}))->wait();
   tp_all_reduce(tp, tgt);
   Tensor glse = Tensor::empty({N}, DType::f32, dev);
-  const double loss = ops::vocab_shard_combine(lse_all, a.targets, tgt, glse);
+  Tensor loss = a.loss;  // shares its storage
+  ops::vocab_shard_combine(lse_all, a.targets, tgt, glse, loss);
   Tensor dl_c = a.x.dtype() == DType::f32
                     ? logits
                     : tp_pooled(tp, dist::BufferPurpose::ce_dlogits, {rows, V}, DType::bf16, dev);
@@ -217,12 +229,12 @@ double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossE
     Tensor l = logits.narrow(0, 0, nr), dl = dl_c.narrow(0, 0, nr);
     const Tensor x = a.x.narrow(0, r0, nr);
     ops::linear(x, a.w, l);
-    ops::vocab_shard_dlogits(l, Vr, a.targets + r0, v0, glse.narrow(0, r0, nr), a.grad_scale);
+    ops::vocab_shard_dlogits(l, Vr, a.targets.narrow(0, r0, nr), v0, glse.narrow(0, r0, nr),
+                             a.grad_scale);
     if (a.x.dtype() == DType::bf16) ops::cast(l, dl);
     Tensor dx = a.dx.narrow(0, r0, nr);
     ops::linear_backward(dl, x, a.w, a.dw, dx);
   }
-  return loss;
 }
 
 }  // namespace loom

@@ -126,17 +126,18 @@ inline int64_t local_vocab(int64_t vocab, int tp) {
 // Vocabulary-parallel embedding: `table` holds rows [v0, v0 + rows); x [rows of the residual
 // stream, d] receives the embedding of `tokens` (M of them), summed over tp (this rank's rows
 // with SP).
-void vocab_parallel_embedding_forward(const TpRuntime& tp, const int32_t* tokens, int64_t M,
+void vocab_parallel_embedding_forward(const TpRuntime& tp, const Tensor& tokens,
                                       const Tensor& table, int64_t v0, Tensor& x);
 // dtable[tokens - v0] += dx (gathered over tp with SP), for this rank's vocabulary rows.
-void vocab_parallel_embedding_backward(const TpRuntime& tp, const int32_t* tokens, int64_t M,
-                                       const Tensor& dx, int64_t v0, Tensor& dtable);
+void vocab_parallel_embedding_backward(const TpRuntime& tp, const Tensor& tokens, const Tensor& dx,
+                                       int64_t v0, Tensor& dtable);
 
 // The output projection fused with the loss over a vocabulary split across tp ranks ("loss
 // parallel"): a.w holds this rank's vocabulary rows [v0, v0 + a.V), of which those below
-// `vocab` are real. Returns the summed loss; a.dx gets this rank's part of dx (the caller sums it
-// over tp), a.dw this rank's rows exactly. Without tp, the single-rank fused loss.
-double vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossEntropy& a,
-                                    int64_t v0, int64_t vocab);
+// `vocab` are real. Writes the summed loss into a.loss (float64 [1] on the device); a.dx gets this
+// rank's part of dx (the caller sums it over tp), a.dw this rank's rows exactly. Without tp, the
+// single-rank fused loss.
+void vocab_parallel_cross_entropy(const TpRuntime& tp, const ops::LinearCrossEntropy& a, int64_t v0,
+                                  int64_t vocab);
 
 }  // namespace loom

@@ -79,7 +79,10 @@ HeadRun run_head(std::span<const PlanEntry> plan, BranchPrecision precision, boo
                    .compute = DType::f32,
                    .chunk_rows = 16};
   HeadRun r;
-  r.dx = values(h.forward_backward(head, embed, x, targets.data(), 0.5f, r.loss));
+  const Tensor loss = Tensor::empty({1}, DType::f64);
+  r.dx = values(h.forward_backward(head, embed, x,
+                                   ops::index_tensor(targets, Device::cpu, "target"), 0.5f, loss));
+  r.loss = loss.data<double>()[0];
   r.norm_grad = values(head.params()[0].grad);
   r.out_grad = values(tied ? embed.params()[0].grad : head.params()[1].grad);
   return r;

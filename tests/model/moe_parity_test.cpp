@@ -102,7 +102,7 @@ Run run_loom(const MoeConfig& c, int64_t B, int64_t T, DType compute, const fs::
   ActivationStore s = model.micro_batch(in.data(), tg.data(), B, T, 1.0f / float(B * T));
   model.backward(s, 0, model.num_units(), model.forward(s, 0, model.num_units()));
   Run out;
-  out.loss = s.loss / double(B * T);
+  out.loss = model.loss(s) / double(B * T);
   out.aux = MoeModel::aux_loss(s);
   for (ParamUnit* u : model.units())
     for (auto& p : u->params()) out.grads.push_back({p.spec.name, p.grad});

@@ -13,6 +13,7 @@
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "kernels/cpu/rmsnorm.hpp"
+#include "kernels/cpu/rope.hpp"
 #include "kernels/cpu/sharded.hpp"
 #include "kernels/cpu/swiglu.hpp"
 #include "tests/test_util.hpp"
@@ -105,7 +106,8 @@ TEST(Ops, MetaComputesNothingAndBooksMemory) {
             size_t(2 * 64 * 32 + 2 * 48 * 32 + 64 * 48) * 4 + size_t(64 * 32) * 2);
   ops::fill(y, 1.0f);
   ops::add_inplace(y, y);
-  EXPECT_EQ(ops::linear_cross_entropy({x, w, dx, dw, nullptr, 48, 1.0f, 0}), 0.0);
+  const Tensor targets = Tensor::empty({64}, DType::i32, Device::meta);
+  EXPECT_EQ(ops::linear_cross_entropy({x, w, dx, dw, targets, 48, 1.0f, 0, 0, {}}), 0.0);
   EXPECT_FALSE(ops::computes(Device::meta));
   EXPECT_TRUE(ops::computes(Device::cpu));
 }
@@ -167,8 +169,16 @@ TEST(Ops, UnwrittenWeightGradientIsWrittenOnceThenAddedTo) {
     const int64_t V = 40;
     std::vector<int32_t> targets(static_cast<size_t>(M));
     for (int64_t i = 0; i < M; ++i) targets[size_t(i)] = int32_t((i * 7) % V);
-    ops::LinearCrossEntropy ce{x,    w, dx, Tensor::zeros({V, K}, DType::f32), targets.data(), V,
-                               0.5f, 8, 16};
+    ops::LinearCrossEntropy ce{x,
+                               w,
+                               dx,
+                               Tensor::zeros({V, K}, DType::f32),
+                               ops::index_tensor(targets, Device::cpu, "target"),
+                               V,
+                               0.5f,
+                               8,
+                               16,
+                               {}};
     const double loss = ops::linear_cross_entropy(ce);
     const std::vector<float> want_ce = values(ce.dw.t);
     ops::fill(ce.dw.t, nan);
@@ -191,4 +201,79 @@ TEST(Ops, ADeviceWithoutKernelsIsAnErrorNamingTheOp) {
               std::string::npos)
         << e.what();
   }
+}
+
+// Tokens, targets and positions reach the ops as int32/int64 tensors on the op's device, made once
+// by index_tensor, which checks their range where they are still on the host; the ops refuse an
+// index array of the wrong dtype, length or device; the rotary table needs its copy off the CPU.
+TEST(Ops, IndexArraysAreTensorsOnTheOpsDevice) {
+  const std::vector<int32_t> tokens{3, 0, 7, 5};
+  const Tensor t = ops::index_tensor(tokens, Device::cpu, "token", 0, 8);
+  ASSERT_EQ(t.dtype(), DType::i32);
+  EXPECT_EQ(std::vector<int32_t>(t.data<int32_t>(), t.data<int32_t>() + 4), tokens);
+  test::expect_error([&] { ops::index_tensor(tokens, Device::cpu, "input token", 0, 7); },
+                     {"input token 7 at index 2 is outside [0, 7)"});
+  test::expect_error(
+      [&] { ops::index_tensor(std::vector<int32_t>{-1}, Device::cpu, "position", 0, 9); },
+      {"position -1 at index 0 is outside [0, 9)"});
+  const std::vector<int64_t> pos{9, 2, 1LL << 40};
+  const Tensor p = ops::index_tensor(pos, Device::cpu, "position");
+  ASSERT_EQ(p.dtype(), DType::i64);
+  EXPECT_EQ(p.data<int64_t>()[2], int64_t{1} << 40);
+  const Tensor m = ops::index_tensor(tokens, Device::meta, "token", 0, 8);
+  EXPECT_EQ(m.device(), Device::meta);
+  EXPECT_EQ(m.numel(), 4);
+
+  // The embedding of these tokens is the kernel's; a wrong index array is refused by name.
+  Tensor table = random({8, 6}, 11), out = Tensor::empty({4, 6}, DType::f32);
+  ops::embedding_forward(t, table, out);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t j = 0; j < 6; ++j)
+      EXPECT_EQ(out.data<float>()[i * 6 + j], table.data<float>()[tokens[size_t(i)] * 6 + j]);
+  test::expect_error(
+      [&] { ops::embedding_forward(t.narrow(0, 0, 3), table, out); },
+      {"embedding_forward: tokens must be a contiguous int32 [4] on cpu, got [3] int32"});
+  test::expect_error([&] { ops::embedding_forward(p, table, out); },
+                     {"embedding_forward: tokens must be", "got [3] int64"});
+  test::expect_error([&] { ops::embedding_forward(m, table, out); },
+                     {"embedding_forward: tokens must be", "on cpu, got [4] int32 on meta"});
+
+  // RoPE at the positions of a tensor equals the kernel at the same positions.
+  const int64_t T = 5, H = 2, D = 8;
+  const ops::Rope rope = ops::rope_table(D, 16, 10000.0, RopeScaling{});
+  EXPECT_FALSE(rope.cos.defined());  // the CPU reads the host table
+  const std::vector<int32_t> at{4, 0, 15, 3, 9};
+  Tensor x = random({T, H * D}, 12);
+  std::vector<float> want = values(x);
+  cpu::rope_forward(want.data(), 1, T, H, D, H * D, at.data(), rope.host);
+  ops::rope_forward(x, 1, H, ops::index_tensor(at, Device::cpu, "position", 0, 16), rope);
+  EXPECT_EQ(values(x), want);
+  test::expect_error([&] { ops::rope_forward(x, 1, H, t, rope); },
+                     {"rope_forward: positions must be a contiguous int32 [5]"});
+  // Off the CPU the table must have its device copy (a meta table of the CPU's is refused only
+  // where kernels run: meta runs none).
+  const ops::Rope meta_rope = ops::rope_table(D, 16, 10000.0, RopeScaling{}, Device::meta);
+  EXPECT_TRUE(meta_rope.cos.defined());
+  EXPECT_EQ(meta_rope.cos.device(), Device::meta);
+  EXPECT_EQ(meta_rope.cos.shape(), (Shape{16, D / 2}));
+}
+
+// The gradient norm's sums: one call for many tensors gives each tensor's sum_squares bit for bit.
+TEST(Ops, SumsOfSquaresOfManyTensorsEqualEachOnesSum) {
+  const std::vector<Tensor> xs{random({7, 5}, 21), random({1}, 22), random({300}, 23)};
+  const std::vector<double> s = ops::sum_squares_each(xs);
+  ASSERT_EQ(s.size(), 3u);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    EXPECT_EQ(s[i], ops::sum_squares(xs[i])) << i;
+    double want = 0;
+    for (float v : values(xs[i])) want += double(v) * double(v);
+    EXPECT_NEAR(s[i], want, 1e-12 * want) << i;
+  }
+  EXPECT_TRUE(ops::sum_squares_each({}).empty());
+  const Tensor m = Tensor::empty({4}, DType::f32, Device::meta);
+  test::expect_error(
+      [&] {
+        ops::sum_squares_each(std::vector<Tensor>{xs[0], m});
+      },
+      {"sum_squares_each: tensors on cpu and meta"});
 }

@@ -167,6 +167,7 @@ TEST(OpsWork, FusedCrossEntropyIsItsGemmsAndTheSoftmax) {
   a.w = meta({V, D});
   a.dx = meta({N, D});
   a.dw = meta({V, D});
+  a.targets = meta({N}, DType::i32);
   a.V = V;
   Recorded r;
   ops::linear_cross_entropy(a);

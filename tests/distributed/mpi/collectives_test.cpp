@@ -36,6 +36,10 @@ double get(const Tensor& t, int64_t i) {
       return bf16_to_float(t.data<bf16>()[i]);
     case DType::i32:
       return t.data<int32_t>()[i];
+    case DType::i64:
+      return double(t.data<int64_t>()[i]);
+    case DType::f64:
+      return t.data<double>()[i];
   }
   return NAN;
 }
@@ -50,6 +54,12 @@ void set(const Tensor& t, int64_t i, double v) {
       break;
     case DType::i32:
       t.data<int32_t>()[i] = static_cast<int32_t>(v);
+      break;
+    case DType::i64:
+      t.data<int64_t>()[i] = static_cast<int64_t>(v);
+      break;
+    case DType::f64:
+      t.data<double>()[i] = v;
       break;
   }
 }

@@ -1,8 +1,9 @@
 // The ops on cuda tensors against the same ops on cpu tensors (ops/cuda/cuda_backend.cpp against
-// ops/cpu_backend.cpp): the dispatch, the tensors' strides and dtypes, the host data copied per
-// call, the weight gradient's first write, a mixture-of-experts layer's ops in the model's order
-// and Qwen2-MoE's biases and gate, the op profile's GPU timing, and the error of an op without a
-// kernel. Skipped without a GPU (LOOM_REQUIRE_GPU=1 fails instead).
+// ops/cpu_backend.cpp): the dispatch, the tensors' strides and dtypes, the index arrays and the
+// loss on the device, the meta run's model of the GPU's scratch, the weight gradient's first write,
+// a mixture-of-experts layer's ops in the model's order and Qwen2-MoE's biases and gate, the op
+// profile's GPU timing, and the error of an op without a kernel. Skipped without a GPU
+// (LOOM_REQUIRE_GPU=1 fails instead).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.hpp"
 #include "core/error.hpp"
 #include "ops/backend.hpp"
 #include "ops/ops.hpp"
@@ -117,34 +119,129 @@ TEST_F(OpsCuda, NormSwiGluRopeEmbedding) {
   expect_close(dgu, gdgu, 1e-5, "swiglu_backward");
 
   // RoPE at positions that do not start at 0 (a later chunk), on q inside a fused qkv buffer.
-  const RopeTable table = ops::rope_table(D, 64, 500000.0, RopeScaling{});
-  std::vector<int32_t> pos(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = int32_t(20 + 3 * t);
+  // The positions and the table on each device (the GPU's table a device copy, made once).
+  const ops::Rope table = ops::rope_table(D, 64, 500000.0, RopeScaling{});
+  const ops::Rope gtable = ops::rope_table(D, 64, 500000.0, RopeScaling{}, Device::cuda);
+  std::vector<int32_t> at(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) at[size_t(t)] = int32_t(20 + 3 * t);
+  const Tensor pos = ops::index_tensor(at, Device::cpu, "position", 0, 64);
+  const Tensor gpos = ops::index_tensor(at, Device::cuda, "position", 0, 64);
   Tensor qkv = random({rows, 3 * H * D}, 6), gqkv = on_gpu(qkv);
   Tensor q = qkv.narrow(1, 0, H * D), gq = gqkv.narrow(1, 0, H * D);
   ops::rope_forward(q, B, H, pos, table);
-  ops::rope_forward(gq, B, H, pos, table);
+  ops::rope_forward(gq, B, H, gpos, gtable);
   expect_close(qkv, gqkv, 1e-6, "rope_forward (and the columns it must leave)");
   ops::rope_backward(q, B, H, pos, table);
-  ops::rope_backward(gq, B, H, pos, table);
+  ops::rope_backward(gq, B, H, gpos, gtable);
   expect_close(qkv, gqkv, 1e-6, "rope_backward");
   auto [qr, gqr] = outputs({rows, 3 * H * D}, DType::bf16);
   ops::rope_rounded(qkv, B, 2 * H, H, pos, table, false, qr);
-  ops::rope_rounded(gqkv, B, 2 * H, H, pos, table, false, gqr);
+  ops::rope_rounded(gqkv, B, 2 * H, H, gpos, gtable, false, gqr);
   expect_close(qr, gqr, 4e-3, "rope_rounded");
 
   const int64_t vocab = 50;
-  const std::vector<int32_t> tokens = test::random_tokens(rows, vocab, 7);
+  const std::vector<int32_t> ids = test::random_tokens(rows, vocab, 7);
+  const Tensor tokens = ops::index_tensor(ids, Device::cpu, "token", 0, vocab);
+  const Tensor gtokens = ops::index_tensor(ids, Device::cuda, "token", 0, vocab);
   Tensor tab = random({vocab, D}, 8), gtab = on_gpu(tab);
   auto [e, ge] = outputs({rows, D});
-  ops::embedding_forward(tokens.data(), tab, e);
-  ops::embedding_forward(tokens.data(), gtab, ge);
+  ops::embedding_forward(tokens, tab, e);
+  ops::embedding_forward(gtokens, gtab, ge);
   expect_close(e, ge, 0, "embedding_forward");
   Tensor de = random({rows, D}, 9), gde = on_gpu(de);
   Tensor dtab = Tensor::zeros({vocab, D}, DType::f32), gdtab = on_gpu(dtab);
-  ops::embedding_backward(tokens.data(), de, dtab);
-  ops::embedding_backward(tokens.data(), gde, gdtab);
+  ops::embedding_backward(tokens, de, dtab);
+  ops::embedding_backward(gtokens, gde, gdtab);
   expect_close(dtab, gdtab, 1e-6, "embedding_backward");
+}
+
+// The gradient norm's sums on the device, read back once: each within a rounding of the CPU's
+// (both in double, in different orders).
+TEST_F(OpsCuda, SumsOfSquaresInOneRead) {
+  const std::vector<Tensor> xs{random({33, 17}, 1), random({1}, 2), random({70000}, 3)};
+  std::vector<Tensor> gxs;
+  for (const Tensor& x : xs) gxs.push_back(on_gpu(x));
+  const std::vector<double> want = ops::sum_squares_each(xs), got = ops::sum_squares_each(gxs);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-12 * want[i]) << i;
+    EXPECT_EQ(got[i], ops::sum_squares(gxs[i])) << i;
+  }
+}
+
+// What a call takes from the GPU's caching allocator beyond its tensors is what a meta run that
+// models the GPU books for it (ops::ModeledDevice, kernels/cuda/scratch.hpp): the planner's peak
+// is the GPU's. The GEMM workspace exists already on both sides (booked by a first GEMM).
+// The peak's rise over what is allocated just before the call.
+template <class Call>
+size_t rise(Device dev, Call&& call) {
+  Allocator& a = Allocator::get(dev);
+  const size_t base = a.stats().allocated;
+  a.reset_peak();
+  call();
+  return a.stats().peak_allocated - base;
+}
+// `op(dev)` makes its tensors on dev and returns rise(dev, the call).
+template <class Op>
+void expect_scratch_modeled(const std::string& what, Op&& op) {
+  {
+    Tensor x = Tensor::zeros({8, 8}, DType::f32, Device::cuda), y = x;
+    ops::linear(x, x, y);  // the workspace, if no GEMM ran before
+  }
+  const size_t real = op(Device::cuda);
+  const ops::ModeledDevice gpu(Device::cuda);
+  {
+    Tensor x = Tensor::empty({8, 8}, DType::f32, Device::meta), y = x;
+    ops::linear(x, x, y);  // the workspace, kept for the scope
+  }
+  EXPECT_EQ(op(Device::meta), real) << what;
+}
+
+TEST_F(OpsCuda, ScratchIsWhatTheMetaRunBooks) {
+  const int64_t B = 2, T = 200, Hq = 4, Hkv = 2;
+  for (int64_t D : {48, 64, 128})
+    for (DType dt : {DType::f32, DType::bf16})
+      for (bool backward : {false, true}) {
+        // The values do not matter here (no result is read): uninitialized inputs.
+        const auto op = [&](Device dev) {
+          const auto t = [&](const Shape& s, DType d) { return Tensor::empty(s, d, dev); };
+          Tensor qkv = t({B * T, (Hq + 2 * Hkv) * D}, dt);
+          Tensor q = qkv.narrow(1, 0, Hq * D), k = qkv.narrow(1, Hq * D, Hkv * D),
+                 v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D);
+          Tensor out = t({B * T, Hq * D}, dt), lse = t({B, Hq, T}, DType::f32);
+          Tensor dout = t({B * T, Hq * D}, DType::f32);
+          Tensor dqkv = t({B * T, (Hq + 2 * Hkv) * D}, DType::f32);
+          Tensor dq = dqkv.narrow(1, 0, Hq * D), dk = dqkv.narrow(1, Hq * D, Hkv * D),
+                 dv = dqkv.narrow(1, (Hq + Hkv) * D, Hkv * D);
+          return rise(dev, [&] {
+            if (!backward)
+              ops::attention_forward(q, k, v, B, Hq, Hkv, out, lse);
+            else
+              ops::attention_backward(q, k, v, out, lse, dout, B, Hq, Hkv, dq, dk, dv);
+          });
+        };
+        expect_scratch_modeled(
+            std::string(backward ? "attention_backward D " : "attention_forward D ") +
+                std::to_string(D) + " " + std::string(dtype_name(dt)),
+            op);
+      }
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const int64_t N = 300, Dm = 64, V = 5000;
+    expect_scratch_modeled("linear_cross_entropy " + std::string(dtype_name(dt)), [&](Device dev) {
+      ops::LinearCrossEntropy a;
+      a.x = Tensor::zeros({N, Dm}, dt);
+      a.w = Tensor::zeros({V, Dm}, dt);
+      if (dev == Device::cuda) a.x = on_gpu(a.x), a.w = on_gpu(a.w);
+      if (dev == Device::meta)
+        a.x = Tensor::empty({N, Dm}, dt, dev), a.w = Tensor::empty({V, Dm}, dt, dev);
+      a.dx = Tensor::empty({N, Dm}, DType::f32, dev);
+      a.dw = Tensor::empty({V, Dm}, DType::f32, dev);
+      a.targets = ops::index_tensor(test::random_tokens(N, V, 3), dev, "target", 0, V);
+      a.loss = Tensor::empty({1}, DType::f64, dev);
+      a.V = V, a.chunk_rows = 64, a.grad_rows = 128;
+      return rise(dev, [&] { ops::linear_cross_entropy(a); });
+    });
+  }
 }
 
 TEST_F(OpsCuda, AttentionOnViewsOfAFusedQkv) {
@@ -182,10 +279,18 @@ TEST_F(OpsCuda, FusedLossReturnsTheCpusLoss) {
   targets[5] = -1;  // ignored
   auto [dx, gdx] = outputs({N, D});
   Tensor dw = Tensor::zeros({V, D}, DType::f32), gdw = on_gpu(dw);
-  ops::LinearCrossEntropy a{x, w, dx, ops::WeightGrad(dw), targets.data(), V, 1.0f / 39, 16, 0};
-  ops::LinearCrossEntropy g{gx, gw, gdx, ops::WeightGrad(gdw), targets.data(), V, 1.0f / 39, 16, 0};
+  const Tensor t = ops::index_tensor(targets, Device::cpu, "target", INT32_MIN, V);
+  const Tensor gt = ops::index_tensor(targets, Device::cuda, "target", INT32_MIN, V);
+  ops::LinearCrossEntropy a{x, w, dx, ops::WeightGrad(dw), t, V, 1.0f / 39, 16, 0, {}};
+  ops::LinearCrossEntropy g{gx, gw, gdx, ops::WeightGrad(gdw), gt, V, 1.0f / 39, 16, 0, {}};
   const double loss = ops::linear_cross_entropy(a), gloss = ops::linear_cross_entropy(g);
   EXPECT_NEAR(gloss, loss, 1e-5 * std::abs(loss));
+  // The loss left on the device (a step's slot): the same double, read when the caller wants it.
+  g.loss = Tensor::empty({1}, DType::f64, Device::cuda);
+  g.dx = Tensor::empty({N, D}, DType::f32, Device::cuda);
+  g.dw = ops::WeightGrad(on_gpu(Tensor::zeros({V, D}, DType::f32)));
+  EXPECT_EQ(ops::linear_cross_entropy(g), 0.0);
+  EXPECT_EQ(g.loss.on_host().data<double>()[0], gloss);
   expect_close(dx, gdx, 1e-5, "loss dx");
   expect_close(dw, gdw, 1e-5, "loss dw");
 }

@@ -1,0 +1,131 @@
+#pragma once
+// What the CUDA kernels take from the caching allocator, as plain C++ (no CUDA: every build
+// includes it): the kernels size their scratch with these functions, and a meta run that models
+// a GPU (ops::ModeledDevice) books the same blocks, so that the planner's peak is the GPU's.
+// tests/ops/cuda/scratch_cuda_test.cpp checks each against the GPU allocator's peak.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "kernels/cpu/cross_entropy.hpp"  // LinearCrossEntropyChunks: a plain struct
+
+namespace loom::cuda {
+
+using cpu::LinearCrossEntropyChunks;
+
+// A block one call allocates (released when the call returns).
+struct ScratchBlock {
+  int64_t numel = 0;
+  DType dtype = DType::f32;
+};
+
+// ---- GEMMs: cuBLASLt's workspace, one per process, kept.
+inline constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+// ---- the fused loss (cross_entropy.cu)
+// The automatic chunk: the rows whose f32 logits take this much, a multiple of kLossRowMultiple.
+inline constexpr int64_t kLossChunkBytes = int64_t{256} << 20;
+inline constexpr int64_t kLossRowMultiple = 64;
+
+// The rows of one chunk of f32 logits and of one group of bf16 logit gradients (cross_entropy.hpp
+// says how they are chosen).
+inline LinearCrossEntropyChunks loss_chunks(int64_t N, int64_t V, int64_t chunk_rows,
+                                            int64_t grad_rows) {
+  if (N <= 0 || V <= 0) return {};
+  int64_t rows = chunk_rows;
+  if (rows <= 0) {
+    rows = kLossChunkBytes / (V * int64_t(sizeof(float)));
+    if (rows >= kLossRowMultiple) rows = rows / kLossRowMultiple * kLossRowMultiple;
+    rows = std::max<int64_t>(rows, 1);
+  }
+  rows = std::min(rows, N);
+  return {rows, std::min(N, std::max(rows, grad_rows / rows * rows))};
+}
+
+// The call's one block, carved at 256-byte offsets: a chunk of f32 logits, the bf16 logit
+// gradients (grad16), N per-row losses (doubles) and a bad-target record.
+struct LossLayout {
+  size_t logits = 0, g16 = 0, loss = 0, record = 0, bytes = 0;
+};
+inline LossLayout loss_layout(int64_t N, int64_t V, const LinearCrossEntropyChunks& ch,
+                              bool grad16) {
+  const auto take = [](size_t& at, size_t n) {
+    const size_t o = at;
+    at += (n + 255) / 256 * 256;
+    return o;
+  };
+  LossLayout l;
+  size_t at = 0;
+  l.logits = take(at, size_t(ch.rows) * size_t(V) * sizeof(float));
+  l.g16 = grad16 ? take(at, size_t(ch.grad_rows) * size_t(V) * sizeof(uint16_t)) : 0;
+  l.loss = take(at, size_t(N) * sizeof(double));
+  l.record = take(at, sizeof(uint64_t));
+  l.bytes = at;
+  return l;
+}
+
+// The block as the call allocates it (int32 elements); none for N == 0. `grad`: dx or dw computed.
+inline std::vector<ScratchBlock> loss_scratch(int64_t N, int64_t V, DType ab, bool grad,
+                                              int64_t chunk_rows, int64_t grad_rows) {
+  if (N <= 0) return {};
+  const bool grad16 = ab == DType::bf16 && grad;
+  const LossLayout l =
+      loss_layout(N, V, loss_chunks(N, V, chunk_rows, grad16 ? grad_rows : 0), grad16);
+  return {{int64_t((l.bytes + 3) / 4), DType::i32}};
+}
+
+// ---- attention (attention.cu, flash_attention.cu)
+// The head dims the flash kernels are built for, and their tile (flash_attention.hpp).
+inline bool flash_head_dim(int64_t D) {
+  return D == 64 || D == 128;
+}
+inline constexpr int64_t kFlashTile = 64;
+// Whether a bf16 call takes the flash kernels, as far as its shape tells (flash_attention_usable
+// also wants q, k, v 16-byte aligned, which the fused qkv buffer's columns are at these D).
+inline bool flash_attention_takes(bool bf16, int64_t D, int64_t q_stride, int64_t kv_stride) {
+  return bf16 && flash_head_dim(D) && q_stride % 8 == 0 && kv_stride % 8 == 0;
+}
+
+// The row stride of the exact kernels' score scratch: Tk rounded up to 8.
+inline int64_t attention_scratch_ld(int64_t Tk) {
+  return (Tk + 7) / 8 * 8;
+}
+
+// The blocks of one attention call, in the order it allocates them. `plain`: the whole-sequence
+// call (the backward computes delta first; a ring block's positions come as arrays); `bf16`:
+// bf16 operands; `out_bf16`: a bf16 forward output; `flash`: flash_attention_takes.
+inline std::vector<ScratchBlock> attention_scratch(int64_t B, int64_t Tq, int64_t Tk, int64_t Hq,
+                                                   int64_t D, bool bf16, bool backward,
+                                                   bool out_bf16, bool plain, bool flash) {
+  const int64_t ld = attention_scratch_ld(Tk), os = Hq * D;
+  std::vector<ScratchBlock> s;
+  if (flash) {
+    // A block call's per-tile position ranges ([lo, hi] int64 per query and key tile, as int32
+    // pairs); the backward's dout rounded to bf16 once. O(T) memory.
+    const int64_t tiles = (Tq + kFlashTile - 1) / kFlashTile + (Tk + kFlashTile - 1) / kFlashTile;
+    if (backward && plain) s.push_back({B * Hq * Tq, DType::f32});  // delta
+    if (!plain) s.push_back({4 * tiles, DType::i32});
+    if (backward) s.push_back({B * Tq * os, DType::bf16});
+    return s;
+  }
+  if (!backward) {
+    s.push_back({Tq * ld, DType::f32});                    // S
+    if (bf16) s.push_back({Tq * ld, DType::bf16});         // P
+    s.push_back({B * Hq * Tq, DType::f32});                // the row sums
+    if (out_bf16) s.push_back({B * Tq * os, DType::f32});  // O before its rounding
+    return s;
+  }
+  if (plain) s.push_back({B * Hq * Tq, DType::f32});  // delta
+  if (bf16) s.push_back({B * Tq * os, DType::bf16});  // dout rounded
+  s.push_back({Tq * ld, DType::f32});                 // S
+  s.push_back({Tq * ld, DType::f32});                 // dP
+  if (bf16) {
+    s.push_back({Tq * ld, DType::bf16});  // P
+    s.push_back({Tq * ld, DType::bf16});  // dS
+  }
+  return s;
+}
+
+}  // namespace loom::cuda
