@@ -175,7 +175,10 @@ nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::Proce
 int bench_command(const Args& args) {
   const char* usage =
       "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
-      "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]";
+      "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]\n"
+      "       loom bench attention [--device auto|cpu|cuda] [--dims 64,128] [--seq 2048,...] "
+      "[--json] (--help: all its options)";
+  if (!args.empty() && args[0] == "attention") return bench_attention_command(args);
   if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
     std::printf("%s\n", usage);
     return 0;

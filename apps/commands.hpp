@@ -13,6 +13,8 @@ using Args = std::vector<std::string>;
 constexpr int kExitInterrupted = 3;
 
 int bench_command(const Args& args);
+// `loom bench attention`: the device's attention kernels alone (apps/bench_attention_command.cpp).
+int bench_attention_command(const Args& args);
 int train_command(const Args& args);
 int tokenize_command(const Args& args);
 int generate_command(const Args& args);

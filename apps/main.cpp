@@ -17,6 +17,8 @@ const char* kUsage =
     "      train a model on token shards (checkpoints, resume, validation, JSONL metrics)\n"
     "  bench step --config FILE [--json] [--section.key=value ...]\n"
     "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"
+    "  bench attention [--device auto|cpu|cuda] [--dims 64,128] [--seq 2048,4096,8192] [--json]\n"
+    "      the device's attention kernels alone: forward and backward ms and TFLOP/s\n"
     "  tokenize --input PATH... --output DIR (--tokenizer FILE | --train-vocab N\n"
     "           --save-tokenizer FILE) [--val-fraction F] [--shard-tokens N]\n"
     "      text or JSONL (files, directories, globs; .gz, .zst) -> token shards,\n"

@@ -22,8 +22,10 @@ set -uo pipefail
 # when the whole suite does not fit MEMCHECK_S.
 MEMCHECK_FILTER='*'
 # Benchmarks, the last step: each a command line (no shell syntax); a leading `loom` is
-# .device/bin/loom. `loom info` measures the bf16 GEMM peak and the device copy bandwidth.
-BENCH=("loom info")
+# .device/bin/loom. `loom info` measures the bf16 GEMM peak and the device copy bandwidth; `loom
+# bench attention` times the flash kernels at head dims 64 and 128, seq 2k-8k (PyTorch's SDPA
+# beside it: bench/compare_attention_gpu.py, a call of its own).
+BENCH=("loom info" "loom bench attention")
 # The multi-process check of the carried Open MPI: two ranks, on the CPU (cheap, no GPU needed;
 # keep it there: NCCL refuses two ranks on one GPU).
 MPI_CHECK=(loom bench step --config configs/bench-tiny.toml --parallelism.dp_shard=2
@@ -512,6 +514,8 @@ bench_step() {
     echo "$out" >> "$LOG"
     # The figures: the GPU's measured ceilings, else the CPU GEMM peak.
     key=$(grep -m1 'gpu peak' <<< "$out" | sed 's/^ *gpu peak *//; s/ (measured.*//; s/ read + write//')
+    # bench attention: its last row (D 128, T 8192: forward and backward ms and TFLOP/s).
+    [[ $cmd == *"bench attention"* ]] && key=$(grep -v '^ *$' <<< "$out" | tail -n 1 | tr -s ' ')
     [ -n "$key" ] || key="cpu $(grep -m1 'GEMM peak' <<< "$out" | sed 's/^ *GEMM peak *//; s/ (measured)//')"
     [ $rc -ne 0 ] && key=$(grep -v '^ *$' <<< "$out" | tail -n 1)
     record "bench" "$(status_of $rc)" $((SECONDS - t0)) "$cmd: $key"
