@@ -272,7 +272,7 @@ int bench_command(const Args& args) {
     // Priced as `loom plan --oversubscribed` prices this machine's ranks.
     plan::Hardware hw = plan::load_hardware(profile_hw);
     const int world = mesh ? mesh->world_size() : 1;
-    profile.emplace(hw, std::max(1.0, double(world) / std::max(1, hw.ranks_per_node)));
+    profile.emplace(hw, std::max(1.0, double(world) / std::max(1, hw.ranks_per_node)), device);
   }
   std::vector<double> times, losses;
   for (int s = 0; s < warmup + steps; ++s) {

@@ -16,7 +16,11 @@ ops::ProfileOps::Sink OpProfile::sink() {
     Row& r = rows_[op];
     r.calls += 1;
     r.seconds += s;
-    for (const ops::KernelWork& w : works) r.model += plan::kernel_seconds(w, hw_) * slow_;
+    for (const ops::KernelWork& w : works) {
+      r.model += plan::kernel_seconds(w, hw_) * slow_;
+      r.flops += w.flops;
+      r.bytes += w.bytes;
+    }
   };
 }
 
@@ -31,14 +35,14 @@ long page_faults() {
 }  // namespace
 
 void OpProfile::start() {
-  const AllocatorStats st = Allocator::get(Device::cpu).stats();
+  const AllocatorStats st = Allocator::get(device_).stats();
   faults_ = page_faults();
   os_allocs_ = st.num_os_allocs;
   os_bytes_ = st.reserved;
 }
 
 void OpProfile::stop() {
-  const AllocatorStats st = Allocator::get(Device::cpu).stats();
+  const AllocatorStats st = Allocator::get(device_).stats();
   faults_ = page_faults() - faults_;
   os_allocs_ = st.num_os_allocs - os_allocs_;
   os_bytes_ = st.reserved - os_bytes_;
@@ -50,23 +54,34 @@ std::string OpProfile::report(int steps, double step_s, double wait_s) const {
   std::sort(rows.begin(), rows.end(),
             [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
   std::string out =
-      str_cat("  ops per step (the rank's wall time; the model: ", hw_.name,
-              " priced as `loom plan` does, x", slow_, " for oversubscribed cores)\n");
-  char line[160];
-  std::snprintf(line, sizeof line, "    %-28s %8s %10s %10s %8s\n", "op", "calls", "ms", "model ms",
-                "model/ms");
+      str_cat("  ops per step (the rank's time on its device; the model: ", hw_.name,
+              " priced as `loom plan` does, x", slow_,
+              " for oversubscribed cores; TFLOP/s and GB/s: the op's counted work over its time, "
+              "beside the ceilings ",
+              hw_.peak_bf16 * 1e-12, " TFLOP/s bf16, ", hw_.peak_f32 * 1e-12, " f32, ",
+              hw_.memory_bandwidth * 1e-9, " GB/s)\n");
+  char line[200];
+  std::snprintf(line, sizeof line, "    %-28s %8s %10s %10s %8s %9s %9s\n", "op", "calls", "ms",
+                "model ms", "model/ms", "TFLOP/s", "GB/s");
   out += line;
+  const auto rates = [](const Row& r) {
+    return std::pair(r.seconds > 0 ? r.flops / r.seconds * 1e-12 : 0.0,
+                     r.seconds > 0 ? r.bytes / r.seconds * 1e-9 : 0.0);
+  };
   Row all;
   for (const auto& [op, r] : rows) {
-    std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f\n", op.c_str(),
-                  double(r.calls) / n, r.seconds / n * 1e3, r.model / n * 1e3,
-                  r.seconds > 0 ? r.model / r.seconds : 0.0);
+    const auto [tf, gb] = rates(r);
+    std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f %9.3g %9.4g\n",
+                  op.c_str(), double(r.calls) / n, r.seconds / n * 1e3, r.model / n * 1e3,
+                  r.seconds > 0 ? r.model / r.seconds : 0.0, tf, gb);
     out += line;
     all.calls += r.calls, all.seconds += r.seconds, all.model += r.model;
+    all.flops += r.flops, all.bytes += r.bytes;
   }
-  std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f\n", "all ops",
+  const auto [tf, gb] = rates(all);
+  std::snprintf(line, sizeof line, "    %-28s %8.0f %10.2f %10.2f %8.2f %9.3g %9.4g\n", "all ops",
                 double(all.calls) / n, all.seconds / n * 1e3, all.model / n * 1e3,
-                all.seconds > 0 ? all.model / all.seconds : 0.0);
+                all.seconds > 0 ? all.model / all.seconds : 0.0, tf, gb);
   out += line;
   const double outside = step_s - all.seconds / n;
   std::snprintf(line, sizeof line,
