@@ -68,8 +68,6 @@ Options parse(const Args& args) {
       o.json = true;
     } else if (a == "--device") {
       o.device = value("--device");
-      LOOM_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda",
-                 "--device: expected auto, cpu or cuda, got '", o.device, "'");
     } else if (a == "--dims") {
       o.dims = int_list(value("--dims"), "--dims");
     } else if (a == "--seq") {
@@ -95,15 +93,6 @@ Options parse(const Args& args) {
     }
   }
   return o;
-}
-
-Device start_device(const std::string& name) {
-  if (name == "cpu") return Device::cpu;
-  const ops::GpuAvailability g = ops::gpu_availability();
-  if (name == "auto" && !g.usable) return Device::cpu;
-  LOOM_CHECK(g.usable, "--device cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
-  ops::start_gpu(0, false);
-  return Device::cuda;
 }
 
 // A tensor of N(0, 1) values on `dev` in `dt` (drawn as f32, then rounded).
@@ -170,7 +159,7 @@ int bench_attention_command(const Args& args) {
       return 0;
     }
   const Options o = parse(args);
-  const Device dev = start_device(o.device);
+  const Device dev = ops::start_device(o.device);
   const ops::GpuAvailability g = ops::gpu_availability();
   const std::string on = dev == Device::cuda ? "GPU 0 " + g.name : std::string("the CPU");
   nlohmann::json rows = nlohmann::json::array();

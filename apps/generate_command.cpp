@@ -161,17 +161,6 @@ fs::path resolve_checkpoint(const fs::path& dir) {
        steps.empty() ? "" : " (the step-* directories found are incomplete)");
 }
 
-// --device: auto takes GPU 0 where this loom has the CUDA backend and a GPU is usable; cuda
-// insists, naming what is missing. The GPU is started here.
-Device generate_device(const std::string& name) {
-  if (name == "cpu") return Device::cpu;
-  const ops::GpuAvailability g = ops::gpu_availability();
-  if (name == "auto" && !g.usable) return Device::cpu;
-  LOOM_CHECK(g.usable, "--device cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
-  ops::start_gpu(0, false);
-  return Device::cuda;
-}
-
 }  // namespace
 
 int generate_command(const Args& args) {
@@ -230,7 +219,7 @@ int generate_command(const Args& args) {
              "max_position_embeddings = ", config.max_position_embeddings());
 
   auto t_load = std::chrono::steady_clock::now();
-  const Device device = generate_device(o.device);
+  const Device device = ops::start_device(o.device);
   // Whole on this process: a checkpoint saved under any layout (expert parallelism's experts are
   // under their global names) loads into it.
   const std::unique_ptr<Model> model = make_model(config, compute, device);

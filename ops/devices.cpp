@@ -38,6 +38,17 @@ void start_gpu([[maybe_unused]] int index, [[maybe_unused]] bool allow_tf32) {
 #endif
 }
 
+Device start_device(const std::string& name, const char* key) {
+  LOOM_CHECK(name == "auto" || name == "cpu" || name == "cuda", key,
+             ": expected auto, cpu or cuda, got '", name, "'");
+  if (name == "cpu") return Device::cpu;
+  const GpuAvailability g = gpu_availability();
+  if (name == "auto" && !g.usable) return Device::cpu;
+  LOOM_CHECK(g.usable, key, " cuda, but ", g.built ? "no GPU is usable: " : "", g.why_not);
+  start_gpu(0, false);
+  return Device::cuda;
+}
+
 CpuBf16Gemms cpu_bf16_gemms() {
   const cpu::CpuIsa& isa = cpu::cpu_isa();
   return {isa.onednn_native_bf16, cpu::gemm_bf16_native(), isa.onednn, cpu::gemm_bf16_path()};

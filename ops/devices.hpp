@@ -21,6 +21,9 @@ GpuAvailability gpu_availability();
 // several ranks may share one GPU), its float32 GEMMs exact or, with `allow_tf32`, in TF32.
 // Throws naming what is missing.
 void start_gpu(int index, bool allow_tf32);
+// A command line's --device: "cpu"; "cuda", GPU 0 started (an error naming what is missing where
+// none is usable); "auto", cuda where a GPU is usable, else cpu. `key` names the option in errors.
+Device start_device(const std::string& name, const char* key = "--device");
 
 // The GEMM rate (FLOP/s) of `device` measured now for about `seconds`: the CPU's for `dtype`
 // (cpu::measure_gemm_peak), a GPU's bf16 tensor-core rate whatever `dtype` (the denominator of MFU

@@ -2,49 +2,22 @@
 // and text table, and bad arguments refused by name. (On a GPU, scripts/device_check.sh runs it at
 // the published shapes, and bench/compare_attention_gpu.py puts PyTorch's SDPA beside it.)
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
-namespace fs = std::filesystem;
+#include "tests/apps/loom_command_test.hpp"
 
 namespace {
 
-struct Result {
-  int rc;
-  std::string out, err;
-};
+using Result = loom::test::CommandResult;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-class BenchAttention : public ::testing::Test {
+class BenchAttention : public loom::test::LoomCommandTest {
  protected:
-  void SetUp() override {
-    const char* b = std::getenv("LOOM_BIN");
-    if (!b) GTEST_SKIP() << "LOOM_BIN is not set (run through ctest)";
-    bin_ = b;
-    dir_ = fs::temp_directory_path() / ("loom_bench_attention_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!dir_.empty()) fs::remove_all(dir_);
-  }
   Result run(const std::string& args) {
-    const std::string cmd = "OMP_NUM_THREADS=1 " + bin_ + " bench attention " + args + " > " +
-                            (dir_ / "out.txt").string() + " 2> " + (dir_ / "err.txt").string();
-    const int rc = std::system(cmd.c_str());
-    return {rc, read_text(dir_ / "out.txt"), read_text(dir_ / "err.txt")};
+    return LoomCommandTest::run("OMP_NUM_THREADS=1", "bench attention " + args);
   }
-  std::string bin_;
-  fs::path dir_;
 };
 
 TEST_F(BenchAttention, JsonRowsPerShapeOnTheCpu) {

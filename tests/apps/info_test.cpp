@@ -1,50 +1,23 @@
 // `loom info` through the binary (LOOM_BIN): the JSON names every field with a value, agrees with
 // the text output and with LOOM_CPU_ISA, and a bad argument is an error naming it.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
-namespace fs = std::filesystem;
+#include "tests/apps/loom_command_test.hpp"
 
 namespace {
 
-struct Result {
-  int rc;
-  std::string out, err;
-};
+using Result = loom::test::CommandResult;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-class InfoCommand : public ::testing::Test {
+class InfoCommand : public loom::test::LoomCommandTest {
  protected:
-  void SetUp() override {
-    const char* b = std::getenv("LOOM_BIN");
-    if (!b) GTEST_SKIP() << "LOOM_BIN is not set (run through ctest)";
-    bin_ = b;
-    dir_ = fs::temp_directory_path() / ("loom_info_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!dir_.empty()) fs::remove_all(dir_);
-  }
   Result run(const std::string& env, const std::string& args) {
-    const std::string cmd = env + " " + bin_ + " info " + args + " > " +
-                            (dir_ / "out.txt").string() + " 2> " + (dir_ / "err.txt").string();
-    const int rc = std::system(cmd.c_str());
-    return {rc, read_text(dir_ / "out.txt"), read_text(dir_ / "err.txt")};
+    return LoomCommandTest::run(env, "info " + args);
   }
-  std::string bin_;
-  fs::path dir_;
 };
 
 TEST_F(InfoCommand, JsonHasEveryFieldAndMatchesText) {
