@@ -26,8 +26,8 @@ std::vector<double> LossSlots::read(std::span<const PendingLoss> pending) const 
   // One host copy of each chunk that holds a pending slot (on the CPU, the chunk itself).
   std::vector<Tensor> host(chunks_.size());
   const bool data = holds_data(device_);
-  for (int64_t c = 0; data && c <= most / kChunk; ++c)
-    host[size_t(c)] = chunks_[size_t(c)].on_host();
+  if (data && most >= 0)
+    for (int64_t c = 0; c <= most / kChunk; ++c) host[size_t(c)] = chunks_[size_t(c)].on_host();
   std::vector<double> out;
   out.reserve(pending.size());
   for (const PendingLoss& p : pending) {

@@ -32,6 +32,14 @@ TEST(LossSlots, ReadManyAtOnceInTheOrderAsked) {
   test::expect_error([&] { (void)slots.slot(1); }, {"loss slot 1 was not taken (1 taken)"});
 }
 
+// A rank without the head (a pipeline's first stage) reads only host parts: no chunk exists.
+TEST(LossSlots, NothingTakenReadsTheHostParts) {
+  const LossSlots slots(Device::cpu);
+  EXPECT_EQ(slots.read(std::vector<PendingLoss>{}), std::vector<double>{});
+  EXPECT_EQ(slots.read(std::vector<PendingLoss>{{-1, 0.0}, {-1, 1.5}}),
+            (std::vector<double>{0.0, 1.5}));
+}
+
 TEST(LossSlots, MetaBooksTheChunksAndReadsZero) {
   LossSlots slots(Device::meta);
   const int64_t i = slots.take();
