@@ -11,12 +11,16 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "apps/median.hpp"
 #include "core/error.hpp"
 #include "core/tensor.hpp"
 #include "ops/devices.hpp"
 #include "ops/ops.hpp"
 
 namespace loom {
+// Named as well as anonymous: the apps compile in unity batches, where another command's Options,
+// Row or kUsage would meet these.
+namespace bench_attention {
 namespace {
 
 const char* kUsage =
@@ -105,11 +109,6 @@ Tensor random(const Shape& s, DType dt, Device dev, uint64_t key) {
   return r;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Row {
   int64_t D = 0, T = 0, B = 0;
   double forward_s = 0, backward_s = 0, flops_forward = 0, flops_backward = 0;
@@ -151,14 +150,15 @@ Row run(const Options& o, Device dev, int64_t D, int64_t T) {
 }
 
 }  // namespace
+}  // namespace bench_attention
 
 int bench_attention_command(const Args& args) {
   for (const auto& a : args)
     if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
+      std::fputs(bench_attention::kUsage, stdout);
       return 0;
     }
-  const Options o = parse(args);
+  const bench_attention::Options o = bench_attention::parse(args);
   const Device dev = ops::start_device(o.device);
   const ops::GpuAvailability g = ops::gpu_availability();
   const std::string on = dev == Device::cuda ? "GPU 0 " + g.name : std::string("the CPU");
@@ -171,7 +171,7 @@ int bench_attention_command(const Args& args) {
         (long long)o.tokens, "D", "T", "B", "forward ms", "TFLOP/s", "backward ms", "TFLOP/s");
   for (int64_t D : o.dims)
     for (int64_t T : o.seqs) {
-      const Row r = run(o, dev, D, T);
+      const bench_attention::Row r = bench_attention::run(o, dev, D, T);
       const double tf = r.flops_forward / r.forward_s * 1e-12,
                    tb = r.flops_backward / r.backward_s * 1e-12;
       if (o.json)

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "apps/median.hpp"
 #include "apps/op_profile.hpp"
 #include "apps/system_info.hpp"
 #include "core/allocator.hpp"
@@ -47,12 +48,6 @@
 namespace loom {
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Every group the data-parallel step communicates on, each once (ranges of dims with the same
 // ranks share one group).
