@@ -28,8 +28,11 @@ thread_local std::function<void(const KernelWork&)> g_sink;
 thread_local ProfileOps::Sink g_profile;
 thread_local bool g_timing = false;
 thread_local uint64_t g_ops_run = 0;
+// ModeledDevice: whether one is alive, the device it models, and (cuda) cuBLASLt's workspace once
+// the first GEMM booked it.
+thread_local bool g_modeling = false;
 thread_local Device g_modeled = Device::cpu;
-thread_local Tensor* g_modeled_workspace = nullptr;  // the GPU's GEMM workspace, once booked
+thread_local Tensor g_modeled_workspace;
 
 void report(const char* op, KernelWork w) {
   if (!*w.op) w.op = op;
@@ -48,9 +51,9 @@ Works as_works(Works w) {
 
 // On meta, modeling a GPU: cuBLASLt's workspace, once (kept until the ModeledDevice scope ends).
 void book_gemm_workspace() {
-  if (g_modeled != Device::cuda || !g_modeled_workspace || g_modeled_workspace->defined()) return;
+  if (g_modeled != Device::cuda || g_modeled_workspace.defined()) return;
   const MemoryUseScope use(Device::meta, MemoryUse::work);
-  *g_modeled_workspace =
+  g_modeled_workspace =
       Tensor::empty({int64_t(cuda::kGemmWorkspaceBytes / 4)}, DType::i32, Device::meta);
 }
 
@@ -125,23 +128,17 @@ RecordWork::~RecordWork() {
   g_sink = nullptr;
 }
 
-namespace {
-// The workspace a ModeledDevice(cuda) books (one per thread: scopes do not nest).
-thread_local Tensor t_workspace;
-}  // namespace
-
 ModeledDevice::ModeledDevice(Device device) {
-  LOOM_CHECK(g_modeled == Device::cpu && !g_modeled_workspace,
-             "ModeledDevice: one is already alive on this thread");
+  LOOM_CHECK(!g_modeling, "ModeledDevice: one is already alive on this thread");
   LOOM_CHECK(device == Device::cpu || device == Device::cuda,
              "ModeledDevice: a meta run models cpu or cuda, not ", device_name(device));
+  g_modeling = true;
   g_modeled = device;
-  g_modeled_workspace = &t_workspace;
 }
 ModeledDevice::~ModeledDevice() {
-  t_workspace = Tensor();
-  g_modeled_workspace = nullptr;
+  g_modeled_workspace = Tensor();
   g_modeled = Device::cpu;
+  g_modeling = false;
 }
 Device modeled_device() {
   return g_modeled;
@@ -523,53 +520,55 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tenso
       [&](Backend& b) { b.rope_rounded(x, B, H, Hc, positions, table, backward, out); });
 }
 
+namespace {
+
+// Host values as a tensor of `shape` on `device`: written in place on the CPU, else one
+// host-to-device copy (a tensor without data on meta).
+template <class T>
+Tensor upload(std::span<const T> values, const Shape& shape, DType dt, Device device) {
+  Tensor t = Tensor::empty(shape, dt, device);
+  if (!holds_data(device) || values.empty()) return t;
+  Tensor h = device == Device::cpu ? t : Tensor::empty(shape, dt);
+  std::copy(values.begin(), values.end(), h.data<T>());
+  if (device != Device::cpu) t.copy_from(h);
+  return t;
+}
+
+}  // namespace
+
 Rope rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s,
                 Device device) {
   // Computed on the host (in double, as the CPU's kernels want it); a GPU gets a copy once.
   Rope r{cpu::rope_table(head_dim, num_positions, theta, s), Tensor(), Tensor()};
   if (device != Device::cpu) {
     const Shape shape{num_positions, head_dim / 2};
-    r.cos = Tensor::empty(shape, DType::f32, device);
-    r.sin = Tensor::empty(shape, DType::f32, device);
-    if (holds_data(device)) {
-      Tensor h = Tensor::empty(shape, DType::f32);
-      std::copy(r.host.cos.begin(), r.host.cos.end(), h.data<float>());
-      r.cos.copy_from(h);
-      std::copy(r.host.sin.begin(), r.host.sin.end(), h.data<float>());
-      r.sin.copy_from(h);
-    }
+    r.cos = upload(std::span<const float>(r.host.cos), shape, DType::f32, device);
+    r.sin = upload(std::span<const float>(r.host.sin), shape, DType::f32, device);
   }
   return r;
 }
 
 namespace {
 
-template <class I>
-Tensor upload_indices(std::span<const I> values, Device device, DType dt) {
-  Tensor t = Tensor::empty({int64_t(values.size())}, dt, device);
-  if (!holds_data(device) || values.empty()) return t;
-  if (device == Device::cpu) {
-    std::copy(values.begin(), values.end(), t.data<I>());
-  } else {
-    Tensor h = Tensor::empty({int64_t(values.size())}, dt);
-    std::copy(values.begin(), values.end(), h.data<I>());
-    t.copy_from(h);  // the one host-to-device copy of the array
-  }
-  return t;
+template <class I, class Bound>
+Tensor checked_indices(std::span<const I> values, Device device, const char* what, Bound lo,
+                       Bound hi, DType dt) {
+  for (size_t i = 0; i < values.size(); ++i)
+    LOOM_CHECK(values[i] >= lo && values[i] < hi, what, " ", values[i], " at index ", i,
+               " is outside [", lo, ", ", hi, ")");
+  return upload(values, {int64_t(values.size())}, dt, device);
 }
 
 }  // namespace
 
 Tensor index_tensor(std::span<const int32_t> values, Device device, const char* what, int64_t lo,
                     int64_t hi) {
-  for (size_t i = 0; i < values.size(); ++i)
-    LOOM_CHECK(values[i] >= lo && values[i] < hi, what, " ", values[i], " at index ", i,
-               " is outside [", lo, ", ", hi, ")");
-  return upload_indices(values, device, DType::i32);
+  return checked_indices(values, device, what, lo, hi, DType::i32);
 }
 
-Tensor index_tensor(std::span<const int64_t> values, Device device, const char* /*what*/) {
-  return upload_indices(values, device, DType::i64);
+Tensor index_tensor(std::span<const int64_t> values, Device device, const char* what, int64_t lo,
+                    int64_t hi) {
+  return checked_indices(values, device, what, lo, hi, DType::i64);
 }
 
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {

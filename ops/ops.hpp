@@ -221,10 +221,12 @@ void rope_rounded(const Tensor& x, int64_t B, int64_t H, int64_t Hc, const Tenso
 // Host data the ops read per token (tokens, targets, positions) as a tensor on `device`
 // (int32 or int64 [n]): one copy, made where the array is made (once per micro-batch, by
 // Model::micro_batch), so that no op copies host data per call. On meta a tensor without data.
-// Each value must lie in [lo, hi): the error names `what`, the index and the value.
+// Each value must lie in [lo, hi) (int64 arrays, positions: by default, not negative): the error
+// names `what`, the index and the value.
 Tensor index_tensor(std::span<const int32_t> values, Device device, const char* what,
                     int64_t lo = INT32_MIN, int64_t hi = INT32_MAX + int64_t{1});
-Tensor index_tensor(std::span<const int64_t> values, Device device, const char* what);
+Tensor index_tensor(std::span<const int64_t> values, Device device, const char* what,
+                    int64_t lo = 0, int64_t hi = INT64_MAX);
 
 // ---- embedding ------------------------------------------------------------------------------
 // out [n, d] = table[tokens]; dtable[tokens] += dout (deterministic). tokens int32 [n] on the
