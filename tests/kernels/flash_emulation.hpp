@@ -1,7 +1,7 @@
 #pragma once
 // A host emulation of the device primitives of kernels/cuda/flash_primitives.cuh, so that the
 // flash attention kernel bodies (kernels/cuda/flash_attention_kernels.cuh) run on the CPU: each
-// CUDA thread of a block is a fiber (ucontext) on the calling thread, the blocks of a grid run one
+// CUDA thread of a block is a fiber on the calling thread, the blocks of a grid run one
 // after another, __syncthreads is a barrier of the block's fibers, and each warp collective
 // (shuffle, mma, ldmatrix) is an exchange: every lane publishes its operand, a warp barrier, every
 // lane reads what it receives, a warp barrier. A barrier that some fiber never reaches (a
@@ -25,160 +25,35 @@
 //
 // cp.async copies are queued per thread and carried out at the thread's cp.async.wait_group that
 // retires their group (nothing lands early), so a read before the wait, or before the barrier
-// after the other threads' waits, sees stale data. Single-threaded: one grid at a time.
-#include <ucontext.h>
-
+// after the other threads' waits, sees stale data. The fibers, barriers and warp exchanges are
+// tests/cuda_emu/fibers.hpp's.
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <vector>
 
 #include "core/dtype.hpp"
+#include "tests/cuda_emu/fibers.hpp"
 
+#ifndef LOOM_FLASH_FN
 #define LOOM_FLASH_FN inline
 #define LOOM_FLASH_UNROLL
+#endif
 
 namespace loom::flash {
 namespace emu {
 
-constexpr int kWarp = 32;
+using namespace loom::cuda_emu;
 
-struct Copy {
-  void* dst;
-  const void* src;
-  bool valid;
-};
-
-// A barrier of `size` fibers: the last to arrive releases the others.
-struct Barrier {
-  int size = 0, count = 0;
-  uint64_t gen = 0;
-};
-
-struct Fiber {
-  ucontext_t ctx;
-  std::vector<char> stack;
-  bool done = false;
-  const Barrier* waits = nullptr;  // the barrier this fiber waits on, and its generation
-  uint64_t wait_gen = 0;
-  std::vector<std::vector<Copy>> groups;  // committed, oldest first
-  std::vector<Copy> open;                 // issued since the last commit
-};
-
-// The words a lane publishes for a warp collective.
-struct Slot {
-  uint32_t a[4];
-  uint32_t b[2];
-  float c[4];
-  const void* addr;
-  float f;
-};
-
-struct Block {
-  int threads = 0;
-  std::vector<Fiber> fibers;
-  ucontext_t sched;
-  Barrier block;
-  std::vector<Barrier> warps;
-  std::vector<Slot> slots;
-  std::function<void(int)> body;
-};
-
-inline Block* g_block = nullptr;
-inline int g_tid = 0;
-
-inline void yield() {
-  swapcontext(&g_block->fibers[size_t(g_tid)].ctx, &g_block->sched);
-}
-inline void wait(Barrier& b) {
-  const uint64_t gen = b.gen;
-  if (++b.count == b.size) {
-    b.count = 0;
-    ++b.gen;
-    return;
-  }
-  Fiber& f = g_block->fibers[size_t(g_tid)];
-  f.waits = &b, f.wait_gen = gen;
-  yield();  // the scheduler resumes this fiber once the barrier has moved on
-  f.waits = nullptr;
-}
-inline void warp_sync() {
-  wait(g_block->warps[size_t(g_tid / kWarp)]);
-}
-inline Slot& slot(int lane) {
-  return g_block->slots[size_t(g_tid / kWarp * kWarp + lane)];
-}
-inline int lane() {
-  return g_tid % kWarp;
-}
-
-inline void trampoline() {
-  g_block->body(g_tid);
-  g_block->fibers[size_t(g_tid)].done = true;
-  // returns to uc_link (the scheduler)
-}
-
-// Runs body(tid) for tid 0..threads-1 as fibers of one block, round robin, until all return.
-inline void run_block(int threads, std::function<void(int)> body) {
-  static Block blk;
-  blk.threads = threads;
-  blk.body = std::move(body);
-  blk.fibers.resize(size_t(threads));
-  blk.block = Barrier{threads, 0, 0};
-  blk.warps.assign(size_t((threads + kWarp - 1) / kWarp), Barrier{kWarp, 0, 0});
-  blk.slots.assign(size_t(blk.warps.size() * kWarp), Slot{});
-  g_block = &blk;
-  for (int t = 0; t < threads; ++t) {
-    Fiber& f = blk.fibers[size_t(t)];
-    f.stack.resize(256 * 1024);
-    f.done = false;
-    f.groups.clear();
-    f.open.clear();
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = &blk.sched;
-    makecontext(&f.ctx, trampoline, 0);
-  }
-  // Always resume the lowest-numbered fiber that can run: warp 0 runs ahead as far as the next
-  // block barrier before warp 1 starts, so a read of shared memory that another warp has not yet
-  // written (a missing barrier), or a write over what a later warp has still to read, shows.
-  for (;;) {
-    int next = -1;
-    bool all_done = true;
-    for (int t = 0; t < threads && next < 0; ++t) {
-      const Fiber& f = blk.fibers[size_t(t)];
-      if (f.done) continue;
-      all_done = false;
-      if (!f.waits || f.waits->gen != f.wait_gen) next = t;
-    }
-    if (all_done) break;
-    if (next < 0) {
-      // Every fiber left waits on a barrier that some fiber passed by or finished without: the
-      // kernel's barriers do not match.
-      std::fprintf(stderr, "flash emulation: barrier deadlock (a barrier not reached by all)\n");
-      std::abort();
-    }
-    g_tid = next;
-    swapcontext(&blk.sched, &blk.fibers[size_t(next)].ctx);
-  }
-  g_block = nullptr;
-}
-
-// Runs a grid of gx x gy blocks of `threads`, one block after another; smem_bytes of zeroed shared
-// memory per block.
+// Runs a grid of gx x gy blocks of `threads` (body(bx, by, tid, smem)), one block after another;
+// smem_bytes of shared memory per block, garbage before each block.
 inline void run_grid(int gx, int gy, int threads, size_t smem_bytes,
                      const std::function<void(int, int, int, char*)>& body) {
-  std::vector<char> smem(smem_bytes + 16);
-  char* base = smem.data() + (16 - reinterpret_cast<uintptr_t>(smem.data()) % 16) % 16;
-  for (int by = 0; by < gy; ++by)
-    for (int bx = 0; bx < gx; ++bx) {
-      std::memset(base, 0x7f, smem_bytes);  // garbage (large values), never zeros
-      run_block(threads, [&](int tid) { body(bx, by, tid, base); });
-    }
+  cuda_emu::run_grid(Dim{unsigned(gx), unsigned(gy), 1}, Dim{unsigned(threads), 1, 1}, smem_bytes,
+                     [&](int tid) {
+                       const Block& b = *g_block;
+                       body(int(b.block_idx.x), int(b.block_idx.y), tid, b.dynamic_smem);
+                     });
 }
 
 inline uint16_t bf16_bits(float f) {

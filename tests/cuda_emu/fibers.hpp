@@ -1,0 +1,280 @@
+#pragma once
+// The CPU's stand-in for a GPU's thread blocks, shared by the host emulations of the CUDA kernels
+// (tests/cuda_emu/device.hpp for every kernel of kernels/cuda, tests/kernels/flash_emulation.hpp
+// for the flash kernels' tensor-core primitives): each CUDA thread of a block is a fiber (its own
+// stack) on the calling thread, the blocks of a grid run one after another, __syncthreads is a
+// barrier of the block's fibers and each warp collective an exchange (every lane publishes its
+// operand, a warp barrier, every lane reads what it receives, a warp barrier). A barrier that some
+// fiber never reaches (a divergent __syncthreads, a warp collective outside converged code) aborts
+// instead of hanging.
+//
+// The scheduler always resumes the lowest-numbered fiber that can run (or, with
+// LOOM_CUDA_EMU_ORDER=reverse, the highest): one warp runs ahead as far as the next barrier before
+// the others start, so a read of shared memory another warp has not yet written (a missing
+// barrier), or a write over what a later warp has still to read, shows. Single-threaded: one grid
+// at a time.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+// The context switch: the callee-saved registers and the x87/SSE control words pushed on the
+// running stack, its pointer saved, the other stack's popped (glibc's swapcontext also saves the
+// signal mask, a system call per switch: the emulation switches at every barrier of every
+// thread). x86-64 System V only, as loom. Weak: each translation unit that includes this header
+// defines it, the linker keeps one.
+extern "C" void loom_cuda_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .weak loom_cuda_emu_switch
+  .type loom_cuda_emu_switch, @function
+loom_cuda_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size loom_cuda_emu_switch, .-loom_cuda_emu_switch
+)");
+
+namespace loom::cuda_emu {
+
+constexpr int kWarp = 32;
+
+struct Copy {  // a cp.async copy waiting for its group's wait
+  void* dst;
+  const void* src;
+  bool valid;
+};
+
+// A barrier of `size` fibers: the last to arrive releases the others. `lowest` is the lowest
+// scheduling position among its fibers (the scheduler's scan starts there again on a release).
+struct Barrier {
+  int size = 0, count = 0;
+  uint64_t gen = 0;
+  int lowest = 0;
+};
+
+struct Fiber {
+  void* sp = nullptr;  // the saved stack pointer while switched out
+  std::unique_ptr<char[]> stack;
+  bool done = false;
+  const Barrier* waits = nullptr;  // the barrier this fiber waits on, and its generation
+  uint64_t wait_gen = 0;
+  std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
+  std::vector<Copy> open;                 // issued since the last commit
+};
+
+// The words a lane publishes for a warp collective.
+struct Slot {
+  uint32_t a[4];
+  uint32_t b[2];
+  float c[4];
+  const void* addr;
+  float f;
+  uint64_t word;  // a shuffled or matched value's bits
+  uint32_t mask;  // the mask the lane named
+};
+
+struct Dim {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+struct Block {
+  int threads = 0;
+  Dim block_dim, block_idx, grid_dim;
+  std::vector<Fiber> fibers;
+  void* sched_sp = nullptr;
+  int scan_from = 0;  // no fiber below this one can run (a barrier's release lowers it)
+  Barrier block;
+  std::vector<Barrier> warps;
+  std::vector<Slot> slots;
+  std::vector<uint64_t> words;  // a word per lane, twice: shuffles alternate (one barrier each)
+  std::function<void(int)> body;
+  char* dynamic_smem = nullptr;
+};
+
+inline Block* g_block = nullptr;
+inline int g_tid = 0;
+
+inline void yield() {
+  loom_cuda_emu_switch(&g_block->fibers[size_t(g_tid)].sp, g_block->sched_sp);
+}
+inline void wait(Barrier& b) {
+  const uint64_t gen = b.gen;
+  if (++b.count == b.size) {
+    b.count = 0;
+    ++b.gen;
+    if (b.lowest < g_block->scan_from) g_block->scan_from = b.lowest;  // it released those
+    return;
+  }
+  Fiber& f = g_block->fibers[size_t(g_tid)];
+  f.waits = &b, f.wait_gen = gen;
+  yield();  // the scheduler resumes this fiber once the barrier has moved on
+  f.waits = nullptr;
+}
+inline int lane() {
+  return g_tid % kWarp;
+}
+// The lanes of this fiber's warp that exist (the last warp of a block may be partial).
+inline uint32_t warp_lanes() {
+  const int first = g_tid / kWarp * kWarp;
+  const int n = g_block->threads - first < kWarp ? g_block->threads - first : kWarp;
+  return n == kWarp ? 0xffffffffu : (1u << n) - 1;
+}
+// A barrier of the warp's lanes named in `mask` (all of the warp's by default). A lane that calls
+// a collective with a mask that leaves itself out, or lanes of one collective naming different
+// masks, is undefined behaviour on a GPU: an error here.
+inline void warp_sync(uint32_t mask = 0xffffffffu) {
+  mask &= warp_lanes();
+  if (!(mask >> lane() & 1u)) {
+    std::fprintf(stderr, "cuda emulation: lane %d calls a warp collective with mask %08x\n", lane(),
+                 mask);
+    std::abort();
+  }
+  Barrier& b = g_block->warps[size_t(g_tid / kWarp)];
+  if (b.count == 0) b.size = __builtin_popcount(mask);
+  wait(b);
+}
+inline Slot& slot(int lane) {
+  return g_block->slots[size_t(g_tid / kWarp * kWarp + lane)];
+}
+// The word `lane` of this warp publishes for the warp's next collective: two sets used in turn
+// (by the warp barrier's generation), so a collective needs one barrier, not two: a lane that
+// runs ahead to the next collective writes the other set, and the one after that waits for the
+// barrier every lane reaches only once it has read this one.
+inline uint64_t& word(int lane) {
+  const size_t w = size_t(g_tid / kWarp);
+  return g_block
+      ->words[(g_block->warps[w].gen & 1) * g_block->slots.size() + w * kWarp + size_t(lane)];
+}
+
+// A fiber's first frame: runs the body, then switches back to the scheduler for good.
+[[noreturn]] inline void trampoline() {
+  g_block->body(g_tid);
+  Fiber& f = g_block->fibers[size_t(g_tid)];
+  f.done = true;
+  loom_cuda_emu_switch(&f.sp, g_block->sched_sp);
+  std::abort();  // never resumed
+}
+
+// A fresh stack whose first switch "returns" into trampoline: six zeroed callee-saved registers,
+// the current control words, the return address at a 16-byte boundary (so the entry sees the
+// stack as after a call).
+inline void* fresh_stack(char* base, size_t bytes) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t(15);
+  top -= 16;  // a null "return address" of trampoline's frame, and the alignment
+  auto* ret = reinterpret_cast<void**>(top);
+  *ret = reinterpret_cast<void*>(&trampoline);
+  auto* regs = reinterpret_cast<uint64_t*>(top) - 6;
+  for (int i = 0; i < 6; ++i) regs[i] = 0;
+  auto* csr = reinterpret_cast<uint32_t*>(regs) - 2;
+  __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+  __asm__ volatile("fnstcw %0" : "=m"(*reinterpret_cast<uint16_t*>(&csr[1])));
+  return csr;
+}
+
+inline bool reverse_order() {
+  static const bool r = [] {
+    const char* v = std::getenv("LOOM_CUDA_EMU_ORDER");
+    return v && std::strcmp(v, "reverse") == 0;
+  }();
+  return r;
+}
+
+// Runs body(tid) for tid 0..threads-1 as the fibers of one block until all return.
+inline void run_block(Block& blk, int threads, std::function<void(int)> body) {
+  constexpr size_t kStack = 256 * 1024;  // touched pages only
+  blk.threads = threads;
+  blk.body = std::move(body);
+  if (blk.fibers.size() < size_t(threads)) blk.fibers.resize(size_t(threads));
+  const bool rev = reverse_order();
+  blk.block = Barrier{threads, 0, 0, 0};
+  blk.warps.assign(size_t((threads + kWarp - 1) / kWarp), Barrier{kWarp, 0, 0, 0});
+  for (size_t w = 0; w < blk.warps.size(); ++w) {
+    const int first = int(w) * kWarp, last = std::min(threads, first + kWarp) - 1;
+    blk.warps[w].lowest = rev ? threads - 1 - last : first;
+  }
+  blk.slots.assign(size_t(blk.warps.size() * kWarp), Slot{});
+  blk.words.assign(2 * blk.slots.size(), 0);
+  g_block = &blk;
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = blk.fibers[size_t(t)];
+    if (!f.stack) f.stack = std::make_unique_for_overwrite<char[]>(kStack);
+    f.done = false;
+    f.waits = nullptr;
+    f.groups.clear();
+    f.open.clear();
+    f.sp = fresh_stack(f.stack.get(), kStack);
+  }
+  blk.scan_from = 0;
+  for (;;) {
+    // Positions from scan_from on, in scheduling order (fiber t = position, or its mirror).
+    int next = -1;
+    bool left = false;
+    for (int i = blk.scan_from; i < threads; ++i) {
+      const int t = rev ? threads - 1 - i : i;
+      const Fiber& f = blk.fibers[size_t(t)];
+      if (f.done) continue;
+      left = true;
+      if (!f.waits || f.waits->gen != f.wait_gen) {
+        next = t, blk.scan_from = i;
+        break;
+      }
+    }
+    if (next < 0 && blk.scan_from > 0) {  // look below once more
+      blk.scan_from = 0;
+      continue;
+    }
+    if (next < 0 && !left) break;
+    if (next < 0) {
+      // Every fiber left waits on a barrier that some fiber passed by or finished without: the
+      // kernel's barriers do not match.
+      std::fprintf(stderr, "cuda emulation: barrier deadlock (a barrier not reached by all)\n");
+      std::abort();
+    }
+    g_tid = next;
+    loom_cuda_emu_switch(&blk.sched_sp, blk.fibers[size_t(next)].sp);
+  }
+  g_block = nullptr;
+}
+
+// Runs a grid of blocks, one after another (x fastest): body(tid) with the block's indices in
+// the Block; smem_bytes of dynamic shared memory per block, filled with garbage (large values,
+// never zeros) before each block.
+inline void run_grid(Dim grid, Dim block, size_t smem_bytes, const std::function<void(int)>& body) {
+  static Block blk;
+  std::vector<char> smem(smem_bytes + 16);
+  char* base = smem.data() + (16 - reinterpret_cast<uintptr_t>(smem.data()) % 16) % 16;
+  const int threads = int(block.x * block.y * block.z);
+  blk.grid_dim = grid, blk.block_dim = block, blk.dynamic_smem = base;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        std::memset(base, 0x7f, smem_bytes);
+        blk.block_idx = Dim{bx, by, bz};
+        run_block(blk, threads, body);
+      }
+}
+
+}  // namespace loom::cuda_emu
