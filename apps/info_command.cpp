@@ -2,11 +2,11 @@
 // flags that matter, the tier of loom's kernels and of oneDNN (LOOM_CPU_ISA), how bf16 GEMMs run,
 // the MPI library, the threads, and the f32/bf16 GEMM peaks measured now (the denominators of
 // MFU). `loom bench step` prints the same header (apps/system_info.hpp).
-#include <charconv>
 #include <cstdio>
 #include <string>
 
 #include "apps/commands.hpp"
+#include "apps/peak_seconds.hpp"
 #include "apps/system_info.hpp"
 #include "core/error.hpp"
 #include "kernels/cpu/cpu_isa.hpp"
@@ -36,18 +36,7 @@ int info_command(const Args& args) {
       return 0;
     } else if (a == "--json") {
       json = true;
-    } else if (a == "--peak-seconds" || a.rfind("--peak-seconds=", 0) == 0) {
-      std::string v;
-      if (a == "--peak-seconds") {
-        LOOM_CHECK(i + 1 < args.size(), "--peak-seconds needs a number\n", kInfoUsage);
-        v = args[++i];
-      } else {
-        v = a.substr(15);
-      }
-      auto r = std::from_chars(v.data(), v.data() + v.size(), peak_seconds);
-      LOOM_CHECK(
-          !v.empty() && r.ec == std::errc() && r.ptr == v.data() + v.size() && peak_seconds >= 0,
-          "--peak-seconds: expected a non-negative number, found '", v, "'\n", kInfoUsage);
+    } else if (parse_peak_seconds(args, i, peak_seconds, kInfoUsage)) {
     } else {
       fail("unexpected argument '", a, "'\n", kInfoUsage);
     }

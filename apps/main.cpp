@@ -13,7 +13,7 @@ namespace {
 const char* kUsage =
     "usage: loom <command> [args]\n"
     "commands:\n"
-    "  train --config FILE [--section.key=value ...] [--print-config]\n"
+    "  train --config FILE [--section.key=value ...] [--print-config] [--peak-seconds S]\n"
     "      train a model on token shards (checkpoints, resume, validation, JSONL metrics)\n"
     "  bench step --config FILE [--json] [--section.key=value ...]\n"
     "      time forward+backward+optimizer steps: tokens/s, TFLOP/s, MFU, peak memory\n"

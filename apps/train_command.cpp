@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "apps/commands.hpp"
+#include "apps/peak_seconds.hpp"
 #include "core/error.hpp"
 #include "train/config.hpp"
 #include "train/launch.hpp"
@@ -28,8 +29,11 @@ namespace {
 
 const char* kTrainUsage =
     "usage: loom train --config FILE [--section.key=value ...] [--print-config]\n"
+    "                  [--peak-seconds S]\n"
     "  trains the model of [model] on the token shards of [data] path (from `loom tokenize`);\n"
     "  --print-config prints the resolved configuration (TOML) and exits\n"
+    "  --peak-seconds S: seconds measuring the device's GEMM peak for the MFU (default 0.2;\n"
+    "  0: not measured, MFU 0)\n"
     "  SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 finish the step, save a checkpoint and\n"
     "  exit 3; a second signal ends the run at once, except SIGTERM (Slurm sends it twice,\n"
     "  then SIGKILL after KillWait). Under mpirun, `kill -USR1 <mpirun pid>`: mpirun\n"
@@ -90,6 +94,7 @@ class StopSignals {
 int train_command(const Args& args) {
   std::string config_path;
   bool print_config = false;
+  double peak_seconds = TrainerOptions{}.gemm_peak_seconds;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -103,6 +108,8 @@ int train_command(const Args& args) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
       config_path = a.substr(9);
+    } else if (parse_peak_seconds(args, i, peak_seconds, kTrainUsage)) {
+      // read into peak_seconds
     } else if (a.rfind("--", 0) == 0) {
       overrides.push_back(a);
     } else {
@@ -126,6 +133,7 @@ int train_command(const Args& args) {
   StopSignals signals;
   TrainerOptions opt;
   opt.out = stdout;
+  opt.gemm_peak_seconds = peak_seconds;
   // Open MPI gives each rank a pseudo-terminal for stdout whatever mpirun's own output is (a log
   // file, a pipe), so under a launcher isatty() says nothing: plain lines there.
   opt.tty = ::isatty(STDOUT_FILENO) == 1 && !dist::launched_under_mpi();

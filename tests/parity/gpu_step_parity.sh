@@ -33,7 +33,7 @@ else
     --save-tokenizer "$work/tok.json" >/dev/null
   data=$work/data
 fi
-common=(--config "$src/configs/debug.toml" --data.path="$data" --training.steps=20
+common=(--config "$src/configs/debug.toml" --peak-seconds 0 --data.path="$data" --training.steps=20
   --training.local_batch_size=4 --checkpoint.interval=10 --checkpoint.keep=0 "$@")
 for dev in cpu cuda; do
   "$loom" train "${common[@]}" --training.device="$dev" --metrics.jsonl="$work/$dev.jsonl" \
