@@ -15,6 +15,8 @@
 #include <mutex>
 #include <vector>
 
+#include "tests/cuda_emu/immortal.hpp"
+
 namespace {
 
 struct Desc {
@@ -35,15 +37,8 @@ struct Registry {
   std::map<void*, std::unique_ptr<Layout>> layouts;
   std::map<void*, std::unique_ptr<Pref>> prefs;
 };
-// Never destroyed: the allocators give their blocks back from static destructors at exit.
 Registry& reg() {
-  union Immortal {
-    Registry value;
-    Immortal() : value() {}
-    ~Immortal() {}
-  };
-  static Immortal i;
-  return i.value;
+  return loom::cuda_emu::immortal<Registry>();
 }
 template <class T, class M>
 T* find(M& m, const void* p) {

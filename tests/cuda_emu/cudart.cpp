@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 
+#include "tests/cuda_emu/immortal.hpp"
 #include "tests/cuda_emu/launch.hpp"
 
 struct CUevent_st {
@@ -42,15 +43,8 @@ struct State {
   cudaError_t last = cudaSuccess;
   size_t in_use = 0;
 };
-// Never destroyed: the allocators give their blocks back from static destructors at exit.
 State& state() {
-  union Immortal {
-    State value;
-    Immortal() : value() {}
-    ~Immortal() {}
-  };
-  static Immortal i;
-  return i.value;
+  return loom::cuda_emu::immortal<State>();
 }
 
 bool inside(const std::map<const char*, size_t>& m, const void* p, size_t bytes) {

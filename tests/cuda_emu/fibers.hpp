@@ -29,7 +29,7 @@
 // defines it, the linker keeps one.
 extern "C" void loom_cuda_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
-  .text
+  .pushsection .text
   .weak loom_cuda_emu_switch
   .type loom_cuda_emu_switch, @function
 loom_cuda_emu_switch:
@@ -55,6 +55,7 @@ loom_cuda_emu_switch:
   popq %rbp
   ret
   .size loom_cuda_emu_switch, .-loom_cuda_emu_switch
+  .popsection
 )");
 
 namespace loom::cuda_emu {
@@ -185,7 +186,8 @@ inline void* fresh_stack(char* base, size_t bytes) {
   uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t(15);
   top -= 16;  // a null "return address" of trampoline's frame, and the alignment
   auto* ret = reinterpret_cast<void**>(top);
-  *ret = reinterpret_cast<void*>(&trampoline);
+  ret[0] = reinterpret_cast<void*>(&trampoline);
+  ret[1] = nullptr;
   auto* regs = reinterpret_cast<uint64_t*>(top) - 6;
   for (int i = 0; i < 6; ++i) regs[i] = 0;
   auto* csr = reinterpret_cast<uint32_t*>(regs) - 2;
