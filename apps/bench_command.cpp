@@ -33,6 +33,7 @@
 #include "apps/commands.hpp"
 #include "apps/median.hpp"
 #include "apps/op_profile.hpp"
+#include "apps/peak_seconds.hpp"
 #include "apps/system_info.hpp"
 #include "core/allocator.hpp"
 #include "core/philox.hpp"
@@ -170,7 +171,7 @@ nlohmann::ordered_json mesh_json(dist::Mesh& mesh, const std::vector<dist::Proce
 int bench_command(const Args& args) {
   const char* usage =
       "usage: loom bench step --config FILE [--json] [--check | --check-bytes] "
-      "[--peak-tolerance=F] [--profile[=HARDWARE]] [--section.key=value ...]\n"
+      "[--peak-tolerance=F] [--profile[=HARDWARE]] [--peak-seconds S] [--section.key=value ...]\n"
       "       loom bench attention [--device auto|cpu|cuda] [--dims 64,128] [--seq 2048,...] "
       "[--json] (--help: all its options)";
   if (!args.empty() && args[0] == "attention") return bench_attention_command(args);
@@ -181,7 +182,8 @@ int bench_command(const Args& args) {
   LOOM_CHECK(!args.empty() && args[0] == "step", usage);
   std::string config_path, profile_hw;
   bool json = false, check = false, bytes_only = false;
-  double tolerance = 0;  // of the measured peak against the meta run's
+  double tolerance = 0;       // of the measured peak against the meta run's
+  double peak_seconds = 0.5;  // the GEMM peak's measurement (MFU's denominator)
   std::vector<std::string> overrides;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -198,6 +200,8 @@ int bench_command(const Args& args) {
                  a.substr(17));
     } else if (a == "--profile" || a.rfind("--profile=", 0) == 0) {
       profile_hw = a == "--profile" ? "cpu-local" : a.substr(10);
+    } else if (parse_peak_seconds(args, i, peak_seconds, usage)) {
+      // read into peak_seconds
     } else if (a == "--config" && i + 1 < args.size()) {
       config_path = args[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -224,7 +228,7 @@ int bench_command(const Args& args) {
 
   // The header of `loom info`, GEMM peaks included (one process only: ranks sharing cores
   // would measure each other). Its load average is the one before the steps.
-  const SystemInfo sys = collect_system_info(mesh ? 0 : 0.5);
+  const SystemInfo sys = collect_system_info(mesh ? 0 : peak_seconds);
   const std::string load_before = sys.load_average;
   const Device device = parallelize_options(job).device;
   // On a GPU the bf16 tensor-core rate, whatever the dtype (as published GPU runs count MFU).

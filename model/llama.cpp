@@ -50,14 +50,8 @@ std::string LlamaModel::describe() const {
 
 const ops::Rope& LlamaModel::rope_for(int64_t T) {
   if (rope_.num_positions() >= T) return rope_;
-  if (!ops::computes(device_)) {
-    // No kernel reads it there (meta): its size only (the planner builds thousands of models).
-    rope_.host.head_dim = config_.head_dim();
-    rope_.host.num_positions = T;
-  } else {
-    rope_ =
-        ops::rope_table(config_.head_dim(), T, config_.rope_theta, config_.rope_scaling, device_);
-  }
+  // On meta its size only, and the device copy where the meta run models a GPU (ops).
+  rope_ = ops::rope_table(config_.head_dim(), T, config_.rope_theta, config_.rope_scaling, device_);
   return rope_;
 }
 

@@ -177,12 +177,8 @@ std::vector<std::string> MoeModel::after_update(dist::ProcessGroup* dp, dist::Pr
 const ops::Rope& MoeModel::rope_for(int64_t T) {
   if (rope_.num_positions() >= T) return rope_;
   const LlamaConfig& c = config_.base;
-  if (!ops::computes(device_)) {
-    rope_.host.head_dim = config_.head_dim;
-    rope_.host.num_positions = T;
-  } else {
-    rope_ = ops::rope_table(config_.head_dim, T, c.rope_theta, c.rope_scaling, device_);
-  }
+  // On meta its size only, and the device copy where the meta run models a GPU (ops).
+  rope_ = ops::rope_table(config_.head_dim, T, c.rope_theta, c.rope_scaling, device_);
   return rope_;
 }
 

@@ -268,7 +268,21 @@ void adamw_step(const AdamWStep& a, Tensor& p, const Tensor& g, Tensor& m, Tenso
       [&](Backend& b) { b.adamw_step(a, p, g, m, v, mirror); });
 }
 
+namespace {
+
+// On meta, modeling a GPU: the blocks the CUDA kernels allocate per call, allocated and released
+// as the call does (kernels/cuda/scratch.hpp).
+void book_scratch(Device device, const std::vector<cuda::ScratchBlock>& blocks) {
+  if (device != Device::meta || g_modeled != Device::cuda) return;
+  std::vector<Tensor> held;
+  for (const cuda::ScratchBlock& b : blocks)
+    held.push_back(Tensor::empty({b.numel}, b.dtype, Device::meta));
+}
+
+}  // namespace
+
 double sum_squares(const Tensor& x) {
+  book_scratch(x.device(), cuda::sum_squares_scratch({x.numel()}));
   double s = 0;
   on(
       "sum_squares", x.device(), [&] { return streaming(DType::f32, bytes(x), x.numel(), 2); },
@@ -282,6 +296,9 @@ std::vector<double> sum_squares_each(std::span<const Tensor> xs) {
   for (const Tensor& x : xs)
     LOOM_CHECK(x.device() == xs[0].device(), "sum_squares_each: tensors on ",
                device_name(xs[0].device()), " and ", device_name(x.device()), " (one device)");
+  std::vector<int64_t> numels;
+  for (const Tensor& x : xs) numels.push_back(x.numel());
+  book_scratch(xs[0].device(), cuda::sum_squares_scratch(numels));
   on(
       "sum_squares", xs[0].device(),
       [&] {
@@ -419,6 +436,7 @@ void rmsnorm_forward_rounding_input(Tensor& x, Tensor& x16, const Tensor& w, flo
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw) {
+  book_scratch(x.device(), cuda::rmsnorm_backward_scratch(rows(x), w.numel()));
   on(
       "rmsnorm_backward", x.device(),
       [&] {
@@ -538,10 +556,21 @@ Tensor upload(std::span<const T> values, const Shape& shape, DType dt, Device de
 
 Rope rope_table(int64_t head_dim, int64_t num_positions, double theta, const RopeScaling& s,
                 Device device) {
+  const Shape shape{num_positions, head_dim / 2};
+  if (!computes(device)) {
+    // No kernel reads it there (meta): its size only (the planner builds thousands of models),
+    // and the device copy a GPU holds where the meta run models one.
+    Rope r;
+    r.host.head_dim = head_dim;
+    r.host.num_positions = num_positions;
+    if (g_modeled == Device::cuda)
+      r.cos = Tensor::empty(shape, DType::f32, device),
+      r.sin = Tensor::empty(shape, DType::f32, device);
+    return r;
+  }
   // Computed on the host (in double, as the CPU's kernels want it); a GPU gets a copy once.
   Rope r{cpu::rope_table(head_dim, num_positions, theta, s), Tensor(), Tensor()};
   if (device != Device::cpu) {
-    const Shape shape{num_positions, head_dim / 2};
     r.cos = upload(std::span<const float>(r.host.cos), shape, DType::f32, device);
     r.sin = upload(std::span<const float>(r.host.sin), shape, DType::f32, device);
   }
@@ -573,6 +602,7 @@ Tensor index_tensor(std::span<const int64_t> values, Device device, const char* 
 
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   check_indices("embedding_forward", "tokens", tokens, rows(out), out.device());
+  book_scratch(out.device(), cuda::embedding_forward_scratch(rows(out)));
   on(
       "embedding_forward", out.device(),
       [&] { return streaming(DType::f32, 2 * bytes(out), 0, 0); },
@@ -581,6 +611,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
 
 void embedding_backward(const Tensor& tokens, const Tensor& dout, Tensor& dtable) {
   check_indices("embedding_backward", "tokens", tokens, rows(dout), dout.device());
+  book_scratch(dout.device(), cuda::embedding_backward_scratch(rows(dout), rows(dtable)));
   on(
       "embedding_backward", dout.device(),
       [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
@@ -598,6 +629,7 @@ void embedding_forward_range(const Tensor& tokens, const Tensor& table, int64_t 
 void embedding_backward_range(const Tensor& tokens, const Tensor& dout, int64_t v0,
                               Tensor& dtable) {
   check_indices("embedding_backward_range", "tokens", tokens, rows(dout), dout.device());
+  book_scratch(dout.device(), cuda::embedding_backward_scratch(rows(dout), rows(dtable)));
   on(
       "embedding_backward_range", dout.device(),
       [&] { return streaming(DType::f32, 3 * bytes(dout), dout.numel(), 1); },
@@ -639,14 +671,6 @@ double causal_tiled_entries(int64_t T) {
 
 namespace {
 
-// On meta, modeling a GPU: the blocks the CUDA kernels allocate per call, allocated and released
-// as the call does (kernels/cuda/scratch.hpp).
-void book_scratch(Device device, const std::vector<cuda::ScratchBlock>& blocks) {
-  if (device != Device::meta || g_modeled != Device::cuda) return;
-  std::vector<Tensor> held;
-  for (const cuda::ScratchBlock& b : blocks)
-    held.push_back(Tensor::empty({b.numel}, b.dtype, Device::meta));
-}
 // The CUDA attention's per-call scratch for q [B*Tq, Hq*D] against k [B*Tk, ...]: the flash
 // kernels' O(T) or the exact kernels' score matrices.
 void book_attention_scratch(const Tensor& q, const Tensor& k, int64_t B, int64_t Hq, bool backward,

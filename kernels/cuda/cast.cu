@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "kernels/cuda/vec.cuh"
 
 namespace loom::cuda {
@@ -59,7 +60,7 @@ __global__ void add_kernel(float* __restrict y, const float* __restrict x, int64
 
 // sum_squares: blocks of kSumChunk elements each give one partial (a fixed tree inside the block),
 // then one block sums the partials in a fixed tree: the order depends on n alone.
-constexpr int64_t kSumChunk = 8192;
+constexpr int64_t kSumChunk = kSumSquaresChunk;  // scratch.hpp
 
 __device__ double block_sum(double v, double* shared) {
   for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -164,13 +165,9 @@ void add_inplace(float* y, const float* x, int64_t n) {
   check_launch("add_inplace");
 }
 
-int64_t sum_squares_scratch(int64_t n) {
-  return n > 0 ? (n + kSumChunk - 1) / kSumChunk : 1;
-}
-
 void sum_squares(const float* x, int64_t n, double* scratch, double* out) {
   LOOM_CHECK(n >= 0, "sum_squares: n must be >= 0, got ", n);
-  const int64_t parts = sum_squares_scratch(n);
+  const int64_t parts = sum_squares_parts(n);
   if (n == 0) {
     LOOM_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream()), "sum_squares");
     return;

@@ -19,8 +19,7 @@ void scale_inplace(float* x, int64_t n, float s);
 void add_inplace(float* y, const float* x, int64_t n);  // y += x
 // *out (device memory, one double) = the sum of x[i]^2 in double, in a fixed order: the same bits
 // for the same n whatever the GPU (blocks of a fixed size, partials summed by one block).
-// `scratch` holds sum_squares_scratch(n) doubles.
+// `scratch` holds sum_squares_parts(n) doubles (scratch.hpp).
 void sum_squares(const float* x, int64_t n, double* scratch, double* out);
-int64_t sum_squares_scratch(int64_t n);
 
 }  // namespace loom::cuda

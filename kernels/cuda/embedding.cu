@@ -10,6 +10,7 @@
 #include "core/tensor.hpp"
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "kernels/cuda/vec.cuh"
 
 namespace loom::cuda {
@@ -181,16 +182,6 @@ void forward(const char* what, const int32_t* tokens, int64_t n, const float* ta
     launch_forward<1, kRange>(what, tokens, n, table, v0, vocab, dim, out, bad);
 }
 
-// Offsets of a workspace carved into 256-byte aligned pieces.
-struct Carve {
-  size_t bytes = 0;
-  size_t take(size_t n) {
-    const size_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
-  }
-};
-
 template <int N>
 void launch_accumulate(int runs, const uint32_t* row_of_run, const int32_t* starts,
                        const int32_t* pos_sorted, const float* dout, int64_t dim, uint32_t skip,
@@ -215,13 +206,8 @@ void backward(const char* what, const int32_t* tokens, int64_t n, const float* d
   // Keys are in [0, vocab]: the bits up to vocab's highest sort them.
   const int end_bit = std::bit_width(uint64_t(vocab));
 
-  const size_t ints = size_t(n) * sizeof(int32_t);
-  Carve c;
-  const size_t o_keys = c.take(ints), o_keys_sorted = c.take(ints), o_pos = c.take(ints),
-               o_pos_sorted = c.take(ints), o_head = c.take(ints), o_idx = c.take(ints),
-               o_rows = c.take(ints), o_starts = c.take(ints + sizeof(int32_t)),
-               o_info = c.take(2 * sizeof(uint32_t));
-  // CUB's scratch: the sizes asked with the same pointer types as the calls below.
+  // CUB's scratch: the sizes asked with the same pointer types as the calls below, or the bound a
+  // meta run books (scratch.hpp) where CUB asks less.
   uint32_t *keys = nullptr, *keys_sorted = nullptr;
   int32_t *pos = nullptr, *pos_sorted = nullptr, *head = nullptr, *idx = nullptr;
   size_t sort_bytes = 0, scan_bytes = 0;
@@ -230,23 +216,23 @@ void backward(const char* what, const int32_t* tokens, int64_t n, const float* d
                   what);
   LOOM_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, head, idx, count, stream()),
                   what);
-  const size_t temp_bytes = std::max({sort_bytes, scan_bytes, size_t(1)});
-  const size_t o_temp = c.take(temp_bytes);
+  const size_t temp_bytes = std::max({sort_bytes, scan_bytes, embedding_cub_bytes(n)});
+  const EmbeddingLayout l = embedding_backward_layout(n, temp_bytes);
   // Released when this returns: the caching allocator hands the block out again only to work
   // queued later on the same stream (runtime.hpp).
-  Tensor ws = Tensor::empty({int64_t((c.bytes + 3) / 4)}, DType::i32, Device::cuda);
+  Tensor ws = Tensor::empty({int64_t((l.bytes + 3) / 4)}, DType::i32, Device::cuda);
   char* base = static_cast<char*>(ws.raw());
-  keys = reinterpret_cast<uint32_t*>(base + o_keys);
-  keys_sorted = reinterpret_cast<uint32_t*>(base + o_keys_sorted);
-  pos = reinterpret_cast<int32_t*>(base + o_pos);
-  pos_sorted = reinterpret_cast<int32_t*>(base + o_pos_sorted);
-  head = reinterpret_cast<int32_t*>(base + o_head);
-  idx = reinterpret_cast<int32_t*>(base + o_idx);
-  auto* rows = reinterpret_cast<uint32_t*>(base + o_rows);
-  auto* starts = reinterpret_cast<int32_t*>(base + o_starts);
+  keys = reinterpret_cast<uint32_t*>(base + l.keys);
+  keys_sorted = reinterpret_cast<uint32_t*>(base + l.keys_sorted);
+  pos = reinterpret_cast<int32_t*>(base + l.pos);
+  pos_sorted = reinterpret_cast<int32_t*>(base + l.pos_sorted);
+  head = reinterpret_cast<int32_t*>(base + l.head);
+  idx = reinterpret_cast<int32_t*>(base + l.idx);
+  auto* rows = reinterpret_cast<uint32_t*>(base + l.rows);
+  auto* starts = reinterpret_cast<int32_t*>(base + l.starts);
   // info[0]: the first bad position (kNone if none); info[1]: the number of runs.
-  auto* info = reinterpret_cast<uint32_t*>(base + o_info);
-  void* temp = base + o_temp;
+  auto* info = reinterpret_cast<uint32_t*>(base + l.info);
+  void* temp = base + l.temp;
 
   const unsigned blocks = blocks_for(n, kThreads);
   LOOM_CUDA_CHECK(cudaMemsetAsync(info, 0xff, sizeof(uint32_t), stream()), what);
@@ -285,7 +271,8 @@ void embedding_forward(const int32_t* tokens, int64_t n, const float* table, int
   const char* what = "embedding_forward";
   check_args(what, tokens, n, vocab, dim, false);
   if (n == 0) return;
-  Tensor bad = Tensor::empty({1}, DType::i32, Device::cuda);
+  const ScratchBlock word = embedding_forward_scratch(n)[0];  // what a meta run books
+  Tensor bad = Tensor::empty({word.numel}, word.dtype, Device::cuda);
   auto* b = reinterpret_cast<uint32_t*>(bad.raw());
   LOOM_CUDA_CHECK(cudaMemsetAsync(b, 0xff, sizeof(uint32_t), stream()), what);
   forward<false>(what, tokens, n, table, 0, vocab, dim, out, b);

@@ -128,4 +128,70 @@ inline std::vector<ScratchBlock> attention_scratch(int64_t B, int64_t Tq, int64_
   return s;
 }
 
+// ---- the row kernels
+// RMSNorm's backward (rmsnorm.cu): the weight gradient's partial sums, a row of dim floats per
+// chunk of consecutive rows, at most kRmsNormChunks chunks (the ranges depend on `rows` alone).
+inline constexpr int64_t kRmsNormChunks = 512;
+inline int64_t rmsnorm_chunk_rows(int64_t rows) {
+  return (rows + kRmsNormChunks - 1) / kRmsNormChunks;
+}
+inline std::vector<ScratchBlock> rmsnorm_backward_scratch(int64_t rows, int64_t dim) {
+  if (rows <= 0 || dim <= 0) return {};
+  const int64_t chunk_rows = rmsnorm_chunk_rows(rows);
+  return {{(rows + chunk_rows - 1) / chunk_rows * dim, DType::f32}};
+}
+
+// The sum of squares (cast.cu): a double per chunk of kSumSquaresChunk elements; every call of
+// sum_squares_each shares the largest call's, and the sums come back from one array (doubles as
+// pairs of f32 elements).
+inline constexpr int64_t kSumSquaresChunk = 8192;
+inline int64_t sum_squares_parts(int64_t n) {
+  return n > 0 ? (n + kSumSquaresChunk - 1) / kSumSquaresChunk : 1;
+}
+inline std::vector<ScratchBlock> sum_squares_scratch(const std::vector<int64_t>& numels) {
+  int64_t most = 1;
+  for (int64_t n : numels) most = std::max(most, sum_squares_parts(n));
+  return {{2 * most, DType::f32}, {2 * int64_t(numels.size()), DType::f32}};
+}
+
+// The embedding's backward (embedding.cu): one block carved at 256-byte offsets: the keys and
+// positions before and after the sort, the run heads and their numbers, each run's row and start,
+// two words of status, and CUB's scratch for the sort and the scan. CUB's own size is known only to
+// CUB on the GPU: the call takes embedding_cub_bytes(n), a bound of it (the alternate keys and
+// values twice over, and 1 MiB for the passes' digit counts), or CUB's where more, so that a meta
+// run books what the GPU allocates.
+struct EmbeddingLayout {
+  size_t keys = 0, keys_sorted = 0, pos = 0, pos_sorted = 0, head = 0, idx = 0, rows = 0,
+         starts = 0, info = 0, temp = 0, bytes = 0;
+};
+inline size_t embedding_cub_bytes(int64_t n) {
+  return 2 * size_t(n) * 2 * sizeof(int32_t) + (size_t(1) << 20);
+}
+inline EmbeddingLayout embedding_backward_layout(int64_t n, size_t temp_bytes) {
+  const auto take = [](size_t& at, size_t bytes) {
+    const size_t o = at;
+    at += (bytes + 255) / 256 * 256;
+    return o;
+  };
+  const size_t ints = size_t(n) * sizeof(int32_t);
+  EmbeddingLayout l;
+  size_t at = 0;
+  l.keys = take(at, ints), l.keys_sorted = take(at, ints), l.pos = take(at, ints);
+  l.pos_sorted = take(at, ints), l.head = take(at, ints), l.idx = take(at, ints);
+  l.rows = take(at, ints), l.starts = take(at, ints + sizeof(int32_t));
+  l.info = take(at, 2 * sizeof(uint32_t)), l.temp = take(at, temp_bytes);
+  l.bytes = at;
+  return l;
+}
+// The embedding's forward (embedding.cu): the first bad position's word.
+inline std::vector<ScratchBlock> embedding_forward_scratch(int64_t n) {
+  if (n <= 0) return {};
+  return {{1, DType::i32}};
+}
+inline std::vector<ScratchBlock> embedding_backward_scratch(int64_t n, int64_t vocab) {
+  if (n <= 0 || vocab <= 0) return {};
+  return {
+      {int64_t((embedding_backward_layout(n, embedding_cub_bytes(n)).bytes + 3) / 4), DType::i32}};
+}
+
 }  // namespace loom::cuda

@@ -26,6 +26,7 @@
 #include "kernels/cuda/rmsnorm.hpp"
 #include "kernels/cuda/rope.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "kernels/cuda/swiglu.hpp"
 #include "ops/backend.hpp"
 #include "ops/shape.hpp"
@@ -101,10 +102,13 @@ class CudaBackend final : public Backend {
   // Each sum into its slot of one device array, which comes back in one copy (one wait); the
   // scratch of the largest serves every call (the stream orders them).
   void sum_squares_each(std::span<const Tensor> xs, std::span<double> out) override {
-    int64_t most = 1;
-    for (const Tensor& x : xs) most = std::max(most, cuda::sum_squares_scratch(x.numel()));
-    Tensor scratch = Tensor::empty({2 * most}, DType::f32, Device::cuda);
-    Tensor sums = Tensor::empty({2 * int64_t(xs.size())}, DType::f32, Device::cuda);
+    std::vector<int64_t> numels;
+    for (const Tensor& x : xs) numels.push_back(x.numel());
+    // The scratch a meta run books for the call (scratch.hpp): the largest call's partials, the
+    // sums' array.
+    const std::vector<cuda::ScratchBlock> blocks = cuda::sum_squares_scratch(numels);
+    Tensor scratch = Tensor::empty({blocks[0].numel}, blocks[0].dtype, Device::cuda);
+    Tensor sums = Tensor::empty({blocks[1].numel}, blocks[1].dtype, Device::cuda);
     for (size_t i = 0; i < xs.size(); ++i)
       cuda::sum_squares(f(xs[i]), xs[i].numel(), static_cast<double*>(scratch.raw()),
                         static_cast<double*>(sums.raw()) + i);
@@ -113,12 +117,9 @@ class CudaBackend final : public Backend {
   }
   // Read back at once: one synchronization per call (sum_squares_each waits once for many).
   double sum_squares(const Tensor& x) override {
-    Tensor scratch =
-        Tensor::empty({2 * cuda::sum_squares_scratch(x.numel())}, DType::f32, Device::cuda);
-    Tensor out = Tensor::empty({2}, DType::f32, Device::cuda);
-    cuda::sum_squares(f(x), x.numel(), static_cast<double*>(scratch.raw()),
-                      static_cast<double*>(out.raw()));
-    return read_double(out);
+    double s = 0;
+    sum_squares_each(std::span<const Tensor>(&x, 1), std::span<double>(&s, 1));
+    return s;
   }
   void scale_inplace(Tensor& x, float s) override { cuda::scale_inplace(f(x), x.numel(), s); }
 
@@ -436,16 +437,6 @@ class CudaBackend final : public Backend {
                            const Tensor& glse, float grad_scale) override {
     cuda::vocab_shard_dlogits(f(logits), rows(logits), cols(logits), Vr, targets.data<int32_t>(),
                               v0, f(glse), grad_scale);
-  }
-
- private:
-  // The double a kernel wrote into `d` (two f32 elements' bytes), after the stream reaches it.
-  static double read_double(const Tensor& d) {
-    Tensor h = Tensor::empty({2}, DType::f32);
-    h.copy_from(d);
-    double v = 0;
-    std::memcpy(&v, h.raw(), sizeof v);
-    return v;
   }
 };
 

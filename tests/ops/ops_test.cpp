@@ -250,12 +250,16 @@ TEST(Ops, IndexArraysAreTensorsOnTheOpsDevice) {
   EXPECT_EQ(values(x), want);
   test::expect_error([&] { ops::rope_forward(x, 1, H, t, rope); },
                      {"rope_forward: positions must be a contiguous int32 [5]"});
-  // Off the CPU the table must have its device copy (a meta table of the CPU's is refused only
-  // where kernels run: meta runs none).
+  // On meta the table is its size, and the device copy only where the meta run models a GPU
+  // (which holds it: the planner's peak is the GPU's).
   const ops::Rope meta_rope = ops::rope_table(D, 16, 10000.0, RopeScaling{}, Device::meta);
-  EXPECT_TRUE(meta_rope.cos.defined());
-  EXPECT_EQ(meta_rope.cos.device(), Device::meta);
-  EXPECT_EQ(meta_rope.cos.shape(), (Shape{16, D / 2}));
+  EXPECT_EQ(meta_rope.num_positions(), 16);
+  EXPECT_FALSE(meta_rope.cos.defined());
+  const ops::ModeledDevice gpu(Device::cuda);
+  const ops::Rope gpu_rope = ops::rope_table(D, 16, 10000.0, RopeScaling{}, Device::meta);
+  EXPECT_TRUE(gpu_rope.cos.defined() && gpu_rope.sin.defined());
+  EXPECT_EQ(gpu_rope.cos.device(), Device::meta);
+  EXPECT_EQ(gpu_rope.cos.shape(), (Shape{16, D / 2}));
 }
 
 // The gradient norm's sums: one call for many tensors gives each tensor's sum_squares bit for bit.

@@ -12,6 +12,7 @@
 #include "kernels/cpu/adamw.hpp"
 #include "kernels/cpu/cast.hpp"
 #include "kernels/cuda/adamw.hpp"
+#include "kernels/cuda/scratch.hpp"
 #include "tests/kernels/cuda/cuda_test_util.hpp"
 #include "tests/test_util.hpp"
 
@@ -86,7 +87,7 @@ TEST_F(CudaCast, SumOfSquaresIsDeterministicAndMatchesTheCpu) {
     const std::vector<float> x = randn(size_t(n), uint64_t(n));
     Tensor dx = test::to_device(x);
     // Doubles in device tensors of twice as many 4-byte elements.
-    Tensor scratch = Tensor::empty({2 * sum_squares_scratch(n)}, DType::i32, Device::cuda);
+    Tensor scratch = Tensor::empty({2 * sum_squares_parts(n)}, DType::i32, Device::cuda);
     Tensor s1 = Tensor::empty({2}, DType::i32, Device::cuda);
     Tensor s2 = Tensor::empty({2}, DType::i32, Device::cuda);
     sum_squares(dx.data<float>(), n, static_cast<double*>(scratch.raw()),

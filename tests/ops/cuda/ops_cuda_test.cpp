@@ -203,7 +203,7 @@ void expect_scratch_modeled(const std::string& what, Op&& op) {
 
 TEST_F(OpsCuda, ScratchIsWhatTheMetaRunBooks) {
   const int64_t B = 2, T = 200, Hq = 4, Hkv = 2;
-  for (int64_t D : {48, 64, 128})
+  for (int64_t D : {16, 48, 64, 128})
     for (DType dt : {DType::f32, DType::bf16})
       for (bool backward : {false, true}) {
         // The values do not matter here (no result is read): uninitialized inputs.
@@ -246,6 +246,44 @@ TEST_F(OpsCuda, ScratchIsWhatTheMetaRunBooks) {
       return rise(dev, [&] { ops::linear_cross_entropy(a); });
     });
   }
+}
+
+// The row kernels' scratch (RMSNorm's dw partials, the embedding's status word and its backward's
+// sort and runs, the gradient norm's partial sums) and the rotary table's device copy booked as
+// the GPU allocates them: a training step's peak on the GPU is its meta run's to the byte (`loom
+// bench step --check`; found on the CUDA emulation, 4 KiB apart for the debug Llama).
+TEST_F(OpsCuda, RowOpsScratchIsWhatTheMetaRunBooks) {
+  const int64_t rows = 300, dim = 72, vocab = 50;
+  const auto tensor = [](Device dev, const Shape& s, DType dt = DType::f32) {
+    return dev == Device::meta ? Tensor::empty(s, dt, dev) : Tensor::zeros(s, dt, dev);
+  };
+  for (DType xt : {DType::f32, DType::bf16})
+    expect_scratch_modeled("rmsnorm_backward " + std::string(dtype_name(xt)), [&](Device dev) {
+      Tensor dy = tensor(dev, {rows, dim}), x = tensor(dev, {rows, dim}, xt),
+             w = tensor(dev, {dim}), rstd = tensor(dev, {rows}), dx = tensor(dev, {rows, dim}),
+             dw = tensor(dev, {dim});
+      return rise(dev, [&] { ops::rmsnorm_backward(dy, x, w, rstd, dx, dw); });
+    });
+  expect_scratch_modeled("embedding_forward", [&](Device dev) {
+    const Tensor tokens =
+        ops::index_tensor(test::random_tokens(rows, vocab, 3), dev, "token", 0, vocab);
+    Tensor table = tensor(dev, {vocab, dim}), out = tensor(dev, {rows, dim});
+    return rise(dev, [&] { ops::embedding_forward(tokens, table, out); });
+  });
+  expect_scratch_modeled("embedding_backward", [&](Device dev) {
+    const Tensor tokens =
+        ops::index_tensor(test::random_tokens(rows, vocab, 3), dev, "token", 0, vocab);
+    Tensor dout = tensor(dev, {rows, dim}), dtable = tensor(dev, {vocab, dim});
+    return rise(dev, [&] { ops::embedding_backward(tokens, dout, dtable); });
+  });
+  expect_scratch_modeled("rope_table", [&](Device dev) {
+    return rise(dev,
+                [&] { const ops::Rope r = ops::rope_table(16, 64, 10000.0, RopeScaling{}, dev); });
+  });
+  expect_scratch_modeled("sum_squares_each", [&](Device dev) {
+    const std::vector<Tensor> xs{tensor(dev, {rows, dim}), tensor(dev, {70000})};
+    return rise(dev, [&] { ops::sum_squares_each(xs); });
+  });
 }
 
 TEST_F(OpsCuda, AttentionOnViewsOfAFusedQkv) {
