@@ -283,7 +283,10 @@ TEST(Calibrate, QuickWritesALoadableFile) {
   opt.name = "quick-test";
   opt.gemm_shapes = {{96, 288, 160, 0}};  // an odd model shape beside the grid
   const Calibration c = calibrate(opt, nullptr, nullptr);
-  EXPECT_LT(c.seconds, 30);  // generous: the tests share the cores
+  // Not a speed test (the seconds depend on the CPU and the load; 31 s on an idle 2-core Xeon
+  // with AMX, 54 s there while the calibration's loss inputs made its softmax subnormal): a bound
+  // far above any machine's time, against a hang or a pathology many times worse.
+  EXPECT_LT(c.seconds, 150);
   const std::string text = hardware_toml(c);
   const Hardware hw = parse_hardware(text, "calibrated.toml");
   EXPECT_EQ(hw.name, "quick-test");
