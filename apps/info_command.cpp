@@ -37,6 +37,7 @@ int info_command(const Args& args) {
     } else if (a == "--json") {
       json = true;
     } else if (parse_peak_seconds(args, i, peak_seconds, kInfoUsage)) {
+      // read into peak_seconds
     } else {
       fail("unexpected argument '", a, "'\n", kInfoUsage);
     }

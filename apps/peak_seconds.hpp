@@ -1,6 +1,6 @@
 #pragma once
-// `--peak-seconds S` (or `--peak-seconds=S`): the seconds `loom info` and `loom train` spend
-// measuring the device's GEMM peak (0: not measured). Shared by the two commands.
+// `--peak-seconds S` (or `--peak-seconds=S`): the seconds `loom info`, `loom train` and `loom bench
+// step` spend measuring the device's GEMM peak (0: not measured). Shared by the three commands.
 #include <charconv>
 #include <string>
 

@@ -58,10 +58,9 @@ __global__ void add_kernel(float* __restrict y, const float* __restrict x, int64
     y[i] += x[i];
 }
 
-// sum_squares: blocks of kSumChunk elements each give one partial (a fixed tree inside the block),
-// then one block sums the partials in a fixed tree: the order depends on n alone.
-constexpr int64_t kSumChunk = kSumSquaresChunk;  // scratch.hpp
-
+// sum_squares: blocks of kSumSquaresChunk elements (scratch.hpp) each give one partial (a fixed
+// tree inside the block), then one block sums the partials in a fixed tree: the order depends on n
+// alone.
 __device__ double block_sum(double v, double* shared) {
   for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -75,7 +74,7 @@ __device__ double block_sum(double v, double* shared) {
 __global__ void sum_squares_partial(const float* __restrict x, int64_t n,
                                     double* __restrict partial) {
   __shared__ double shared[32];
-  const int64_t lo = blockIdx.x * kSumChunk, hi = min(n, lo + kSumChunk);
+  const int64_t lo = blockIdx.x * kSumSquaresChunk, hi = min(n, lo + kSumSquaresChunk);
   double s = 0;
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) s += double(x[i]) * double(x[i]);
   s = block_sum(s, shared);
