@@ -26,7 +26,8 @@ add_library(loom_kernels_cuda_emu STATIC ${emu_srcs}
 target_include_directories(loom_kernels_cuda_emu BEFORE PUBLIC ${CMAKE_SOURCE_DIR}/tests/cuda_emu/include)
 target_include_directories(loom_kernels_cuda_emu PUBLIC ${CMAKE_SOURCE_DIR} ${CUDAToolkit_INCLUDE_DIRS})
 target_link_libraries(loom_kernels_cuda_emu PUBLIC loom_core loom_kernels_cpu)
-target_compile_definitions(loom_kernels_cuda_emu PUBLIC LOOM_CUDA_BACKEND=1)
+target_compile_definitions(loom_kernels_cuda_emu PUBLIC LOOM_CUDA_BACKEND=1
+                           PRIVATE LOOM_CUDA_EMULATION=1)
 # The device's round-to-nearest intrinsics are the plain operations only if nothing is contracted
 # into an FMA; `#pragma unroll` is nvcc's.
 target_compile_options(loom_kernels_cuda_emu PRIVATE -ffp-contract=off -Wno-unknown-pragmas)
@@ -60,6 +61,19 @@ target_link_libraries(loom_emulated PRIVATE loom_kernels_cuda_emu loom_data loom
                       PkgConfig::CAIRO OpenMP::OpenMP_CXX)
 set_target_properties(test_ops_cuda_emulated test_model_cuda_emulated loom_emulated
                       PROPERTIES UNITY_BUILD OFF)
+
+# Kernels with planted bugs (tests/cuda_emu/planted.cu) that scripts/cuda_emu_sanitize.sh holds
+# each sanitizer to reporting; in ctest their bug-free forms.
+set(planted ${CMAKE_BINARY_DIR}/cuda_emu/planted.cpp)
+add_custom_command(OUTPUT ${planted}
+                   COMMAND loom_cu_to_cpp ${CMAKE_SOURCE_DIR}/tests/cuda_emu/planted.cu ${planted}
+                   DEPENDS ${CMAKE_SOURCE_DIR}/tests/cuda_emu/planted.cu loom_cu_to_cpp VERBATIM)
+add_executable(cuda_emu_planted ${planted})
+set_source_files_properties(${planted} PROPERTIES
+  COMPILE_OPTIONS "-include;${CMAKE_SOURCE_DIR}/tests/cuda_emu/device.hpp")
+target_link_libraries(cuda_emu_planted PRIVATE loom_kernels_cuda_emu)
+add_test(NAME cuda_emu_planted_clean COMMAND cuda_emu_planted clean)
+set_tests_properties(cuda_emu_planted_clean PROPERTIES LABELS cuda_emu)
 
 # In ctest (label cuda_emu). Left out: the shapes whose size is the point (the Llama 3.2 1B and
 # Llama 3 8B shapes, vocab 128256, the 8192^3 ceiling GEMM), minutes each on the emulation; they

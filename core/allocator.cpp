@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include <sanitizer/asan_interface.h>  // its macros do nothing without AddressSanitizer
 #include <sys/mman.h>
 
 #include "core/device_memory.hpp"
@@ -73,6 +74,18 @@ Allocator& Allocator::get(Device device, Pool pool) {
   }
   fail("no allocator for device ", device_name(device));
 }
+
+namespace {
+
+// Under AddressSanitizer, whether the CPU may touch the allocator's memory: host memory, or a
+// device's that is the host's (the CUDA emulation).
+bool poisonable(Device device, Pool pool) {
+  if (device == Device::cpu || pool == Pool::host) return true;
+  const DeviceMemory* m = device_memory(device);
+  return m && m->host_addressable;
+}
+
+}  // namespace
 
 Allocator::~Allocator() {
   empty_cache();
@@ -146,6 +159,13 @@ Allocator::Block Allocator::allocate(size_t bytes) {
     stats_.reserved += size;
     if (stats_.reserved > stats_.peak_reserved) stats_.peak_reserved = stats_.reserved;
   }
+  // ASan: the block's bytes past the request, and the cached blocks, are poisoned, so that a
+  // kernel reading past its tensor or a tensor used after it was freed is reported, not hidden by
+  // the rounding or the cache (as PyTorch's caching allocator hides them from compute-sanitizer).
+  if (poisonable(device_, pool_)) {
+    ASAN_UNPOISON_MEMORY_REGION(p, bytes);
+    ASAN_POISON_MEMORY_REGION(static_cast<char*>(p) + bytes, size - bytes);
+  }
   stats_.allocated += size;
   stats_.by_use[size_t(use_)] += size;
   if (stats_.allocated > stats_.peak_allocated) {
@@ -160,6 +180,7 @@ void Allocator::deallocate(Block block) {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.allocated -= block.size;
   stats_.by_use[size_t(block.use)] -= block.size;
+  if (poisonable(device_, pool_)) ASAN_POISON_MEMORY_REGION(block.ptr, block.size);
   cache_.emplace(block.size, block.ptr);
 }
 

@@ -21,6 +21,9 @@ struct DeviceMemory {
   void (*zero)(void* dst, size_t bytes) = nullptr;
   void (*copy)(void* dst, const void* src, size_t bytes, bool to_device,
                bool from_device) = nullptr;
+  // The device's memory is host memory the CPU may touch (the CUDA backend's host emulation,
+  // tests/cuda_emu/): under AddressSanitizer the Allocator then poisons what no tensor owns.
+  bool host_addressable = false;
 };
 
 // Registers the functions of `device`'s runtime (once, before its first allocation).

@@ -153,6 +153,9 @@ void start(int index) {
   m.mem_info = mem_info;
   m.zero = zero;
   m.copy = copy;
+#ifdef LOOM_CUDA_EMULATION
+  m.host_addressable = true;  // the emulated GPU's memory is the host's (tests/cuda_emu/cudart.cpp)
+#endif
   register_device_memory(Device::cuda, m);
 }
 

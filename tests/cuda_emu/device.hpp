@@ -31,8 +31,10 @@
 #include "tests/cuda_emu/fibers.hpp"
 #include "tests/cuda_emu/launch.hpp"
 
+// A kernel's static shared memory: function statics (one block runs at a time) in a section of
+// their own, which tests/cuda_emu/fibers.hpp fills with garbage before each block.
 #undef __shared__
-#define __shared__ static
+#define __shared__ __attribute__((section("loom_cuda_shared"))) static
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif
@@ -229,34 +231,38 @@ inline float __double2float_rn(double d) {
   return float(d);
 }
 
-// Atomics: the fibers of the emulation never interleave within one call.
+// Atomics, relaxed as a GPU's: the fibers of the emulation never interleave within one call, but
+// ThreadSanitizer must see them as atomic (atomics of two threads do not race; an atomic and a
+// plain access to one address do).
+namespace loom::cuda_emu {
+template <class T, class F>
+T atomic_update(T* p, F next_of) {
+  T old;
+  __atomic_load(p, &old, __ATOMIC_RELAXED);
+  T next = next_of(old);
+  while (!__atomic_compare_exchange(p, &old, &next, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+    next = next_of(old);
+  return old;
+}
+}  // namespace loom::cuda_emu
 template <class T>
 T atomicAdd(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old + v;
-  return old;
+  return ::loom::cuda_emu::atomic_update(p, [v](T old) { return T(old + v); });
 }
 template <class T>
 T atomicMin(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  if (v < old) *p = v;
-  return old;
+  return ::loom::cuda_emu::atomic_update(p, [v](T old) { return v < old ? v : old; });
 }
 template <class T>
 T atomicMax(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  if (v > old) *p = v;
-  return old;
+  return ::loom::cuda_emu::atomic_update(p, [v](T old) { return v > old ? v : old; });
 }
 template <class T>
 T atomicExch(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v;
-  return old;
+  return ::loom::cuda_emu::atomic_update(p, [v](T) { return v; });
 }
 template <class T>
 T atomicCAS(T* p, std::type_identity_t<T> compare, std::type_identity_t<T> v) {
-  const T old = *p;
-  if (old == compare) *p = v;
-  return old;
+  return ::loom::cuda_emu::atomic_update(p,
+                                         [compare, v](T old) { return old == compare ? v : old; });
 }

@@ -20,7 +20,32 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define LOOM_CUDA_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOOM_CUDA_EMU_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define LOOM_CUDA_EMU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LOOM_CUDA_EMU_TSAN 1
+#endif
+#endif
+#ifdef LOOM_CUDA_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+#ifdef LOOM_CUDA_EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
+#endif
 
 // The context switch: the callee-saved registers and the x87/SSE control words pushed on the
 // running stack, its pointer saved, the other stack's popped (glibc's swapcontext also saves the
@@ -68,6 +93,59 @@ struct Copy {  // a cp.async copy waiting for its group's wait
   bool valid;
 };
 
+// A stack to run on: the scheduler's (the calling thread's) or a fiber's.
+struct Context {
+  void* sp = nullptr;            // the saved stack pointer while switched out
+  const void* bottom = nullptr;  // the stack's lowest address and its size (ASan)
+  size_t size = 0;
+  void* fake_stack = nullptr;  // ASan's fake stack while switched out
+  void* tsan = nullptr;        // the TSan fiber (thread) it is
+};
+
+// Switches from the running context to `to`; `from_ends`: the running one never resumes.
+inline void switch_context(Context& from, const Context& to,
+                           [[maybe_unused]] bool from_ends = false) {
+#ifdef LOOM_CUDA_EMU_ASAN
+  __sanitizer_start_switch_fiber(from_ends ? nullptr : &from.fake_stack, to.bottom, to.size);
+#endif
+#ifdef LOOM_CUDA_EMU_TSAN
+  __tsan_switch_to_fiber(to.tsan, __tsan_switch_to_fiber_no_sync);
+#endif
+  loom_cuda_emu_switch(&from.sp, to.sp);
+#ifdef LOOM_CUDA_EMU_ASAN
+  __sanitizer_finish_switch_fiber(from.fake_stack, nullptr, nullptr);
+#endif
+}
+
+// TSan's happens-before edges: what the running context did before release(token) happens before
+// what a context does after acquire(token).
+inline void release([[maybe_unused]] const void* token) {
+#ifdef LOOM_CUDA_EMU_TSAN
+  __tsan_release(const_cast<void*>(token));
+#endif
+}
+inline void acquire([[maybe_unused]] const void* token) {
+#ifdef LOOM_CUDA_EMU_TSAN
+  __tsan_acquire(const_cast<void*>(token));
+#endif
+}
+// While one lives, TSan does not record the running context's accesses: the emulation's own
+// bookkeeping, which the scheduler and the fibers share without barriers.
+struct Untracked {
+  Untracked() {
+#ifdef LOOM_CUDA_EMU_TSAN
+    __tsan_ignore_thread_begin();
+#endif
+  }
+  ~Untracked() {
+#ifdef LOOM_CUDA_EMU_TSAN
+    __tsan_ignore_thread_end();
+#endif
+  }
+  Untracked(const Untracked&) = delete;
+  Untracked& operator=(const Untracked&) = delete;
+};
+
 // A barrier of `size` fibers: the last to arrive releases the others. `lowest` is the lowest
 // scheduling position among its fibers (the scheduler's scan starts there again on a release).
 struct Barrier {
@@ -77,8 +155,9 @@ struct Barrier {
 };
 
 struct Fiber {
-  void* sp = nullptr;  // the saved stack pointer while switched out
+  Context ctx;
   std::unique_ptr<char[]> stack;
+  std::string name;  // TSan's name of it
   bool done = false;
   const Barrier* waits = nullptr;  // the barrier this fiber waits on, and its generation
   uint64_t wait_gen = 0;
@@ -105,8 +184,9 @@ struct Block {
   int threads = 0;
   Dim block_dim, block_idx, grid_dim;
   std::vector<Fiber> fibers;
-  void* sched_sp = nullptr;
-  int scan_from = 0;  // no fiber below this one can run (a barrier's release lowers it)
+  Context sched;
+  char start = 0, end = 0;  // TSan's tokens: the scheduler's setup before a block, the block's end
+  int scan_from = 0;        // no fiber below this one can run (a barrier's release lowers it)
   Barrier block;
   std::vector<Barrier> warps;
   std::vector<Slot> slots;
@@ -119,19 +199,29 @@ inline Block* g_block = nullptr;
 inline int g_tid = 0;
 
 inline void yield() {
-  loom_cuda_emu_switch(&g_block->fibers[size_t(g_tid)].sp, g_block->sched_sp);
+  switch_context(g_block->fibers[size_t(g_tid)].ctx, g_block->sched);
 }
 inline void wait(Barrier& b) {
-  const uint64_t gen = b.gen;
-  if (++b.count == b.size) {
-    b.count = 0;
-    ++b.gen;
-    if (b.lowest < g_block->scan_from) g_block->scan_from = b.lowest;  // it released those
-    return;
-  }
+  // TSan: this fiber's accesses so far happen before what every fiber of the barrier does after
+  // it (each arrival releases, each departure acquires; the arrivals acquire too, which orders
+  // nothing that the barrier does not).
+  acquire(&b);
+  release(&b);
   Fiber& f = g_block->fibers[size_t(g_tid)];
-  f.waits = &b, f.wait_gen = gen;
+  {
+    const Untracked u;
+    const uint64_t gen = b.gen;
+    if (++b.count == b.size) {
+      b.count = 0;
+      ++b.gen;
+      if (b.lowest < g_block->scan_from) g_block->scan_from = b.lowest;  // it released those
+      return;
+    }
+    f.waits = &b, f.wait_gen = gen;
+  }
   yield();  // the scheduler resumes this fiber once the barrier has moved on
+  acquire(&b);
+  const Untracked u;
   f.waits = nullptr;
 }
 inline int lane() {
@@ -172,10 +262,19 @@ inline uint64_t& word(int lane) {
 
 // A fiber's first frame: runs the body, then switches back to the scheduler for good.
 [[noreturn]] inline void trampoline() {
+#ifdef LOOM_CUDA_EMU_ASAN
+  // The first switch into a fiber ends here: ASan learns the scheduler's stack from it.
+  __sanitizer_finish_switch_fiber(nullptr, &g_block->sched.bottom, &g_block->sched.size);
+#endif
+  acquire(&g_block->start);
   g_block->body(g_tid);
+  release(&g_block->end);
   Fiber& f = g_block->fibers[size_t(g_tid)];
-  f.done = true;
-  loom_cuda_emu_switch(&f.sp, g_block->sched_sp);
+  {
+    const Untracked u;
+    f.done = true;
+  }
+  switch_context(f.ctx, g_block->sched, true);
   std::abort();  // never resumed
 }
 
@@ -183,6 +282,12 @@ inline uint64_t& word(int lane) {
 // the current control words, the return address at a 16-byte boundary (so the entry sees the
 // stack as after a call).
 inline void* fresh_stack(char* base, size_t bytes) {
+#ifdef LOOM_CUDA_EMU_ASAN
+  // The frames a fiber ends in (trampoline's, the switch's) never return, so their redzones stay
+  // poisoned on the stack the next block's fiber reuses: cleared here (their depth is far less).
+  constexpr size_t kEndFrames = 16 * 1024;
+  ASAN_UNPOISON_MEMORY_REGION(base + bytes - kEndFrames, kEndFrames);
+#endif
   uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t(15);
   top -= 16;  // a null "return address" of trampoline's frame, and the alignment
   auto* ret = reinterpret_cast<void**>(top);
@@ -207,6 +312,7 @@ inline bool reverse_order() {
 // Runs body(tid) for tid 0..threads-1 as the fibers of one block until all return.
 inline void run_block(Block& blk, int threads, std::function<void(int)> body) {
   constexpr size_t kStack = 256 * 1024;  // touched pages only
+  const Untracked u;
   blk.threads = threads;
   blk.body = std::move(body);
   if (blk.fibers.size() < size_t(threads)) blk.fibers.resize(size_t(threads));
@@ -222,13 +328,25 @@ inline void run_block(Block& blk, int threads, std::function<void(int)> body) {
   g_block = &blk;
   for (int t = 0; t < threads; ++t) {
     Fiber& f = blk.fibers[size_t(t)];
-    if (!f.stack) f.stack = std::make_unique_for_overwrite<char[]>(kStack);
+    if (!f.stack) {
+      f.stack = std::make_unique_for_overwrite<char[]>(kStack);
+      f.ctx.bottom = f.stack.get(), f.ctx.size = kStack;
+#ifdef LOOM_CUDA_EMU_TSAN
+      f.ctx.tsan = __tsan_create_fiber(0);
+      f.name = "CUDA thread " + std::to_string(t);
+      __tsan_set_fiber_name(f.ctx.tsan, f.name.c_str());
+#endif
+    }
     f.done = false;
     f.waits = nullptr;
     f.groups.clear();
     f.open.clear();
-    f.sp = fresh_stack(f.stack.get(), kStack);
+    f.ctx.sp = fresh_stack(f.stack.get(), kStack);
   }
+#ifdef LOOM_CUDA_EMU_TSAN
+  blk.sched.tsan = __tsan_get_current_fiber();
+#endif
+  release(&blk.start);
   blk.scan_from = 0;
   for (;;) {
     // Positions from scan_from on, in scheduling order (fiber t = position, or its mirror).
@@ -256,24 +374,41 @@ inline void run_block(Block& blk, int threads, std::function<void(int)> body) {
       std::abort();
     }
     g_tid = next;
-    loom_cuda_emu_switch(&blk.sched_sp, blk.fibers[size_t(next)].sp);
+    switch_context(blk.sched, blk.fibers[size_t(next)].ctx);
   }
+  acquire(&blk.end);
   g_block = nullptr;
 }
 
+// The kernels' static __shared__ variables, in a section of their own (tests/cuda_emu/device.hpp):
+// the linker's bounds of it, null where no kernel has one.
+extern "C" char __start_loom_cuda_shared[] __attribute__((weak));
+extern "C" char __stop_loom_cuda_shared[] __attribute__((weak));
+
 // Runs a grid of blocks, one after another (x fastest): body(tid) with the block's indices in
-// the Block; smem_bytes of dynamic shared memory per block, filled with garbage (large values,
-// never zeros) before each block.
+// the Block; smem_bytes of dynamic shared memory per block. Before each block, its shared memory
+// (the dynamic bytes and every kernel's static __shared__ variables) is filled with garbage
+// (large values, never zeros), as a block finds it on a GPU: what another block left.
 inline void run_grid(Dim grid, Dim block, size_t smem_bytes, const std::function<void(int)>& body) {
   static Block blk;
-  std::vector<char> smem(smem_bytes + 16);
-  char* base = smem.data() + (16 - reinterpret_cast<uintptr_t>(smem.data()) % 16) % 16;
+  struct alignas(16) Chunk {
+    char bytes[16];
+  };
+  // Sized to the 16 bytes above smem_bytes only: ASan reports a read past the block's bytes.
+  std::vector<Chunk> smem((smem_bytes + 15) / 16);
+  char* base = reinterpret_cast<char*>(smem.data());
+  char* statics = __start_loom_cuda_shared;
+  const size_t static_bytes = statics ? size_t(__stop_loom_cuda_shared - statics) : 0;
   const int threads = int(block.x * block.y * block.z);
   blk.grid_dim = grid, blk.block_dim = block, blk.dynamic_smem = base;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::memset(base, 0x7f, smem_bytes);
+        {
+          const Untracked u;
+          if (smem_bytes) std::memset(base, 0x7f, smem_bytes);
+          if (static_bytes) std::memset(statics, 0x7f, static_bytes);
+        }
         blk.block_idx = Dim{bx, by, bz};
         run_block(blk, threads, body);
       }

@@ -37,7 +37,7 @@ class CudaTest : public ::testing::Test {
 // A host tensor holding `v` (f32, or rounded to bf16 when dt is bf16): a CPU kernel's input.
 inline Tensor to_host_tensor(const std::vector<float>& v, DType dt = DType::f32) {
   Tensor h = Tensor::empty({int64_t(v.size())}, DType::f32);
-  std::memcpy(h.raw(), v.data(), v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(h.raw(), v.data(), v.size() * sizeof(float));
   return dt == DType::bf16 ? h.to(DType::bf16) : h;
 }
 // A device tensor holding `v` (f32, or rounded to bf16 when dt is bf16).
@@ -49,7 +49,7 @@ inline Tensor to_device(const std::vector<float>& v, DType dt = DType::f32) {
 }
 inline Tensor to_device_i32(const std::vector<int32_t>& v) {
   Tensor h = Tensor::empty({int64_t(v.size())}, DType::i32);
-  std::memcpy(h.raw(), v.data(), v.size() * sizeof(int32_t));
+  if (!v.empty()) std::memcpy(h.raw(), v.data(), v.size() * sizeof(int32_t));
   Tensor d = Tensor::empty({int64_t(v.size())}, DType::i32, Device::cuda);
   d.copy_from(h);
   return d;
@@ -64,7 +64,7 @@ inline std::vector<float> to_host(const Tensor& d) {
   h.copy_from(d);
   if (d.dtype() == DType::bf16) h = h.to(DType::f32);
   std::vector<float> v(size_t(h.numel()));
-  std::memcpy(v.data(), h.raw(), v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(v.data(), h.raw(), v.size() * sizeof(float));
   return v;
 }
 // The device tensor's raw bf16 values.
@@ -72,7 +72,7 @@ inline std::vector<bf16> to_host_bf16(const Tensor& d) {
   Tensor h = Tensor::empty(d.shape(), DType::bf16);
   h.copy_from(d);
   std::vector<bf16> v(size_t(h.numel()));
-  std::memcpy(v.data(), h.raw(), v.size() * sizeof(bf16));
+  if (!v.empty()) std::memcpy(v.data(), h.raw(), v.size() * sizeof(bf16));
   return v;
 }
 
