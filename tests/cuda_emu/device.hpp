@@ -7,7 +7,9 @@
 // kernel files' own text: the CUDA keywords, built-in variables and intrinsics are defined here
 // for the host, each CUDA thread a fiber of tests/cuda_emu/fibers.hpp (blocks one after another,
 // __syncthreads a barrier, warp collectives exchanges), `__shared__` variables function statics
-// (one block at a time), device memory host memory (tests/cuda_emu/cudart.cpp).
+// (one block at a time; garbage before each block), device memory host memory
+// (tests/cuda_emu/cudart.cpp). Under ASan and TSan it is memcheck and racecheck
+// (scripts/cuda_emu_sanitize.sh).
 //
 // What it checks: the kernels' arithmetic, indexing, rounding points and synchronization
 // (a missing barrier shows as stale shared memory under the lowest-first schedule, a divergent

@@ -129,8 +129,14 @@ inline void acquire([[maybe_unused]] const void* token) {
   __tsan_acquire(const_cast<void*>(token));
 #endif
 }
-// While one lives, TSan does not record the running context's accesses: the emulation's own
-// bookkeeping, which the scheduler and the fibers share without barriers.
+// TSan does not record the accesses of a function so marked, or the running context's while an
+// Untracked lives: the emulation's own bookkeeping, which the scheduler and the fibers share
+// without barriers.
+#ifdef LOOM_CUDA_EMU_TSAN
+#define LOOM_CUDA_EMU_UNTRACKED __attribute__((no_sanitize("thread"), noinline))
+#else
+#define LOOM_CUDA_EMU_UNTRACKED
+#endif
 struct Untracked {
   Untracked() {
 #ifdef LOOM_CUDA_EMU_TSAN
@@ -201,28 +207,33 @@ inline int g_tid = 0;
 inline void yield() {
   switch_context(g_block->fibers[size_t(g_tid)].ctx, g_block->sched);
 }
+// The barrier's bookkeeping for this fiber's arrival: true for the last to arrive (which releases
+// the others), else the fiber is marked as waiting on it. Untracked by TSan, which a function
+// attribute does at no cost (its ignore regions record a stack each).
+LOOM_CUDA_EMU_UNTRACKED inline bool arrive(Barrier& b, Fiber& f) {
+  const uint64_t gen = b.gen;
+  if (++b.count == b.size) {
+    b.count = 0;
+    ++b.gen;
+    if (b.lowest < g_block->scan_from) g_block->scan_from = b.lowest;  // it released those
+    return true;
+  }
+  f.waits = &b, f.wait_gen = gen;
+  return false;
+}
+LOOM_CUDA_EMU_UNTRACKED inline void leave(Fiber& f) {
+  f.waits = nullptr;
+}
 inline void wait(Barrier& b) {
   // TSan: this fiber's accesses so far happen before what every fiber of the barrier does after
-  // it (each arrival releases, each departure acquires; the arrivals acquire too, which orders
-  // nothing that the barrier does not).
-  acquire(&b);
+  // it (each arrival releases, each departure acquires).
   release(&b);
   Fiber& f = g_block->fibers[size_t(g_tid)];
-  {
-    const Untracked u;
-    const uint64_t gen = b.gen;
-    if (++b.count == b.size) {
-      b.count = 0;
-      ++b.gen;
-      if (b.lowest < g_block->scan_from) g_block->scan_from = b.lowest;  // it released those
-      return;
-    }
-    f.waits = &b, f.wait_gen = gen;
+  if (!arrive(b, f)) {
+    yield();  // the scheduler resumes this fiber once the barrier has moved on
+    leave(f);
   }
-  yield();  // the scheduler resumes this fiber once the barrier has moved on
   acquire(&b);
-  const Untracked u;
-  f.waits = nullptr;
 }
 inline int lane() {
   return g_tid % kWarp;
@@ -260,6 +271,10 @@ inline uint64_t& word(int lane) {
       ->words[(g_block->warps[w].gen & 1) * g_block->slots.size() + w * kWarp + size_t(lane)];
 }
 
+LOOM_CUDA_EMU_UNTRACKED inline void finish(Fiber& f) {
+  f.done = true;
+}
+
 // A fiber's first frame: runs the body, then switches back to the scheduler for good.
 [[noreturn]] inline void trampoline() {
 #ifdef LOOM_CUDA_EMU_ASAN
@@ -270,10 +285,7 @@ inline uint64_t& word(int lane) {
   g_block->body(g_tid);
   release(&g_block->end);
   Fiber& f = g_block->fibers[size_t(g_tid)];
-  {
-    const Untracked u;
-    f.done = true;
-  }
+  finish(f);
   switch_context(f.ctx, g_block->sched, true);
   std::abort();  // never resumed
 }
