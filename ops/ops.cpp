@@ -813,11 +813,18 @@ KernelWork gla_work(const Gla& s, const Tensor& q, const Tensor& v, double moved
   return w;
 }
 
+// The chunked core's scratch on a modeled GPU (kernels/cuda/scratch.hpp).
+void book_gla_scratch(const Gla& s, const Tensor& q, const Tensor& v, bool backward) {
+  book_scratch(q.device(), cuda::gla_core_scratch(s.B, rows(q) / s.B, s.H, s.Hkv, q.size(1) / s.H,
+                                                  v.size(1) / s.Hkv, s.chunk, backward));
+}
+
 }  // namespace
 
 void gla_forward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gk,
                  const Tensor& h0, Tensor& o, Tensor& ht) {
   check_gla("gla_forward", s, q);
+  book_gla_scratch(s, q, v, false);
   on(
       "gla_forward", q.device(),
       [&] {
@@ -832,6 +839,7 @@ void gla_backward(const Gla& s, const Tensor& q, const Tensor& k, const Tensor& 
                   const Tensor& h0, const Tensor& dout, const Tensor& dht, Tensor& dq, Tensor& dk,
                   Tensor& dv, Tensor& dgk, Tensor& dh0) {
   check_gla("gla_backward", s, q);
+  book_gla_scratch(s, q, v, true);
   on(
       "gla_backward", q.device(),
       [&] {
@@ -879,6 +887,8 @@ void gla_gate_backward(const Tensor& dgk, const Tensor& z, const Tensor& bias, f
                  z.numel() == dgk.numel() && z.numel() == dz.numel(),
              "gla_gate_backward: z, dgk and dz must be contiguous and the same size, got ",
              shape_str(z.shape()), ", ", shape_str(dgk.shape()), ", ", shape_str(dz.shape()));
+  book_scratch(z.device(), cuda::gla_gate_backward_scratch(rows(z), cols(z),
+                                                           bias.defined() && dbias.defined()));
   on(
       "gla_gate_backward", z.device(),
       [&] { return streaming(DType::f32, bytes(dgk) + bytes(z) + bytes(dz), z.numel(), 12); },
@@ -904,6 +914,8 @@ void gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, 
                  cols(x) % heads == 0,
              "gated_rmsnorm_backward: x ", shape_str(x.shape()),
              " must be contiguous and split into ", heads, " heads");
+  book_scratch(x.device(), cuda::gated_rmsnorm_backward_scratch(rows(x), cols(x) / heads,
+                                                                w.defined() && dw.defined()));
   on(
       "gated_rmsnorm_backward", x.device(),
       [&] {
@@ -929,6 +941,8 @@ void short_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int
                          Tensor& dw) {
   LOOM_CHECK(B > 0 && rows(x) % B == 0, "short_conv_backward: ", rows(x),
              " rows do not split into B ", B, " samples");
+  book_scratch(x.device(),
+               cuda::short_conv_backward_scratch(rows(x), x.size(1), w.numel() / x.size(1)));
   on(
       "short_conv_backward", x.device(),
       [&] {
@@ -1267,6 +1281,7 @@ void bias_grad(const Tensor& dy, Tensor& db) {
   check_view(op, "dy", dy);
   check_tensor(op, "db", db, {dy.size(1)}, DType::f32);
   check_device(op, {&dy, &db});
+  book_scratch(dy.device(), cuda::bias_grad_scratch(rows(dy), dy.size(1)));
   on(
       op, dy.device(),
       [&] { return streaming(DType::f32, bytes(dy) + 2 * bytes(db), double(dy.numel()), 1); },

@@ -8,6 +8,7 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/moe_rows.cuh"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 
 namespace loom::cuda {
 namespace {
@@ -16,9 +17,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Blocks of the row and element-wise kernels: at most this many (grid-stride loops beyond).
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-// The column sums: at most this many ranges of consecutive rows, each at least kMinRangeRows
-// long (bounds from the row count alone), each summed by one block column into its own partial.
-constexpr int64_t kMaxRanges = 512, kMinRangeRows = 32;
+// The column sums: ranges of consecutive rows (kernels/cuda/scratch.hpp's row_ranges, at least
+// kBiasMinRangeRows long; bounds from the row count alone), each summed by one block column into
+// its own partial.
 // A partial's block: 32 columns x 8 row lanes (lane y takes rows y, y + 8, ... of the range; the
 // lanes' sums are then added in lane order).
 constexpr int kCols = 32, kRowLanes = 8;
@@ -155,13 +156,14 @@ void bias_grad(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db) {
   const char* what = "bias_grad";
   check_matrix(what, M, N, lddy);
   if (M == 0) return;  // nothing to add (db + 0 would turn a -0 into +0)
-  const int64_t range_rows = std::max(kMinRangeRows, (M + kMaxRanges - 1) / kMaxRanges);
-  const int64_t ranges = (M + range_rows - 1) / range_rows;
+  const RowRanges r = row_ranges(M, kBiasMinRangeRows);
+  const int64_t range_rows = r.rows_per, ranges = r.count;
   const int64_t col_blocks = (N + kCols - 1) / kCols;
   LOOM_CHECK(col_blocks <= INT_MAX, what, ": ", N, " columns, more than one launch covers");
   // Released when this returns: the caching allocator hands the block out again only to work
   // queued later on the same stream (runtime.hpp). Two f32 elements per double.
-  Tensor partial = Tensor::empty({2 * ranges * N}, DType::f32, Device::cuda);
+  const ScratchBlock sb = bias_grad_scratch(M, N)[0];  // 2 * ranges * N
+  Tensor partial = Tensor::empty({sb.numel}, sb.dtype, Device::cuda);
   auto* p = static_cast<double*>(partial.raw());
   column_partials_kernel<<<dim3(unsigned(col_blocks), unsigned(ranges)), dim3(kCols, kRowLanes), 0,
                            stream()>>>(dy, M, N, lddy, range_rows, p);

@@ -7,6 +7,7 @@
 #include "core/tensor.hpp"
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 
 namespace loom::cuda {
 namespace {
@@ -638,14 +639,17 @@ Out out(const GlaOut& x, int64_t width) {
   return {x.p, x.ld ? x.ld : width};
 }
 
-// Scratch doubles (Tensor has no f64: twice as many floats; the allocator's blocks are aligned
-// for any type).
-double* doubles(Tensor& t, int64_t n) {
-  t = Tensor::empty({2 * n}, DType::f32, Device::cuda);
+// The call's scratch blocks, as kernels/cuda/scratch.hpp sizes them (a meta run books the same):
+// doubles as f32 pairs (Tensor has no f64; the allocator's blocks are aligned for any type).
+std::vector<ScratchBlock> scratch_of(const Dims& s, bool backward) {
+  return gla_core_scratch(s.B, s.T, s.H, s.Hkv, s.K, s.V, s.C, backward);
+}
+double* doubles(Tensor& t, const ScratchBlock& b) {
+  t = Tensor::empty({b.numel}, b.dtype, Device::cuda);
   return reinterpret_cast<double*>(t.data<float>());
 }
-float* floats(Tensor& t, int64_t n) {
-  t = Tensor::empty({n}, DType::f32, Device::cuda);
+float* floats(Tensor& t, const ScratchBlock& b) {
+  t = Tensor::empty({b.numel}, b.dtype, Device::cuda);
   return t.data<float>();
 }
 
@@ -676,8 +680,9 @@ void gla_forward(const GlaCore& a, GlaOut o, float* ht) {
   double* bc = nullptr;
   float* A = nullptr;
   if (s.T > 0) {
-    bc = doubles(bbuf, s.B * s.T * s.Hkv * s.K);
-    A = floats(abuf, s.B * s.H * s.T * s.C);
+    const std::vector<ScratchBlock> sb = scratch_of(s, false);
+    bc = doubles(bbuf, sb[0]);
+    A = floats(abuf, sb[1]);
     cumsum_and_scores(op, a, s, bc, A);
   }
   const int64_t nvs = (s.V + kTile - 1) / kTile;
@@ -710,11 +715,12 @@ void gla_backward(const GlaCore& a, GlaIn dout, const float* dht, const GlaCoreG
     return;
   }
   Tensor bbuf, abuf, dabuf, sbuf, dsbuf;
-  double* bc = doubles(bbuf, s.B * s.T * s.Hkv * s.K);
-  float* A = floats(abuf, s.B * s.H * s.T * s.C);
-  float* dA = floats(dabuf, s.B * s.H * s.T * s.C);
-  float* states = floats(sbuf, s.B * s.H * (s.NT + 1) * s.K * s.V);
-  float* dstates = floats(dsbuf, s.B * s.H * s.NT * s.K * s.V);
+  const std::vector<ScratchBlock> sb = scratch_of(s, true);
+  double* bc = doubles(bbuf, sb[0]);
+  float* A = floats(abuf, sb[1]);
+  float* dA = floats(dabuf, sb[2]);
+  float* states = floats(sbuf, sb[3]);
+  float* dstates = floats(dsbuf, sb[4]);
   cumsum_and_scores(op, a, s, bc, A);
   const int64_t tiles = (s.C + kTile - 1) / kTile;
   launch(op, scores_kernel<false>,

@@ -7,6 +7,7 @@
 #include "core/tensor.hpp"
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 
 namespace loom::cuda {
 namespace {
@@ -15,9 +16,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Blocks of the element-wise kernels: at most this many (a grid-stride loop beyond).
 constexpr unsigned kMaxBlocks = 1u << 20;
-// A gradient's sum over rows: at most this many ranges of consecutive rows (each range's bounds
-// from the row count alone), each summed in order by one block into its own partial row.
-constexpr int64_t kMaxChunks = 512;
 // The partial sums' blocks: 32 columns x 8 row lanes (lane y takes rows y, y + 8, ... of the
 // range; the 8 lanes' sums are then added in lane order).
 constexpr int kCols = 32, kRowLanes = 8;
@@ -277,13 +275,15 @@ unsigned grid_for(int64_t n, int threads) {
   return std::min(blocks_for(n, threads), kMaxBlocks);
 }
 
-// The ranges of consecutive rows a gradient's sum over rows is split into (from `rows` alone).
-struct Chunks {
-  int64_t rows_per, count;
-};
+// The ranges of consecutive rows a gradient's sum over rows is split into (from `rows` alone,
+// each summed in order by one block into its own partial row): kernels/cuda/scratch.hpp.
+using Chunks = RowRanges;
 Chunks chunks_for(int64_t rows) {
-  const int64_t per = std::max<int64_t>(1, (rows + kMaxChunks - 1) / kMaxChunks);
-  return {per, (rows + per - 1) / per};
+  return row_ranges(rows);
+}
+// A block of the call's scratch (scratch.hpp's sizes: a meta run books the same).
+Tensor scratch(const ScratchBlock& b) {
+  return Tensor::empty({b.numel}, b.dtype, Device::cuda);
 }
 
 // out += the column sums of partial [parts, width].
@@ -343,7 +343,8 @@ void gla_gate_backward(const float* dgk, const float* z, const float* bias, int6
   const bool sums = bias && dbias;
   // Released on return while the kernels may still run: the caching allocator hands the block out
   // again only to work queued later on the same stream (runtime.hpp).
-  Tensor partial = sums ? Tensor::empty({c.count * width}, DType::f32, Device::cuda) : Tensor();
+  const std::vector<ScratchBlock> sb = gla_gate_backward_scratch(rows, width, sums);
+  Tensor partial = sums ? scratch(sb[0]) : Tensor();
   float* p = sums ? partial.data<float>() : nullptr;
   launch(op, gate_backward_kernel, dim3(unsigned((width + kCols - 1) / kCols), unsigned(c.count)),
          dim3(kCols, kRowLanes), dgk, z, bias, rows, width, c.rows_per, 1.0f / normalizer,
@@ -375,8 +376,9 @@ void gated_rmsnorm_backward(const GatedRmsNorm& s, const float* dy, const float*
              ": null pointer among dy, x, rstd, dx, dg (with a gate)");
   const Chunks c = chunks_for(s.rows);
   const bool sums = w && dw;
-  Tensor partial =
-      sums ? Tensor::empty({c.count * kWarps * s.dim}, DType::f32, Device::cuda) : Tensor();
+  static_assert(kWarps == kGatedNormWarps);
+  const std::vector<ScratchBlock> sb = gated_rmsnorm_backward_scratch(s.rows, s.dim, sums);
+  Tensor partial = sums ? scratch(sb[0]) : Tensor();
   float* p = sums ? partial.data<float>() : nullptr;
   launch(op, grn_backward_kernel, dim3(unsigned(c.count)), dim3(kThreads), s, dy, x, g, ldg, w,
          rstd, dx, dg, lddg, c.rows_per, p);
@@ -406,14 +408,15 @@ void short_conv_backward(const ShortConv& s, const float* dy, int64_t lddy, cons
   const int64_t rows = s.B * s.T, n = rows * s.C;
   if (n == 0) return;
   LOOM_CHECK(dy && x && w && dx && dw, op, ": null pointer among dy, x, w, dx, dw");
-  Tensor dubuf = Tensor::empty({n}, DType::f32, Device::cuda);
+  const std::vector<ScratchBlock> sb = short_conv_backward_scratch(rows, s.C, s.W);
+  Tensor dubuf = scratch(sb[0]);
   float* du = dubuf.data<float>();
   launch(op, conv_du_kernel, dim3(grid_for(n, kThreads)), dim3(kThreads), s, dy, lddy, x, ldx, w,
          du);
   launch(op, conv_dx_kernel, dim3(grid_for(n, kThreads)), dim3(kThreads), s,
          static_cast<const float*>(du), w, dx, lddx);
   const Chunks c = chunks_for(rows);
-  Tensor partial = Tensor::empty({c.count * s.C * s.W}, DType::f32, Device::cuda);
+  Tensor partial = scratch(sb[1]);
   float* p = partial.data<float>();
   launch(op, conv_dw_kernel, dim3(unsigned((s.C + kCols - 1) / kCols), unsigned(c.count)),
          dim3(kCols, kRowLanes), s, static_cast<const float*>(du), x, ldx, c.rows_per, p);

@@ -141,6 +141,60 @@ inline std::vector<ScratchBlock> rmsnorm_backward_scratch(int64_t rows, int64_t 
   return {{(rows + chunk_rows - 1) / chunk_rows * dim, DType::f32}};
 }
 
+// A gradient's sum over rows by ranges of consecutive rows, each range summed by one block into
+// its own partial row (the bounds from the row count alone): GLA's ops (gla_ops.cu: at most
+// kRowSumRanges ranges) and the bias gradient (bias_gate.cu: also at least kBiasMinRangeRows rows
+// a range).
+inline constexpr int64_t kRowSumRanges = 512, kBiasMinRangeRows = 32;
+struct RowRanges {
+  int64_t rows_per = 0, count = 0;
+};
+inline RowRanges row_ranges(int64_t rows, int64_t min_rows = 1) {
+  const int64_t per = std::max(min_rows, (rows + kRowSumRanges - 1) / kRowSumRanges);
+  return {per, (rows + per - 1) / per};
+}
+// The bias gradient (bias_gate.cu): a partial row of N doubles (f32 pairs) per range of dy's rows.
+inline std::vector<ScratchBlock> bias_grad_scratch(int64_t M, int64_t N) {
+  if (M <= 0 || N <= 0) return {};
+  return {{2 * row_ranges(M, kBiasMinRangeRows).count * N, DType::f32}};
+}
+
+// ---- GLA (gla.cu, gla_ops.cu)
+// The chunked core: the chunk-local gk cumsum (doubles, as f32 pairs) and the decayed scores; the
+// backward also the scores' gradient, the states before each chunk and the states' gradients.
+// None without tokens.
+inline std::vector<ScratchBlock> gla_core_scratch(int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                                                  int64_t K, int64_t V, int64_t chunk,
+                                                  bool backward) {
+  if (B <= 0 || T <= 0) return {};
+  const int64_t NT = (T + chunk - 1) / chunk, scores = B * H * T * chunk;
+  std::vector<ScratchBlock> s{{2 * B * T * Hkv * K, DType::f32}, {scores, DType::f32}};
+  if (backward) {
+    s.push_back({scores, DType::f32});
+    s.push_back({B * H * (NT + 1) * K * V, DType::f32});
+    s.push_back({B * H * NT * K * V, DType::f32});
+  }
+  return s;
+}
+// The gate's backward: the bias gradient's partial rows (with a bias).
+inline std::vector<ScratchBlock> gla_gate_backward_scratch(int64_t rows, int64_t width, bool bias) {
+  if (rows <= 0 || !bias) return {};
+  return {{row_ranges(rows).count * width, DType::f32}};
+}
+// The gated RMSNorm's backward: a partial row of dim floats per warp (kGatedNormWarps a block)
+// of each range (with a weight).
+inline constexpr int64_t kGatedNormWarps = 8;
+inline std::vector<ScratchBlock> gated_rmsnorm_backward_scratch(int64_t rows, int64_t dim,
+                                                                bool weight) {
+  if (rows <= 0 || !weight) return {};
+  return {{row_ranges(rows).count * kGatedNormWarps * dim, DType::f32}};
+}
+// The short convolution's backward: du (rows x C), then the weight gradient's partial rows.
+inline std::vector<ScratchBlock> short_conv_backward_scratch(int64_t rows, int64_t C, int64_t W) {
+  if (rows <= 0 || C <= 0) return {};
+  return {{rows * C, DType::f32}, {row_ranges(rows).count * C * W, DType::f32}};
+}
+
 // The sum of squares (cast.cu): a double per chunk of kSumSquaresChunk elements; every call of
 // sum_squares_each shares the largest call's, and the sums come back from one array (doubles as
 // pairs of f32 elements).

@@ -46,6 +46,12 @@
 extern "C" void __tsan_ignore_thread_begin();
 extern "C" void __tsan_ignore_thread_end();
 #endif
+// A function TSan does not instrument (no accesses recorded, no call-stack entry).
+#ifdef LOOM_CUDA_EMU_TSAN
+#define LOOM_CUDA_EMU_UNTRACKED __attribute__((no_sanitize("thread"), noinline))
+#else
+#define LOOM_CUDA_EMU_UNTRACKED
+#endif
 
 // The context switch: the callee-saved registers and the x87/SSE control words pushed on the
 // running stack, its pointer saved, the other stack's popped (glibc's swapcontext also saves the
@@ -103,8 +109,11 @@ struct Context {
 };
 
 // Switches from the running context to `to`; `from_ends`: the running one never resumes.
-inline void switch_context(Context& from, const Context& to,
-                           [[maybe_unused]] bool from_ends = false) {
+// Untracked, as trampoline: TSan keeps each fiber's call stack from the instrumented functions'
+// entries and exits, and these two never return when a fiber ends (the next block reuses the
+// fiber, so its stack would grow by them every block).
+LOOM_CUDA_EMU_UNTRACKED inline void switch_context(Context& from, const Context& to,
+                                                   [[maybe_unused]] bool from_ends = false) {
 #ifdef LOOM_CUDA_EMU_ASAN
   __sanitizer_start_switch_fiber(from_ends ? nullptr : &from.fake_stack, to.bottom, to.size);
 #endif
@@ -129,14 +138,9 @@ inline void acquire([[maybe_unused]] const void* token) {
   __tsan_acquire(const_cast<void*>(token));
 #endif
 }
-// TSan does not record the accesses of a function so marked, or the running context's while an
-// Untracked lives: the emulation's own bookkeeping, which the scheduler and the fibers share
-// without barriers.
-#ifdef LOOM_CUDA_EMU_TSAN
-#define LOOM_CUDA_EMU_UNTRACKED __attribute__((no_sanitize("thread"), noinline))
-#else
-#define LOOM_CUDA_EMU_UNTRACKED
-#endif
+// While an Untracked lives, TSan does not record the running context's accesses (nor those of a
+// function marked LOOM_CUDA_EMU_UNTRACKED): the emulation's own bookkeeping, which the scheduler
+// and the fibers share without barriers.
 struct Untracked {
   Untracked() {
 #ifdef LOOM_CUDA_EMU_TSAN
@@ -276,7 +280,7 @@ LOOM_CUDA_EMU_UNTRACKED inline void finish(Fiber& f) {
 }
 
 // A fiber's first frame: runs the body, then switches back to the scheduler for good.
-[[noreturn]] inline void trampoline() {
+[[noreturn]] LOOM_CUDA_EMU_UNTRACKED inline void trampoline() {
 #ifdef LOOM_CUDA_EMU_ASAN
   // The first switch into a fiber ends here: ASan learns the scheduler's stack from it.
   __sanitizer_finish_switch_fiber(nullptr, &g_block->sched.bottom, &g_block->sched.size);

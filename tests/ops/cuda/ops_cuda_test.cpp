@@ -284,6 +284,43 @@ TEST_F(OpsCuda, RowOpsScratchIsWhatTheMetaRunBooks) {
     const std::vector<Tensor> xs{tensor(dev, {rows, dim}), tensor(dev, {70000})};
     return rise(dev, [&] { ops::sum_squares_each(xs); });
   });
+  expect_scratch_modeled("bias_grad", [&](Device dev) {
+    Tensor dy = tensor(dev, {rows, dim}), db = tensor(dev, {dim});
+    return rise(dev, [&] { ops::bias_grad(dy, db); });
+  });
+  // GLA's ops: the gate with a bias, the gated norm with a weight, the short convolution (width
+  // 4), the chunked core (2 samples of 150 tokens, 4 heads on 2 kv heads, K 16, V 24, chunk 64).
+  expect_scratch_modeled("gla_gate_backward", [&](Device dev) {
+    Tensor dgk = tensor(dev, {rows, dim}), z = tensor(dev, {rows, dim}), bias = tensor(dev, {dim}),
+           dz = tensor(dev, {rows, dim}), dbias = tensor(dev, {dim});
+    return rise(dev, [&] { ops::gla_gate_backward(dgk, z, bias, 16.0f, -5.0f, dz, dbias); });
+  });
+  expect_scratch_modeled("gated_rmsnorm_backward", [&](Device dev) {
+    const int64_t heads = 3;
+    Tensor dy = tensor(dev, {rows, dim}), x = tensor(dev, {rows, dim}),
+           g = tensor(dev, {rows, dim}), w = tensor(dev, {dim / heads}),
+           rstd = tensor(dev, {rows * heads}), dx = tensor(dev, {rows, dim}),
+           dg = tensor(dev, {rows, dim}), dw = tensor(dev, {dim / heads});
+    return rise(dev, [&] { ops::gated_rmsnorm_backward(dy, x, g, w, rstd, heads, dx, dg, dw); });
+  });
+  expect_scratch_modeled("short_conv_backward", [&](Device dev) {
+    Tensor dy = tensor(dev, {rows, dim}), x = tensor(dev, {rows, dim}), w = tensor(dev, {dim, 4}),
+           dx = tensor(dev, {rows, dim}), dw = tensor(dev, {dim, 4});
+    return rise(dev, [&] { ops::short_conv_backward(dy, x, w, 2, dx, dw); });
+  });
+  const ops::Gla gla{2, 4, 2, 64, 16};
+  const int64_t T = 150, K = 16, V = 24, n = gla.B * T;
+  for (bool backward : {false, true})
+    expect_scratch_modeled(backward ? "gla_backward" : "gla_forward", [&](Device dev) {
+      Tensor q = tensor(dev, {n, gla.H * K}), k = tensor(dev, {n, gla.Hkv * K}),
+             v = tensor(dev, {n, gla.Hkv * V}), gk = tensor(dev, {n, gla.Hkv * K}), none;
+      Tensor o = tensor(dev, {n, gla.H * V}), ht;
+      if (!backward) return rise(dev, [&] { ops::gla_forward(gla, q, k, v, gk, none, o, ht); });
+      Tensor dq = tensor(dev, {n, gla.H * K}), dk = tensor(dev, {n, gla.Hkv * K}),
+             dv = tensor(dev, {n, gla.Hkv * V}), dgk = tensor(dev, {n, gla.Hkv * K}), dh0;
+      return rise(
+          dev, [&] { ops::gla_backward(gla, q, k, v, gk, none, o, none, dq, dk, dv, dgk, dh0); });
+    });
 }
 
 TEST_F(OpsCuda, AttentionOnViewsOfAFusedQkv) {
