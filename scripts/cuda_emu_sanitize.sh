@@ -10,16 +10,22 @@
 #            emulated GPU against the CPU (tests/parity/gpu_step_parity.sh).
 #   thread:  ThreadSanitizer (racecheck): two threads of one block touching an address, one of
 #            them writing, with no barrier between them (tests/cuda_emu/fibers.hpp); the kernel
-#            tests.
-# Builds with GCC in build-emu-<sanitizer>/ (its own build dir); GTEST_FILTER narrows the kernel
-# tests (default: all but the shapes whose size is the point, as in ctest). Any report fails.
+#            tests but five attention cases of many blocks (one took 11 minutes under TSan),
+#            left to the address pass and the ordinary runs.
+# Builds with GCC in build-emu-<sanitizer>/ (its own build dir); GTEST_FILTER replaces the kernel
+# tests' filter (default: all but the shapes whose size is the point, as in ctest, and for thread
+# the five). Any report fails.
 # Environment: SAN_JOBS (build parallelism, default: the cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: scripts/cuda_emu_sanitize.sh address|thread [GTEST_FILTER]}
 skip="CudaGemm.LlamaShapes:FlashCuda.LlamaShapesAtT2048:CrossEntropyCuda.Vocab128256InChunks"
 skip+=":CudaRuntime.CeilingsAreMeasured:CudaRuntimeHost.StartWithoutAGpuNamesWhy"
+tsan_heavy="AttentionCuda.ForwardF32MatchesCpu:AttentionCuda.ForwardBf16MatchesCpu"
+tsan_heavy+=":AttentionCuda.BackwardBf16MatchesCpu:AttentionCuda.BlockBackwardMatchesCpu"
+tsan_heavy+=":FlashCuda.BlockMatchesCpu"
 filter=${2:-"-$skip"}
+[ "$kind" = thread ] && [ -z "${2:-}" ] && filter+=":$tsan_heavy"
 case "$kind" in
   address)
     # Not nonnull-attribute: the tests' memcpy and memcmp of empty vectors (a null pointer with
