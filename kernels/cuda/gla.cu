@@ -644,13 +644,12 @@ Out out(const GlaOut& x, int64_t width) {
 std::vector<ScratchBlock> scratch_of(const Dims& s, bool backward) {
   return gla_core_scratch(s.B, s.T, s.H, s.Hkv, s.K, s.V, s.C, backward);
 }
-double* doubles(Tensor& t, const ScratchBlock& b) {
-  t = Tensor::empty({b.numel}, b.dtype, Device::cuda);
-  return reinterpret_cast<double*>(t.data<float>());
-}
 float* floats(Tensor& t, const ScratchBlock& b) {
   t = Tensor::empty({b.numel}, b.dtype, Device::cuda);
   return t.data<float>();
+}
+double* doubles(Tensor& t, const ScratchBlock& b) {
+  return reinterpret_cast<double*>(floats(t, b));
 }
 
 // b (the chunk-local cumsum) and A = the decayed scores, the forward's and the backward's first

@@ -275,12 +275,8 @@ unsigned grid_for(int64_t n, int threads) {
   return std::min(blocks_for(n, threads), kMaxBlocks);
 }
 
-// The ranges of consecutive rows a gradient's sum over rows is split into (from `rows` alone,
-// each summed in order by one block into its own partial row): kernels/cuda/scratch.hpp.
-using Chunks = RowRanges;
-Chunks chunks_for(int64_t rows) {
-  return row_ranges(rows);
-}
+// A gradient's sum over rows is split into ranges of consecutive rows (from the row count alone),
+// each summed in order by one block into its own partial row: scratch.hpp's row_ranges.
 // A block of the call's scratch (scratch.hpp's sizes: a meta run books the same).
 Tensor scratch(const ScratchBlock& b) {
   return Tensor::empty({b.numel}, b.dtype, Device::cuda);
@@ -339,7 +335,7 @@ void gla_gate_backward(const float* dgk, const float* z, const float* bias, int6
   check_gate(op, rows, width, normalizer);
   if (rows == 0) return;
   LOOM_CHECK(dgk && z && dz, op, ": null pointer among dgk, z, dz");
-  const Chunks c = chunks_for(rows);
+  const RowRanges c = row_ranges(rows);
   const bool sums = bias && dbias;
   // Released on return while the kernels may still run: the caching allocator hands the block out
   // again only to work queued later on the same stream (runtime.hpp).
@@ -374,7 +370,7 @@ void gated_rmsnorm_backward(const GatedRmsNorm& s, const float* dy, const float*
   if (s.rows == 0) return;
   LOOM_CHECK(dy && x && rstd && dx && (!g || dg), op,
              ": null pointer among dy, x, rstd, dx, dg (with a gate)");
-  const Chunks c = chunks_for(s.rows);
+  const RowRanges c = row_ranges(s.rows);
   const bool sums = w && dw;
   static_assert(kWarps == kGatedNormWarps);
   const std::vector<ScratchBlock> sb = gated_rmsnorm_backward_scratch(s.rows, s.dim, sums);
@@ -415,7 +411,7 @@ void short_conv_backward(const ShortConv& s, const float* dy, int64_t lddy, cons
          du);
   launch(op, conv_dx_kernel, dim3(grid_for(n, kThreads)), dim3(kThreads), s,
          static_cast<const float*>(du), w, dx, lddx);
-  const Chunks c = chunks_for(rows);
+  const RowRanges c = row_ranges(rows);
   Tensor partial = scratch(sb[1]);
   float* p = partial.data<float>();
   launch(op, conv_dw_kernel, dim3(unsigned((s.C + kCols - 1) / kCols), unsigned(c.count)),

@@ -17,7 +17,7 @@ namespace {
 // Threads of a row's block: enough for one vector each up to this many, then they loop.
 constexpr int kMaxThreads = 512;
 // The backward's dw: at most this many blocks, each over a fixed range of rows (chunk_rows
-// consecutive rows, chunk_rows = ceil(rows / kRmsNormChunks), scratch.hpp): the ranges depend on
+// consecutive rows: scratch.hpp's row_ranges, at most kRowSumRanges): the ranges depend on
 // `rows` alone, so dw has the same bits on every GPU. 512 blocks of up to 512 threads fill an H100
 // (132 SMs x 2048 threads) while the partials (512 x dim floats) stay small next to the inputs. The
 // partials are summed by blocks of kDwCols columns x kDwGroups groups of consecutive chunks: each
@@ -226,8 +226,8 @@ void forward(const char* op, const float* x, float* x_round, uint16_t* x16, cons
 template <int N, class X>
 void launch_backward(const float* dy, const X* x, const float* w, const float* rstd, int64_t rows,
                      int64_t dim, float* dx, float* dw) {
-  const int64_t chunk_rows = rmsnorm_chunk_rows(rows);
-  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;  // rmsnorm_backward_scratch's
+  const RowRanges r = row_ranges(rows);  // rmsnorm_backward_scratch's
+  const int64_t chunk_rows = r.rows_per, chunks = r.count;
   // Released when this returns, while the kernels may still run: the caching allocator hands the
   // block out again only to work queued later on the same stream (runtime.hpp).
   Tensor partial = Tensor::empty({chunks, dim}, DType::f32, Device::cuda);

@@ -129,22 +129,10 @@ inline std::vector<ScratchBlock> attention_scratch(int64_t B, int64_t Tq, int64_
 }
 
 // ---- the row kernels
-// RMSNorm's backward (rmsnorm.cu): the weight gradient's partial sums, a row of dim floats per
-// chunk of consecutive rows, at most kRmsNormChunks chunks (the ranges depend on `rows` alone).
-inline constexpr int64_t kRmsNormChunks = 512;
-inline int64_t rmsnorm_chunk_rows(int64_t rows) {
-  return (rows + kRmsNormChunks - 1) / kRmsNormChunks;
-}
-inline std::vector<ScratchBlock> rmsnorm_backward_scratch(int64_t rows, int64_t dim) {
-  if (rows <= 0 || dim <= 0) return {};
-  const int64_t chunk_rows = rmsnorm_chunk_rows(rows);
-  return {{(rows + chunk_rows - 1) / chunk_rows * dim, DType::f32}};
-}
-
 // A gradient's sum over rows by ranges of consecutive rows, each range summed by one block into
-// its own partial row (the bounds from the row count alone): GLA's ops (gla_ops.cu: at most
-// kRowSumRanges ranges) and the bias gradient (bias_gate.cu: also at least kBiasMinRangeRows rows
-// a range).
+// its own partial row (the bounds from the row count alone): RMSNorm's (rmsnorm.cu) and GLA's
+// ops' (gla_ops.cu) at most kRowSumRanges ranges, the bias gradient's (bias_gate.cu) also at
+// least kBiasMinRangeRows rows a range.
 inline constexpr int64_t kRowSumRanges = 512, kBiasMinRangeRows = 32;
 struct RowRanges {
   int64_t rows_per = 0, count = 0;
@@ -153,6 +141,13 @@ inline RowRanges row_ranges(int64_t rows, int64_t min_rows = 1) {
   const int64_t per = std::max(min_rows, (rows + kRowSumRanges - 1) / kRowSumRanges);
   return {per, (rows + per - 1) / per};
 }
+// RMSNorm's backward (rmsnorm.cu): the weight gradient's partial sums, a row of dim floats per
+// range of rows.
+inline std::vector<ScratchBlock> rmsnorm_backward_scratch(int64_t rows, int64_t dim) {
+  if (rows <= 0 || dim <= 0) return {};
+  return {{row_ranges(rows).count * dim, DType::f32}};
+}
+
 // The bias gradient (bias_gate.cu): a partial row of N doubles (f32 pairs) per range of dy's rows.
 inline std::vector<ScratchBlock> bias_grad_scratch(int64_t M, int64_t N) {
   if (M <= 0 || N <= 0) return {};
