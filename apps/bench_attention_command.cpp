@@ -163,12 +163,15 @@ int bench_attention_command(const Args& args) {
   const ops::GpuAvailability g = ops::gpu_availability();
   const std::string on = dev == Device::cuda ? "GPU 0 " + g.name : std::string("the CPU");
   nlohmann::json rows = nlohmann::json::array();
+  // The flash kernels' block sizes (LOOM_FLASH_WARPS) on a GPU.
+  const std::string blocks = dev == Device::cuda ? g.flash_blocks : std::string();
   if (!o.json)
     std::printf(
-        "attention on %s, %s, causal, %lld/%lld heads, %lld tokens a call\n"
+        "attention on %s, %s, causal, %lld/%lld heads, %lld tokens a call%s%s\n"
         "%5s %6s %4s  %11s %9s  %11s %9s\n",
         on.c_str(), dtype_name(o.dtype).data(), (long long)o.Hq, (long long)o.Hkv,
-        (long long)o.tokens, "D", "T", "B", "forward ms", "TFLOP/s", "backward ms", "TFLOP/s");
+        (long long)o.tokens, blocks.empty() ? "" : "\nflash blocks: ", blocks.c_str(), "D", "T",
+        "B", "forward ms", "TFLOP/s", "backward ms", "TFLOP/s");
   for (int64_t D : o.dims)
     for (int64_t T : o.seqs) {
       const bench_attention::Row r = bench_attention::run(o, dev, D, T);
@@ -189,7 +192,10 @@ int bench_attention_command(const Args& args) {
         std::printf("%5lld %6lld %4lld  %11.3f %9.3g  %11.3f %9.3g\n", (long long)r.D,
                     (long long)r.T, (long long)r.B, r.forward_s * 1e3, tf, r.backward_s * 1e3, tb);
     }
-  if (o.json) std::printf("%s\n", nlohmann::json{{"device", on}, {"rows", rows}}.dump(1).c_str());
+  if (o.json)
+    std::printf(
+        "%s\n",
+        nlohmann::json{{"device", on}, {"flash_blocks", blocks}, {"rows", rows}}.dump(1).c_str());
   return 0;
 }
 

@@ -5,6 +5,7 @@
 #include "kernels/cpu/gemm.hpp"
 
 #ifdef LOOM_CUDA_BACKEND
+#include "kernels/cuda/flash_attention.hpp"
 #include "kernels/cuda/gemm.hpp"
 #include "kernels/cuda/measure.hpp"
 #include "kernels/cuda/runtime.hpp"
@@ -21,6 +22,7 @@ GpuAvailability gpu_availability() {
   a.count = int(r.gpus.size());
   a.name = r.gpus.empty() ? "" : r.gpus[0].name;
   a.why_not = r.why_not;
+  a.flash_blocks = cuda::flash_attention_blocks();
 #else
   a.why_not = "this loom was built without the CUDA backend (LOOM_CUDA=OFF, or no CUDA toolkit)";
 #endif

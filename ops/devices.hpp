@@ -10,11 +10,12 @@
 namespace loom::ops {
 
 struct GpuAvailability {
-  bool built = false;   // this loom has the CUDA backend
-  bool usable = false;  // ... and a driver and a GPU it can use
-  int count = 0;        // GPUs found
-  std::string name;     // GPU 0's name
-  std::string why_not;  // when not usable: what was found
+  bool built = false;        // this loom has the CUDA backend
+  bool usable = false;       // ... and a driver and a GPU it can use
+  int count = 0;             // GPUs found
+  std::string name;          // GPU 0's name
+  std::string why_not;       // when not usable: what was found
+  std::string flash_blocks;  // built: the flash attention kernels' block sizes and why
 };
 GpuAvailability gpu_availability();
 // Makes GPU `index` this process's device (the rank's local rank, modulo the GPUs there are:

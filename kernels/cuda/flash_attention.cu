@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstdlib>
+#include <string>
 
 #include "core/error.hpp"
 #include "core/tensor.hpp"
@@ -18,24 +20,24 @@
 namespace loom::cuda {
 namespace {
 
-using flash::kThreads;
+using flash::kThreadsOf;
 using flash::kTile;
 static_assert(kTile == kFlashTile, "scratch.hpp's tile (the planner's ranges) is the kernels'");
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const flash::FwdParams p) {
+template <int D, int W>
+__global__ void __launch_bounds__(kThreadsOf<W>) forward_kernel(const flash::FwdParams p) {
   extern __shared__ __align__(16) char smem[];
-  flash::forward_block<D>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
+  flash::forward_block<D, W>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
 }
-template <int D>
-__global__ void __launch_bounds__(kThreads) backward_kv_kernel(const flash::BwdParams p) {
+template <int D, int W>
+__global__ void __launch_bounds__(kThreadsOf<W>) backward_kv_kernel(const flash::BwdParams p) {
   extern __shared__ __align__(16) char smem[];
-  flash::backward_kv_block<D>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
+  flash::backward_kv_block<D, W>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
 }
-template <int D>
-__global__ void __launch_bounds__(kThreads) backward_q_kernel(const flash::BwdParams p) {
+template <int D, int W>
+__global__ void __launch_bounds__(kThreadsOf<W>) backward_q_kernel(const flash::BwdParams p) {
   extern __shared__ __align__(16) char smem[];
-  flash::backward_q_block<D>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
+  flash::backward_q_block<D, W>(p, int(blockIdx.x), int(blockIdx.y), int(threadIdx.x), smem);
 }
 // One thread per tile: its [lo, hi] positions.
 __global__ void tile_range_kernel(const int64_t* pos, int64_t n, int tiles, int64_t* rng) {
@@ -45,6 +47,38 @@ __global__ void tile_range_kernel(const int64_t* pos, int64_t n, int tiles, int6
 
 int tiles_of(int64_t n) {
   return int((n + kTile - 1) / kTile);
+}
+
+// Warps per block: LOOM_FLASH_WARPS (read once) = 4 or 8 for every call, or auto: 8 at head dim
+// 128 and 4 at 64. Measured by nvcc's register counts (sm_90a: about 240 a thread at D = 128, 166
+// in the forward and dK/dV at D = 64) and the blocks' shared memory: at D = 128 an SM holds 8
+// warps either way, so the 128-row block reads each key (query) tile once for twice the rows; at
+// D = 64 it holds 12 warps of 64-row blocks but only 8 of 128-row ones, a trade the benchmark
+// (bench/compare_attention_gpu.py runs both) settles on a GPU.
+struct Warps {
+  int forced = 0;  // 0: auto
+  std::string why;
+};
+const Warps& warps() {
+  static const Warps w = [] {
+    const char* env = std::getenv("LOOM_FLASH_WARPS");
+    const std::string v = env && *env ? env : "auto";
+    LOOM_CHECK(v == "auto" || v == "4" || v == "8", "LOOM_FLASH_WARPS='", v,
+               "' is not a block size of the flash attention kernels; expected auto, 4 or 8");
+    Warps r;
+    if (v == "auto") {
+      r.why = "8 warps (128-row blocks) at head dim 128, 4 (64 rows) at 64 (LOOM_FLASH_WARPS=auto)";
+    } else {
+      r.forced = std::stoi(v);
+      r.why = v + " warps (" + std::to_string(16 * r.forced) +
+              "-row blocks) at every head dim (LOOM_FLASH_WARPS=" + v + ")";
+    }
+    return r;
+  }();
+  return w;
+}
+int warps_for(int64_t D) {
+  return warps().forced ? warps().forced : D == 128 ? 8 : 4;
 }
 
 // Kernels whose shared memory passes the default 48 KiB say so once.
@@ -91,28 +125,45 @@ void check_call(const cpu::BlockShape& s, const void* q, const void* k, const vo
              ", more than one launch covers");
 }
 
-template <int D>
+template <int D, int W>
 void forward(const flash::FwdParams& p, int64_t B, const char* op) {
-  constexpr int bytes = flash::fwd_smem_bytes<D>();
-  static const bool once = (allow_smem(forward_kernel<D>, bytes, op), true);
+  constexpr int bytes = flash::fwd_smem_bytes<D, W>();
+  static const bool once = (allow_smem(forward_kernel<D, W>, bytes, op), true);
   (void)once;
-  forward_kernel<D>
-      <<<dim3(unsigned(p.q_tiles), unsigned(B * p.Hq)), kThreads, bytes, stream()>>>(p);
+  forward_kernel<D, W><<<dim3(unsigned(flash::blocks_of<W>(p.q_tiles)), unsigned(B * p.Hq)),
+                         kThreadsOf<W>, bytes, stream()>>>(p);
   check_launch(op);
 }
 
-template <int D>
+template <int D, int W>
 void backward(const flash::BwdParams& p, int64_t B, const char* op) {
-  constexpr int kv_bytes = flash::bwd_kv_smem_bytes<D>(), q_bytes = flash::bwd_q_smem_bytes<D>();
-  static const bool once = (allow_smem(backward_kv_kernel<D>, kv_bytes, op),
-                            allow_smem(backward_q_kernel<D>, q_bytes, op), true);
+  constexpr int kv_bytes = flash::bwd_kv_smem_bytes<D, W>();
+  constexpr int q_bytes = flash::bwd_q_smem_bytes<D, W>();
+  static const bool once = (allow_smem(backward_kv_kernel<D, W>, kv_bytes, op),
+                            allow_smem(backward_q_kernel<D, W>, q_bytes, op), true);
   (void)once;
-  backward_kv_kernel<D>
-      <<<dim3(unsigned(p.k_tiles), unsigned(B * p.Hkv)), kThreads, kv_bytes, stream()>>>(p);
+  backward_kv_kernel<D, W><<<dim3(unsigned(flash::blocks_of<W>(p.k_tiles)), unsigned(B * p.Hkv)),
+                             kThreadsOf<W>, kv_bytes, stream()>>>(p);
   check_launch(op);
-  backward_q_kernel<D>
-      <<<dim3(unsigned(p.q_tiles), unsigned(B * p.Hq)), kThreads, q_bytes, stream()>>>(p);
+  backward_q_kernel<D, W><<<dim3(unsigned(flash::blocks_of<W>(p.q_tiles)), unsigned(B * p.Hq)),
+                            kThreadsOf<W>, q_bytes, stream()>>>(p);
   check_launch(op);
+}
+
+// The instance of the head dim (64 or 128) and its block size (warps_for).
+void forward_of(int64_t D, const flash::FwdParams& p, int64_t B, const char* op) {
+  const bool w8 = warps_for(D) == 8;
+  if (D == 64)
+    w8 ? forward<64, 8>(p, B, op) : forward<64, 4>(p, B, op);
+  else
+    w8 ? forward<128, 8>(p, B, op) : forward<128, 4>(p, B, op);
+}
+void backward_of(int64_t D, const flash::BwdParams& p, int64_t B, const char* op) {
+  const bool w8 = warps_for(D) == 8;
+  if (D == 64)
+    w8 ? backward<64, 8>(p, B, op) : backward<64, 4>(p, B, op);
+  else
+    w8 ? backward<128, 8>(p, B, op) : backward<128, 4>(p, B, op);
 }
 
 const uint16_t* bits(const bf16* p) {
@@ -120,6 +171,10 @@ const uint16_t* bits(const bf16* p) {
 }
 
 }  // namespace
+
+std::string flash_attention_blocks() {
+  return warps().why;
+}
 
 bool flash_attention_supported(int64_t D) {
   return flash_head_dim(D);
@@ -149,10 +204,7 @@ void flash_attention_forward_bf16(const cpu::BlockShape& s, const bf16* q, const
   p.q_stride = s.q_stride, p.kv_stride = s.kv_stride;
   p.c = s.scale * flash::kLog2e;
   p.q_tiles = tiles_of(s.Tq), p.k_tiles = tiles_of(s.Tk);
-  if (s.D == 64)
-    forward<64>(p, s.B, op);
-  else
-    forward<128>(p, s.B, op);
+  forward_of(s.D, p, s.B, op);
 }
 
 void flash_attention_backward_bf16(const cpu::BlockShape& s, const bf16* q, const bf16* k,
@@ -174,10 +226,7 @@ void flash_attention_backward_bf16(const cpu::BlockShape& s, const bf16* q, cons
   p.c = s.scale * flash::kLog2e, p.scale = s.scale;
   p.accumulate = s.accumulate;
   p.q_tiles = tiles_of(s.Tq), p.k_tiles = tiles_of(s.Tk);
-  if (s.D == 64)
-    backward<64>(p, s.B, op);
-  else
-    backward<128>(p, s.B, op);
+  backward_of(s.D, p, s.B, op);
 }
 
 }  // namespace loom::cuda

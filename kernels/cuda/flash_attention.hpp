@@ -12,6 +12,7 @@
 //
 // Pointers are device memory; the work is queued on the compute stream and nothing waits.
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.hpp"
 #include "kernels/cpu/attention.hpp"
@@ -19,6 +20,11 @@
 
 namespace loom::cuda {
 
+// The block sizes the kernels run with and why: a block owns 16 rows a warp (query rows in the
+// forward and dQ, keys in dK/dV); 8 warps at head dim 128 and 4 at 64 by default, one size for
+// both with LOOM_FLASH_WARPS=4 or 8 (an unknown value is an error naming it), for the benchmark
+// to compare on a GPU.
+std::string flash_attention_blocks();
 // The head dims the kernels are built for (64 and 128).
 bool flash_attention_supported(int64_t D);
 // Whether a call can take the flash kernels: a supported D, strides multiples of 8 elements and

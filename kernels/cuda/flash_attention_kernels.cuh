@@ -5,33 +5,41 @@
 // (tests/kernels/flash_emulation.hpp defines the primitives and LOOM_FLASH_FN first, then includes
 // this file): the emulation test runs this very code on the CPU.
 //
-// FlashAttention-2's scheme on bf16 operands, 64x64 tiles, 4 warps (128 threads) per block:
-//   forward   a block per (query tile, sample, q head); each warp owns 16 query rows and streams
+// FlashAttention-2's scheme on bf16 operands. A block owns 16 rows per warp of one side (W = 4
+// warps: 64 rows, W = 8: 128 rows; the launch chooses, flash_attention.cu) and streams 64-row
+// tiles of the other side; a larger block reads each streamed tile from memory for more rows
+// (FlashAttention-2 takes 128 query rows), at more shared memory per block:
+//   forward   a block per (query rows, sample, q head); each warp owns 16 query rows and streams
 //             the key tiles (K, V double-buffered in shared memory by cp.async): S = Q K^T by
 //             mma.sync, the online softmax in base 2, O += P V with P rounded to bf16 against the
 //             running max (the CPU kernels' rounding), out = O * (1/l) and lse at the end.
-//   backward  dK, dV: a block per (key tile, sample, kv head); each warp owns 16 keys and streams
+//   backward  dK, dV: a block per (key rows, sample, kv head); each warp owns 16 keys and streams
 //             the query tiles of every q head of its group (Q, dO double-buffered), in head order:
 //             P^T = exp2(K Q^T c - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta) scale,
 //             dV += P^T dO, dK += dS^T Q, accumulated in registers and written once.
-//             dQ: a block per (query tile, sample, q head); each warp owns 16 query rows and
+//             dQ: a block per (query rows, sample, q head); each warp owns 16 query rows and
 //             streams the key tiles: dQ += dS K. No atomics: every output element is written by
 //             one thread, the sums run in a fixed order (deterministic).
-// Tiles in shared memory are [64][D] bf16 with the 16-byte chunks of row r XOR-swizzled by r % 8,
+// Tiles in shared memory are [rows][D] bf16 with the 16-byte chunks of row r XOR-swizzled by r % 8,
 // so that the 8 row addresses of an ldmatrix (one chunk column) hit 8 different bank groups.
 //
 // Masking by positions (key j visible to query i iff k_pos[j] <= q_pos[i]; plain causal attention
 // has no position arrays: positions 0..T-1): a tile pair is skipped when its earliest key follows
 // its latest query, computed unmasked when its latest key precedes its earliest query (and the key
 // tile is complete), and masked entry by entry otherwise (selected: a masked score never reaches
-// exp2). Rows past Tq and keys past Tk are zero-filled in shared memory and never written.
+// exp2). The position ranges are kept per 64 rows; a block's own rows take the union of theirs.
+// Rows past Tq and keys past Tk are zero-filled in shared memory and never written.
 #include <cmath>
 #include <cstdint>
 
 namespace loom::flash {
 
-constexpr int kTile = 64;      // queries and keys per tile
-constexpr int kThreads = 128;  // 4 warps of 16 rows each
+constexpr int kTile = 64;  // rows of a streamed tile, and of a position range
+// A block of W warps: its own rows (16 a warp) and its threads.
+template <int W>
+constexpr int kRows = 16 * W;
+template <int W>
+constexpr int kThreadsOf = 32 * W;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int64_t kNoPos = INT64_MIN;  // the position of a row past the end: sees no key
@@ -55,44 +63,57 @@ LOOM_FLASH_FN void tile_range(const int64_t* pos, int64_t n, int tile, int64_t* 
   }
   rng[2 * tile] = lo, rng[2 * tile + 1] = hi;
 }
+// The union of the ranges of 64-row tiles [first, first + count) of n rows: a block's own rows.
+LOOM_FLASH_FN Range rows_range(const int64_t* rng, int64_t n, int first, int count) {
+  const int tiles = int((n + kTile - 1) / kTile);
+  const int end = first + count < tiles ? first + count : tiles;
+  Range r = tile_range_of(rng, n, first);
+  for (int t = first + 1; t < end; ++t) {
+    const Range x = tile_range_of(rng, n, t);
+    r.lo = x.lo < r.lo ? x.lo : r.lo;
+    r.hi = x.hi > r.hi ? x.hi : r.hi;
+  }
+  return r;
+}
 LOOM_FLASH_FN int64_t position(const int64_t* pos, int64_t i) {
   return pos ? pos[i] : i;
 }
-// How a (query tile, key tile) pair is computed.
+// How a (query rows, key rows) pair is computed; k_complete: no key row lies past Tk.
 enum class Pair { skip, full, masked };
-LOOM_FLASH_FN Pair classify(Range q, Range k, int64_t k0, int64_t Tk) {
+LOOM_FLASH_FN Pair classify(Range q, Range k, bool k_complete) {
   if (k.lo > q.hi) return Pair::skip;
-  if (k.hi <= q.lo && k0 + kTile <= Tk) return Pair::full;
+  if (k.hi <= q.lo && k_complete) return Pair::full;
   return Pair::masked;
 }
 
-// The element offset of (row, col) in a swizzled [64][D] tile.
+// The element offset of (row, col) in a swizzled [rows][D] tile.
 template <int D>
 LOOM_FLASH_FN int swz(int row, int col) {
   return row * D + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
 }
 
-// Rows [row0, row0+64) of a bf16 matrix (stride elements between rows) into a swizzled tile by
-// 16-byte cp.async, rows at or past n zero-filled. Each thread issues D/8/2 copies, a row's
-// chunks by consecutive threads (coalesced).
-template <int D>
+// Rows [row0, row0+R) of a bf16 matrix (stride elements between rows) into a swizzled tile by
+// 16-byte cp.async from T threads, rows at or past n zero-filled. Each thread issues R D/8/T
+// copies, a row's chunks by consecutive threads (coalesced).
+template <int D, int R, int T>
 LOOM_FLASH_FN void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t row0,
                              int64_t n, int tid) {
   constexpr int kChunks = D / 8;
   LOOM_FLASH_UNROLL
-  for (int c = tid; c < kTile * kChunks; c += kThreads) {
+  for (int c = tid; c < R * kChunks; c += T) {
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = row0 + r < n;
     cp_async16(dst + swz<D>(r, ch * 8), src + (ok ? row0 + r : row0) * stride + ch * 8, ok);
   }
 }
 
-// Key tile kt of K and V into buffer bf of the double-buffered sk, sv ([2][64][D] each).
-template <int D>
+// Key tile kt of K and V into buffer bf of the double-buffered sk, sv ([2][64][D] each), by T
+// threads.
+template <int D, int T>
 LOOM_FLASH_FN void load_kv(uint16_t* sk, uint16_t* sv, int bf, const uint16_t* kb,
                            const uint16_t* vb, int64_t stride, int kt, int64_t Tk, int tid) {
-  load_tile<D>(sk + bf * kTile * D, kb, stride, int64_t(kt) * kTile, Tk, tid);
-  load_tile<D>(sv + bf * kTile * D, vb, stride, int64_t(kt) * kTile, Tk, tid);
+  load_tile<D, kTile, T>(sk + bf * kTile * D, kb, stride, int64_t(kt) * kTile, Tk, tid);
+  load_tile<D, kTile, T>(sv + bf * kTile * D, vb, stride, int64_t(kt) * kTile, Tk, tid);
 }
 
 // The A fragments (16 rows x 16 columns per step) of rows row0..row0+15 of a swizzled tile, for
@@ -143,8 +164,8 @@ struct FwdParams {
   uint16_t* out_bf16;
   float* lse;
   int64_t Tq, Tk, Hq, Hkv, q_stride, kv_stride;
-  float c;  // scale * log2(e)
-  int q_tiles, k_tiles;
+  float c;               // scale * log2(e)
+  int q_tiles, k_tiles;  // 64-row tiles
 };
 
 // The next key tile from kt on that the query tile sees (k_tiles when none); P: FwdParams or
@@ -152,38 +173,46 @@ struct FwdParams {
 template <class P>
 LOOM_FLASH_FN int next_key_tile(const P& p, Range qr, int kt) {
   for (; kt < p.k_tiles; ++kt)
-    if (classify(qr, tile_range_of(p.k_rng, p.Tk, kt), int64_t(kt) * kTile, p.Tk) != Pair::skip)
+    if (classify(qr, tile_range_of(p.k_rng, p.Tk, kt), int64_t(kt + 1) * kTile <= p.Tk) !=
+        Pair::skip)
       break;
   return kt;
 }
 
-// Shared memory of the forward: Q, then K[2], V[2], each [64][D] bf16.
-template <int D>
-constexpr int fwd_smem_bytes() {
-  return 5 * kTile * D * 2;
+// The blocks of W warps that cover `tiles` 64-row tiles.
+template <int W>
+LOOM_FLASH_FN int blocks_of(int tiles) {
+  return (tiles + kRows<W> / kTile - 1) / (kRows<W> / kTile);
 }
 
-// One block: bx counts query tiles from the last (the longest rows under causal masking start
-// first), by = b * Hq + h.
-template <int D>
+// Shared memory of the forward: Q ([16 W][D]), then K[2], V[2] ([64][D] each), bf16.
+template <int D, int W>
+constexpr int fwd_smem_bytes() {
+  return (kRows<W> + 4 * kTile) * D * 2;
+}
+
+// One block: bx counts query row blocks from the last (the longest rows under causal masking
+// start first), by = b * Hq + h.
+template <int D, int W>
 LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, char* smem) {
   constexpr int kNd = D / 8;  // 8-column tiles of the output
+  constexpr int R = kRows<W>, T = kThreadsOf<W>;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qt = p.q_tiles - 1 - bx;
+  const int qt = blocks_of<W>(p.q_tiles) - 1 - bx;
   const int64_t b = by / p.Hq, h = by % p.Hq, hk = h / (p.Hq / p.Hkv);
-  const int64_t q0 = int64_t(qt) * kTile;
+  const int64_t q0 = int64_t(qt) * R;
   const uint16_t* qb = p.q + b * p.Tq * p.q_stride + h * D;
   const uint16_t* kb = p.k + b * p.Tk * p.kv_stride + hk * D;
   const uint16_t* vb = p.v + b * p.Tk * p.kv_stride + hk * D;
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sk = sq + kTile * D;      // [2][64][D]
+  uint16_t* sk = sq + R * D;          // [2][64][D]
   uint16_t* sv = sk + 2 * kTile * D;  // [2][64][D]
-  const Range qr = tile_range_of(p.q_rng, p.Tq, qt);
+  const Range qr = rows_range(p.q_rng, p.Tq, qt * (R / kTile), R / kTile);
 
   int kt = next_key_tile(p, qr, 0);
-  load_tile<D>(sq, qb, p.q_stride, q0, p.Tq, tid);
+  load_tile<D, R, T>(sq, qb, p.q_stride, q0, p.Tq, tid);
   if (kt < p.k_tiles) {
-    load_kv<D>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
+    load_kv<D, T>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
   }
   cp_async_commit();
 
@@ -203,7 +232,7 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
   while (kt < p.k_tiles) {
     const int nxt = next_key_tile(p, qr, kt + 1);
     if (nxt < p.k_tiles) {  // prefetch the next pair into the other buffer
-      load_kv<D>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
+      load_kv<D, T>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile's group (and Q) landed, for this thread's copies
@@ -230,7 +259,8 @@ LOOM_FLASH_FN void forward_block(const FwdParams& p, int bx, int by, int tid, ch
 
     // The online softmax of rows r (entries s[n][2r], s[n][2r+1]: keys 8n + 2 t4 + e).
     const int64_t k0 = int64_t(kt) * kTile;
-    const bool masked = classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
+    const bool masked =
+        classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0 + kTile <= p.Tk) == Pair::masked;
     LOOM_FLASH_UNROLL
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -324,25 +354,28 @@ struct BwdParams {
   int64_t Tq, Tk, Hq, Hkv, q_stride, kv_stride;
   float c, scale;
   bool accumulate;
-  int q_tiles, k_tiles;
+  int q_tiles, k_tiles;  // 64-row tiles
 };
 
-// Shared memory of the dK/dV kernel: K, V, Q[2], dO[2] ([64][D] bf16 each), then lse*log2(e) and
-// delta of the query tiles ([2][64] f32 each). The dQ kernel: Q, dO, K[2], V[2].
-template <int D>
+// Shared memory of the dK/dV kernel: K, V ([16 W][D] each), Q[2], dO[2] ([64][D] each), bf16,
+// then lse*log2(e) and delta of the query tiles ([2][64] f32 each). The dQ kernel: Q, dO
+// ([16 W][D] each), K[2], V[2] ([64][D] each).
+template <int D, int W>
 constexpr int bwd_kv_smem_bytes() {
-  return 6 * kTile * D * 2 + 4 * kTile * 4;
+  return (2 * kRows<W> + 4 * kTile) * D * 2 + 4 * kTile * 4;
 }
-template <int D>
+template <int D, int W>
 constexpr int bwd_q_smem_bytes() {
-  return 6 * kTile * D * 2;
+  return (2 * kRows<W> + 4 * kTile) * D * 2;
 }
 
 // The i-th (head, query tile) pair from `from` on (i = hh * q_tiles + qt over the kv head's G q
-// heads) that the key tile sees; G * q_tiles when none.
-LOOM_FLASH_FN int next_query_item(const BwdParams& p, Range kr, int64_t k0, int from, int items) {
+// heads) that the key rows see; G * q_tiles when none.
+LOOM_FLASH_FN int next_query_item(const BwdParams& p, Range kr, bool k_complete, int from,
+                                  int items) {
   for (; from < items; ++from)
-    if (classify(tile_range_of(p.q_rng, p.Tq, from % p.q_tiles), kr, k0, p.Tk) != Pair::skip) break;
+    if (classify(tile_range_of(p.q_rng, p.Tq, from % p.q_tiles), kr, k_complete) != Pair::skip)
+      break;
   return from;
 }
 
@@ -363,33 +396,35 @@ LOOM_FLASH_FN void put_rows(float* dst, int64_t stride, int64_t row, int64_t n,
   }
 }
 
-// dK, dV of one key tile: bx = key tile, by = b * Hkv + kv head.
-template <int D>
+// dK, dV of one block of key rows: bx = the block, by = b * Hkv + kv head.
+template <int D, int W>
 LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid, char* smem) {
   constexpr int kNd = D / 8;
+  constexpr int R = kRows<W>, T = kThreadsOf<W>;
   // The warp's K and V fragments are read from shared memory per step (held in registers, they
   // make D = 64 spill).
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kt = bx;
   const int64_t G = p.Hq / p.Hkv, b = by / p.Hkv, hk = by % p.Hkv;
-  const int64_t k0 = int64_t(kt) * kTile;
+  const int64_t k0 = int64_t(kt) * R;
   const int64_t os = p.Hq * D;
   uint16_t* sk = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sv = sk + kTile * D;
-  uint16_t* sq = sv + kTile * D;                              // [2][64][D]
+  uint16_t* sv = sk + R * D;
+  uint16_t* sq = sv + R * D;                                  // [2][64][D]
   uint16_t* sdo = sq + 2 * kTile * D;                         // [2][64][D]
   float* sl = reinterpret_cast<float*>(sdo + 2 * kTile * D);  // [2][64] lse * log2(e)
   float* sd = sl + 2 * kTile;                                 // [2][64] delta
-  const Range kr = tile_range_of(p.k_rng, p.Tk, kt);
+  const Range kr = rows_range(p.k_rng, p.Tk, kt * (R / kTile), R / kTile);
+  const bool k_complete = k0 + R <= p.Tk;
   const int items = int(G) * p.q_tiles;
 
   // Query tile `it` into buffer bf: Q and dO by cp.async, lse and delta by plain loads (rows past
   // Tq: lse -inf, i.e. no contribution).
   auto load_item = [&](int it, int bf) {
     const int64_t h = hk * G + it / p.q_tiles, q0 = int64_t(it % p.q_tiles) * kTile;
-    load_tile<D>(sq + bf * kTile * D, p.q + b * p.Tq * p.q_stride + h * D, p.q_stride, q0, p.Tq,
-                 tid);
-    load_tile<D>(sdo + bf * kTile * D, p.dout + b * p.Tq * os + h * D, os, q0, p.Tq, tid);
+    load_tile<D, kTile, T>(sq + bf * kTile * D, p.q + b * p.Tq * p.q_stride + h * D, p.q_stride, q0,
+                           p.Tq, tid);
+    load_tile<D, kTile, T>(sdo + bf * kTile * D, p.dout + b * p.Tq * os + h * D, os, q0, p.Tq, tid);
     if (tid < kTile) {
       const int64_t i = q0 + tid;
       const float li = i < p.Tq ? p.lse[(b * p.Hq + h) * p.Tq + i] : -INFINITY;
@@ -398,9 +433,9 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
     }
   };
 
-  int it = next_query_item(p, kr, k0, 0, items);
-  load_tile<D>(sk, p.k + b * p.Tk * p.kv_stride + hk * D, p.kv_stride, k0, p.Tk, tid);
-  load_tile<D>(sv, p.v + b * p.Tk * p.kv_stride + hk * D, p.kv_stride, k0, p.Tk, tid);
+  int it = next_query_item(p, kr, k_complete, 0, items);
+  load_tile<D, R, T>(sk, p.k + b * p.Tk * p.kv_stride + hk * D, p.kv_stride, k0, p.Tk, tid);
+  load_tile<D, R, T>(sv, p.v + b * p.Tk * p.kv_stride + hk * D, p.kv_stride, k0, p.Tk, tid);
   if (it < items) load_item(it, 0);
   cp_async_commit();
 
@@ -415,14 +450,14 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
     for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.0f;
   int buf = 0;
   while (it < items) {
-    const int nxt = next_query_item(p, kr, k0, it + 1, items);
+    const int nxt = next_query_item(p, kr, k_complete, it + 1, items);
     if (nxt < items) load_item(nxt, buf ^ 1);
     cp_async_commit();
     cp_async_wait<1>();
     block_sync();
     const int64_t q0 = int64_t(it % p.q_tiles) * kTile;
     const bool masked =
-        classify(tile_range_of(p.q_rng, p.Tq, it % p.q_tiles), kr, k0, p.Tk) == Pair::masked;
+        classify(tile_range_of(p.q_rng, p.Tq, it % p.q_tiles), kr, k_complete) == Pair::masked;
     const uint16_t* qs = sq + buf * kTile * D;
     const uint16_t* dos = sdo + buf * kTile * D;
     const float* ls = sl + buf * kTile;
@@ -485,29 +520,30 @@ LOOM_FLASH_FN void backward_kv_block(const BwdParams& p, int bx, int by, int tid
   put_rows<D>(p.dv + kbase, p.kv_stride, k0 + row0 + g, p.Tk, dv, t4, p.accumulate);
 }
 
-// dQ of one query tile: bx counts query tiles from the last, by = b * Hq + h.
-template <int D>
+// dQ of one block of query rows: bx counts them from the last, by = b * Hq + h.
+template <int D, int W>
 LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid, char* smem) {
   constexpr int kNd = D / 8;
+  constexpr int R = kRows<W>, T = kThreadsOf<W>;
   constexpr bool kKeep = D <= 64;  // Q, dO fragments held in registers
   constexpr int kParts = D <= 64 ? 1 : 2, kKeys = kTile / kParts;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qt = p.q_tiles - 1 - bx;
+  const int qt = blocks_of<W>(p.q_tiles) - 1 - bx;
   const int64_t b = by / p.Hq, h = by % p.Hq, hk = h / (p.Hq / p.Hkv);
-  const int64_t q0 = int64_t(qt) * kTile, os = p.Hq * D;
+  const int64_t q0 = int64_t(qt) * R, os = p.Hq * D;
   const uint16_t* kb = p.k + b * p.Tk * p.kv_stride + hk * D;
   const uint16_t* vb = p.v + b * p.Tk * p.kv_stride + hk * D;
   uint16_t* sq = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sdo = sq + kTile * D;
-  uint16_t* sk = sdo + kTile * D;     // [2][64][D]
+  uint16_t* sdo = sq + R * D;
+  uint16_t* sk = sdo + R * D;         // [2][64][D]
   uint16_t* sv = sk + 2 * kTile * D;  // [2][64][D]
-  const Range qr = tile_range_of(p.q_rng, p.Tq, qt);
+  const Range qr = rows_range(p.q_rng, p.Tq, qt * (R / kTile), R / kTile);
 
   int kt = next_key_tile(p, qr, 0);
-  load_tile<D>(sq, p.q + b * p.Tq * p.q_stride + h * D, p.q_stride, q0, p.Tq, tid);
-  load_tile<D>(sdo, p.dout + b * p.Tq * os + h * D, os, q0, p.Tq, tid);
+  load_tile<D, R, T>(sq, p.q + b * p.Tq * p.q_stride + h * D, p.q_stride, q0, p.Tq, tid);
+  load_tile<D, R, T>(sdo, p.dout + b * p.Tq * os + h * D, os, q0, p.Tq, tid);
   if (kt < p.k_tiles) {
-    load_kv<D>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
+    load_kv<D, T>(sk, sv, 0, kb, vb, p.kv_stride, kt, p.Tk, tid);
   }
   cp_async_commit();
 
@@ -529,7 +565,7 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
   while (kt < p.k_tiles) {
     const int nxt = next_key_tile(p, qr, kt + 1);
     if (nxt < p.k_tiles) {
-      load_kv<D>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
+      load_kv<D, T>(sk, sv, buf ^ 1, kb, vb, p.kv_stride, nxt, p.Tk, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -544,7 +580,8 @@ LOOM_FLASH_FN void backward_q_block(const BwdParams& p, int bx, int by, int tid,
     const uint16_t* ks = sk + buf * kTile * D;
     const uint16_t* vs = sv + buf * kTile * D;
     const int64_t k0 = int64_t(kt) * kTile;
-    const bool masked = classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0, p.Tk) == Pair::masked;
+    const bool masked =
+        classify(qr, tile_range_of(p.k_rng, p.Tk, kt), k0 + kTile <= p.Tk) == Pair::masked;
     // The key tile in kParts parts of kKeys keys (D = 128: two, so S, dP and dQ fit the registers).
     for (int part = 0; part < kParts; ++part) {
       const int kc = part * kKeys;

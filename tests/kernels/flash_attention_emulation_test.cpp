@@ -81,7 +81,7 @@ struct Case {
   const int64_t* kp() const { return k_pos.empty() ? nullptr : k_pos.data(); }
 };
 
-template <int D>
+template <int D, int W>
 void emu_forward(const Case& c, const std::vector<bf16>& q, const std::vector<bf16>& kv,
                  float* out_f32, uint16_t* out_bf16, float* lse) {
   const std::vector<int64_t> qr = host_ranges(c.q_pos, c.Tq), kr = host_ranges(c.k_pos, c.Tk);
@@ -93,12 +93,13 @@ void emu_forward(const Case& c, const std::vector<bf16>& q, const std::vector<bf
   p.Tq = c.Tq, p.Tk = c.Tk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.q_stride = c.qs(), p.kv_stride = c.kvs();
   p.c = c.scale() * flash::kLog2e;
   p.q_tiles = int((c.Tq + 63) / 64), p.k_tiles = int((c.Tk + 63) / 64);
-  flash::emu::run_grid(
-      p.q_tiles, int(c.B * c.Hq), flash::kThreads, flash::fwd_smem_bytes<D>(),
-      [&](int bx, int by, int tid, char* smem) { flash::forward_block<D>(p, bx, by, tid, smem); });
+  flash::emu::run_grid(flash::blocks_of<W>(p.q_tiles), int(c.B * c.Hq), flash::kThreadsOf<W>,
+                       flash::fwd_smem_bytes<D, W>(), [&](int bx, int by, int tid, char* smem) {
+                         flash::forward_block<D, W>(p, bx, by, tid, smem);
+                       });
 }
 
-template <int D>
+template <int D, int W>
 void emu_backward(const Case& c, bool accumulate, const std::vector<bf16>& q,
                   const std::vector<bf16>& kv, const std::vector<float>& lse,
                   const std::vector<float>& delta, const std::vector<float>& dout, float* dq,
@@ -115,13 +116,13 @@ void emu_backward(const Case& c, bool accumulate, const std::vector<bf16>& q,
   p.Tq = c.Tq, p.Tk = c.Tk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.q_stride = c.qs(), p.kv_stride = c.kvs();
   p.c = c.scale() * flash::kLog2e, p.scale = c.scale(), p.accumulate = accumulate;
   p.q_tiles = int((c.Tq + 63) / 64), p.k_tiles = int((c.Tk + 63) / 64);
-  flash::emu::run_grid(p.k_tiles, int(c.B * c.Hkv), flash::kThreads, flash::bwd_kv_smem_bytes<D>(),
-                       [&](int bx, int by, int tid, char* smem) {
-                         flash::backward_kv_block<D>(p, bx, by, tid, smem);
+  flash::emu::run_grid(flash::blocks_of<W>(p.k_tiles), int(c.B * c.Hkv), flash::kThreadsOf<W>,
+                       flash::bwd_kv_smem_bytes<D, W>(), [&](int bx, int by, int tid, char* smem) {
+                         flash::backward_kv_block<D, W>(p, bx, by, tid, smem);
                        });
-  flash::emu::run_grid(p.q_tiles, int(c.B * c.Hq), flash::kThreads, flash::bwd_q_smem_bytes<D>(),
-                       [&](int bx, int by, int tid, char* smem) {
-                         flash::backward_q_block<D>(p, bx, by, tid, smem);
+  flash::emu::run_grid(flash::blocks_of<W>(p.q_tiles), int(c.B * c.Hq), flash::kThreadsOf<W>,
+                       flash::bwd_q_smem_bytes<D, W>(), [&](int bx, int by, int tid, char* smem) {
+                         flash::backward_q_block<D, W>(p, bx, by, tid, smem);
                        });
 }
 
@@ -147,10 +148,11 @@ void expect_rel(const std::vector<float>& a, const std::vector<float>& ref, doub
 }
 
 // Forward (f32 and bf16 outputs) and backward (overwriting and accumulating) of one case against
-// the CPU's bf16 kernels.
-void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
-  SCOPED_TRACE(c.name());
-  std::printf("%s:", c.name().c_str());
+// the CPU's bf16 kernels, with blocks of W warps (4 or 8).
+template <int W>
+void check_case(const Case& c, uint64_t seed, float input_scale) {
+  SCOPED_TRACE(c.name() + " W=" + std::to_string(W));
+  std::printf("%s W=%d:", c.name().c_str(), W);
   const int64_t qrows = c.B * c.Tq, krows = c.B * c.Tk, ow = c.Hq * c.D, kw = c.Hkv * c.D;
   const std::vector<bf16> q = test::to_bf16(test::randn(size_t(qrows * c.qs()), seed, input_scale));
   const std::vector<bf16> kv =
@@ -177,7 +179,7 @@ void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
   std::vector<float> eout(out.size(), kNaN), flse(lse.size(), kNaN);
   std::vector<uint16_t> eout16(out.size(), 0x7fc0);  // NaN
   std::vector<float> flse2(lse.size(), kNaN);
-  auto fwd = c.D == 64 ? emu_forward<64> : emu_forward<128>;
+  auto fwd = c.D == 64 ? emu_forward<64, W> : emu_forward<128, W>;
   fwd(c, q, kv, eout.data(), nullptr, flse.data());
   fwd(c, q, kv, nullptr, eout16.data(), flse2.data());
   expect_rel(eout, out, kFwdTol, "out");
@@ -203,7 +205,7 @@ void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
   // Backward from the CPU's lse and delta (of its output rounded to bf16, as the model saves it).
   std::vector<float> delta(lse.size());
   cpu::attention_delta_bf16(c.B, c.Tq, c.Hq, c.D, out16.data(), dout.data(), delta.data());
-  auto bwd = c.D == 64 ? emu_backward<64> : emu_backward<128>;
+  auto bwd = c.D == 64 ? emu_backward<64, W> : emu_backward<128, W>;
   for (bool accumulate : {false, true}) {
     if (accumulate && !block) continue;  // plain attention overwrites
     const float init = accumulate ? 0.0f : kNaN;
@@ -231,6 +233,12 @@ void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
                "dv");
   }
   std::printf("\n");
+}
+
+// Both block sizes the launch can take.
+void check_case(const Case& c, uint64_t seed, float input_scale = 1.0f) {
+  check_case<4>(c, seed, input_scale);
+  check_case<8>(c, seed, input_scale);
 }
 
 TEST(FlashAttentionEmulation, CausalMatchesCpuKernels) {
