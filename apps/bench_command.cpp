@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -39,6 +40,7 @@
 #include "core/philox.hpp"
 #include "kernels/cpu/gemm.hpp"
 #include "model/model_config.hpp"
+#include "ops/devices.hpp"
 #include "parallel/parallelize.hpp"
 #include "train/config.hpp"
 #include "train/launch.hpp"
@@ -274,8 +276,10 @@ int bench_command(const Args& args) {
     profile.emplace(hw, std::max(1.0, double(world) / std::max(1, hw.ranks_per_node)), device);
   }
   std::vector<double> times, losses;
+  std::map<std::string, uint64_t> waits_before;  // the GPU's host waits before the timed steps
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
+      waits_before = ops::gpu_host_waits();
       alloc.reset_peak();
       for (dist::ProcessGroup* g : groups) g->reset_counters();
       if (profile) {
@@ -410,6 +414,23 @@ int bench_command(const Args& args) {
     }
     return check && !all_ok ? 1 : 0;
   }
+  // A step's waits of the host for the GPU, by what waited: each one drains the GPU's queue.
+  nlohmann::ordered_json waits_json = nlohmann::ordered_json::object();
+  std::string waits_text;
+  double waits_total = 0;
+  if (device == Device::cuda) {
+    for (const auto& [what, count] : ops::gpu_host_waits()) {
+      const auto it = waits_before.find(what);
+      const double per_step =
+          double(count - (it == waits_before.end() ? 0 : it->second)) / double(timed);
+      if (per_step == 0) continue;
+      waits_json[what] = per_step;
+      waits_total += per_step;
+      char figure[32];
+      std::snprintf(figure, sizeof figure, "%g", per_step);
+      waits_text += str_cat(waits_text.empty() ? "" : ", ", what, " ", figure);
+    }
+  }
   const std::string load_after = load_average();
   const std::string profiled =
       profile ? profile->report(steps, step_s, wait_s / double(timed)) : std::string();
@@ -424,13 +445,14 @@ int bench_command(const Args& args) {
         "\"params\": %zu, \"step_s\": %.6f, \"tokens_per_s\": %.1f, \"tflops\": %.4f, "
         "\"gemm_peak_tflops\": %.4f, \"mfu\": %.4f, \"peak_allocated_bytes\": %zu, "
         "\"peak_reserved_bytes\": %zu, \"expected_bytes\": %zu, \"expected_by_use\": %s, "
-        "\"loss_first\": %.5f, \"loss_last\": %.5f, "
+        "\"loss_first\": %.5f, \"loss_last\": %.5f, \"host_waits_per_step\": %s, "
         "\"load_before\": \"%s\", \"load_after\": \"%s\", \"precision\": %s, "
         "\"system\": %s}\n",
         config_path.c_str(), std::string(dtype_name(compute)).c_str(), long(B), long(T), n, step_s,
         tokens_per_s, flops / 1e12, peak_flops / 1e12, mfu, st.peak_allocated, st.peak_reserved,
-        peak_expected, by_use.dump().c_str(), losses.front(), losses.back(), load_before.c_str(),
-        load_after.c_str(), nlohmann::json(describe_precision(job)).dump().c_str(),
+        peak_expected, by_use.dump().c_str(), losses.front(), losses.back(),
+        waits_json.dump().c_str(), load_before.c_str(), load_after.c_str(),
+        nlohmann::json(describe_precision(job)).dump().c_str(),
         system_info_json(sys).dump().c_str());
     return check && !peak_ok ? 1 : 0;
   }
@@ -458,6 +480,9 @@ int bench_command(const Args& args) {
       "%.4f%s)\n",
       double(peak_expected) / MiB, uses.c_str(), mem_ratio, peak_ok ? "" : ", OFF");
   std::printf("  loss                %.4f -> %.4f\n", losses.front(), losses.back());
+  if (device == Device::cuda)
+    std::printf("  host waits/step     %g (%s): the host waiting for the GPU\n", waits_total,
+                waits_text.empty() ? "none" : waits_text.c_str());
   std::fputs(profiled.c_str(), stdout);
   return check && !peak_ok ? 1 : 0;
 }

@@ -56,6 +56,14 @@ CpuBf16Gemms cpu_bf16_gemms() {
   return {isa.onednn_native_bf16, cpu::gemm_bf16_native(), isa.onednn, cpu::gemm_bf16_path()};
 }
 
+std::map<std::string, uint64_t> gpu_host_waits() {
+#ifdef LOOM_CUDA_BACKEND
+  return cuda::host_waits();
+#else
+  return {};
+#endif
+}
+
 double measure_gemm_peak(Device device, DType dtype, double seconds) {
 #ifdef LOOM_CUDA_BACKEND
   if (device == Device::cuda) return cuda::measure_gemm_peak_bf16(seconds);

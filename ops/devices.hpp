@@ -2,6 +2,8 @@
 // What the layers above ops/ may ask of the devices (train/, apps/): whether this loom has the
 // CUDA backend and a GPU it can use, and starting the process's GPU. The one place outside the
 // backends that knows a device runtime exists; nothing here runs a kernel.
+#include <cstdint>
+#include <map>
 #include <string>
 
 #include "core/device.hpp"
@@ -25,6 +27,10 @@ void start_gpu(int index, bool allow_tf32);
 // A command line's --device: "cpu"; "cuda", GPU 0 started (an error naming what is missing where
 // none is usable); "auto", cuda where a GPU is usable, else cpu. `key` names the option in errors.
 Device start_device(const std::string& name, const char* key = "--device");
+
+// The times this process's host has waited for its GPU, by what waited (cuda::host_waits: the
+// step's loss read, the gradient norm, MoE's counts...); empty without the CUDA backend.
+std::map<std::string, uint64_t> gpu_host_waits();
 
 // The GEMM rate (FLOP/s) of `device` measured now for about `seconds`: the CPU's for `dtype`
 // (cpu::measure_gemm_peak), a GPU's bf16 tensor-core rate whatever `dtype` (the denominator of MFU

@@ -379,7 +379,12 @@ size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType
   return layout(N, V, ch, grad16).bytes;
 }
 
-void linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out, uint64_t* bad_target) {
+namespace {
+
+// Both entry points: the targets checked into bad_target, or into the call's own record, which is
+// waited for and thrown before any output is touched (!later) or left to the next wait (later).
+void run_linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out,
+                              uint64_t* bad_target, bool later) {
   const char* op = "linear_cross_entropy";
   check_args(a);
   if (a.N == 0) {
@@ -411,13 +416,18 @@ void linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out, uin
   double* row_loss = reinterpret_cast<double*>(base + lay.loss);
 
   // The targets are checked first: into the caller's record, or into the scratch's, waited for
-  // and thrown before any output is touched.
+  // and thrown before any output is touched, or checked at the next wait.
   uint64_t* record = bad_target ? bad_target : reinterpret_cast<uint64_t*>(base + lay.record);
   if (!bad_target) clear_bad_target(record);
   check_targets_kernel<<<blocks_for(a.N, 256), 256, 0, stream()>>>(
       a.targets, a.N, a.V, reinterpret_cast<unsigned long long*>(record));
   check_launch(op);
-  if (!bad_target) check_bad_target(record, a.V);
+  if (!bad_target && later) {
+    // The copy is queued now, before the scratch's block can be handed out again.
+    defer_check(record, [V = a.V](uint64_t value) { bad_target_error(value, V); });
+  } else if (!bad_target) {
+    check_bad_target(record, a.V);
+  }
 
   const int threads = threads_for(a.V);
   const void* dlogits = G16 ? static_cast<const void*>(G16) : static_cast<const void*>(L);
@@ -487,6 +497,16 @@ void linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out, uin
     }
   }
   if (loss_out) sum_rows(op, row_loss, a.N, loss_out);
+}
+
+}  // namespace
+
+void linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out, uint64_t* bad_target) {
+  run_linear_cross_entropy(a, loss_out, bad_target, false);
+}
+
+void linear_cross_entropy_checked_later(const LinearCrossEntropyArgs& a, double* loss_out) {
+  run_linear_cross_entropy(a, loss_out, nullptr, true);
 }
 
 void vocab_shard_lse(const float* logits, int64_t rows, int64_t V, int64_t Vr,

@@ -87,6 +87,11 @@ size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t D, int64_t V, DType
 // No output may overlap an input. Throws (before anything is queued) for the CPU's argument
 // errors: dtype, N < 0, D or V <= 0, chunk_rows < 0, null x, w or targets with N > 0.
 void linear_cross_entropy(const LinearCrossEntropyArgs& a, double* loss_out, uint64_t* bad_target);
+// As linear_cross_entropy with the call's own record checked at the host's next wait (a deferred
+// check, runtime.hpp): nothing waits, and a bad target gives the record path's results (that
+// row's gradient zero, the loss NaN) until the wait throws the CPU's error naming the row. What
+// the CUDA backend calls: the targets were checked on the host where they were made.
+void linear_cross_entropy_checked_later(const LinearCrossEntropyArgs& a, double* loss_out);
 
 // ---- the vocabulary-parallel loss (the CPU's semantics, sharded.hpp)
 

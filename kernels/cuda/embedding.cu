@@ -18,18 +18,25 @@ namespace {
 
 // Threads of a block: N consecutive columns each.
 constexpr int kThreads = 256;
-// The "no bad position" value of the recorded first bad position (memset to 0xff bytes; every
-// position is below it, as n <= INT_MAX).
-constexpr uint32_t kNone = 0xffffffffu;
+// The most blocks of the accumulation: they take the runs of the sorted keys in turn (the run
+// count stays on the device).
+constexpr int64_t kRunBlocks = 2048;
+
+// A bad token's record for the deferred check (runtime.hpp): its position in the high word, the
+// token in the low one, so that the smallest kept (atomicMin) is the first bad position's. The
+// word starts all ones (memset to 0xff bytes: above every record, as positions are < 2^31).
+__device__ __forceinline__ void record_bad(unsigned long long* bad, int64_t i, int32_t token) {
+  atomicMin(bad, (static_cast<unsigned long long>(i) << 32) | static_cast<uint32_t>(token));
+}
 
 // Token i = blockIdx.x: its table row t = tokens[i] - v0 copied to out row i when t is in
 // [0, vocab). Otherwise: zeros (kRange: another rank holds the row), or (!kRange) nothing written
-// and i recorded in *bad, the smallest such i kept (atomicMin), for the host to throw.
+// and the token recorded in *bad (record_bad), for the host to raise at its next wait.
 template <int N, bool kRange>
 __global__ void __launch_bounds__(kThreads)
     embedding_forward_kernel(const int32_t* __restrict__ tokens, const float* __restrict__ table,
                              int64_t v0, int64_t vocab, int64_t dim, float* __restrict__ out,
-                             uint32_t* __restrict__ bad) {
+                             unsigned long long* __restrict__ bad) {
   const int64_t i = blockIdx.x;
   const int64_t t = int64_t(tokens[i]) - v0;
   float* o = out + i * dim;
@@ -41,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < N; ++k) z[k] = 0.0f;
       for (int64_t j = first; j < dim; j += step) store(o + j, z);
     } else {
-      if (threadIdx.x == 0) atomicMin(bad, uint32_t(i));
+      if (threadIdx.x == 0) record_bad(bad, i, tokens[i]);
     }
     return;
   }
@@ -55,18 +62,18 @@ __global__ void __launch_bounds__(kThreads)
 
 // The sort's input: key = the table row (tokens[i] - v0) where it is in [0, vocab), else `vocab`,
 // which sorts after every row and is skipped; value = the position i. A key out of range is
-// recorded in *bad (smallest position) when `strict`.
+// recorded in *bad (record_bad) when `strict`.
 __global__ void __launch_bounds__(kThreads)
     embedding_keys_kernel(const int32_t* __restrict__ tokens, int64_t n, int64_t v0, int64_t vocab,
                           bool strict, uint32_t* __restrict__ keys, int32_t* __restrict__ pos,
-                          uint32_t* __restrict__ bad) {
+                          unsigned long long* __restrict__ bad) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t t = int64_t(tokens[i]) - v0;
   const bool in = t >= 0 && t < vocab;
   keys[i] = in ? uint32_t(t) : uint32_t(vocab);
   pos[i] = int32_t(i);
-  if (!in && strict) atomicMin(bad, uint32_t(i));
+  if (!in && strict) record_bad(bad, i, tokens[i]);
 }
 
 // head[i] = 1 where a run of equal sorted keys starts (a distinct table row), else 0.
@@ -99,45 +106,49 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Run r = blockIdx.x of the sorted keys (one table row, its positions ascending) and the column
-// slice blockIdx.y: the row's elements, plus that row of dout for every position in order, one
-// addition at a time (the CPU's serial loop). Four rows' loads are issued before their additions,
-// which keep their order.
+// Runs r = blockIdx.x, blockIdx.x + gridDim.x, ... below *runs of the sorted keys (each one table
+// row, its positions ascending) and the column slice blockIdx.y: the row's elements, plus that row
+// of dout for every position in order, one addition at a time (the CPU's serial loop). Four rows'
+// loads are issued before their additions, which keep their order. The run count is read here,
+// on the device, so that the host never waits for it.
 template <int N>
 __global__ void __launch_bounds__(kThreads)
     embedding_accumulate_kernel(const uint32_t* __restrict__ row_of_run,
                                 const int32_t* __restrict__ starts,
                                 const int32_t* __restrict__ pos_sorted,
-                                const float* __restrict__ dout, int64_t dim, uint32_t skip,
-                                float* __restrict__ dtable) {
-  const uint32_t key = row_of_run[blockIdx.x];
-  if (key == skip) return;
+                                const uint32_t* __restrict__ runs, const float* __restrict__ dout,
+                                int64_t dim, uint32_t skip, float* __restrict__ dtable) {
   const int64_t j = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N;
   if (j >= dim) return;
-  const int32_t start = starts[blockIdx.x];
-  const int32_t* p = pos_sorted + start;
-  const int len = starts[blockIdx.x + 1] - start;
-  float* row = dtable + int64_t(key) * dim + j;
+  const uint32_t count = *runs;
   const float* src = dout + j;
-  float acc[N];
-  load(row, acc);
-  int k = 0;
-  for (; k + 4 <= len; k += 4) {
-    float a[N], b[N], c[N], d[N];
-    load(src + int64_t(p[k]) * dim, a);
-    load(src + int64_t(p[k + 1]) * dim, b);
-    load(src + int64_t(p[k + 2]) * dim, c);
-    load(src + int64_t(p[k + 3]) * dim, d);
+  for (uint32_t r = blockIdx.x; r < count; r += gridDim.x) {
+    const uint32_t key = row_of_run[r];
+    if (key == skip) continue;
+    const int32_t start = starts[r];
+    const int32_t* p = pos_sorted + start;
+    const int len = starts[r + 1] - start;
+    float* row = dtable + int64_t(key) * dim + j;
+    float acc[N];
+    load(row, acc);
+    int k = 0;
+    for (; k + 4 <= len; k += 4) {
+      float a[N], b[N], c[N], d[N];
+      load(src + int64_t(p[k]) * dim, a);
+      load(src + int64_t(p[k + 1]) * dim, b);
+      load(src + int64_t(p[k + 2]) * dim, c);
+      load(src + int64_t(p[k + 3]) * dim, d);
 #pragma unroll
-    for (int e = 0; e < N; ++e) acc[e] = acc[e] + a[e] + b[e] + c[e] + d[e];
-  }
-  for (; k < len; ++k) {
-    float a[N];
-    load(src + int64_t(p[k]) * dim, a);
+      for (int e = 0; e < N; ++e) acc[e] = acc[e] + a[e] + b[e] + c[e] + d[e];
+    }
+    for (; k < len; ++k) {
+      float a[N];
+      load(src + int64_t(p[k]) * dim, a);
 #pragma unroll
-    for (int e = 0; e < N; ++e) acc[e] += a[e];
+      for (int e = 0; e < N; ++e) acc[e] += a[e];
+    }
+    store(row, acc);
   }
-  store(row, acc);
 }
 
 int threads_for(int64_t vectors) {
@@ -154,20 +165,18 @@ void check_args(const char* what, const int32_t* tokens, int64_t n, int64_t voca
   LOOM_CHECK(n == 0 || tokens, what, ": tokens is null");
 }
 
-// Throws the CPU's message for the token at position `bad` (kNone: nothing to throw).
-void throw_if_bad(const char* what, const int32_t* tokens, uint32_t bad, int64_t vocab) {
-  if (bad == kNone) return;
-  int32_t token = 0;
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&token, tokens + bad, sizeof token, cudaMemcpyDeviceToHost, stream()), what);
-  synchronize(what);
-  fail(what, ": token id ", token, " at position ", bad, " is out of range [0, ", vocab,
-       ") (vocab size ", vocab, ")");
+// Queues the deferred check of a bad-token word (record_bad): raised at the host's next wait
+// with the CPU's message.
+void check_tokens_later(const char* what, const unsigned long long* bad, int64_t vocab) {
+  defer_check(reinterpret_cast<const uint64_t*>(bad), [what, vocab](uint64_t word) {
+    fail(what, ": token id ", int32_t(uint32_t(word)), " at position ", word >> 32,
+         " is out of range [0, ", vocab, ") (vocab size ", vocab, ")");
+  });
 }
 
 template <int N, bool kRange>
 void launch_forward(const char* what, const int32_t* tokens, int64_t n, const float* table,
-                    int64_t v0, int64_t vocab, int64_t dim, float* out, uint32_t* bad) {
+                    int64_t v0, int64_t vocab, int64_t dim, float* out, unsigned long long* bad) {
   embedding_forward_kernel<N, kRange><<<unsigned(n), threads_for((dim + N - 1) / N), 0, stream()>>>(
       tokens, table, v0, vocab, dim, out, bad);
   check_launch(what);
@@ -175,29 +184,34 @@ void launch_forward(const char* what, const int32_t* tokens, int64_t n, const fl
 
 template <bool kRange>
 void forward(const char* what, const int32_t* tokens, int64_t n, const float* table, int64_t v0,
-             int64_t vocab, int64_t dim, float* out, uint32_t* bad) {
+             int64_t vocab, int64_t dim, float* out, unsigned long long* bad) {
   if (dim % 4 == 0 && aligned16(table) && aligned16(out))
     launch_forward<4, kRange>(what, tokens, n, table, v0, vocab, dim, out, bad);
   else
     launch_forward<1, kRange>(what, tokens, n, table, v0, vocab, dim, out, bad);
 }
 
+// At most kRunBlocks blocks per column slice, fewer where there are fewer positions (each run
+// has at least one): the run count itself stays on the device.
 template <int N>
-void launch_accumulate(int runs, const uint32_t* row_of_run, const int32_t* starts,
-                       const int32_t* pos_sorted, const float* dout, int64_t dim, uint32_t skip,
-                       float* dtable, const char* what) {
+void launch_accumulate(int64_t n, const uint32_t* runs, const uint32_t* row_of_run,
+                       const int32_t* starts, const int32_t* pos_sorted, const float* dout,
+                       int64_t dim, uint32_t skip, float* dtable, const char* what) {
   const int threads = threads_for((dim + N - 1) / N);
   const int64_t slices = ((dim + N - 1) / N + threads - 1) / threads;
   LOOM_CHECK(slices <= 65535, what, ": embedding dim ", dim, " is more than one launch covers");
-  embedding_accumulate_kernel<N><<<dim3(unsigned(runs), unsigned(slices)), threads, 0, stream()>>>(
-      row_of_run, starts, pos_sorted, dout, dim, skip, dtable);
+  const unsigned blocks = unsigned(std::min(n, kRunBlocks));
+  embedding_accumulate_kernel<N><<<dim3(blocks, unsigned(slices)), threads, 0, stream()>>>(
+      row_of_run, starts, pos_sorted, runs, dout, dim, skip, dtable);
   check_launch(what);
 }
 
 // Both backward variants: keys (the row, or `vocab` for a token outside the range) sorted with
 // their positions (stable: positions ascending within a row), the runs of equal keys found (a
-// flag per run head, its exclusive sum numbers the runs), then one block per run and column slice.
-// (CUB's run-length encoding would do the middle step, but its kernel spills registers on sm_90a.)
+// flag per run head, its exclusive sum numbers the runs), then the runs shared out among the
+// blocks of each column slice. No wait: the run count stays on the device and a bad token (strict)
+// is a deferred check. (CUB's run-length encoding would do the middle step, but its kernel spills
+// registers on sm_90a.)
 void backward(const char* what, const int32_t* tokens, int64_t n, const float* dout, int64_t v0,
               int64_t vocab, int64_t dim, float* dtable, bool strict) {
   if (n == 0 || vocab == 0) return;
@@ -230,14 +244,15 @@ void backward(const char* what, const int32_t* tokens, int64_t n, const float* d
   idx = reinterpret_cast<int32_t*>(base + l.idx);
   auto* rows = reinterpret_cast<uint32_t*>(base + l.rows);
   auto* starts = reinterpret_cast<int32_t*>(base + l.starts);
-  // info[0]: the first bad position (kNone if none); info[1]: the number of runs.
-  auto* info = reinterpret_cast<uint32_t*>(base + l.info);
+  // The first bad token's record (record_bad; all ones: none), then the number of runs.
+  auto* bad = reinterpret_cast<unsigned long long*>(base + l.info);
+  auto* runs = reinterpret_cast<uint32_t*>(base + l.info + sizeof(unsigned long long));
   void* temp = base + l.temp;
 
   const unsigned blocks = blocks_for(n, kThreads);
-  LOOM_CUDA_CHECK(cudaMemsetAsync(info, 0xff, sizeof(uint32_t), stream()), what);
+  if (strict) LOOM_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof *bad, stream()), what);
   embedding_keys_kernel<<<blocks, kThreads, 0, stream()>>>(tokens, n, v0, vocab, strict, keys, pos,
-                                                           info);
+                                                           bad);
   check_launch(what);
   size_t bytes = temp_bytes;
   LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, bytes, keys, keys_sorted, pos, pos_sorted,
@@ -248,20 +263,13 @@ void backward(const char* what, const int32_t* tokens, int64_t n, const float* d
   bytes = temp_bytes;
   LOOM_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, bytes, head, idx, count, stream()), what);
   embedding_runs_kernel<<<blocks, kThreads, 0, stream()>>>(keys_sorted, head, idx, n, rows, starts,
-                                                           info + 1);
+                                                           runs);
   check_launch(what);
-
-  uint32_t host[2] = {kNone, 0};
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(host, info, sizeof host, cudaMemcpyDeviceToHost, stream()), what);
-  synchronize(what);
-  throw_if_bad(what, tokens, host[0], vocab);
-  const int runs = int(host[1]);
-  LOOM_CHECK(runs >= 1 && runs <= count, what, ": ", runs, " distinct tokens among ", count,
-             " (finding the runs failed)");
+  if (strict) check_tokens_later(what, bad, vocab);
   if (dim % 4 == 0 && aligned16(dout) && aligned16(dtable))
-    launch_accumulate<4>(runs, rows, starts, pos_sorted, dout, dim, skip, dtable, what);
+    launch_accumulate<4>(n, runs, rows, starts, pos_sorted, dout, dim, skip, dtable, what);
   else
-    launch_accumulate<1>(runs, rows, starts, pos_sorted, dout, dim, skip, dtable, what);
+    launch_accumulate<1>(n, runs, rows, starts, pos_sorted, dout, dim, skip, dtable, what);
 }
 
 }  // namespace
@@ -272,14 +280,12 @@ void embedding_forward(const int32_t* tokens, int64_t n, const float* table, int
   check_args(what, tokens, n, vocab, dim, false);
   if (n == 0) return;
   const ScratchBlock word = embedding_forward_scratch(n)[0];  // what a meta run books
+  // Freed on return: the check's copy is queued before any later use of the block.
   Tensor bad = Tensor::empty({word.numel}, word.dtype, Device::cuda);
-  auto* b = reinterpret_cast<uint32_t*>(bad.raw());
-  LOOM_CUDA_CHECK(cudaMemsetAsync(b, 0xff, sizeof(uint32_t), stream()), what);
+  auto* b = reinterpret_cast<unsigned long long*>(bad.raw());
+  LOOM_CUDA_CHECK(cudaMemsetAsync(b, 0xff, sizeof *b, stream()), what);
   forward<false>(what, tokens, n, table, 0, vocab, dim, out, b);
-  uint32_t host = kNone;
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(&host, b, sizeof host, cudaMemcpyDeviceToHost, stream()), what);
-  synchronize(what);
-  throw_if_bad(what, tokens, host, vocab);
+  check_tokens_later(what, b, vocab);
 }
 
 void embedding_backward(const int32_t* tokens, int64_t n, const float* dout, int64_t vocab,

@@ -5,16 +5,18 @@
 // queued on the compute stream (kernels/cuda/runtime.hpp).
 //
 // A token outside the vocabulary is never used as an index: the kernels record the first such
-// position in a small device buffer, and the host function reads it back (one small copy and one
-// wait on the stream per call; the embedding runs once per micro-batch) and throws the CPU's
-// loom::Error naming the token id and its position.
+// position and its token in a small device buffer, a deferred check (runtime.hpp's defer_check):
+// the host's next wait for the stream (a step's loss read at the latest, before any optimizer
+// step) throws the CPU's loom::Error naming the token id and its position. None of these calls
+// waits for the stream. (Model::micro_batch checks the tokens on the host before they are
+// copied to the device, so in training this check is the kernels' own guard.)
 #include <cstdint>
 
 namespace loom::cuda {
 
-// out[i, :] = table[tokens[i], :] for i < n (table [vocab, dim], out [n, dim]). Throws naming the
-// first token outside [0, vocab) and its position; the other rows have been copied by then and
-// that token's row of out is left as it was. Waits for the stream (the check).
+// out[i, :] = table[tokens[i], :] for i < n (table [vocab, dim], out [n, dim]). The next wait
+// throws naming the first token outside [0, vocab) and its position; the other rows are copied
+// and that token's row of out is left as it was.
 void embedding_forward(const int32_t* tokens, int64_t n, const float* table, int64_t vocab,
                        int64_t dim, float* out);
 
@@ -22,9 +24,9 @@ void embedding_forward(const int32_t* tokens, int64_t n, const float* table, int
 // (token, position) pairs are sorted by token with a stable radix sort (CUB), so each token's
 // positions stay in ascending order, and one block per token and column slice adds that token's
 // rows to what dtable held, one after the other in position order: the serial loop's additions
-// in its order. Throws as embedding_forward for a token outside [0, vocab), before dtable is
-// touched. Waits for the stream once (the check and the number of distinct tokens, which sizes
-// the last launch). Scratch (about 7n ints and CUB's) from the caching allocator.
+// in its order. A token outside [0, vocab) is raised as embedding_forward's (at the next wait)
+// and gives no gradient. The number of distinct tokens stays on the device (the last kernel's
+// blocks take the runs in turn). Scratch (about 7n ints and CUB's) from the caching allocator.
 void embedding_backward(const int32_t* tokens, int64_t n, const float* dout, int64_t vocab,
                         int64_t dim, float* dtable);
 
@@ -35,7 +37,7 @@ void embedding_forward_range(const int32_t* tokens, int64_t n, const float* tabl
                              int64_t vocab, int64_t dim, float* out);
 // dtable[tokens[i] - v0, :] += dout[i, :] for the tokens in the range, in position order per
 // table row (the CPU's serial bits), as embedding_backward; tokens outside the range give no
-// gradient. Waits for the stream once (the number of distinct tokens).
+// gradient. Does not wait for the stream.
 void embedding_backward_range(const int32_t* tokens, int64_t n, const float* dout, int64_t v0,
                               int64_t vocab, int64_t dim, float* dtable);
 

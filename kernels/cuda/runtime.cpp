@@ -3,7 +3,9 @@
 #include <cublasLt.h>
 
 #include <cstdio>
+#include <memory>
 #include <mutex>
+#include <utility>
 
 #include "core/device_memory.hpp"
 #include "core/error.hpp"
@@ -169,8 +171,86 @@ CUstream_st* stream() {
   return st;
 }
 
+namespace {
+
+// The deferred checks since the last wait: each a word of pinned host memory the check's copy
+// lands in, and what raises it. Pinned in chunks of 512 words, kept for the process (freed at
+// exit) and reused after every wait; more than kMostPending checks without a wait (a program
+// that never reads the GPU back) waits itself.
+class DeferredChecks {
+ public:
+  static constexpr size_t kChunk = 512, kMostPending = 8 * kChunk;
+
+  uint64_t* slot() {
+    const size_t i = pending_.size();
+    if (i / kChunk == chunks_.size()) {
+      void* p = nullptr;
+      LOOM_CUDA_CHECK(cudaMallocHost(&p, kChunk * sizeof(uint64_t)), "defer_check");
+      chunks_.emplace_back(static_cast<uint64_t*>(p));
+    }
+    return chunks_[i / kChunk].get() + i % kChunk;
+  }
+  void add(uint64_t* slot, std::function<void(uint64_t)> raise) {
+    pending_.push_back({slot, std::move(raise)});
+  }
+  size_t pending() const { return pending_.size(); }
+  // After a wait: the pending checks, taken (so that a raise leaves none behind).
+  std::vector<std::pair<uint64_t*, std::function<void(uint64_t)>>> take() {
+    return std::exchange(pending_, {});
+  }
+
+ private:
+  struct FreeHost {
+    void operator()(uint64_t* p) const { cudaFreeHost(p); }
+  };
+  std::vector<std::unique_ptr<uint64_t, FreeHost>> chunks_;
+  std::vector<std::pair<uint64_t*, std::function<void(uint64_t)>>> pending_;
+};
+
+struct Waits {
+  std::mutex mu;
+  DeferredChecks checks;
+  std::map<std::string, uint64_t> count;
+};
+Waits& waits() {
+  static Waits w;
+  return w;
+}
+
+}  // namespace
+
 void synchronize(const char* what) {
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream()), what);
+  Waits& w = waits();
+  std::vector<std::pair<uint64_t*, std::function<void(uint64_t)>>> done;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    ++w.count[what];
+    done = w.checks.take();
+  }
+  for (const auto& [slot, raise] : done)
+    if (*slot != ~uint64_t{0}) raise(*slot);
+}
+
+std::map<std::string, uint64_t> host_waits() {
+  Waits& w = waits();
+  std::lock_guard<std::mutex> lock(w.mu);
+  return w.count;
+}
+
+void defer_check(const uint64_t* device_word, std::function<void(uint64_t)> raise) {
+  Waits& w = waits();
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    uint64_t* slot = w.checks.slot();
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(slot, device_word, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream()),
+        "defer_check");
+    w.checks.add(slot, std::move(raise));
+    full = w.checks.pending() >= DeferredChecks::kMostPending;
+  }
+  if (full) synchronize("deferred checks");
 }
 
 EventTimer::EventTimer() {

@@ -5,6 +5,9 @@
 // Tensor of Device::cuda go through (core/device_memory.hpp). No CUDA header here: code compiled
 // without nvcc's include paths (apps/, tests) includes this.
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,8 +53,21 @@ int current_device();
 // block the caching allocator hands out again is only touched by later work on it, so reuse
 // needs no event (a second stream would record its uses, as torch's recordStream).
 CUstream_st* stream();
-// Waits for the stream; an error of any earlier kernel surfaces here, named with `what`.
+// Waits for the stream; an error of any earlier kernel surfaces here, named with `what`, and so
+// does a failed deferred check (below). Every wait of the host for the GPU goes through here (a
+// copy to the host too), counted by `what`.
 void synchronize(const char* what);
+// The waits since the process started, by their `what`: `loom bench step` reports a step's.
+std::map<std::string, uint64_t> host_waits();
+
+// A check a kernel makes and the host raises later, with no wait of its own (as PyTorch's
+// device-side asserts): the kernel leaves a 64-bit word in device memory (all ones: nothing
+// found); defer_check queues its copy into pinned host memory behind the kernel, and the next
+// synchronize() (a step's loss read, or any other wait) reads it and, where it is not all ones,
+// calls `raise` with it, which throws naming the op and the bad value. The checks queued since
+// the last wait are looked at in their order, the first failed one raised. device_word may be
+// freed once this returns (the copy is queued before any later reuse of the block).
+void defer_check(const uint64_t* device_word, std::function<void(uint64_t)> raise);
 
 // Events on the compute stream (a timing region: the op profile, benchmarks).
 class EventTimer {

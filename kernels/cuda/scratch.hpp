@@ -205,10 +205,10 @@ inline std::vector<ScratchBlock> sum_squares_scratch(const std::vector<int64_t>&
 
 // The embedding's backward (embedding.cu): one block carved at 256-byte offsets: the keys and
 // positions before and after the sort, the run heads and their numbers, each run's row and start,
-// two words of status, and CUB's scratch for the sort and the scan. CUB's own size is known only to
-// CUB on the GPU: the call takes embedding_cub_bytes(n), a bound of it (the alternate keys and
-// values twice over, and 1 MiB for the passes' digit counts), or CUB's where more, so that a meta
-// run books what the GPU allocates.
+// the status (a bad token's record, the run count), and CUB's scratch for the sort and the scan.
+// CUB's own size is known only to CUB on the GPU: the call takes embedding_cub_bytes(n), a bound of
+// it (the alternate keys and values twice over, and 1 MiB for the passes' digit counts), or CUB's
+// where more, so that a meta run books what the GPU allocates.
 struct EmbeddingLayout {
   size_t keys = 0, keys_sorted = 0, pos = 0, pos_sorted = 0, head = 0, idx = 0, rows = 0,
          starts = 0, info = 0, temp = 0, bytes = 0;
@@ -228,14 +228,14 @@ inline EmbeddingLayout embedding_backward_layout(int64_t n, size_t temp_bytes) {
   l.keys = take(at, ints), l.keys_sorted = take(at, ints), l.pos = take(at, ints);
   l.pos_sorted = take(at, ints), l.head = take(at, ints), l.idx = take(at, ints);
   l.rows = take(at, ints), l.starts = take(at, ints + sizeof(int32_t));
-  l.info = take(at, 2 * sizeof(uint32_t)), l.temp = take(at, temp_bytes);
+  l.info = take(at, 2 * sizeof(uint64_t)), l.temp = take(at, temp_bytes);
   l.bytes = at;
   return l;
 }
-// The embedding's forward (embedding.cu): the first bad position's word.
+// The embedding's forward (embedding.cu): the first bad token's record (64 bits).
 inline std::vector<ScratchBlock> embedding_forward_scratch(int64_t n) {
   if (n <= 0) return {};
-  return {{1, DType::i32}};
+  return {{2, DType::i32}};
 }
 inline std::vector<ScratchBlock> embedding_backward_scratch(int64_t n, int64_t vocab) {
   if (n <= 0 || vocab <= 0) return {};

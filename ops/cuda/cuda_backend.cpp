@@ -418,9 +418,10 @@ class CudaBackend final : public Backend {
     ce.dw_overwrite = dw_overwrite;
     ce.chunk_rows = a.chunk_rows;
     ce.grad_rows = a.grad_rows;
-    // No record: the targets were checked on the host where they were made (ops::index_tensor,
-    // Model::micro_batch); one >= V is never used as an index.
-    cuda::linear_cross_entropy(ce, a.loss.data<double>(), nullptr);
+    // The targets were checked on the host where they were made (ops::index_tensor,
+    // Model::micro_batch): the kernel's own check (one >= V is never used as an index) is raised
+    // at the next wait, the step's loss read, rather than waited for here.
+    cuda::linear_cross_entropy_checked_later(ce, a.loss.data<double>());
   }
   void vocab_shard_lse(const Tensor& logits, int64_t Vr, const Tensor& targets, int64_t v0,
                        Tensor& lse, Tensor& target_logit) override {

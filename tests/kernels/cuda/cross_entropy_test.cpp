@@ -455,6 +455,23 @@ TEST_F(CrossEntropyCuda, OutOfRangeTargetNamesTheRow) {
         << "dw written";
     EXPECT_TRUE(std::isnan(host_double(f.loss))) << "loss written";
   }
+  // Checked later (the CUDA backend's call): nothing waits, the record path's results (rows 5 and
+  // 9 a zero gradient, the loss NaN), and the next wait throws, once.
+  {
+    Call h = prepare(p, o);
+    const uint64_t before = test::host_wait_count();
+    cuda::linear_cross_entropy_checked_later(h.a, dbl(h.loss));
+    EXPECT_EQ(test::host_wait_count(), before) << "linear_cross_entropy_checked_later waited";
+    test::expect_error([&] { cuda::synchronize("the test's wait"); },
+                       {"linear_cross_entropy", "target 1001 of row 5", "vocabulary of 1001"});
+    cuda::synchronize("the test's wait");
+    EXPECT_TRUE(std::isnan(host_double(h.loss)));
+    const auto hdx = test::to_host(h.dx);
+    for (const int64_t i : {5, 9})
+      for (int64_t k = 0; k < p.D; ++k) ASSERT_EQ(hdx[size_t(i * p.D + k)], 0.0f) << "row " << i;
+    EXPECT_LE(test::rel_l2(hdx, want.dx), kF32Tol);
+    EXPECT_LE(test::rel_l2(test::to_host(h.dw), want.dw), kF32Tol);
+  }
   // The stream is usable afterwards, and a valid call without a record goes through.
   Call g = prepare(q, o);
   cuda::linear_cross_entropy(g.a, dbl(g.loss), nullptr);

@@ -110,6 +110,13 @@ inline Dev nan_dev(int64_t n, int64_t off = 0, DType dt = DType::f32) {
 }
 
 // bf16 bits as a position on the number line: neighbours differ by one (+0 and -0 both 0).
+// The times this process has waited for the GPU, whatever waited (cuda::host_waits).
+inline uint64_t host_wait_count() {
+  uint64_t k = 0;
+  for (const auto& [what, count] : cuda::host_waits()) k += count;
+  return k;
+}
+
 inline int ordered(bf16 v) {
   return (v.bits & 0x8000) ? -int(v.bits & 0x7fff) : int(v.bits);
 }

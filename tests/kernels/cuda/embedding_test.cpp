@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,11 @@ struct Sizes {
 };
 
 // dim 7, 50, 513: the scalar path; 2048 and 4096: Llama 3.2 1B and Llama 3 8B (a small vocabulary:
-// the table's rows are what matters, not how many).
-const std::vector<Sizes> kShapes = {{1, 3, 7},    {37, 50, 288},    {2048, 301, 50}, {5, 7, 513},
-                                    {513, 7, 96}, {64, 1000, 2048}, {48, 1000, 4096}};
+// the table's rows are what matters, not how many); 9000 tokens of 60000: more distinct tokens
+// than the backward's last kernel has blocks (each takes several runs).
+const std::vector<Sizes> kShapes = {{1, 3, 7},        {37, 50, 288},   {2048, 301, 50},
+                                    {5, 7, 513},      {513, 7, 96},    {64, 1000, 2048},
+                                    {48, 1000, 4096}, {9000, 60000, 8}};
 
 // A device array holding v `off` elements into its buffer (off > 0: not 16-byte aligned).
 struct Dev {
@@ -78,8 +81,9 @@ TEST_F(EmbeddingCuda, ForwardGathersRows) {
 }
 
 // The first out-of-range token (too large or negative) is named with its position, as the CPU
-// names it; the backward throws before touching dtable.
-TEST_F(EmbeddingCuda, OutOfRangeTokenThrowsNamingIt) {
+// names it, at the host's next wait (a deferred check: the calls themselves never wait); the
+// backward gives it no gradient (the other tokens get theirs).
+TEST_F(EmbeddingCuda, OutOfRangeTokenThrowsNamingItAtTheNextWait) {
   const int64_t vocab = 50, dim = 8;
   const auto table = test::randn(size_t(vocab * dim), 3);
   const Dev dt = dev(table);
@@ -87,22 +91,35 @@ TEST_F(EmbeddingCuda, OutOfRangeTokenThrowsNamingIt) {
   const Tensor dtok = test::to_device_i32(tok);
   const int64_t n = int64_t(tok.size());
   const Dev dout = nan_dev(n * dim);
-  test::expect_error(
-      [&] { cuda::embedding_forward(dtok.data<int32_t>(), n, dt.f(), vocab, dim, dout.f()); },
-      {"embedding_forward", "token id 99", "position 2", "[0, 50)"});
-  // The negative one alone; the last one (== vocab) alone.
-  test::expect_error(
-      [&] { cuda::embedding_forward(dtok.data<int32_t>() + 3, 3, dt.f(), vocab, dim, dout.f()); },
-      {"token id -4", "position 1"});
-  test::expect_error(
-      [&] { cuda::embedding_forward(dtok.data<int32_t>() + 5, 1, dt.f(), vocab, dim, dout.f()); },
-      {"token id 50", "position 0"});
+  const auto waits = test::host_wait_count;
+  const uint64_t before = waits();
+  cuda::embedding_forward(dtok.data<int32_t>(), n, dt.f(), vocab, dim, dout.f());
+  EXPECT_EQ(waits(), before) << "embedding_forward waited for the stream";
+  test::expect_error([&] { cuda::synchronize("the test's wait"); },
+                     {"embedding_forward", "token id 99", "position 2", "[0, 50)"});
+  // Raised once: the next wait is clean.
+  cuda::synchronize("the test's wait");
+  // The negative one alone (raised by a copy to the host, which waits); the last one (== vocab)
+  // alone.
+  cuda::embedding_forward(dtok.data<int32_t>() + 3, 3, dt.f(), vocab, dim, dout.f());
+  test::expect_error([&] { (void)dout.host(); }, {"token id -4", "position 1"});
+  cuda::embedding_forward(dtok.data<int32_t>() + 5, 1, dt.f(), vocab, dim, dout.f());
+  test::expect_error([&] { cuda::synchronize("the test's wait"); }, {"token id 50", "position 0"});
+  // Two bad calls before one wait: the first call's error.
+  cuda::embedding_forward(dtok.data<int32_t>() + 4, 2, dt.f(), vocab, dim, dout.f());
+  cuda::embedding_forward(dtok.data<int32_t>() + 2, 1, dt.f(), vocab, dim, dout.f());
+  test::expect_error([&] { cuda::synchronize("the test's wait"); }, {"token id -4", "position 0"});
   const auto grad = test::randn(size_t(n * dim), 4);
   const Dev dgrad = dev(grad), dtable = dev(table);
-  test::expect_error(
-      [&] { cuda::embedding_backward(dtok.data<int32_t>(), n, dgrad.f(), vocab, dim, dtable.f()); },
-      {"embedding_backward", "token id 99", "position 2"});
-  EXPECT_TRUE(same_bits(dtable.host(), table)) << "dtable touched by a failed backward";
+  const uint64_t before_bwd = waits();
+  cuda::embedding_backward(dtok.data<int32_t>(), n, dgrad.f(), vocab, dim, dtable.f());
+  EXPECT_EQ(waits(), before_bwd) << "embedding_backward waited for the stream";
+  test::expect_error([&] { cuda::synchronize("the test's wait"); },
+                     {"embedding_backward", "token id 99", "position 2"});
+  // The tokens in range got their gradient, in the CPU's order; the bad ones none.
+  auto want = table;
+  cpu::embedding_backward_range(tok.data(), n, grad.data(), 0, vocab, dim, want.data());
+  EXPECT_TRUE(same_bits(dtable.host(), want)) << "the gradient of the tokens in range";
   // The stream is usable after the error: a valid call goes through.
   cuda::embedding_forward(dtok.data<int32_t>(), 2, dt.f(), vocab, dim, dout.f());
   const auto got = dout.host();
@@ -123,6 +140,9 @@ TEST_F(EmbeddingCuda, BackwardIsDeterministicAndMatchesCpu) {
                      (one_token ? " one token" : " zipf"));
         auto tok = test::random_tokens(s.n, s.vocab, 5);
         if (one_token) tok.assign(tok.size(), int32_t(s.vocab / 2));
+        if (s.n == 9000 && !one_token) {  // more runs than embedding.cu's 2048 blocks
+          ASSERT_GT(std::set<int32_t>(tok.begin(), tok.end()).size(), 2048u);
+        }
         const auto grad = test::randn(size_t(s.n * s.dim), 6);
         const auto init = test::randn(size_t(s.vocab * s.dim), 7);
         auto want = init;
