@@ -1089,6 +1089,7 @@ MoePermutation moe_permute(const Tensor& experts, int64_t E, std::span<const int
     }
     p.dropped = n - p.rows();
   }
+  book_scratch(device, cuda::moe_permute_scratch(n, E, !capacity.empty()));
   on(
       op, device,
       // experts read twice (count, place), pos written, then read again to scatter order.
@@ -1392,6 +1393,7 @@ void vocab_shard_combine(const Tensor& lse_all, const Tensor& targets, const Ten
                          Tensor& glse, Tensor& loss) {
   check_indices("vocab_shard_combine", "targets", targets, cols(lse_all), lse_all.device());
   check_loss("vocab_shard_combine", loss, lse_all.device());
+  book_scratch(lse_all.device(), cuda::vocab_shard_combine_scratch(cols(lse_all)));
   on(
       "vocab_shard_combine", lse_all.device(),
       [&] { return streaming(DType::f32, bytes(lse_all) + 2 * bytes(glse), lse_all.numel(), 4); },

@@ -529,7 +529,8 @@ void vocab_shard_combine(const float* lse_all, int n, int64_t N, const int32_t* 
     return;
   }
   // Released when this returns: reused only by work queued later on the stream (runtime.hpp).
-  Tensor scratch = Tensor::empty({2 * N}, DType::i32, Device::cuda);
+  const ScratchBlock rows = vocab_shard_combine_scratch(N)[0];  // what a meta run books
+  Tensor scratch = Tensor::empty({rows.numel}, rows.dtype, Device::cuda);
   auto* row_loss = reinterpret_cast<double*>(scratch.raw());
   shard_combine_kernel<<<blocks_for(N, 256), 256, 0, stream()>>>(lse_all, n, N, targets,
                                                                  target_logit, glse, row_loss);

@@ -12,6 +12,7 @@
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/moe_rows.cuh"
 #include "kernels/cuda/runtime.hpp"
+#include "kernels/cuda/scratch.hpp"
 
 namespace loom::cuda {
 namespace {
@@ -22,9 +23,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRouteThreads = 128;
 // Blocks of the row kernels: at most this many (grid-stride loops beyond).
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-// moe_permute: the assignments one warp walks (a chunk), and the most experts its shared
-// per-expert counters hold (32 KiB of int32, under the 48 KiB a block may use without opting in).
-constexpr int64_t kChunk = 512;
+// moe_permute: the assignments one warp walks (a chunk: scratch.hpp's, which sizes the chunks'
+// counts), and the most experts its shared per-expert counters hold (32 KiB of int32, under the
+// 48 KiB a block may use without opting in).
+constexpr int64_t kChunk = kMoeChunk;
 constexpr int64_t kMaxExperts = 8192;
 // The "nothing bad" value of a recorded first bad assignment (memset to 0xff bytes; every
 // assignment index is below it, as M*k <= INT_MAX).
@@ -414,13 +416,15 @@ int64_t moe_permute_per_expert(const int32_t* experts, int64_t M, int64_t k, int
   // Scratch, released when this returns: the caching allocator hands a block out again only to
   // work queued later on the same stream (runtime.hpp). out: the counts then the bad assignment,
   // E + 1 int64 (two int32 elements each), the one copy home.
-  Tensor t_hist = Tensor::empty({chunks * E}, DType::i32, Device::cuda);
-  Tensor t_start = Tensor::empty({E}, DType::i32, Device::cuda);
-  Tensor t_out = Tensor::empty({2 * (E + 1)}, DType::i32, Device::cuda);
-  Tensor t_bad = Tensor::empty({1}, DType::i32, Device::cuda);
+  // The blocks a meta run books (scratch.hpp).
+  const std::vector<ScratchBlock> blocks = moe_permute_scratch(n, E, capacity != nullptr);
+  const auto block = [&](size_t i) {
+    return Tensor::empty({blocks[i].numel}, blocks[i].dtype, Device::cuda);
+  };
+  Tensor t_hist = block(0), t_start = block(1), t_out = block(2), t_bad = block(3);
   Tensor t_capacity;
   if (capacity) {
-    t_capacity = Tensor::empty({2 * E}, DType::i32, Device::cuda);
+    t_capacity = block(4);
     LOOM_CUDA_CHECK(cudaMemcpyAsync(t_capacity.raw(), capacity, size_t(E) * sizeof(int64_t),
                                     cudaMemcpyHostToDevice, stream()),
                     what);

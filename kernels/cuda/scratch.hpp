@@ -243,4 +243,24 @@ inline std::vector<ScratchBlock> embedding_backward_scratch(int64_t n, int64_t v
       {int64_t((embedding_backward_layout(n, embedding_cub_bytes(n)).bytes + 3) / 4), DType::i32}};
 }
 
+// ---- the mixture of experts' grouping (moe.cu's moe_permute_per_expert), in its order: each
+// chunk's per-expert counts, the experts' starts, the counts and a bad assignment (E + 1 int64,
+// the one copy home), the bad assignment's word, and the capacities (E int64) where given.
+inline constexpr int64_t kMoeChunk = 512;  // assignments a warp of the grouping walks
+inline std::vector<ScratchBlock> moe_permute_scratch(int64_t assignments, int64_t E,
+                                                     bool capacity) {
+  if (assignments <= 0) return {};
+  const int64_t chunks = (assignments + kMoeChunk - 1) / kMoeChunk;
+  std::vector<ScratchBlock> b = {
+      {chunks * E, DType::i32}, {E, DType::i32}, {2 * (E + 1), DType::i32}, {1, DType::i32}};
+  if (capacity) b.push_back({2 * E, DType::i32});
+  return b;
+}
+
+// ---- the vocabulary-parallel loss's combine (cross_entropy.cu): the rows' losses (doubles).
+inline std::vector<ScratchBlock> vocab_shard_combine_scratch(int64_t N) {
+  if (N <= 0) return {};
+  return {{2 * N, DType::i32}};
+}
+
 }  // namespace loom::cuda

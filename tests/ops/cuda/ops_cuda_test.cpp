@@ -308,6 +308,25 @@ TEST_F(OpsCuda, RowOpsScratchIsWhatTheMetaRunBooks) {
            dx = tensor(dev, {rows, dim}), dw = tensor(dev, {dim, 4});
     return rise(dev, [&] { ops::short_conv_backward(dy, x, w, 2, dx, dw); });
   });
+  // The mixture of experts' grouping, with and without capacities (6 experts, top 2 of each row,
+  // spread evenly, as the meta run assumes), and the vocabulary-parallel loss's combine (3 ranks).
+  const int64_t E = 6, topk = 2;
+  std::vector<int32_t> choice(size_t(rows * topk));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < topk; ++j) choice[size_t(r * topk + j)] = int32_t((r + 3 * j) % E);
+  for (const int64_t capacity : {0, 40})
+    expect_scratch_modeled("moe_permute capacity " + std::to_string(capacity), [&](Device dev) {
+      const Tensor experts = ops::index_tensor(choice, dev, "expert", 0, E).view({rows, topk});
+      return rise(dev,
+                  [&] { const ops::MoePermutation p = ops::moe_permute(experts, E, capacity); });
+    });
+  expect_scratch_modeled("vocab_shard_combine", [&](Device dev) {
+    const Tensor targets =
+        ops::index_tensor(test::random_tokens(rows, vocab, 4), dev, "target", 0, vocab);
+    Tensor lse_all = tensor(dev, {3, rows}), target_logit = tensor(dev, {rows}),
+           glse = tensor(dev, {3, rows}), loss = tensor(dev, {1}, DType::f64);
+    return rise(dev, [&] { ops::vocab_shard_combine(lse_all, targets, target_logit, glse, loss); });
+  });
   const ops::Gla gla{2, 4, 2, 64, 16};
   const int64_t T = 150, K = 16, V = 24, n = gla.B * T;
   for (bool backward : {false, true})
